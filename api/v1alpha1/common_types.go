@@ -1,0 +1,217 @@
+package v1alpha1
+
+import (
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// AcceleratorType names the kind of accelerator an engine runs on.
+// +kubebuilder:validation:Enum=NvidiaGPU;Neuron
+type AcceleratorType string
+
+const (
+	// AcceleratorNvidiaGPU is an NVIDIA GPU, requested as nvidia.com/gpu.
+	AcceleratorNvidiaGPU AcceleratorType = "NvidiaGPU"
+	// AcceleratorNeuron is an AWS Neuron device (Trainium/Inferentia), requested as aws.amazon.com/neuron.
+	AcceleratorNeuron AcceleratorType = "Neuron"
+)
+
+// AcceleratorSpec says which accelerators an engine pod gets and how many.
+type AcceleratorSpec struct {
+	// type is the kind of accelerator: NvidiaGPU or Neuron.
+	// +required
+	Type AcceleratorType `json:"type"`
+
+	// count is the number of accelerator devices per engine pod. 0 means
+	// tensorParallelSize × pipelineParallelSize.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:default=0
+	// +optional
+	Count int32 `json:"count,omitempty"`
+}
+
+// PolicyReference names a KVTransferPolicy in the pool's namespace.
+type PolicyReference struct {
+	// name is the name of the KVTransferPolicy.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	Name string `json:"name"`
+}
+
+// PoolReference names a PrefillPool in the DecodePool's namespace.
+type PoolReference struct {
+	// name is the name of the PrefillPool.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +required
+	Name string `json:"name"`
+}
+
+// EngineSpec is what PrefillPool and DecodePool have in common: the vLLM engines of one
+// pool, their parallelism, accelerators and the transfer policy they use.
+//
+// +kubebuilder:validation:XValidation:rule="self.accelerator.type != 'NvidiaGPU' || self.accelerator.count == 0 || self.accelerator.count >= self.tensorParallelSize * self.pipelineParallelSize",message="accelerator.count must be 0 (meaning tensorParallelSize × pipelineParallelSize) or at least tensorParallelSize × pipelineParallelSize for NvidiaGPU: every GPU-sharded rank needs its own GPU"
+type EngineSpec struct {
+	// model is the model the engines serve, as vLLM takes it: a Hugging Face id
+	// (Qwen/Qwen3-32B) or a path inside the image. Prefill and decode must serve the same model.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=512
+	// +required
+	Model string `json:"model"`
+
+	// image is the vLLM container image of the engines (vllm/vllm-openai:v0.29.0).
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=1024
+	// +required
+	Image string `json:"image"`
+
+	// replicas is the number of engines in the pool. Each engine is one pod.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:default=1
+	// +optional
+	Replicas *int32 `json:"replicas,omitempty"`
+
+	// tensorParallelSize is the number of accelerators one engine shards each layer across
+	// (vLLM --tensor-parallel-size). A prefill pool's value must not exceed its decode pool's.
+	// +kubebuilder:validation:Enum=1;2;4;8;16
+	// +kubebuilder:default=1
+	// +optional
+	TensorParallelSize int32 `json:"tensorParallelSize,omitempty"`
+
+	// pipelineParallelSize is the number of pipeline stages one engine splits the layers into
+	// (vLLM --pipeline-parallel-size).
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=8
+	// +kubebuilder:default=1
+	// +optional
+	PipelineParallelSize int32 `json:"pipelineParallelSize,omitempty"`
+
+	// blockSize is the number of tokens per KV-cache block (vLLM --block-size). A prefill
+	// pool's value must not exceed its decode pool's.
+	// +kubebuilder:validation:Enum=8;16;32;64;128
+	// +kubebuilder:default=16
+	// +optional
+	BlockSize int32 `json:"blockSize,omitempty"`
+
+	// accelerator is the kind and number of accelerators each engine pod gets.
+	// +required
+	Accelerator AcceleratorSpec `json:"accelerator"`
+
+	// instanceType pins engines to nodes of one EC2 instance type (p5en.48xlarge,
+	// trn2.48xlarge) through the node.kubernetes.io/instance-type label. It also selects the
+	// number of EFA interfaces per accelerator when the policy does not set one.
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:Pattern=`^[a-z][a-z0-9-]*\.[a-z0-9]+$`
+	// +optional
+	InstanceType string `json:"instanceType,omitempty"`
+
+	// transferPolicyRef names the KVTransferPolicy that says how KV moves between this pool
+	// and its peer. Both pools of a pair must reference the same policy.
+	// +required
+	TransferPolicyRef PolicyReference `json:"transferPolicyRef"`
+
+	// engineArgs are extra vLLM arguments, appended after the ones kvhandoff renders. Flags
+	// that kvhandoff owns (--kv-transfer-config, --tensor-parallel-size, --pipeline-parallel-size,
+	// --block-size, --port) are rejected: set them through the pool's fields and its policy.
+	// +kubebuilder:validation:MaxItems=128
+	// +kubebuilder:validation:items:MaxLength=4096
+	// +kubebuilder:validation:XValidation:rule="self.all(a, !a.matches('^(--(kv[-_]transfer[-_]config|tensor[-_]parallel[-_]size|pipeline[-_]parallel[-_]size|block[-_]size|port)|-tp|-pp)(=.*)?$'))",message="engineArgs must not set --kv-transfer-config, --tensor-parallel-size (-tp), --pipeline-parallel-size (-pp), --block-size or --port: kvhandoff renders them from the pool's fields and its KVTransferPolicy"
+	// +listType=atomic
+	// +optional
+	EngineArgs []string `json:"engineArgs,omitempty"`
+
+	// env is extra environment for the engine container, applied after what kvhandoff renders.
+	// +kubebuilder:validation:MaxItems=256
+	// +listType=map
+	// +listMapKey=name
+	// +optional
+	Env []corev1.EnvVar `json:"env,omitempty"`
+
+	// template is a pod template merged over the rendered engine pod last, for what this API
+	// does not cover (node affinity, extra volumes, sidecars, security context). Containers
+	// are merged by name; the engine container is named "engine".
+	// +optional
+	Template *corev1.PodTemplateSpec `json:"template,omitempty"`
+}
+
+// EngineStatus is the identity of one running engine, published so that a router can
+// dispatch prefill and decode in parallel from the first request.
+type EngineStatus struct {
+	// podName is the name of the engine's pod.
+	// +required
+	PodName string `json:"podName"`
+
+	// engineID is the vLLM engine_id of the engine, unique and stable across restarts of the pod.
+	// +optional
+	EngineID string `json:"engineID,omitempty"`
+
+	// host is the pod IP the engine's KV side channel listens on.
+	// +optional
+	Host string `json:"host,omitempty"`
+
+	// sideChannelPort is the port of the engine's KV side channel (VLLM_NIXL_SIDE_CHANNEL_PORT).
+	// +optional
+	SideChannelPort int32 `json:"sideChannelPort,omitempty"`
+
+	// tensorParallelSize is the engine's tensor-parallel size.
+	// +optional
+	TensorParallelSize int32 `json:"tensorParallelSize,omitempty"`
+
+	// pipelineParallelSize is the engine's pipeline-parallel size.
+	// +optional
+	PipelineParallelSize int32 `json:"pipelineParallelSize,omitempty"`
+
+	// nodeName is the node the engine's pod runs on.
+	// +optional
+	NodeName string `json:"nodeName,omitempty"`
+}
+
+// PoolStatus is the observed state of a PrefillPool or DecodePool.
+type PoolStatus struct {
+	// observedGeneration is the metadata.generation this status describes.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+
+	// replicas is the number of engine pods that exist.
+	// +optional
+	Replicas int32 `json:"replicas,omitempty"`
+
+	// readyReplicas is the number of engine pods that are ready to serve.
+	// +optional
+	ReadyReplicas int32 `json:"readyReplicas,omitempty"`
+
+	// selector is the label selector of the pool's engine pods, in string form, for the
+	// /scale subresource (HorizontalPodAutoscaler, kubectl scale).
+	// +optional
+	Selector string `json:"selector,omitempty"`
+
+	// mode is the transfer mode (Push or Pull) of the policy the engines were rendered with.
+	// +optional
+	Mode TransferMode `json:"mode,omitempty"`
+
+	// engines lists the identity of every engine pod that has one.
+	// +listType=map
+	// +listMapKey=podName
+	// +optional
+	Engines []EngineStatus `json:"engines,omitempty"`
+
+	// conditions are Ready, Progressing and Degraded (and Paired on a DecodePool), in the
+	// kstatus convention that Argo CD and Flux read health from.
+	// +listType=map
+	// +listMapKey=type
+	// +optional
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// Condition types of PrefillPool and DecodePool.
+const (
+	// ConditionReady is True when every engine of the pool is ready and correctly wired.
+	ConditionReady = "Ready"
+	// ConditionProgressing is True while the pool's engines are being created, rolled or scaled.
+	ConditionProgressing = "Progressing"
+	// ConditionDegraded is True when the pool cannot reach its desired state without a change by the user.
+	ConditionDegraded = "Degraded"
+	// ConditionPaired is True on a DecodePool when it and its PrefillPool can exchange KV.
+	ConditionPaired = "Paired"
+)

@@ -1,0 +1,218 @@
+package v1alpha1
+
+import (
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// TransferMode says which side drives the KV handoff.
+// +kubebuilder:validation:Enum=Push;Pull
+type TransferMode string
+
+const (
+	// TransferPush: decode registers its destination memory while prefill still runs, and
+	// prefill writes the KV into it as soon as it is done (NixlPushConnector). Lowest
+	// time-to-first-token under load; no bidirectional KV.
+	TransferPush TransferMode = "Push"
+	// TransferPull: after prefill, decode reads the KV from prefill's memory (NixlConnector).
+	// Lets the router pick the decode engine late and supports bidirectional KV.
+	TransferPull TransferMode = "Pull"
+)
+
+// TransferExecutor says which program moves the KV bytes.
+// +kubebuilder:validation:Enum=Engine;Agent
+type TransferExecutor string
+
+const (
+	// ExecutorEngine: vLLM's NIXL connector inside the engine moves the KV.
+	ExecutorEngine TransferExecutor = "Engine"
+	// ExecutorAgent: the kvhandoff transfer agent on each node moves the KV; engines talk to
+	// it over a node-local socket.
+	ExecutorAgent TransferExecutor = "Agent"
+)
+
+// TransferBackend is the communication library under the connector.
+// +kubebuilder:validation:Enum=Libfabric;UCX
+type TransferBackend string
+
+const (
+	// BackendLibfabric is libfabric (NIXL's LIBFABRIC backend); the right choice on EFA.
+	BackendLibfabric TransferBackend = "Libfabric"
+	// BackendUCX is UCX (NIXL's UCX backend). Over EFA it runs at about TCP speed.
+	BackendUCX TransferBackend = "UCX"
+)
+
+// FabricProvider is the libfabric provider the engines' KV traffic uses.
+// +kubebuilder:validation:Enum=efa;tcp;shm
+type FabricProvider string
+
+const (
+	// ProviderEFA is AWS Elastic Fabric Adapter: RDMA between nodes of one subnet.
+	ProviderEFA FabricProvider = "efa"
+	// ProviderTCP is libfabric over TCP sockets (tcp;ofi_rxm): any network, for development.
+	ProviderTCP FabricProvider = "tcp"
+	// ProviderSHM is libfabric shared memory: prefill and decode on the same node only.
+	ProviderSHM FabricProvider = "shm"
+)
+
+// LoadFailurePolicy says what a decode engine does when KV for a request cannot be loaded.
+// +kubebuilder:validation:Enum=Fail;Recompute
+type LoadFailurePolicy string
+
+const (
+	// LoadFailureFail fails the request.
+	LoadFailureFail LoadFailurePolicy = "Fail"
+	// LoadFailureRecompute runs the prefill again on the decode engine.
+	LoadFailureRecompute LoadFailurePolicy = "Recompute"
+)
+
+// FabricSpec is the network the KV travels over and what engine pods need for it.
+//
+// +kubebuilder:validation:XValidation:rule="!has(self.hugepages2Mi) || quantity(string(self.hugepages2Mi)).isGreaterThan(quantity('0'))",message="fabric.hugepages2Mi must be greater than zero when set; omit it for no hugepages"
+type FabricSpec struct {
+	// provider is the libfabric provider: efa (AWS EFA, production), tcp or shm (development).
+	// +kubebuilder:default=efa
+	// +optional
+	Provider FabricProvider `json:"provider,omitempty"`
+
+	// efaPerAccelerator is the number of EFA interfaces each accelerator gets. 0 takes it
+	// from the instance type (p5en.48xlarge 2 per GPU, p5.48xlarge 4, trn2.48xlarge 1 per
+	// Neuron device, trn1.32xlarge 1 per 2 devices). Used only with provider efa.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=32
+	// +kubebuilder:default=0
+	// +optional
+	EFAPerAccelerator int32 `json:"efaPerAccelerator,omitempty"`
+
+	// gpuDirect lets the NIC read and write accelerator memory directly
+	// (FI_EFA_USE_DEVICE_RDMA=1). Without it KV is staged through host memory.
+	// +kubebuilder:default=true
+	// +optional
+	GPUDirect *bool `json:"gpuDirect,omitempty"`
+
+	// hugepages2Mi is the amount of 2 MiB hugepages each engine pod requests (some EFA
+	// stacks need them for registered buffers). Unset requests none.
+	// +optional
+	Hugepages2Mi *resource.Quantity `json:"hugepages2Mi,omitempty"`
+
+	// privileged runs engine containers privileged. false grants only IPC_LOCK, which is
+	// what memory registration needs; some older EFA stacks need more.
+	// +kubebuilder:default=false
+	// +optional
+	Privileged bool `json:"privileged,omitempty"`
+}
+
+// KVTransferPolicySpec says how KV moves from prefill to decode.
+//
+// +kubebuilder:validation:XValidation:rule="!(self.mode == 'Push' && self.bidirectional)",message="mode: Push does not support bidirectional KV (bidirectional: true): push writes only from prefill into decode; use mode: Pull to send KV back to prefill"
+// +kubebuilder:validation:XValidation:rule="self.registrationTimeoutSeconds >= self.leaseSeconds",message="registrationTimeoutSeconds must be greater than or equal to leaseSeconds: a registration must be able to outlive one lease period"
+// +kubebuilder:validation:XValidation:rule="self.executor != 'Agent' || self.backend == 'Libfabric'",message="executor: Agent moves KV with the kvhandoff transfer agent, which speaks libfabric only; set backend: Libfabric or executor: Engine"
+type KVTransferPolicySpec struct {
+	// mode is Push (decode pre-registers memory, prefill writes into it) or Pull (decode
+	// reads from prefill after prefill finishes).
+	// +required
+	Mode TransferMode `json:"mode"`
+
+	// executor is the program that moves the KV: Engine (vLLM's NIXL connector) or Agent
+	// (the kvhandoff transfer agent on each node).
+	// +kubebuilder:default=Engine
+	// +optional
+	Executor TransferExecutor `json:"executor,omitempty"`
+
+	// backend is the communication library: Libfabric or UCX.
+	// +kubebuilder:default=Libfabric
+	// +optional
+	Backend TransferBackend `json:"backend,omitempty"`
+
+	// fabric is the network the KV travels over and what engine pods need for it.
+	// +kubebuilder:default={}
+	// +optional
+	Fabric FabricSpec `json:"fabric,omitempty"`
+
+	// leaseSeconds is how long decode memory registered for a request (push) or prefill
+	// blocks held for a request (pull) stay reserved without a heartbeat
+	// (vLLM kv_lease_duration).
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=3600
+	// +kubebuilder:default=30
+	// +optional
+	LeaseSeconds int32 `json:"leaseSeconds,omitempty"`
+
+	// registrationTimeoutSeconds is how long a push registration waits for prefill to finish
+	// before it is dropped (vLLM push_registration_timeout).
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=86400
+	// +kubebuilder:default=480
+	// +optional
+	RegistrationTimeoutSeconds int32 `json:"registrationTimeoutSeconds,omitempty"`
+
+	// blocksTTLSeconds is how long decode keeps received KV blocks that no request has
+	// claimed (vLLM decoder_kv_blocks_ttl).
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=86400
+	// +kubebuilder:default=480
+	// +optional
+	BlocksTTLSeconds int32 `json:"blocksTTLSeconds,omitempty"`
+
+	// loadFailurePolicy is what decode does when a request's KV cannot be loaded: Fail the
+	// request or Recompute the prefill locally (vLLM kv_load_failure_policy).
+	// +kubebuilder:default=Recompute
+	// +optional
+	LoadFailurePolicy LoadFailurePolicy `json:"loadFailurePolicy,omitempty"`
+
+	// bidirectional lets KV also flow from decode back to prefill. Pull mode only.
+	// +kubebuilder:default=false
+	// +optional
+	Bidirectional bool `json:"bidirectional,omitempty"`
+}
+
+// KVTransferPolicyStatus is the observed state of a KVTransferPolicy.
+type KVTransferPolicyStatus struct {
+	// observedGeneration is the metadata.generation this status describes.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+
+	// conditions describe the policy's state.
+	// +listType=map
+	// +listMapKey=type
+	// +optional
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// KVTransferPolicy says how KV moves from a PrefillPool to a DecodePool: push or pull,
+// fabric, leases and timeouts, failure policy. Both pools of a pair reference one policy.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:shortName=kvtp,categories=kvhandoff
+// +kubebuilder:printcolumn:name="Mode",type=string,JSONPath=`.spec.mode`
+// +kubebuilder:printcolumn:name="Executor",type=string,JSONPath=`.spec.executor`
+// +kubebuilder:printcolumn:name="Backend",type=string,JSONPath=`.spec.backend`
+// +kubebuilder:printcolumn:name="Provider",type=string,JSONPath=`.spec.fabric.provider`
+// +kubebuilder:printcolumn:name="Lease",type=integer,JSONPath=`.spec.leaseSeconds`,priority=1
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type KVTransferPolicy struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// spec says how KV moves.
+	// +required
+	Spec KVTransferPolicySpec `json:"spec"`
+
+	// status is the observed state of the policy.
+	// +optional
+	Status KVTransferPolicyStatus `json:"status,omitempty"`
+}
+
+// KVTransferPolicyList is a list of KVTransferPolicy.
+//
+// +kubebuilder:object:root=true
+type KVTransferPolicyList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []KVTransferPolicy `json:"items"`
+}
+
+func init() {
+	SchemeBuilder.Register(&KVTransferPolicy{}, &KVTransferPolicyList{})
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what `make test` and `make demo` need on a fresh Debian machine with Go:
+# Debian packages that are missing, and the control-plane binaries (built from Go modules
+# and cached under ~/.cache/kvhandoff). Safe to run again: a second run only checks.
+#
+#   hack/install-deps.sh [control-plane binary...]   default: kube-apiserver etcd
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# Debian packages, by the file that proves each is present.
+declare -A want=(
+  [libfabric-dev]=/usr/include/rdma/fabric.h
+  [libfabric-bin]=/usr/bin/fi_info
+  [pkg-config]=/usr/bin/pkg-config
+)
+missing=()
+for pkg in "${!want[@]}"; do
+  [ -e "${want[$pkg]}" ] || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing Debian packages: ${missing[*]}" >&2
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+"$here/control-plane-bins.sh" "$@" >/dev/null
