@@ -14,12 +14,12 @@ kubectl=$assets/kubectl
 work=$(mktemp -d /tmp/kvhandoff-demo.XXXXXX)
 export KUBECONFIG=$work/kubeconfig
 
-cluster_pid=""
+cluster_pid="" manager_pid=""
 cleanup() {
-  if [ -n "$cluster_pid" ]; then
-    kill -TERM "$cluster_pid" 2>/dev/null || true
-    wait "$cluster_pid" 2>/dev/null || true
-  fi
+  for pid in $manager_pid $cluster_pid; do
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -43,8 +43,31 @@ head -1 "$work/cluster.log"
 bold "kvhandoff CRDs installed"
 "$kubectl" get crd -o custom-columns=NAME:.metadata.name,SHORT:.spec.names.shortNames,SCOPE:.spec.scope
 
+bold "kubectl apply --server-side -k config/default   (CRDs, RBAC, manager Deployment: the install a cluster gets)"
+"$kubectl" apply --server-side -k config/default | sed 's/^/  /'
+
+bold "starting the manager locally (the binary of the image; no kubelet runs its Deployment here)"
+go build -o "$work/manager" ./cmd/manager
+"$work/manager" --kubeconfig "$KUBECONFIG" --metrics-bind-address=0 --health-probe-bind-address=127.0.0.1:0 >"$work/manager.log" 2>&1 &
+manager_pid=$!
+
 bold "kubectl apply --server-side -k config/samples"
 "$kubectl" apply --server-side -k config/samples
+
+bold "the engines the manager rendered"
+for i in $(seq 1 300); do
+  [ "$("$kubectl" get statefulsets -o name | wc -l)" -ge 4 ] && break
+  kill -0 "$manager_pid" 2>/dev/null || { echo "the manager exited:" >&2; cat "$work/manager.log" >&2; exit 1; }
+  sleep 0.1
+done
+"$kubectl" get statefulsets,services -l app.kubernetes.io/managed-by=kvhandoff -L kvhandoff.io/role
+for pool in qwen3-32b-prefill qwen3-32b-decode llama-70b-decode; do
+  bold "engine container of $pool"
+  "$kubectl" get statefulset "$pool" -o go-template-file=hack/engine.gotmpl
+done
+
+bold "pool conditions (no kubelets here, so engines are created but never ready)"
+"$kubectl" get pfp,dcp -o custom-columns='KIND:.kind,NAME:.metadata.name,READY:.status.conditions[?(@.type=="Ready")].reason,DEGRADED:.status.conditions[?(@.type=="Degraded")].status,PAIRED:.status.conditions[?(@.type=="Paired")].reason,MESSAGE:.status.conditions[?(@.type=="Ready")].message'
 
 bold "kubectl get kvtp,pfp,dcp -o wide"
 "$kubectl" get kvtp,pfp,dcp -o wide
@@ -71,9 +94,41 @@ fi
 sed 's/^/  /' "$work/err"
 grep -q 'mode: Push does not support bidirectional KV' "$work/err"
 
+bold "an invalid pair is reported, not rendered: a TP 4 decode pool for the TP 8 prefill pool"
+"$kubectl" apply --server-side -f - <<'YAML'
+apiVersion: kvhandoff.io/v1alpha1
+kind: DecodePool
+metadata:
+  name: qwen3-32b-decode-tp4
+spec:
+  model: Qwen/Qwen3-32B
+  image: vllm/vllm-openai:v0.29.0
+  tensorParallelSize: 4
+  accelerator: {type: NvidiaGPU}
+  instanceType: p5en.48xlarge
+  transferPolicyRef: {name: p5en-push}
+  prefillPoolRef: {name: qwen3-32b-prefill}
+YAML
+for i in $(seq 1 300); do
+  reason=$("$kubectl" get dcp qwen3-32b-decode-tp4 -o jsonpath='{.status.conditions[?(@.type=="Ready")].reason}')
+  [ -n "$reason" ] && break
+  sleep 0.1
+done
+"$kubectl" get dcp qwen3-32b-decode-tp4 -o jsonpath='{range .status.conditions[*]}  {.type}={.status} {.reason}: {.message}{"\n"}{end}'
+[ "$reason" = TensorParallelMismatch ] || { echo "demo: expected TensorParallelMismatch, got '$reason'" >&2; exit 1; }
+if "$kubectl" get statefulset qwen3-32b-decode-tp4 >/dev/null 2>&1; then
+  echo "demo: an invalid pair got engines" >&2; exit 1
+fi
+"$kubectl" get events --field-selector involvedObject.name=qwen3-32b-decode-tp4 -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message | head -5
+
 bold "scaling through /scale: kubectl scale dcp qwen3-32b-decode --replicas=3"
 "$kubectl" scale dcp qwen3-32b-decode --replicas=3
+for i in $(seq 1 300); do
+  [ "$("$kubectl" get statefulset qwen3-32b-decode -o jsonpath='{.spec.replicas}')" = 3 ] && break
+  sleep 0.1
+done
 "$kubectl" get dcp qwen3-32b-decode
+"$kubectl" get statefulset qwen3-32b-decode
 
 if [ "${DEMO_KEEP:-}" = 1 ]; then
   bold "control plane kept up: export KUBECONFIG=$KUBECONFIG   (Ctrl-C stops it)"

@@ -190,6 +190,12 @@ type PoolStatus struct {
 	// +optional
 	Mode TransferMode `json:"mode,omitempty"`
 
+	// compatHash is the kvhandoff.io/compat-hash that every engine of the pool runs with;
+	// empty while a rollout leaves engines of different configurations side by side.
+	// A DecodePool is Paired when its compatHash equals its PrefillPool's.
+	// +optional
+	CompatHash string `json:"compatHash,omitempty"`
+
 	// engines lists the identity of every engine pod that has one.
 	// +listType=map
 	// +listMapKey=podName
@@ -214,4 +220,47 @@ const (
 	ConditionDegraded = "Degraded"
 	// ConditionPaired is True on a DecodePool when it and its PrefillPool can exchange KV.
 	ConditionPaired = "Paired"
+)
+
+// Reasons of the pool conditions. Those that say why a pool cannot be rendered also tell
+// the user what to change, in the condition's message.
+const (
+	// ReasonPolicyNotFound: the KVTransferPolicy named by transferPolicyRef does not exist.
+	ReasonPolicyNotFound = "PolicyNotFound"
+	// ReasonPrefillPoolNotFound: the PrefillPool named by prefillPoolRef does not exist.
+	ReasonPrefillPoolNotFound = "PrefillPoolNotFound"
+	// ReasonPolicyMismatch: the two pools of a pair reference different policies.
+	ReasonPolicyMismatch = "PolicyMismatch"
+	// ReasonTensorParallelMismatch: the prefill pool's tensorParallelSize exceeds the decode pool's.
+	ReasonTensorParallelMismatch = "TensorParallelMismatch"
+	// ReasonBlockSizeMismatch: the prefill pool's blockSize exceeds the decode pool's.
+	ReasonBlockSizeMismatch = "BlockSizeMismatch"
+	// ReasonModelMismatch: the two pools of a pair serve different models.
+	ReasonModelMismatch = "ModelMismatch"
+	// ReasonKVCacheDtypeMismatch: the two pools of a pair store KV in different dtypes.
+	ReasonKVCacheDtypeMismatch = "KVCacheDtypeMismatch"
+	// ReasonUnsupportedEngineVersion: the image's vLLM version is too old for safety or for the mode.
+	ReasonUnsupportedEngineVersion = "UnsupportedEngineVersion"
+	// ReasonUnknownInstanceType: the number of EFA interfaces cannot be derived from the pool and policy.
+	ReasonUnknownInstanceType = "UnknownInstanceType"
+	// ReasonInstanceTypeMismatch: the instance type carries another kind of accelerator than the pool asks for.
+	ReasonInstanceTypeMismatch = "InstanceTypeMismatch"
+	// ReasonNameConflict: a workload with the pool's name exists and belongs to something else.
+	ReasonNameConflict = "NameConflict"
+
+	// ReasonEnginesReady: every engine is ready and runs the current configuration.
+	ReasonEnginesReady = "EnginesReady"
+	// ReasonEnginesNotReady: some engines are not ready or not yet updated.
+	ReasonEnginesNotReady = "EnginesNotReady"
+	// ReasonRollingOut: engines are being created, updated or scaled.
+	ReasonRollingOut = "RollingOut"
+	// ReasonRolledOut: every engine runs the current configuration.
+	ReasonRolledOut = "RolledOut"
+	// ReasonAsExpected: nothing is wrong.
+	ReasonAsExpected = "AsExpected"
+	// ReasonCompatible: both pools run engines with equal compat-hashes.
+	ReasonCompatible = "Compatible"
+	// ReasonCompatHashMismatch: the pools' engines differ in something that must match
+	// (model, KV-cache dtype, mode, connector, image), or one of them is still rolling.
+	ReasonCompatHashMismatch = "CompatHashMismatch"
 )

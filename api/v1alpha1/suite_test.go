@@ -3,6 +3,7 @@ package v1alpha1_test
 import (
 	"context"
 	"testing"
+	"time"
 
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
@@ -10,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/kvhandoff/kvhandoff/controllers"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
@@ -29,8 +31,11 @@ func TestAPI(t *testing.T) {
 }
 
 var _ = BeforeSuite(func() {
+	// Generous on a loaded 2-core CI machine; a passing wait returns as soon as it holds.
+	SetDefaultEventuallyTimeout(30 * time.Second)
+	SetDefaultEventuallyPollingInterval(20 * time.Millisecond)
 	var err error
-	env, err = envtest.Start()
+	env, err = envtest.Start(controllers.NewScheme())
 	Expect(err).NotTo(HaveOccurred())
 	k8s = env.Client
 })

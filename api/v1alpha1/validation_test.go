@@ -36,7 +36,7 @@ var _ = Describe("KVTransferPolicy validation", func() {
 			"mode: Push does not support bidirectional KV (bidirectional: true): push writes only from prefill into decode; use mode: Pull to send KV back to prefill"),
 		Entry("rejects a registration timeout shorter than the lease", builder.Policy("p").Lease(60).RegistrationTimeout(30),
 			"registrationTimeoutSeconds must be greater than or equal to leaseSeconds"),
-		Entry("rejects a lease longer than the defaulted registration timeout", builder.Policy("p").Lease(600),
+		Entry("rejects a lease longer than the defaulted registration timeout", builder.Policy("p").Lease(600).RegistrationTimeout(0),
 			"registrationTimeoutSeconds must be greater than or equal to leaseSeconds"),
 		Entry("rejects the agent executor over UCX", builder.Policy("p").Executor(kvv1.ExecutorAgent).Backend(kvv1.BackendUCX),
 			"executor: Agent moves KV with the kvhandoff transfer agent, which speaks libfabric only"),

@@ -12,6 +12,7 @@ import (
 
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
+	"github.com/kvhandoff/kvhandoff/controllers"
 	kvenvtest "github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
@@ -29,7 +30,7 @@ func main() {
 }
 
 func run(kubeconfig string) error {
-	env, err := kvenvtest.Start()
+	env, err := kvenvtest.Start(controllers.NewScheme())
 	if err != nil {
 		return err
 	}

@@ -2,8 +2,8 @@
 //
 //	builder.PrefillPool("p").TP(8).Policy("push").Obj()
 //
-// Every builder starts from a valid object (the P5en Qwen3-32B shape of DESIGN.md), so a
-// test states only what it is about.
+// Every builder starts from a valid object as the API server stores it, defaults filled
+// in (pools: the P5en Qwen3-32B TP8 shape), so a test states only what it is about.
 package builder
 
 import (
@@ -24,11 +24,21 @@ const (
 // PolicyBuilder builds a KVTransferPolicy.
 type PolicyBuilder struct{ obj kvv1.KVTransferPolicy }
 
-// Policy starts a push policy named name.
+// Policy starts a push policy named name, with every other field at the value the
+// API server's schema defaults it to.
 func Policy(name string) *PolicyBuilder {
 	return &PolicyBuilder{obj: kvv1.KVTransferPolicy{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: Namespace},
-		Spec:       kvv1.KVTransferPolicySpec{Mode: kvv1.TransferPush},
+		Spec: kvv1.KVTransferPolicySpec{
+			Mode:                       kvv1.TransferPush,
+			Executor:                   kvv1.ExecutorEngine,
+			Backend:                    kvv1.BackendLibfabric,
+			Fabric:                     kvv1.FabricSpec{Provider: kvv1.ProviderEFA, GPUDirect: ptr.To(true)},
+			LeaseSeconds:               30,
+			RegistrationTimeoutSeconds: 480,
+			BlocksTTLSeconds:           480,
+			LoadFailurePolicy:          kvv1.LoadFailureRecompute,
+		},
 	}}
 }
 
@@ -93,13 +103,15 @@ type PoolBuilder[P interface {
 
 func engineSpec() kvv1.EngineSpec {
 	return kvv1.EngineSpec{
-		Model:              Model,
-		Image:              Image,
-		Replicas:           ptr.To[int32](1),
-		TensorParallelSize: 8,
-		Accelerator:        kvv1.AcceleratorSpec{Type: kvv1.AcceleratorNvidiaGPU},
-		InstanceType:       "p5en.48xlarge",
-		TransferPolicyRef:  kvv1.PolicyReference{Name: "policy"},
+		Model:                Model,
+		Image:                Image,
+		Replicas:             ptr.To[int32](1),
+		TensorParallelSize:   8,
+		PipelineParallelSize: 1,
+		BlockSize:            16,
+		Accelerator:          kvv1.AcceleratorSpec{Type: kvv1.AcceleratorNvidiaGPU},
+		InstanceType:         "p5en.48xlarge",
+		TransferPolicyRef:    kvv1.PolicyReference{Name: "policy"},
 	}
 }
 

@@ -11,12 +11,9 @@ import (
 	"strings"
 
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
-
-	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 )
 
 // Env is a running control plane with kvhandoff's CRDs installed.
@@ -35,22 +32,11 @@ func RepoRoot() string {
 	return filepath.Join(filepath.Dir(file), "..", "..")
 }
 
-// Scheme returns a scheme with the core Kubernetes kinds and kvhandoff's kinds.
-func Scheme() *k8sruntime.Scheme {
-	s := k8sruntime.NewScheme()
-	if err := clientgoscheme.AddToScheme(s); err != nil {
-		panic(err)
-	}
-	if err := kvv1.AddToScheme(s); err != nil {
-		panic(err)
-	}
-	return s
-}
-
-// Start starts kube-apiserver and etcd and installs the CRDs from config/crd/bases.
+// Start starts kube-apiserver and etcd, installs the CRDs from config/crd/bases and
+// returns a client for scheme s.
 // The binaries come from $KUBEBUILDER_ASSETS, or else from hack/control-plane-bins.sh,
 // which builds them on first use and answers from its cache afterwards.
-func Start() (*Env, error) {
+func Start(s *k8sruntime.Scheme) (*Env, error) {
 	assets, err := binaryAssets()
 	if err != nil {
 		return nil, err
@@ -64,7 +50,6 @@ func Start() (*Env, error) {
 	if err != nil {
 		return nil, fmt.Errorf("starting kube-apiserver and etcd from %s: %w", assets, err)
 	}
-	s := Scheme()
 	c, err := client.New(cfg, client.Options{Scheme: s})
 	if err != nil {
 		_ = env.Stop()

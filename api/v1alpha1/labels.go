@@ -1,0 +1,34 @@
+package v1alpha1
+
+// Labels and annotations kvhandoff puts on the objects it manages. Routers, dashboards and
+// the other kvhandoff programs select on them, so they are part of the API.
+const (
+	// LabelPool is the name of the pool an engine workload or pod belongs to.
+	LabelPool = "kvhandoff.io/pool"
+	// LabelRole is the engine's role: prefill or decode.
+	LabelRole = "kvhandoff.io/role"
+	// LabelCompatHash identifies what must match for two engines to exchange KV: model,
+	// KV-cache dtype, transfer mode, connector and image. A router pairs prefill and decode
+	// pods whose values are equal.
+	LabelCompatHash = "kvhandoff.io/compat-hash"
+	// LabelAgentReady marks a node whose transfer agent is serving. Engines of a policy with
+	// executor Agent are scheduled only onto such nodes.
+	LabelAgentReady = "kvhandoff.io/agent-ready"
+
+	// AnnotationPolicyHash on an engine pod template is the hash of the policy spec the pod
+	// was rendered from, so that any policy change rolls both pools.
+	AnnotationPolicyHash = "kvhandoff.io/policy-hash"
+	// AnnotationRenderedHash on an engine workload is the hash of what the manager rendered;
+	// the manager skips the apply when it and the live object agree.
+	AnnotationRenderedHash = "kvhandoff.io/rendered-hash"
+)
+
+// Role is what an engine does in a prefill/decode pair.
+type Role string
+
+const (
+	// RolePrefill engines process prompts and produce KV.
+	RolePrefill Role = "prefill"
+	// RoleDecode engines receive KV and generate tokens.
+	RoleDecode Role = "decode"
+)

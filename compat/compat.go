@@ -1,0 +1,114 @@
+// Package compat decides whether pools and policies can be rendered into engines that
+// exchange KV: the checks that need the API server's view of several objects (and so
+// cannot be CEL), the engine version rules, and the compat-hash that labels engines.
+package compat
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"strings"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/instancetype"
+)
+
+// Problem is why a pool cannot be rendered as written: a condition reason and a message
+// that tells the user what to change.
+type Problem struct {
+	Reason  string
+	Message string
+}
+
+func (p *Problem) Error() string { return p.Reason + ": " + p.Message }
+
+func problem(reason, format string, args ...any) *Problem {
+	return &Problem{Reason: reason, Message: fmt.Sprintf(format, args...)}
+}
+
+// Connector is the vLLM KV connector of a transfer mode. Newer vLLM treats NixlConnector
+// as the pull connector.
+func Connector(mode kvv1.TransferMode) string {
+	if mode == kvv1.TransferPush {
+		return "NixlPushConnector"
+	}
+	return "NixlConnector"
+}
+
+// KVCacheDtype is the KV-cache dtype the engine arguments select (vLLM --kv-cache-dtype),
+// "auto" when they select none.
+func KVCacheDtype(engineArgs []string) string {
+	dtype := "auto"
+	for i, a := range engineArgs {
+		flag, value, hasValue := strings.Cut(a, "=")
+		if strings.ReplaceAll(flag, "_", "-") != "--kv-cache-dtype" {
+			continue
+		}
+		if hasValue {
+			dtype = value
+		} else if i+1 < len(engineArgs) {
+			dtype = engineArgs[i+1]
+		}
+	}
+	return dtype
+}
+
+// Hash is the compat-hash of engines rendered from spec and policy: equal hashes mean
+// the engines can exchange KV. Tensor-parallel and block sizes are left out on purpose:
+// vLLM transfers between different sizes when prefill's do not exceed decode's, which
+// CheckPair enforces.
+func Hash(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) string {
+	h := sha256.New()
+	for _, part := range []string{spec.Model, KVCacheDtype(spec.EngineArgs), string(policy.Mode), Connector(policy.Mode), spec.Image} {
+		h.Write([]byte(part))
+		h.Write([]byte{0})
+	}
+	return hex.EncodeToString(h.Sum(nil))[:10]
+}
+
+// CheckPool checks what one pool and its policy must satisfy. warnings are worth an
+// event but do not stop rendering.
+func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Problem, warnings []string) {
+	if v, ok := ImageVersion(spec.Image); !ok {
+		warnings = append(warnings, fmt.Sprintf("cannot read a vLLM version from image %q; kvhandoff needs vLLM >= %s (>= %s for Push) and cannot check it", spec.Image, MinSafeVersion, MinPushVersion))
+	} else if v.Less(MinSafeVersion) {
+		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s; versions before %s execute code from the model at load time (CVE-2026-22807, CVSS 8.8); use vllm/vllm-openai:v0.29.0 or later", spec.Image, v, MinSafeVersion), warnings
+	} else if policy.Mode == kvv1.TransferPush && v.Less(MinPushVersion) {
+		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s, which has no push connector (needs %s); upgrade the image or use a policy with mode: Pull", spec.Image, v, MinPushVersion), warnings
+	}
+
+	if info, ok := instancetype.Lookup(spec.InstanceType); ok && info.Accelerator != spec.Accelerator.Type {
+		return problem(kvv1.ReasonInstanceTypeMismatch, "instanceType %s carries %s accelerators but accelerator.type is %s; change one of them", spec.InstanceType, info.Accelerator, spec.Accelerator.Type), warnings
+	}
+	if policy.Fabric.Provider == kvv1.ProviderEFA {
+		if _, err := instancetype.EFACount(Accelerators(spec), spec.InstanceType, policy.Fabric.EFAPerAccelerator); err != nil {
+			return problem(kvv1.ReasonUnknownInstanceType, "%s", err), warnings
+		}
+	}
+	return nil, warnings
+}
+
+// CheckPair checks what a prefill pool and a decode pool must agree on to exchange KV.
+func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.EngineSpec) *Problem {
+	switch {
+	case prefill.TransferPolicyRef.Name != decode.TransferPolicyRef.Name:
+		return problem(kvv1.ReasonPolicyMismatch, "PrefillPool %s uses KVTransferPolicy %s but this pool uses %s; both pools of a pair must reference the same policy", prefillName, prefill.TransferPolicyRef.Name, decode.TransferPolicyRef.Name)
+	case prefill.Model != decode.Model:
+		return problem(kvv1.ReasonModelMismatch, "PrefillPool %s serves model %s but this pool serves %s; KV of one model is meaningless to another", prefillName, prefill.Model, decode.Model)
+	case KVCacheDtype(prefill.EngineArgs) != KVCacheDtype(decode.EngineArgs):
+		return problem(kvv1.ReasonKVCacheDtypeMismatch, "PrefillPool %s stores KV as %s but this pool as %s; set the same --kv-cache-dtype in both pools' engineArgs", prefillName, KVCacheDtype(prefill.EngineArgs), KVCacheDtype(decode.EngineArgs))
+	case prefill.TensorParallelSize > decode.TensorParallelSize:
+		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d, more than this pool's %d; vLLM transfers KV only when prefill's tensor-parallel size is at most decode's", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
+	case prefill.BlockSize > decode.BlockSize:
+		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d, more than this pool's %d; set the prefill block size at most the decode block size", prefillName, prefill.BlockSize, decode.BlockSize)
+	}
+	return nil
+}
+
+// Accelerators is the number of accelerator devices an engine pod gets.
+func Accelerators(spec *kvv1.EngineSpec) int32 {
+	if spec.Accelerator.Count > 0 {
+		return spec.Accelerator.Count
+	}
+	return spec.TensorParallelSize * spec.PipelineParallelSize
+}

@@ -1,0 +1,159 @@
+package compat
+
+import (
+	"strings"
+	"testing"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/test/builder"
+)
+
+func TestImageVersion(t *testing.T) {
+	cases := map[string]string{
+		"vllm/vllm-openai:v0.29.0":                     "v0.29.0",
+		"vllm/vllm-openai:0.13.2":                      "v0.13.2",
+		"registry.local:5000/vllm/vllm-openai:v0.26.1": "v0.26.1",
+		"vllm/vllm-openai:v0.29.0-cu130":               "v0.29.0",
+		"vllm/vllm-openai:v0.30":                       "v0.30.0",
+		"vllm/vllm-openai:v0.29.0@sha256:abc":          "v0.29.0",
+		"vllm/vllm-openai:latest":                      "",
+		"vllm/vllm-openai@sha256:abc":                  "",
+		"registry.local:5000/vllm":                     "",
+		"vllm/vllm-openai:nightly-0.30":                "",
+	}
+	for image, want := range cases {
+		v, ok := ImageVersion(image)
+		got := ""
+		if ok {
+			got = v.String()
+		}
+		if got != want {
+			t.Errorf("ImageVersion(%q) = %q, want %q", image, got, want)
+		}
+	}
+}
+
+func TestKVCacheDtype(t *testing.T) {
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{nil, "auto"},
+		{[]string{"--max-model-len", "32768"}, "auto"},
+		{[]string{"--kv-cache-dtype", "fp8"}, "fp8"},
+		{[]string{"--kv_cache_dtype=fp8_e4m3"}, "fp8_e4m3"},
+		{[]string{"--kv-cache-dtype=fp8", "--kv-cache-dtype", "auto"}, "auto"},
+	}
+	for _, c := range cases {
+		if got := KVCacheDtype(c.args); got != c.want {
+			t.Errorf("KVCacheDtype(%q) = %q, want %q", c.args, got, c.want)
+		}
+	}
+}
+
+func TestHashChangesWithWhatMustMatch(t *testing.T) {
+	push := builder.Policy("p").Obj().Spec
+	pull := builder.Policy("p").Mode(kvv1.TransferPull).Obj().Spec
+	base := &builder.PrefillPool("p").Obj().Spec.EngineSpec
+	h := Hash(base, &push)
+
+	same := []*kvv1.EngineSpec{
+		&builder.PrefillPool("other-name").TP(4).BlockSize(8).Replicas(7).Obj().Spec.EngineSpec,
+		&builder.DecodePool("d", "p").EngineArgs("--max-model-len", "1024").Obj().Spec.EngineSpec,
+	}
+	for _, s := range same {
+		if got := Hash(s, &push); got != h {
+			t.Errorf("hash changed with a field engines may differ in: %+v", s)
+		}
+	}
+	if Hash(base, &pull) == h {
+		t.Error("hash ignores the mode")
+	}
+	differ := []*kvv1.EngineSpec{
+		&builder.PrefillPool("p").Model("Qwen/Qwen3-8B").Obj().Spec.EngineSpec,
+		&builder.PrefillPool("p").Image("vllm/vllm-openai:v0.30.0").Obj().Spec.EngineSpec,
+		&builder.PrefillPool("p").EngineArgs("--kv-cache-dtype", "fp8").Obj().Spec.EngineSpec,
+	}
+	for _, s := range differ {
+		if Hash(s, &push) == h {
+			t.Errorf("hash ignores a field that must match: %+v", s)
+		}
+	}
+}
+
+func TestCheckPool(t *testing.T) {
+	push := builder.Policy("p").Obj().Spec
+	pull := builder.Policy("p").Mode(kvv1.TransferPull).Obj().Spec
+	pull.Fabric.Provider = kvv1.ProviderEFA
+	tcp := builder.Policy("p").Provider(kvv1.ProviderTCP).Obj().Spec
+	override := builder.Policy("p").EFAPerAccelerator(1).Obj().Spec
+	cases := []struct {
+		name        string
+		pool        *builder.PoolBuilder[*kvv1.PrefillPool]
+		policy      *kvv1.KVTransferPolicySpec
+		reason      string
+		message     string
+		wantWarning bool
+	}{
+		{"the sample shape", builder.PrefillPool("p"), &push, "", "", false},
+		{"vLLM before the CVE fix", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.13.0"), &pull, kvv1.ReasonUnsupportedEngineVersion, "CVE-2026-22807", false},
+		{"push before the push connector", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.25.1"), &push, kvv1.ReasonUnsupportedEngineVersion, "no push connector", false},
+		{"pull on 0.25 is fine", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.25.1"), &pull, "", "", false},
+		{"an unreadable tag warns", builder.PrefillPool("p").Image("vllm/vllm-openai:latest"), &push, "", "", true},
+		{"unknown instance type on EFA", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &push, kvv1.ReasonUnknownInstanceType, "g6.48xlarge", false},
+		{"no instance type on EFA", builder.PrefillPool("p").InstanceType(""), &push, kvv1.ReasonUnknownInstanceType, "spec.instanceType", false},
+		{"unknown instance type with an EFA override", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &override, "", "", false},
+		{"unknown instance type without EFA", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &tcp, "", "", false},
+		{"GPU pool on a Trainium type", builder.PrefillPool("p").InstanceType("trn2.48xlarge"), &push, kvv1.ReasonInstanceTypeMismatch, "carries Neuron", false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p, warnings := CheckPool(&c.pool.Obj().Spec.EngineSpec, c.policy)
+			if (len(warnings) > 0) != c.wantWarning {
+				t.Errorf("warnings = %q", warnings)
+			}
+			if c.reason == "" {
+				if p != nil {
+					t.Fatalf("unexpected problem %v", p)
+				}
+				return
+			}
+			if p == nil || p.Reason != c.reason || !strings.Contains(p.Message, c.message) {
+				t.Fatalf("problem = %v, want %s containing %q", p, c.reason, c.message)
+			}
+		})
+	}
+}
+
+func TestCheckPair(t *testing.T) {
+	cases := []struct {
+		name    string
+		prefill *builder.PoolBuilder[*kvv1.PrefillPool]
+		decode  *builder.PoolBuilder[*kvv1.DecodePool]
+		reason  string
+	}{
+		{"equal pools", builder.PrefillPool("p"), builder.DecodePool("d", "p"), ""},
+		{"TP4 prefill into TP8 decode", builder.PrefillPool("p").TP(4), builder.DecodePool("d", "p").TP(8), ""},
+		{"TP8 prefill into TP4 decode", builder.PrefillPool("p").TP(8), builder.DecodePool("d", "p").TP(4), kvv1.ReasonTensorParallelMismatch},
+		{"block 16 into 32", builder.PrefillPool("p").BlockSize(16), builder.DecodePool("d", "p").BlockSize(32), ""},
+		{"block 32 into 16", builder.PrefillPool("p").BlockSize(32), builder.DecodePool("d", "p").BlockSize(16), kvv1.ReasonBlockSizeMismatch},
+		{"different models", builder.PrefillPool("p").Model("a"), builder.DecodePool("d", "p").Model("b"), kvv1.ReasonModelMismatch},
+		{"different policies", builder.PrefillPool("p").Policy("x"), builder.DecodePool("d", "p").Policy("y"), kvv1.ReasonPolicyMismatch},
+		{"different KV dtypes", builder.PrefillPool("p").EngineArgs("--kv-cache-dtype=fp8"), builder.DecodePool("d", "p"), kvv1.ReasonKVCacheDtypeMismatch},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := CheckPair("p", &c.prefill.Obj().Spec.EngineSpec, &c.decode.Obj().Spec.EngineSpec)
+			got := ""
+			if p != nil {
+				got = p.Reason
+				if !strings.Contains(p.Message, "PrefillPool p") {
+					t.Errorf("message %q does not name the prefill pool", p.Message)
+				}
+			}
+			if got != c.reason {
+				t.Fatalf("reason = %q (%v), want %q", got, p, c.reason)
+			}
+		})
+	}
+}

@@ -1,0 +1,75 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/compat"
+)
+
+// apply makes the live object equal to desired with server-side apply, owned by the pool.
+// It writes nothing when the live object already carries desired's rendered-hash and
+// every field desired sets has the desired value (so a hand edit of an owned field is
+// undone, and an unchanged pool costs no write). live is an empty object of desired's type.
+func (r *PoolReconciler) apply(ctx context.Context, p pool, desired, live client.Object) error {
+	owner := p.object()
+	err := r.Get(ctx, client.ObjectKeyFromObject(desired), live)
+	switch {
+	case apierrors.IsNotFound(err):
+	case err != nil:
+		return err
+	default:
+		if ref := metav1.GetControllerOf(live); ref == nil || ref.UID != owner.GetUID() {
+			return &compat.Problem{Reason: kvv1.ReasonNameConflict, Message: fmt.Sprintf("%s %s already exists and is not managed by this pool; rename the pool or delete that object", desired.GetObjectKind().GroupVersionKind().Kind, desired.GetName())}
+		}
+		if unchanged(desired, live) {
+			return nil
+		}
+	}
+	return r.serverSideApply(ctx, owner, desired)
+}
+
+// serverSideApply applies desired, controlled by owner, as field manager kvhandoff.
+func (r *PoolReconciler) serverSideApply(ctx context.Context, owner, desired client.Object) error {
+	if err := controllerutil.SetControllerReference(owner, desired, r.Scheme()); err != nil {
+		return err
+	}
+	u, err := runtime.DefaultUnstructuredConverter.ToUnstructured(desired)
+	if err != nil {
+		return err
+	}
+	// Apply only what kvhandoff renders: no status, no server-set metadata.
+	delete(u, "status")
+	unstructured.RemoveNestedField(u, "metadata", "creationTimestamp")
+	unstructured.RemoveNestedField(u, "spec", "template", "metadata", "creationTimestamp")
+	return r.Apply(ctx, client.ApplyConfigurationFromUnstructured(&unstructured.Unstructured{Object: u}),
+		client.FieldOwner(FieldOwner), client.ForceOwnership)
+}
+
+// unchanged reports whether live already is what desired renders.
+func unchanged(desired, live client.Object) bool {
+	if live.GetAnnotations()[kvv1.AnnotationRenderedHash] != desired.GetAnnotations()[kvv1.AnnotationRenderedHash] {
+		return false
+	}
+	d, err := runtime.DefaultUnstructuredConverter.ToUnstructured(desired)
+	if err != nil {
+		return false
+	}
+	l, err := runtime.DefaultUnstructuredConverter.ToUnstructured(live)
+	if err != nil {
+		return false
+	}
+	// DeepDerivative ignores what desired leaves unset (server defaults) but catches
+	// any field desired sets that the live object holds differently.
+	return equality.Semantic.DeepDerivative(d["spec"], l["spec"]) &&
+		equality.Semantic.DeepDerivative(desired.GetLabels(), live.GetLabels())
+}

@@ -1,0 +1,141 @@
+package controllers
+
+import (
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	appsv1 "k8s.io/api/apps/v1"
+	eventsv1 "k8s.io/api/events/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/test/builder"
+)
+
+// expectNotReady waits until obj's Ready condition is False with reason and Degraded is
+// True, and checks that no engines were rendered for it.
+func expectNotReady(obj client.Object, reason, message string) {
+	Eventually(func(g Gomega) {
+		ready := condition(obj, kvv1.ConditionReady)
+		g.Expect(ready.Status).To(Equal(metav1.ConditionFalse))
+		g.Expect(ready.Reason).To(Equal(reason))
+		g.Expect(ready.Message).To(ContainSubstring(message))
+		g.Expect(ready.ObservedGeneration).To(Equal(obj.GetGeneration()))
+		g.Expect(condition(obj, kvv1.ConditionDegraded).Status).To(Equal(metav1.ConditionTrue))
+	}).Should(Succeed())
+	err := k8s.Get(ctx, client.ObjectKeyFromObject(obj), &appsv1.StatefulSet{})
+	Expect(apierrors.IsNotFound(err)).To(BeTrue(), "an invalid pool got engines rendered")
+}
+
+// expectRecovered waits until obj is valid again: Degraded False and a StatefulSet exists.
+func expectRecovered(obj client.Object) {
+	Eventually(func(g Gomega) {
+		g.Expect(condition(obj, kvv1.ConditionDegraded).Status).To(Equal(metav1.ConditionFalse))
+		g.Expect(condition(obj, kvv1.ConditionReady).Reason).To(Equal(kvv1.ReasonEnginesNotReady))
+		g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(obj), &appsv1.StatefulSet{})).To(Succeed())
+	}).Should(Succeed())
+}
+
+// expectEvent waits for a Warning event with reason about obj.
+func expectEvent(obj client.Object, reason string) {
+	Eventually(func(g Gomega) {
+		list := &eventsv1.EventList{}
+		g.Expect(k8s.List(ctx, list, client.InNamespace(obj.GetNamespace()))).To(Succeed())
+		g.Expect(list.Items).To(ContainElement(And(
+			HaveField("Reason", reason), HaveField("Regarding.Name", obj.GetName()), HaveField("Type", "Warning"))))
+	}).Should(Succeed())
+}
+
+// update re-reads obj, applies change and writes it back.
+func update[T client.Object](obj T, change func(T)) {
+	Eventually(func() error {
+		if err := k8s.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
+			return err
+		}
+		change(obj)
+		return k8s.Update(ctx, obj)
+	}).Should(Succeed())
+}
+
+var _ = Describe("Conditions for what CEL cannot check", func() {
+	It("reports PolicyNotFound and recovers when the policy appears", func() {
+		ns := freshNamespace()
+		p := builder.PrefillPool("p").Policy("missing").Obj()
+		create(ns, p)
+		expectNotReady(p, kvv1.ReasonPolicyNotFound, "KVTransferPolicy missing does not exist")
+		expectEvent(p, kvv1.ReasonPolicyNotFound)
+		create(ns, builder.Policy("missing").Obj())
+		expectRecovered(p)
+	})
+
+	It("reports PrefillPoolNotFound and recovers when the prefill pool appears", func() {
+		ns := freshNamespace()
+		d := builder.DecodePool("d", "p").Obj()
+		create(ns, builder.Policy("policy").Obj(), d)
+		expectNotReady(d, kvv1.ReasonPrefillPoolNotFound, "PrefillPool p does not exist")
+		create(ns, builder.PrefillPool("p").Obj())
+		expectRecovered(d)
+	})
+
+	DescribeTable("invalid pairs are reported on the DecodePool and never rendered, and fixing the object clears it",
+		func(prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode *builder.PoolBuilder[*kvv1.DecodePool], reason, message string, fix func(*kvv1.DecodePool)) {
+			ns := freshNamespace()
+			d := decode.Obj()
+			create(ns, builder.Policy("policy").Obj(), builder.Policy("other").Obj(), prefill.Obj(), d)
+			expectNotReady(d, reason, message)
+			Expect(condition(d, kvv1.ConditionPaired).Reason).To(Equal(reason))
+			expectEvent(d, reason)
+			update(d, fix)
+			expectRecovered(d)
+		},
+		Entry("PolicyMismatch", builder.PrefillPool("p"), builder.DecodePool("d", "p").Policy("other"),
+			kvv1.ReasonPolicyMismatch, "PrefillPool p uses KVTransferPolicy policy but this pool uses other",
+			func(d *kvv1.DecodePool) { d.Spec.TransferPolicyRef.Name = "policy" }),
+		Entry("TensorParallelMismatch", builder.PrefillPool("p").TP(8), builder.DecodePool("d", "p").TP(4),
+			kvv1.ReasonTensorParallelMismatch, "PrefillPool p has tensorParallelSize 8, more than this pool's 4",
+			func(d *kvv1.DecodePool) { d.Spec.TensorParallelSize = 8 }),
+		Entry("BlockSizeMismatch", builder.PrefillPool("p").BlockSize(32), builder.DecodePool("d", "p").BlockSize(16),
+			kvv1.ReasonBlockSizeMismatch, "PrefillPool p has blockSize 32, more than this pool's 16",
+			func(d *kvv1.DecodePool) { d.Spec.BlockSize = 32 }),
+		Entry("ModelMismatch", builder.PrefillPool("p"), builder.DecodePool("d", "p").Model("Qwen/Qwen3-8B"),
+			kvv1.ReasonModelMismatch, "PrefillPool p serves model Qwen/Qwen3-32B but this pool serves Qwen/Qwen3-8B",
+			func(d *kvv1.DecodePool) { d.Spec.Model = builder.Model }),
+		Entry("UnsupportedEngineVersion below the CVE fix", builder.PrefillPool("p"), builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.13.0"),
+			kvv1.ReasonUnsupportedEngineVersion, "CVE-2026-22807",
+			func(d *kvv1.DecodePool) { d.Spec.Image = builder.Image }),
+		Entry("UnsupportedEngineVersion without the push connector", builder.PrefillPool("p"), builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.25.0"),
+			kvv1.ReasonUnsupportedEngineVersion, "has no push connector",
+			func(d *kvv1.DecodePool) { d.Spec.Image = builder.Image }),
+		Entry("UnknownInstanceType", builder.PrefillPool("p"), builder.DecodePool("d", "p").InstanceType("g6.48xlarge"),
+			kvv1.ReasonUnknownInstanceType, `instanceType "g6.48xlarge" is not in kvhandoff's table`,
+			func(d *kvv1.DecodePool) { d.Spec.InstanceType = "p5en.48xlarge" }),
+	)
+
+	It("reports UnsupportedEngineVersion on a PrefillPool too", func() {
+		ns := freshNamespace()
+		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.12.1").Obj()
+		create(ns, builder.Policy("policy").Obj(), p)
+		expectNotReady(p, kvv1.ReasonUnsupportedEngineVersion, "vLLM v0.12.1")
+	})
+
+	It("renders an image whose tag is no version, with a warning event", func() {
+		ns := freshNamespace()
+		p := builder.PrefillPool("p").Image("vllm/vllm-openai:latest").Obj()
+		create(ns, builder.Policy("policy").Obj(), p)
+		statefulSet(ns, "p")
+		expectEvent(p, "EngineVersionUnknown")
+	})
+
+	It("leaves running engines untouched when a valid pool becomes invalid", func() {
+		ns := freshNamespace()
+		p := builder.PrefillPool("p").Obj()
+		create(ns, builder.Policy("policy").Obj(), p)
+		before := statefulSet(ns, "p")
+		update(p, func(p *kvv1.PrefillPool) { p.Spec.Image = "vllm/vllm-openai:v0.10.0" })
+		Eventually(func() string { return condition(p, kvv1.ConditionReady).Reason }).Should(Equal(kvv1.ReasonUnsupportedEngineVersion))
+		after := statefulSet(ns, "p")
+		Expect(after.Spec.Template.Spec.Containers[0].Image).To(Equal(builder.Image))
+		Expect(after.Generation).To(Equal(before.Generation))
+	})
+})

@@ -1,0 +1,164 @@
+package controllers
+
+import (
+	"strings"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	appsv1 "k8s.io/api/apps/v1"
+	autoscalingv1 "k8s.io/api/autoscaling/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/render"
+	"github.com/kvhandoff/kvhandoff/test/builder"
+)
+
+// readyPair creates a push pair in a fresh namespace and brings both pools to Ready
+// with one engine each, playing the StatefulSet controller and kubelet.
+func readyPair() (string, *kvv1.KVTransferPolicy, *kvv1.PrefillPool, *kvv1.DecodePool) {
+	ns := freshNamespace()
+	pol, p, d := builder.Policy("policy").Obj(), builder.PrefillPool("p").Obj(), builder.DecodePool("d", "p").Obj()
+	create(ns, pol, p, d)
+	for i, name := range []string{"p", "d"} {
+		sts := statefulSet(ns, name)
+		addEnginePod(sts, 0, []string{"node-a", "node-b"}[i], []string{"10.0.0.1", "10.0.0.2"}[i])
+		markRolledOut(sts, 1)
+	}
+	Eventually(func() metav1.ConditionStatus { return condition(d, kvv1.ConditionPaired).Status }).Should(Equal(metav1.ConditionTrue))
+	return ns, pol, p, d
+}
+
+var _ = Describe("Status", func() {
+	It("publishes every engine's identity and becomes Ready and Paired when both pools roll out", func() {
+		ns, _, p, d := readyPair()
+		Expect(condition(p, kvv1.ConditionReady)).To(HaveField("Status", metav1.ConditionTrue))
+		Expect(p.Status.ReadyReplicas).To(BeEquivalentTo(1))
+		Expect(p.Status.Mode).To(Equal(kvv1.TransferPush))
+		Expect(p.Status.Selector).To(Equal("kvhandoff.io/pool=p,kvhandoff.io/role=prefill"))
+		Expect(p.Status.Engines).To(Equal([]kvv1.EngineStatus{{
+			PodName: "p-0", EngineID: "p-0." + ns, Host: "10.0.0.1", SideChannelPort: 5600,
+			TensorParallelSize: 8, PipelineParallelSize: 1, NodeName: "node-a",
+		}}))
+		Expect(p.Status.CompatHash).NotTo(BeEmpty())
+		Expect(d.Status.CompatHash).To(Equal(p.Status.CompatHash))
+		Expect(condition(d, kvv1.ConditionPaired).Reason).To(Equal(kvv1.ReasonCompatible))
+	})
+
+	It("is not Paired while the pools' engines differ, and is again once both run the same configuration", func() {
+		ns, _, p, d := readyPair()
+		update(d, func(d *kvv1.DecodePool) { d.Spec.Image = "vllm/vllm-openai:v0.29.1" })
+		Eventually(func() string { return condition(d, kvv1.ConditionPaired).Reason }).Should(Equal(kvv1.ReasonCompatHashMismatch))
+		markRolledOut(statefulSet(ns, "d"), 1)
+		Eventually(func(g Gomega) {
+			c := condition(d, kvv1.ConditionPaired)
+			g.Expect(c.Status).To(Equal(metav1.ConditionFalse))
+			g.Expect(c.Message).To(ContainSubstring("model, KV-cache dtype, mode, connector or image differ"))
+		}).Should(Succeed())
+
+		update(p, func(p *kvv1.PrefillPool) { p.Spec.Image = "vllm/vllm-openai:v0.29.1" })
+		Eventually(func() string { return statefulSet(ns, "p").Spec.Template.Spec.Containers[0].Image }).Should(Equal("vllm/vllm-openai:v0.29.1"))
+		markRolledOut(statefulSet(ns, "p"), 1)
+		Eventually(func() metav1.ConditionStatus { return condition(d, kvv1.ConditionPaired).Status }).Should(Equal(metav1.ConditionTrue))
+	})
+})
+
+var _ = Describe("Lifecycle", func() {
+	It("makes zero API writes when a reconcile has nothing to change", func() {
+		ns, _, _, _ := readyPair()
+		counter := countingClient()
+		for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
+			r := &PoolReconciler{Client: counter, Recorder: events.NewFakeRecorder(10), Role: role}
+			name := map[kvv1.Role]string{kvv1.RolePrefill: "p", kvv1.RoleDecode: "d"}[role]
+			// The manager may still be finishing its own last write; wait until a
+			// reconcile here has nothing left to do, then prove the next one writes nothing.
+			Eventually(func(g Gomega) {
+				counter.writes.Store(0)
+				_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key(ns, name)})
+				g.Expect(err).NotTo(HaveOccurred())
+				g.Expect(counter.writes.Load()).To(BeZero())
+			}).Should(Succeed())
+			for range 3 {
+				_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key(ns, name)})
+				Expect(err).NotTo(HaveOccurred())
+			}
+			Expect(counter.writes.Load()).To(BeZero(), "reconciling an unchanged %s pool wrote to the API server", role)
+		}
+	})
+
+	It("applies the same manifests twice server-side without a change", func() {
+		ns, pol, p, _ := readyPair()
+		before := statefulSet(ns, "p").ResourceVersion
+		r := &PoolReconciler{Client: k8s, Recorder: events.NewFakeRecorder(10), Role: kvv1.RolePrefill}
+		for range 2 {
+			w, err := render.Engines(render.Input{Role: kvv1.RolePrefill, Name: "p", Namespace: ns, Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+			Expect(err).NotTo(HaveOccurred())
+			Expect(r.serverSideApply(ctx, p, w.StatefulSet)).To(Succeed())
+		}
+		Expect(statefulSet(ns, "p").ResourceVersion).To(Equal(before))
+	})
+
+	It("follows /scale on the pool into the StatefulSet", func() {
+		ns, _, p, _ := readyPair()
+		scale := &autoscalingv1.Scale{}
+		Expect(k8s.SubResource("scale").Get(ctx, p, scale)).To(Succeed())
+		scale.Spec.Replicas = 3
+		Expect(k8s.SubResource("scale").Update(ctx, p, client.WithSubResourceBody(scale))).To(Succeed())
+		Eventually(func() int32 { return ptr.Deref(statefulSet(ns, "p").Spec.Replicas, 0) }).Should(BeEquivalentTo(3))
+		Eventually(func() string { return condition(p, kvv1.ConditionReady).Reason }).Should(Equal(kvv1.ReasonEnginesNotReady))
+	})
+
+	It("rolls both pools when their policy changes", func() {
+		ns, pol, _, _ := readyPair()
+		hash := func(name string) string {
+			return statefulSet(ns, name).Spec.Template.Annotations[kvv1.AnnotationPolicyHash]
+		}
+		prefillBefore, decodeBefore := hash("p"), hash("d")
+		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.LeaseSeconds = 45 })
+		for name, before := range map[string]string{"p": prefillBefore, "d": decodeBefore} {
+			Eventually(func() string { return hash(name) }).ShouldNot(Equal(before))
+			Expect(strings.Join(statefulSet(ns, name).Spec.Template.Spec.Containers[0].Args, " ")).To(ContainSubstring(`"kv_lease_duration":45`))
+		}
+	})
+
+	It("undoes a hand edit of a field it owns", func() {
+		ns, _, _, _ := readyPair()
+		update(statefulSet(ns, "p"), func(s *appsv1.StatefulSet) { s.Spec.Replicas = ptr.To[int32](5) })
+		Eventually(func() int32 { return ptr.Deref(statefulSet(ns, "p").Spec.Replicas, 0) }).Should(BeEquivalentTo(1))
+	})
+
+	It("makes its objects owned by the pool, so deleting the pool deletes them", func() {
+		ns, _, p, _ := readyPair()
+		for _, obj := range []client.Object{&appsv1.StatefulSet{}, &corev1.Service{}} {
+			Expect(k8s.Get(ctx, key(ns, "p"), obj)).To(Succeed())
+			ref := metav1.GetControllerOf(obj)
+			Expect(ref).NotTo(BeNil())
+			Expect(ref.UID).To(Equal(p.UID))
+			Expect(ref.BlockOwnerDeletion).To(Equal(ptr.To(true)))
+		}
+	})
+
+	It("reports a StatefulSet of the pool's name that it does not own, and leaves it alone", func() {
+		ns := freshNamespace()
+		foreign := &appsv1.StatefulSet{
+			ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: ns},
+			Spec: appsv1.StatefulSetSpec{
+				Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "other"}},
+				Template: corev1.PodTemplateSpec{
+					ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "other"}},
+					Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "c", Image: "busybox"}}},
+				},
+			},
+		}
+		Expect(k8s.Create(ctx, foreign)).To(Succeed())
+		p := builder.PrefillPool("p").Obj()
+		create(ns, builder.Policy("policy").Obj(), p)
+		Eventually(func() string { return condition(p, kvv1.ConditionReady).Reason }).Should(Equal(kvv1.ReasonNameConflict))
+		Expect(statefulSet(ns, "p").Spec.Template.Spec.Containers[0].Image).To(Equal("busybox"))
+	})
+})

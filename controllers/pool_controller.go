@@ -1,0 +1,144 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/compat"
+	"github.com/kvhandoff/kvhandoff/render"
+)
+
+// FieldOwner is the server-side apply field manager of everything the manager writes.
+const FieldOwner = "kvhandoff"
+
+// PoolReconciler reconciles the pools of one role: PrefillPools or DecodePools.
+type PoolReconciler struct {
+	client.Client
+	Recorder events.EventRecorder
+	Role     kvv1.Role
+}
+
+// +kubebuilder:rbac:groups=kvhandoff.io,resources=prefillpools;decodepools,verbs=get;list;watch
+// +kubebuilder:rbac:groups=kvhandoff.io,resources=prefillpools/status;decodepools/status,verbs=get;patch
+// +kubebuilder:rbac:groups=kvhandoff.io,resources=kvtransferpolicies,verbs=get;list;watch
+// +kubebuilder:rbac:groups=apps,resources=statefulsets,verbs=get;list;watch;create;patch
+// +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;patch
+// +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
+// +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
+// Owned objects are applied server-side (create and patch, never update) and removed by
+// the garbage collector through their owner references, so the manager needs no delete.
+
+// Reconcile makes one pool's engines match the pool and its policy:
+//  1. fetch the pool;
+//  2. validate it against its policy and, for a decode pool, its prefill pool — what CEL
+//     cannot check becomes a condition, and an invalid pool is never rendered;
+//  3. render its StatefulSet and headless Service (pure, see package render);
+//  4. apply them, writing only when the live objects differ;
+//  5. publish status: engines, compat-hash, conditions — patched only when changed.
+func (r *PoolReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	p := newPool(r.Role)
+	if err := r.Get(ctx, req.NamespacedName, p.object()); err != nil {
+		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	before := p.object().DeepCopyObject().(client.Object)
+
+	v, err := r.validate(ctx, p)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	if v.problem == nil {
+		if err := r.renderAndApply(ctx, p, v); err != nil {
+			var prob *compat.Problem
+			if !errors.As(err, &prob) {
+				return ctrl.Result{}, err
+			}
+			v.problem = prob
+		}
+	}
+	return ctrl.Result{}, r.updateStatus(ctx, p, before, v)
+}
+
+// validation is what validate learned about a pool.
+type validation struct {
+	policy   *kvv1.KVTransferPolicy
+	prefill  *kvv1.PrefillPool
+	problem  *compat.Problem
+	warnings []string
+}
+
+func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, error) {
+	v := &validation{policy: &kvv1.KVTransferPolicy{}}
+	spec := p.engine()
+	err := r.Get(ctx, types.NamespacedName{Namespace: p.GetNamespace(), Name: spec.TransferPolicyRef.Name}, v.policy)
+	switch {
+	case apierrors.IsNotFound(err):
+		v.policy = nil
+		v.problem = &compat.Problem{Reason: kvv1.ReasonPolicyNotFound, Message: fmt.Sprintf("KVTransferPolicy %s does not exist in namespace %s; create it or fix spec.transferPolicyRef.name", spec.TransferPolicyRef.Name, p.GetNamespace())}
+		return v, nil
+	case err != nil:
+		return nil, err
+	}
+	if v.problem, v.warnings = compat.CheckPool(spec, &v.policy.Spec); v.problem != nil || p.role() != kvv1.RoleDecode {
+		return v, nil
+	}
+
+	v.prefill = &kvv1.PrefillPool{}
+	err = r.Get(ctx, types.NamespacedName{Namespace: p.GetNamespace(), Name: p.prefillPool()}, v.prefill)
+	switch {
+	case apierrors.IsNotFound(err):
+		v.prefill = nil
+		v.problem = &compat.Problem{Reason: kvv1.ReasonPrefillPoolNotFound, Message: fmt.Sprintf("PrefillPool %s does not exist in namespace %s; create it or fix spec.prefillPoolRef.name", p.prefillPool(), p.GetNamespace())}
+	case err != nil:
+		return nil, err
+	default:
+		v.problem = compat.CheckPair(v.prefill.Name, &v.prefill.Spec.EngineSpec, spec)
+	}
+	return v, nil
+}
+
+func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validation) error {
+	w, err := render.Engines(render.Input{
+		Role: p.role(), Name: p.GetName(), Namespace: p.GetNamespace(),
+		Spec: p.engine(), Policy: &v.policy.Spec, PrefillPool: p.prefillPool(),
+	})
+	if err != nil {
+		return err
+	}
+	if err := r.apply(ctx, p, w.Service, &corev1.Service{}); err != nil {
+		return err
+	}
+	return r.apply(ctx, p, w.StatefulSet, &appsv1.StatefulSet{})
+}
+
+// SetupWithManager registers the reconciler: it owns the pool's StatefulSet and Service,
+// follows its pods, and is woken by changes of the policy (and, for a decode pool, the
+// prefill pool) it references.
+func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
+	if err := indexReferences(context.Background(), mgr, r.Role); err != nil {
+		return err
+	}
+	b := ctrl.NewControllerManagedBy(mgr).
+		Named(string(r.Role)+"pool").
+		For(newPool(r.Role).object()).
+		Owns(&appsv1.StatefulSet{}).
+		Owns(&corev1.Service{}).
+		Watches(&corev1.Pod{}, enqueuePoolOfPod(r.Role)).
+		Watches(&kvv1.KVTransferPolicy{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPolicy))
+	if r.Role == kvv1.RoleDecode {
+		b = b.Watches(&kvv1.PrefillPool{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPrefillPool))
+	}
+	return b.Complete(r)
+}
+
+// Leader election takes a Lease in the manager's own namespace only.
+// +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;list;watch;create;update;patch,namespace=kvhandoff-system

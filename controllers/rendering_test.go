@@ -1,0 +1,100 @@
+package controllers
+
+import (
+	"encoding/json"
+	"strings"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/render"
+	"github.com/kvhandoff/kvhandoff/test/builder"
+)
+
+func quantity(c corev1.Container, name corev1.ResourceName) string {
+	q := c.Resources.Limits[name]
+	return q.String()
+}
+
+func envValue(c corev1.Container, name string) string {
+	for _, e := range c.Env {
+		if e.Name == name {
+			return e.Value
+		}
+	}
+	return ""
+}
+
+var _ = Describe("Rendering through the API server", func() {
+	It("wires the P5en push pair: vLLM command, connector JSON, 8 GPUs + 16 EFA, side channel, probes and placement", func() {
+		ns := freshNamespace()
+		create(ns,
+			builder.Policy("p5en-push").Obj(),
+			builder.PrefillPool("prefill").Policy("p5en-push").Obj(),
+			builder.DecodePool("decode", "prefill").Policy("p5en-push").Obj())
+
+		for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
+			name := string(role)
+			sts := statefulSet(ns, name)
+			Expect(sts.Labels).To(HaveKeyWithValue(kvv1.LabelPool, name))
+			Expect(sts.Labels).To(HaveKeyWithValue(kvv1.LabelRole, name))
+			Expect(sts.Spec.Template.Labels).To(HaveKey(kvv1.LabelCompatHash))
+			Expect(metav1.GetControllerOf(sts)).NotTo(BeNil())
+			Expect(metav1.GetControllerOf(sts).Kind).To(Equal(map[kvv1.Role]string{kvv1.RolePrefill: "PrefillPool", kvv1.RoleDecode: "DecodePool"}[role]))
+
+			c := sts.Spec.Template.Spec.Containers[0]
+			Expect(c.Command).To(Equal([]string{"vllm", "serve"}))
+			Expect(c.Args[0]).To(Equal("Qwen/Qwen3-32B"))
+			Expect(strings.Join(c.Args, " ")).To(ContainSubstring("--tensor-parallel-size 8 --pipeline-parallel-size 1 --block-size 16 --port 8000 --kv-transfer-config"))
+			var cfg map[string]any
+			Expect(json.Unmarshal([]byte(strings.NewReplacer("$(POD_NAME)", "x", "$(POD_NAMESPACE)", "y").Replace(c.Args[10])), &cfg)).To(Succeed())
+			Expect(cfg).To(HaveKeyWithValue("kv_connector", "NixlPushConnector"))
+
+			Expect(quantity(c, render.ResourceNvidiaGPU)).To(Equal("8"))
+			Expect(quantity(c, render.ResourceEFA)).To(Equal("16"))
+			Expect(envValue(c, "FI_PROVIDER")).To(Equal("efa"))
+			Expect(envValue(c, "VLLM_NIXL_SIDE_CHANNEL_PORT")).To(Equal("5600"))
+			Expect(c.Ports).To(ContainElement(HaveField("Name", "nixl")))
+			Expect(c.StartupProbe.HTTPGet.Path).To(Equal("/v1/models"))
+			Expect(c.LivenessProbe.HTTPGet.Path).To(Equal("/health"))
+			Expect(sts.Spec.Template.Spec.NodeSelector).To(HaveKeyWithValue("node.kubernetes.io/instance-type", "p5en.48xlarge"))
+			Expect(sts.Spec.Template.Spec.Tolerations).To(ContainElement(HaveField("Key", "nvidia.com/gpu")))
+
+			svc := &corev1.Service{}
+			Expect(k8s.Get(ctx, key(ns, name), svc)).To(Succeed())
+			Expect(svc.Spec.ClusterIP).To(Equal(corev1.ClusterIPNone))
+		}
+
+		By("keeping decode engines off the nodes of their prefill engines, in the same zone")
+		anti := statefulSet(ns, "decode").Spec.Template.Spec.Affinity.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
+		Expect(anti).To(HaveLen(1))
+		Expect(anti[0].TopologyKey).To(Equal("kubernetes.io/hostname"))
+		Expect(anti[0].LabelSelector.MatchLabels).To(Equal(map[string]string{kvv1.LabelPool: "prefill", kvv1.LabelRole: "prefill"}))
+	})
+
+	It("wires a trn2 pull pair with Neuron devices and 1 EFA per device", func() {
+		ns := freshNamespace()
+		create(ns,
+			builder.Policy("pull").Mode(kvv1.TransferPull).Obj(),
+			builder.PrefillPool("prefill").Policy("pull").TP(16).Accelerator(kvv1.AcceleratorNeuron, 4).InstanceType("trn2.48xlarge").Obj())
+		c := statefulSet(ns, "prefill").Spec.Template.Spec.Containers[0]
+		Expect(quantity(c, render.ResourceNeuron)).To(Equal("4"))
+		Expect(quantity(c, render.ResourceEFA)).To(Equal("4"))
+		Expect(c.Resources.Limits).NotTo(HaveKey(render.ResourceNvidiaGPU))
+		Expect(strings.Join(c.Args, " ")).To(ContainSubstring(`"kv_connector":"NixlConnector"`))
+	})
+
+	It("wires executor Agent engines to the node's transfer agent", func() {
+		ns := freshNamespace()
+		create(ns,
+			builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj(),
+			builder.PrefillPool("prefill").Policy("agent").Obj())
+		spec := statefulSet(ns, "prefill").Spec.Template.Spec
+		Expect(envValue(spec.Containers[0], "KVHANDOFF_AGENT_SOCKET")).To(Equal("/var/run/kvhandoff/agent.sock"))
+		Expect(spec.NodeSelector).To(HaveKeyWithValue(kvv1.LabelAgentReady, "true"))
+		Expect(spec.Volumes).To(ContainElement(HaveField("HostPath.Path", "/var/run/kvhandoff")))
+	})
+})

@@ -1,0 +1,76 @@
+package controllers
+
+import (
+	"context"
+
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+)
+
+// Field indexes on the pools' references, so a change of a policy or prefill pool
+// enqueues exactly the pools that reference it.
+const (
+	indexPolicy      = "spec.transferPolicyRef.name"
+	indexPrefillPool = "spec.prefillPoolRef.name"
+)
+
+func indexReferences(ctx context.Context, mgr ctrl.Manager, role kvv1.Role) error {
+	idx := mgr.GetFieldIndexer()
+	if err := idx.IndexField(ctx, newPool(role).object(), indexPolicy, func(o client.Object) []string {
+		return []string{poolOf(o).engine().TransferPolicyRef.Name}
+	}); err != nil {
+		return err
+	}
+	if role != kvv1.RoleDecode {
+		return nil
+	}
+	return idx.IndexField(ctx, &kvv1.DecodePool{}, indexPrefillPool, func(o client.Object) []string {
+		return []string{o.(*kvv1.DecodePool).Spec.PrefillPoolRef.Name}
+	})
+}
+
+// enqueueReferrers maps a referenced object (a policy, a prefill pool) to the pools of
+// role whose field index names it.
+func enqueueReferrers(c client.Client, role kvv1.Role, index string) handler.EventHandler {
+	return handler.EnqueueRequestsFromMapFunc(func(ctx context.Context, o client.Object) []reconcile.Request {
+		var names []string
+		if role == kvv1.RoleDecode {
+			list := &kvv1.DecodePoolList{}
+			if err := c.List(ctx, list, client.InNamespace(o.GetNamespace()), client.MatchingFields{index: o.GetName()}); err != nil {
+				return nil
+			}
+			for _, d := range list.Items {
+				names = append(names, d.Name)
+			}
+		} else {
+			list := &kvv1.PrefillPoolList{}
+			if err := c.List(ctx, list, client.InNamespace(o.GetNamespace()), client.MatchingFields{index: o.GetName()}); err != nil {
+				return nil
+			}
+			for _, p := range list.Items {
+				names = append(names, p.Name)
+			}
+		}
+		reqs := make([]reconcile.Request, 0, len(names))
+		for _, n := range names {
+			reqs = append(reqs, reconcile.Request{NamespacedName: types.NamespacedName{Namespace: o.GetNamespace(), Name: n}})
+		}
+		return reqs
+	})
+}
+
+// enqueuePoolOfPod maps an engine pod to its pool through the pool and role labels.
+func enqueuePoolOfPod(role kvv1.Role) handler.EventHandler {
+	return handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
+		l := o.GetLabels()
+		if l[kvv1.LabelRole] != string(role) || l[kvv1.LabelPool] == "" {
+			return nil
+		}
+		return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: o.GetNamespace(), Name: l[kvv1.LabelPool]}}}
+	})
+}

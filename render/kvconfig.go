@@ -1,0 +1,57 @@
+package render
+
+import (
+	"encoding/json"
+	"strings"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/compat"
+)
+
+// kvTransferConfig is vLLM's --kv-transfer-config.
+type kvTransferConfig struct {
+	KVConnector         string      `json:"kv_connector"`
+	KVRole              string      `json:"kv_role"`
+	EngineID            string      `json:"engine_id"`
+	KVBufferDevice      string      `json:"kv_buffer_device,omitempty"`
+	KVLoadFailurePolicy string      `json:"kv_load_failure_policy"`
+	ExtraConfig         extraConfig `json:"kv_connector_extra_config"`
+}
+
+type extraConfig struct {
+	Backends                []string `json:"backends"`
+	KVLeaseDuration         int32    `json:"kv_lease_duration"`
+	PushRegistrationTimeout int32    `json:"push_registration_timeout,omitempty"`
+	DecoderKVBlocksTTL      int32    `json:"decoder_kv_blocks_ttl"`
+}
+
+// KVTransferConfig renders the --kv-transfer-config JSON of an engine. Its engine_id
+// refers to $(POD_NAME) and $(POD_NAMESPACE), which the kubelet expands from the
+// container's downward-API environment.
+func KVTransferConfig(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) string {
+	cfg := kvTransferConfig{
+		KVConnector: compat.Connector(policy.Mode),
+		// Both roles are kv_both: the connector decides direction per request, and push
+		// needs the decode side to register memory as well as receive.
+		KVRole:              "kv_both",
+		EngineID:            EngineID("$(POD_NAME)", "$(POD_NAMESPACE)"),
+		KVLoadFailurePolicy: strings.ToLower(string(policy.LoadFailurePolicy)),
+		ExtraConfig: extraConfig{
+			Backends:           []string{strings.ToUpper(string(policy.Backend))},
+			KVLeaseDuration:    policy.LeaseSeconds,
+			DecoderKVBlocksTTL: policy.BlocksTTLSeconds,
+		},
+	}
+	// GPUs hold the KV in device memory; on Neuron the connector's default applies.
+	if spec.Accelerator.Type == kvv1.AcceleratorNvidiaGPU {
+		cfg.KVBufferDevice = "cuda"
+	}
+	if policy.Mode == kvv1.TransferPush {
+		cfg.ExtraConfig.PushRegistrationTimeout = policy.RegistrationTimeoutSeconds
+	}
+	data, err := json.Marshal(cfg)
+	if err != nil {
+		panic(err) // a struct of strings and ints always marshals
+	}
+	return string(data)
+}

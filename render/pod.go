@@ -1,0 +1,268 @@
+package render
+
+import (
+	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/compat"
+	"github.com/kvhandoff/kvhandoff/instancetype"
+)
+
+// Resource names and host paths the engines use.
+const (
+	ResourceNvidiaGPU = corev1.ResourceName("nvidia.com/gpu")
+	ResourceNeuron    = corev1.ResourceName("aws.amazon.com/neuron")
+	ResourceEFA       = corev1.ResourceName("vpc.amazonaws.com/efa")
+
+	// EFAHostDir is where the AWS EFA installer puts the host's libfabric; engines load it
+	// from there so the node's EFA driver and libfabric always match.
+	EFAHostDir = "/opt/amazon/efa"
+	// AgentSocketDir holds the transfer agent's socket on every node that runs one.
+	AgentSocketDir = "/var/run/kvhandoff"
+	// AgentSocket is the agent's socket inside AgentSocketDir.
+	AgentSocket = AgentSocketDir + "/agent.sock"
+
+	labelInstanceType = "node.kubernetes.io/instance-type"
+	labelZone         = "topology.kubernetes.io/zone"
+	labelHostname     = "kubernetes.io/hostname"
+)
+
+func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
+	labels := objectMeta(in).Labels
+	labels[kvv1.LabelCompatHash] = compat.Hash(in.Spec, in.Policy)
+	policyHash, err := hashJSON(in.Policy)
+	if err != nil {
+		return nil, err
+	}
+	resources, err := resourcesFor(in)
+	if err != nil {
+		return nil, err
+	}
+
+	engine := corev1.Container{
+		Name:    EngineContainer,
+		Image:   in.Spec.Image,
+		Command: []string{"vllm", "serve"},
+		Args:    args(in),
+		Env:     mergeEnv(env(in), in.Spec.Env),
+		Ports: []corev1.ContainerPort{
+			{Name: "http", ContainerPort: HTTPPort, Protocol: corev1.ProtocolTCP},
+			{Name: "nixl", ContainerPort: SideChannelPort, Protocol: corev1.ProtocolTCP},
+		},
+		Resources: resources,
+		// Loading a 32B model takes minutes (weights download, CUDA graphs): allow up to
+		// 30 minutes before the first successful probe, then watch closely.
+		StartupProbe:    httpProbe("/v1/models", 10, 180),
+		ReadinessProbe:  httpProbe("/v1/models", 10, 3),
+		LivenessProbe:   httpProbe("/health", 15, 4),
+		SecurityContext: securityContext(in.Policy),
+		VolumeMounts:    []corev1.VolumeMount{{Name: "shm", MountPath: "/dev/shm"}},
+	}
+	volumes := []corev1.Volume{{
+		// NCCL and vLLM's workers exchange tensors through /dev/shm; the container
+		// runtime's 64 MiB default is far too small.
+		Name:         "shm",
+		VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}},
+	}}
+	if in.Policy.Fabric.Provider == kvv1.ProviderEFA {
+		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "efa", MountPath: EFAHostDir, ReadOnly: true})
+		volumes = append(volumes, hostPathVolume("efa", EFAHostDir))
+	}
+	if in.Policy.Executor == kvv1.ExecutorAgent {
+		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "kvhandoff-agent", MountPath: AgentSocketDir})
+		volumes = append(volumes, hostPathVolume("kvhandoff-agent", AgentSocketDir))
+	}
+
+	pod := &corev1.PodTemplateSpec{
+		ObjectMeta: metav1.ObjectMeta{
+			Labels:      labels,
+			Annotations: map[string]string{kvv1.AnnotationPolicyHash: policyHash},
+		},
+		Spec: corev1.PodSpec{
+			Containers:   []corev1.Container{engine},
+			Volumes:      volumes,
+			NodeSelector: nodeSelector(in),
+			Tolerations:  tolerations(in.Spec.Accelerator.Type),
+			Affinity:     affinity(in),
+			// A Service named like vLLM's own variables (a "vllm" Service sets VLLM_PORT)
+			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
+			EnableServiceLinks: ptr.To(false),
+		},
+	}
+	return mergeTemplate(pod, in.Spec.Template)
+}
+
+func args(in Input) []string {
+	a := []string{
+		in.Spec.Model,
+		"--tensor-parallel-size", strconv.Itoa(int(in.Spec.TensorParallelSize)),
+		"--pipeline-parallel-size", strconv.Itoa(int(in.Spec.PipelineParallelSize)),
+		"--block-size", strconv.Itoa(int(in.Spec.BlockSize)),
+		"--port", strconv.Itoa(HTTPPort),
+		"--kv-transfer-config", KVTransferConfig(in.Spec, in.Policy),
+	}
+	return append(a, in.Spec.EngineArgs...)
+}
+
+func env(in Input) []corev1.EnvVar {
+	e := []corev1.EnvVar{
+		fieldEnv("POD_NAME", "metadata.name"),
+		fieldEnv("POD_NAMESPACE", "metadata.namespace"),
+		fieldEnv("VLLM_NIXL_SIDE_CHANNEL_HOST", "status.podIP"),
+		{Name: "VLLM_NIXL_SIDE_CHANNEL_PORT", Value: strconv.Itoa(SideChannelPort)},
+	}
+	switch in.Policy.Fabric.Provider {
+	case kvv1.ProviderEFA:
+		e = append(e, corev1.EnvVar{Name: "FI_PROVIDER", Value: "efa"})
+		if ptr.Deref(in.Policy.Fabric.GPUDirect, true) {
+			e = append(e, corev1.EnvVar{Name: "FI_EFA_USE_DEVICE_RDMA", Value: "1"})
+		}
+		// KV must cross nodes on the NIC; libfabric's shm shortcut would hide a
+		// misplacement instead of failing it.
+		e = append(e, corev1.EnvVar{Name: "FI_EFA_ENABLE_SHM_TRANSFER", Value: "0"})
+		// Setting LD_LIBRARY_PATH replaces the image's value, so it repeats the image's
+		// accelerator library folders after the host's EFA libfabric.
+		e = append(e, corev1.EnvVar{Name: "LD_LIBRARY_PATH", Value: EFAHostDir + "/lib:" + acceleratorLibraryPath(in.Spec.Accelerator.Type)})
+	case kvv1.ProviderTCP:
+		e = append(e, corev1.EnvVar{Name: "FI_PROVIDER", Value: "tcp"})
+	case kvv1.ProviderSHM:
+		e = append(e, corev1.EnvVar{Name: "FI_PROVIDER", Value: "shm"})
+	}
+	if in.Policy.Executor == kvv1.ExecutorAgent {
+		e = append(e, corev1.EnvVar{Name: "KVHANDOFF_AGENT_SOCKET", Value: AgentSocket})
+	}
+	return e
+}
+
+// acceleratorLibraryPath is the LD_LIBRARY_PATH the vLLM images set for their accelerator.
+func acceleratorLibraryPath(t kvv1.AcceleratorType) string {
+	if t == kvv1.AcceleratorNeuron {
+		return "/opt/aws/neuron/lib"
+	}
+	return "/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
+}
+
+// mergeEnv applies the user's variables over the rendered ones: a variable of the same
+// name replaces the rendered one in place, others are appended in the user's order.
+func mergeEnv(rendered, user []corev1.EnvVar) []corev1.EnvVar {
+	out := append([]corev1.EnvVar(nil), rendered...)
+	index := map[string]int{}
+	for i, e := range out {
+		index[e.Name] = i
+	}
+	for _, e := range user {
+		if i, ok := index[e.Name]; ok {
+			out[i] = e
+			continue
+		}
+		index[e.Name] = len(out)
+		out = append(out, e)
+	}
+	return out
+}
+
+func resourcesFor(in Input) (corev1.ResourceRequirements, error) {
+	n := compat.Accelerators(in.Spec)
+	list := corev1.ResourceList{}
+	if in.Spec.Accelerator.Type == kvv1.AcceleratorNeuron {
+		list[ResourceNeuron] = *resource.NewQuantity(int64(n), resource.DecimalSI)
+	} else {
+		list[ResourceNvidiaGPU] = *resource.NewQuantity(int64(n), resource.DecimalSI)
+	}
+	if in.Policy.Fabric.Provider == kvv1.ProviderEFA {
+		efa, err := instancetype.EFACount(n, in.Spec.InstanceType, in.Policy.Fabric.EFAPerAccelerator)
+		if err != nil {
+			return corev1.ResourceRequirements{}, err
+		}
+		list[ResourceEFA] = *resource.NewQuantity(int64(efa), resource.DecimalSI)
+	}
+	if hp := in.Policy.Fabric.Hugepages2Mi; hp != nil {
+		list[corev1.ResourceHugePagesPrefix+"2Mi"] = *hp
+		// Kubernetes accepts hugepages only together with a cpu or memory request; ask
+		// for as much memory as hugepages. A template can raise it.
+		list[corev1.ResourceMemory] = *hp
+	}
+	// Requests equal limits: accelerators, NICs and hugepages cannot be overcommitted.
+	return corev1.ResourceRequirements{Limits: list, Requests: list.DeepCopy()}, nil
+}
+
+func securityContext(policy *kvv1.KVTransferPolicySpec) *corev1.SecurityContext {
+	if policy.Fabric.Privileged {
+		return &corev1.SecurityContext{Privileged: ptr.To(true)}
+	}
+	// Registering memory with the NIC pins it; IPC_LOCK lifts the locked-memory limit.
+	return &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Add: []corev1.Capability{"IPC_LOCK"}}}
+}
+
+func nodeSelector(in Input) map[string]string {
+	sel := map[string]string{}
+	if in.Spec.InstanceType != "" {
+		sel[labelInstanceType] = in.Spec.InstanceType
+	}
+	if in.Policy.Executor == kvv1.ExecutorAgent {
+		sel[kvv1.LabelAgentReady] = "true"
+	}
+	if len(sel) == 0 {
+		return nil
+	}
+	return sel
+}
+
+// tolerations let engines onto the accelerator nodes that EKS taints for them.
+func tolerations(t kvv1.AcceleratorType) []corev1.Toleration {
+	key := string(ResourceNvidiaGPU)
+	if t == kvv1.AcceleratorNeuron {
+		key = string(ResourceNeuron)
+	}
+	return []corev1.Toleration{{Key: key, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}}
+}
+
+// affinity keeps EFA pairs workable: EFA has no intra-host loopback, so a decode engine
+// must not share a node with a prefill engine of its pair, and EFA does not cross
+// availability zones, so a pool stays in one zone and decode follows prefill into it.
+func affinity(in Input) *corev1.Affinity {
+	if in.Policy.Fabric.Provider != kvv1.ProviderEFA {
+		return nil
+	}
+	if in.Role == kvv1.RolePrefill {
+		own := &metav1.LabelSelector{MatchLabels: SelectorLabels(kvv1.RolePrefill, in.Name)}
+		return &corev1.Affinity{PodAffinity: &corev1.PodAffinity{
+			RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{{LabelSelector: own, TopologyKey: labelZone}},
+		}}
+	}
+	prefill := &metav1.LabelSelector{MatchLabels: SelectorLabels(kvv1.RolePrefill, in.PrefillPool)}
+	return &corev1.Affinity{
+		PodAffinity: &corev1.PodAffinity{
+			RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{{LabelSelector: prefill, TopologyKey: labelZone}},
+		},
+		PodAntiAffinity: &corev1.PodAntiAffinity{
+			RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{{LabelSelector: prefill, TopologyKey: labelHostname}},
+		},
+	}
+}
+
+func fieldEnv(name, path string) corev1.EnvVar {
+	return corev1.EnvVar{Name: name, ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: path}}}
+}
+
+func hostPathVolume(name, path string) corev1.Volume {
+	return corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: path, Type: ptr.To(corev1.HostPathDirectory)}}}
+}
+
+func httpProbe(path string, period, failures int32) *corev1.Probe {
+	return &corev1.Probe{
+		ProbeHandler:     corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: path, Port: intstr.FromString("http")}},
+		PeriodSeconds:    period,
+		TimeoutSeconds:   5,
+		FailureThreshold: failures,
+		// Spelled out although it is the API default, so the live object equals the
+		// rendered one and an unchanged pool costs no write.
+		SuccessThreshold: 1,
+	}
+}

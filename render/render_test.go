@@ -1,0 +1,230 @@
+package render
+
+import (
+	"bytes"
+	"encoding/json"
+	"flag"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"sigs.k8s.io/yaml"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/test/builder"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files in testdata/ from the current output")
+
+// pair renders a prefill pool and a decode pool that share policy.
+func pair(t *testing.T, prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode *builder.PoolBuilder[*kvv1.DecodePool], policy *builder.PolicyBuilder) (*Workload, *Workload) {
+	t.Helper()
+	pol := policy.Obj()
+	p, d := prefill.Obj(), decode.Obj()
+	pw, err := Engines(Input{Role: kvv1.RolePrefill, Name: p.Name, Namespace: p.Namespace, Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dw, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec, PrefillPool: d.Spec.PrefillPoolRef.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pw, dw
+}
+
+func TestGolden(t *testing.T) {
+	cases := []struct {
+		name    string
+		prefill *builder.PoolBuilder[*kvv1.PrefillPool]
+		decode  *builder.PoolBuilder[*kvv1.DecodePool]
+		policy  *builder.PolicyBuilder
+	}{
+		{
+			name:    "p5en-push-tp8-1p1d",
+			prefill: builder.PrefillPool("qwen3-32b-prefill").Policy("p5en-push").EngineArgs("--max-model-len", "32768"),
+			decode:  builder.DecodePool("qwen3-32b-decode", "qwen3-32b-prefill").Policy("p5en-push").EngineArgs("--max-model-len", "32768"),
+			policy:  builder.Policy("p5en-push"),
+		},
+		{
+			name:    "p5en-pull-tp4-prefill-tp8-decode",
+			prefill: builder.PrefillPool("prefill").TP(4).Replicas(2).Policy("pull"),
+			decode:  builder.DecodePool("decode", "prefill").TP(8).Policy("pull"),
+			policy:  builder.Policy("pull").Mode(kvv1.TransferPull).LoadFailurePolicy(kvv1.LoadFailureFail),
+		},
+		{
+			name: "trn2-pull",
+			prefill: builder.PrefillPool("llama-prefill").Model("meta-llama/Llama-3.3-70B-Instruct").Image("public.ecr.aws/neuron/vllm-neuronx:v0.29.0").
+				TP(16).BlockSize(32).Accelerator(kvv1.AcceleratorNeuron, 4).InstanceType("trn2.48xlarge").Policy("trn2-pull"),
+			decode: builder.DecodePool("llama-decode", "llama-prefill").Model("meta-llama/Llama-3.3-70B-Instruct").Image("public.ecr.aws/neuron/vllm-neuronx:v0.29.0").
+				TP(16).BlockSize(32).Accelerator(kvv1.AcceleratorNeuron, 4).InstanceType("trn2.48xlarge").Policy("trn2-pull"),
+			policy: builder.Policy("trn2-pull").Mode(kvv1.TransferPull).Hugepages2Mi("2Gi").Lease(60),
+		},
+		{
+			name:    "executor-agent",
+			prefill: builder.PrefillPool("prefill").Policy("agent"),
+			decode:  builder.DecodePool("decode", "prefill").Policy("agent"),
+			policy:  builder.Policy("agent").Executor(kvv1.ExecutorAgent),
+		},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			pw, dw := pair(t, c.prefill, c.decode, c.policy)
+			var out bytes.Buffer
+			for _, obj := range []any{pw.StatefulSet, pw.Service, dw.StatefulSet, dw.Service} {
+				data, err := yaml.Marshal(obj)
+				if err != nil {
+					t.Fatal(err)
+				}
+				out.WriteString("---\n")
+				out.Write(data)
+			}
+			golden := filepath.Join("testdata", c.name+".golden.yaml")
+			if *update {
+				if err := os.WriteFile(golden, out.Bytes(), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(golden)
+			if err != nil {
+				t.Fatalf("%v (run go test ./render -update to create it)", err)
+			}
+			if !bytes.Equal(out.Bytes(), want) {
+				t.Errorf("rendered objects differ from %s; if the change is intended, run go test ./render -update and review the diff.\n%s", golden, lineDiff(string(want), out.String()))
+			}
+		})
+	}
+}
+
+// lineDiff shows the first lines where got departs from want.
+func lineDiff(want, got string) string {
+	w, g := strings.Split(want, "\n"), strings.Split(got, "\n")
+	for i := 0; i < len(w) || i < len(g); i++ {
+		var wl, gl string
+		if i < len(w) {
+			wl = w[i]
+		}
+		if i < len(g) {
+			gl = g[i]
+		}
+		if wl != gl {
+			return "line " + strconv.Itoa(i+1) + ":\n  want: " + wl + "\n  got:  " + gl
+		}
+	}
+	return ""
+}
+
+func engine(w *Workload) corev1.Container { return w.StatefulSet.Spec.Template.Spec.Containers[0] }
+
+func argAfter(args []string, flag string) string {
+	for i, a := range args {
+		if a == flag && i+1 < len(args) {
+			return args[i+1]
+		}
+	}
+	return ""
+}
+
+func TestKVTransferConfigIsJSONOnceTheKubeletExpandsIt(t *testing.T) {
+	pw, dw := pair(t, builder.PrefillPool("p"), builder.DecodePool("d", "p"), builder.Policy("push").Lease(45).RegistrationTimeout(300).BlocksTTL(120))
+	for _, w := range []*Workload{pw, dw} {
+		raw := argAfter(engine(w).Args, "--kv-transfer-config")
+		expanded := strings.NewReplacer("$(POD_NAME)", w.StatefulSet.Name+"-0", "$(POD_NAMESPACE)", "ns").Replace(raw)
+		var cfg map[string]any
+		if err := json.Unmarshal([]byte(expanded), &cfg); err != nil {
+			t.Fatalf("--kv-transfer-config %q is not JSON: %v", expanded, err)
+		}
+		want := map[string]any{
+			"kv_connector":           "NixlPushConnector",
+			"kv_role":                "kv_both",
+			"engine_id":              w.StatefulSet.Name + "-0.ns",
+			"kv_buffer_device":       "cuda",
+			"kv_load_failure_policy": "recompute",
+			"kv_connector_extra_config": map[string]any{
+				"backends":                  []any{"LIBFABRIC"},
+				"kv_lease_duration":         float64(45),
+				"push_registration_timeout": float64(300),
+				"decoder_kv_blocks_ttl":     float64(120),
+			},
+		}
+		if got, _ := json.Marshal(cfg); string(got) != mustJSON(want) {
+			t.Errorf("kv-transfer-config = %s, want %s", got, mustJSON(want))
+		}
+	}
+}
+
+func mustJSON(v any) string { b, _ := json.Marshal(v); return string(b) }
+
+func TestPullHasNoRegistrationTimeout(t *testing.T) {
+	pw, _ := pair(t, builder.PrefillPool("p"), builder.DecodePool("d", "p"), builder.Policy("pull").Mode(kvv1.TransferPull).Backend(kvv1.BackendUCX))
+	cfg := argAfter(engine(pw).Args, "--kv-transfer-config")
+	if strings.Contains(cfg, "push_registration_timeout") || !strings.Contains(cfg, `"kv_connector":"NixlConnector"`) || !strings.Contains(cfg, `"backends":["UCX"]`) {
+		t.Errorf("pull config = %s", cfg)
+	}
+}
+
+func TestUserEnvReplacesRenderedEnvInPlace(t *testing.T) {
+	p := builder.PrefillPool("p").Obj()
+	p.Spec.Env = []corev1.EnvVar{{Name: "FI_EFA_ENABLE_SHM_TRANSFER", Value: "1"}, {Name: "HF_HOME", Value: "/models"}}
+	pol := builder.Policy("push").Obj()
+	w, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]int{}
+	for _, e := range engine(w).Env {
+		seen[e.Name]++
+		if e.Name == "FI_EFA_ENABLE_SHM_TRANSFER" && e.Value != "1" {
+			t.Errorf("user value did not replace the rendered one: %v", e)
+		}
+	}
+	for name, n := range seen {
+		if n != 1 {
+			t.Errorf("%s appears %d times", name, n)
+		}
+	}
+	if seen["HF_HOME"] != 1 {
+		t.Error("user variable missing")
+	}
+}
+
+func TestTemplateMergesIntoTheEngineContainerByName(t *testing.T) {
+	p := builder.PrefillPool("p").Obj()
+	p.Spec.Template = &corev1.PodTemplateSpec{Spec: corev1.PodSpec{
+		PriorityClassName: "inference",
+		Containers: []corev1.Container{
+			{Name: EngineContainer, Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("32")}}},
+			{Name: "sidecar", Image: "busybox"},
+		},
+	}}
+	pol := builder.Policy("push").Obj()
+	w, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := w.StatefulSet.Spec.Template.Spec
+	if spec.PriorityClassName != "inference" || len(spec.Containers) != 2 {
+		t.Fatalf("template not merged: priority %q, %d containers", spec.PriorityClassName, len(spec.Containers))
+	}
+	e := spec.Containers[0]
+	if e.Image != builder.Image || len(e.Args) == 0 {
+		t.Error("merging the template dropped the rendered engine fields")
+	}
+	if cpu := e.Resources.Requests[corev1.ResourceCPU]; cpu.String() != "32" {
+		t.Errorf("cpu request = %s, want 32", cpu.String())
+	}
+	if gpu := e.Resources.Requests[ResourceNvidiaGPU]; gpu.String() != "8" {
+		t.Errorf("gpu request = %s, want the rendered 8 kept", gpu.String())
+	}
+}
+
+func TestRenderRefusesWhatCompatRefuses(t *testing.T) {
+	p := builder.PrefillPool("p").InstanceType("").Obj()
+	pol := builder.Policy("push").Obj()
+	if _, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec}); err == nil {
+		t.Fatal("rendered EFA engines without knowing how many EFA interfaces to request")
+	}
+}
