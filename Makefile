@@ -39,13 +39,28 @@ vet: ## go vet the module.
 verify-generated: controller-gen ## Fail when committed generated files differ from a fresh generation.
 	CONTROLLER_GEN=$(CONTROLLER_GEN) hack/verify-generated.sh
 
+CLUSTER_BINS := kube-apiserver etcd kube-controller-manager kube-scheduler kwok kubectl
+E2E_CLUSTER_DIR ?= $(CACHE)/e2e-cluster
+
 .PHONY: deps
 deps: ## Install what the tests need: apt packages, control-plane binaries (cached under ~/.cache/kvhandoff).
-	hack/install-deps.sh
+	hack/install-deps.sh $(CLUSTER_BINS)
 
 .PHONY: test
-test: deps verify-generated vet ## Run every test tier (unit, envtest) against a real kube-apiserver + etcd.
-	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh)" go test ./... -count=1 -timeout 20m
+test: deps verify-generated vet ## Run every test tier: unit, envtest, and e2e on the simulated cluster.
+	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./... -count=1 -timeout 30m
+
+.PHONY: e2e
+e2e: deps ## Run the end-to-end suite: against $$KUBECONFIG when set, else on a fresh simulated cluster.
+	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./test/e2e -count=1 -timeout 30m -v -ginkgo.v
+
+.PHONY: e2e-cluster-up
+e2e-cluster-up: deps ## Start the simulated cluster in the background; prints the KUBECONFIG to use.
+	hack/e2e-cluster.sh up $(E2E_CLUSTER_DIR)
+
+.PHONY: e2e-cluster-down
+e2e-cluster-down: ## Stop the simulated cluster started by e2e-cluster-up.
+	hack/e2e-cluster.sh down $(E2E_CLUSTER_DIR)
 
 ##@ Build
 

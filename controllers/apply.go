@@ -51,8 +51,14 @@ func (r *PoolReconciler) serverSideApply(ctx context.Context, owner, desired cli
 	delete(u, "status")
 	unstructured.RemoveNestedField(u, "metadata", "creationTimestamp")
 	unstructured.RemoveNestedField(u, "spec", "template", "metadata", "creationTimestamp")
-	return r.Apply(ctx, client.ApplyConfigurationFromUnstructured(&unstructured.Unstructured{Object: u}),
+	err = r.Apply(ctx, client.ApplyConfigurationFromUnstructured(&unstructured.Unstructured{Object: u}),
 		client.FieldOwner(FieldOwner), client.ForceOwnership)
+	if apierrors.IsInvalid(err) {
+		// What kvhandoff renders is valid by construction (the golden files and the
+		// samples prove it); what the pool's template and env add may not be.
+		return &compat.Problem{Reason: kvv1.ReasonInvalidTemplate, Message: fmt.Sprintf("the API server refused the %s this pool renders to; check spec.template and spec.env: %v", desired.GetObjectKind().GroupVersionKind().Kind, err)}
+	}
+	return err
 }
 
 // unchanged reports whether live already is what desired renders.

@@ -118,6 +118,29 @@ var _ = Describe("Conditions for what CEL cannot check", func() {
 			func(d *kvv1.DecodePool) { d.Spec.InstanceType = "p5en.48xlarge" }),
 	)
 
+	It("accepts a partial template and merges it into the engines", func() {
+		ns := freshNamespace()
+		create(ns, builder.Policy("policy").Obj(),
+			builder.PrefillPool("p").Template(`{"spec":{"nodeSelector":{"topology.kubernetes.io/zone":"us-east-2a"}}}`).Obj())
+		Eventually(func() map[string]string { return statefulSet(ns, "p").Spec.Template.Spec.NodeSelector }).Should(Equal(map[string]string{
+			"topology.kubernetes.io/zone": "us-east-2a", "node.kubernetes.io/instance-type": "p5en.48xlarge",
+		}))
+	})
+
+	DescribeTable("reports a template it cannot use as InvalidTemplate, and recovers when it is fixed",
+		func(template, message string) {
+			ns := freshNamespace()
+			p := builder.PrefillPool("p").Template(template).Obj()
+			create(ns, builder.Policy("policy").Obj(), p)
+			expectNotReady(p, kvv1.ReasonInvalidTemplate, message)
+			update(p, func(p *kvv1.PrefillPool) { p.Spec.Template = nil })
+			expectRecovered(p)
+		},
+		Entry("a misspelt field", `{"spec":{"nodeSelecter":{"zone":"a"}}}`, `unknown field "spec.nodeSelecter"`),
+		Entry("a sidecar the API server refuses", `{"spec":{"containers":[{"name":"Not_A_DNS_Label","image":"busybox"}]}}`,
+			"the API server refused the StatefulSet this pool renders to"),
+	)
+
 	It("reports UnsupportedEngineVersion on a PrefillPool too", func() {
 		ns := freshNamespace()
 		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.12.1").Obj()

@@ -113,6 +113,32 @@ var _ = Describe("Lifecycle", func() {
 		Eventually(func() string { return condition(p, kvv1.ConditionReady).Reason }).Should(Equal(kvv1.ReasonEnginesNotReady))
 	})
 
+	It("says which engines the scheduler cannot place and why, and recovers when they are placed", func() {
+		ns, _, _, d := readyPair()
+		update(d, func(d *kvv1.DecodePool) { d.Spec.Replicas = ptr.To[int32](2) })
+		sts := statefulSet(ns, "d")
+		Eventually(func() int32 { return ptr.Deref(statefulSet(ns, "d").Spec.Replicas, 0) }).Should(BeEquivalentTo(2))
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "d-1", Namespace: ns, Labels: sts.Spec.Template.Labels},
+			Spec:       *sts.Spec.Template.Spec.DeepCopy(),
+		}
+		Expect(k8s.Create(ctx, pod)).To(Succeed())
+		const says = "0/8 nodes are available: 2 Insufficient vpc.amazonaws.com/efa, 6 node(s) didn't match Pod's node affinity/selector."
+		pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionFalse, Reason: corev1.PodReasonUnschedulable, Message: says}}
+		Expect(k8s.Status().Update(ctx, pod)).To(Succeed())
+		Eventually(func(g Gomega) {
+			c := condition(d, kvv1.ConditionDegraded)
+			g.Expect(c.Status).To(Equal(metav1.ConditionTrue))
+			g.Expect(c.Reason).To(Equal(kvv1.ReasonEnginesUnschedulable))
+			g.Expect(c.Message).To(Equal("1 engine(s) cannot be scheduled (d-1): " + says))
+			g.Expect(condition(d, kvv1.ConditionReady).Reason).To(Equal(kvv1.ReasonEnginesUnschedulable))
+		}).Should(Succeed())
+
+		pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionTrue}}
+		Expect(k8s.Status().Update(ctx, pod)).To(Succeed())
+		Eventually(func() metav1.ConditionStatus { return condition(d, kvv1.ConditionDegraded).Status }).Should(Equal(metav1.ConditionFalse))
+	})
+
 	It("rolls both pools when their policy changes", func() {
 		ns, pol, _, _ := readyPair()
 		hash := func(name string) string {

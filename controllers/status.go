@@ -51,7 +51,7 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 			st.CompatHash = sts.Spec.Template.Labels[kvv1.LabelCompatHash]
 		}
 	}
-	engines, err := r.engines(ctx, p)
+	engines, unschedulable, err := r.engines(ctx, p)
 	if err != nil {
 		return err
 	}
@@ -67,6 +67,10 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 		set(metav1.Condition{Type: kvv1.ConditionReady, Status: metav1.ConditionFalse, Reason: v.problem.Reason, Message: v.problem.Message})
 		set(metav1.Condition{Type: kvv1.ConditionDegraded, Status: metav1.ConditionTrue, Reason: v.problem.Reason, Message: v.problem.Message})
 		set(metav1.Condition{Type: kvv1.ConditionProgressing, Status: metav1.ConditionFalse, Reason: v.problem.Reason, Message: "nothing is rolled out until the problem in the Degraded condition is fixed; running engines are left as they are"})
+	case unschedulable != "":
+		set(metav1.Condition{Type: kvv1.ConditionReady, Status: metav1.ConditionFalse, Reason: kvv1.ReasonEnginesUnschedulable, Message: unschedulable})
+		set(metav1.Condition{Type: kvv1.ConditionDegraded, Status: metav1.ConditionTrue, Reason: kvv1.ReasonEnginesUnschedulable, Message: unschedulable})
+		set(metav1.Condition{Type: kvv1.ConditionProgressing, Status: metav1.ConditionTrue, Reason: kvv1.ReasonRollingOut, Message: progress(sts, desired)})
 	case ready:
 		msg := fmt.Sprintf("%d/%d engines ready", st.ReadyReplicas, desired)
 		set(metav1.Condition{Type: kvv1.ConditionReady, Status: metav1.ConditionTrue, Reason: kvv1.ReasonEnginesReady, Message: msg})
@@ -155,16 +159,28 @@ func paired(st *kvv1.PoolStatus, v *validation) metav1.Condition {
 	return c
 }
 
-// engines lists the identity of every engine pod that has an IP, in pod-name order.
-func (r *PoolReconciler) engines(ctx context.Context, p pool) ([]kvv1.EngineStatus, error) {
+// engines lists the identity of every engine pod that has an IP, in pod-name order, and
+// says which engines the scheduler cannot place and why ("" when it can place them all).
+func (r *PoolReconciler) engines(ctx context.Context, p pool) ([]kvv1.EngineStatus, string, error) {
 	pods := &corev1.PodList{}
 	if err := r.List(ctx, pods, client.InNamespace(p.object().GetNamespace()), client.MatchingLabels(render.SelectorLabels(p.role(), p.object().GetName()))); err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	spec := p.engine()
 	var out []kvv1.EngineStatus
+	var pending []string
+	schedulerSays := ""
 	for _, pod := range pods.Items {
-		if pod.Status.PodIP == "" || pod.DeletionTimestamp != nil {
+		if pod.DeletionTimestamp != nil {
+			continue
+		}
+		for _, c := range pod.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable {
+				pending = append(pending, pod.Name)
+				schedulerSays = c.Message
+			}
+		}
+		if pod.Status.PodIP == "" {
 			continue
 		}
 		out = append(out, kvv1.EngineStatus{
@@ -178,5 +194,9 @@ func (r *PoolReconciler) engines(ctx context.Context, p pool) ([]kvv1.EngineStat
 		})
 	}
 	slices.SortFunc(out, func(a, b kvv1.EngineStatus) int { return strings.Compare(a.PodName, b.PodName) })
-	return out, nil
+	if len(pending) == 0 {
+		return out, "", nil
+	}
+	slices.Sort(pending)
+	return out, fmt.Sprintf("%d engine(s) cannot be scheduled (%s): %s", len(pending), strings.Join(pending, ", "), schedulerSays), nil
 }

@@ -6,13 +6,14 @@
 #   hack/control-plane-bins.sh [binary...]   default: kube-apiserver etcd
 #
 # Binaries: kube-apiserver kube-scheduler kube-controller-manager kubectl (from hack/tools/kube,
-# the version pinned there) and etcd (from hack/tools/etcd). A cached binary is reused as long
+# the version pinned there), etcd (from hack/tools/etcd) and kwok (from hack/tools/kwok). A cached binary is reused as long
 # as the helper module's go.sum is unchanged; a second run takes well under a second.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 kube_mod=$here/tools/kube
 etcd_mod=$here/tools/etcd
+kwok_mod=$here/tools/kwok
 version=$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3}' "$kube_mod/go.mod")
 cache=${KVHANDOFF_CACHE:-$HOME/.cache/kvhandoff}/k8s/$version
 mkdir -p "$cache"
@@ -45,7 +46,18 @@ for b in "${bins[@]}"; do
       build "$b" "$kube_mod" "k8s.io/kubernetes/cmd/$b" "$kube_ld" ;;
     etcd)
       build etcd "$etcd_mod" go.etcd.io/etcd/server/v3 "" ;;
-    *) echo "control-plane-bins: unknown binary '$b' (want kube-apiserver, kube-scheduler, kube-controller-manager, kubectl or etcd)" >&2; exit 2 ;;
+    kwok)
+      build kwok "$kwok_mod" sigs.k8s.io/kwok/cmd/kwok ""
+      # KWOK simulates node and pod lifecycles by Stage configs that ship in its module:
+      # nodes become Ready and keep a heartbeat; pods become Running and are deleted.
+      if [ ! -s "$cache/kwok-stages.yaml" ]; then
+        src=$(cd "$kwok_mod" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)/kustomize/stage
+        for f in node/fast/node-initialize node/heartbeat/node-heartbeat pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete; do
+          printf -- '---\n'; cat "$src/$f.yaml"
+        done > "$cache/kwok-stages.yaml.tmp"
+        mv "$cache/kwok-stages.yaml.tmp" "$cache/kwok-stages.yaml"
+      fi ;;
+    *) echo "control-plane-bins: unknown binary '$b' (want kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, etcd or kwok)" >&2; exit 2 ;;
   esac
 done
 echo "$cache"

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# make demo: a real kube-apiserver + etcd on loopback, kvhandoff's CRDs, the samples
-# applied, and what the API server returns for them. Everything it starts is stopped on exit.
+# make demo: the whole operator on a simulated cluster. A real kube-apiserver, etcd,
+# kube-controller-manager and kube-scheduler on loopback, KWOK playing the kubelets of
+# fake p5en and trn2 nodes, kvhandoff installed from config/default, its manager running,
+# the samples applied. Everything it starts is stopped on exit.
 #
-#   DEMO_KEEP=1 make demo   keeps the control plane up until Ctrl-C, for kubectl by hand.
+#   DEMO_KEEP=1 make demo   keeps the cluster up until Ctrl-C, for kubectl by hand.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 bold() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# until_ok 'CONDITION': evaluate the shell condition every 0.1 s until it holds, for up to
+# 60 s (the demo's only waiting; the tests use Eventually).
+until_ok() {
+  for _ in $(seq 1 600); do eval "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done
+  echo "demo: timed out waiting for: $1" >&2; return 1
+}
 
-assets=$(hack/control-plane-bins.sh kube-apiserver etcd kubectl)
+assets=$(hack/control-plane-bins.sh kube-apiserver etcd kube-controller-manager kube-scheduler kwok kubectl)
 kubectl=$assets/kubectl
 work=$(mktemp -d /tmp/kvhandoff-demo.XXXXXX)
 export KUBECONFIG=$work/kubeconfig
@@ -20,74 +28,58 @@ cleanup() {
     kill -TERM "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   done
-  rm -rf "$work"
+  [ -n "${DEMO_DEBUG:-}" ] || rm -rf "$work"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-bold "starting kube-apiserver and etcd on loopback (binaries from $assets)"
+bold "starting the simulated cluster on loopback (binaries built from Go modules, in $assets)"
 go build -o "$work/localcluster" ./hack/localcluster
-KUBEBUILDER_ASSETS=$assets "$work/localcluster" --write-kubeconfig "$KUBECONFIG" >"$work/cluster.log" 2>&1 &
+go build -o "$work/manager" ./cmd/manager
+mkdir -p "$work/logs"
+KUBEBUILDER_ASSETS=$assets "$work/localcluster" --write-kubeconfig "$KUBECONFIG" --log-dir "$work/logs" >"$work/logs/localcluster.log" 2>&1 &
 cluster_pid=$!
-for _ in $(seq 1 600); do
+for _ in $(seq 1 1200); do
   [ -s "$KUBECONFIG" ] && break
-  if ! kill -0 "$cluster_pid" 2>/dev/null; then
-    echo "the local control plane failed to start:" >&2; cat "$work/cluster.log" >&2; exit 1
-  fi
+  kill -0 "$cluster_pid" 2>/dev/null || { echo "the simulated cluster failed to start:" >&2; tail -n 20 "$work/logs/"*.log >&2; exit 1; }
   sleep 0.1
 done
-[ -s "$KUBECONFIG" ] || { echo "the local control plane did not come up in 60s:" >&2; cat "$work/cluster.log" >&2; exit 1; }
-head -1 "$work/cluster.log"
+[ -s "$KUBECONFIG" ] || { echo "the simulated cluster did not come up in 2 minutes" >&2; exit 1; }
 "$kubectl" version 2>/dev/null | sed 's/^/  /'
+"$kubectl" get nodes \
+  -o custom-columns='NODE:.metadata.name,READY:.status.conditions[?(@.type=="Ready")].status,INSTANCE-TYPE:.metadata.labels.node\.kubernetes\.io/instance-type,ZONE:.metadata.labels.topology\.kubernetes\.io/zone,GPU:.status.allocatable.nvidia\.com/gpu,NEURON:.status.allocatable.aws\.amazon\.com/neuron,EFA:.status.allocatable.vpc\.amazonaws\.com/efa'
 
-bold "kvhandoff CRDs installed"
-"$kubectl" get crd -o custom-columns=NAME:.metadata.name,SHORT:.spec.names.shortNames,SCOPE:.spec.scope
-
-bold "kubectl apply --server-side -k config/default   (CRDs, RBAC, manager Deployment: the install a cluster gets)"
+bold "kubectl apply --server-side -k config/default   (CRDs, generated RBAC, the manager's Deployment)"
 "$kubectl" apply --server-side -k config/default | sed 's/^/  /'
 
-bold "starting the manager locally (the binary of the image; no kubelet runs its Deployment here)"
-go build -o "$work/manager" ./cmd/manager
-"$work/manager" --kubeconfig "$KUBECONFIG" --metrics-bind-address=0 --health-probe-bind-address=127.0.0.1:0 >"$work/manager.log" 2>&1 &
+bold "running the manager binary (the image's) against the cluster"
+"$work/manager" --kubeconfig "$KUBECONFIG" --metrics-bind-address=0 --health-probe-bind-address=0 >"$work/logs/manager.log" 2>&1 &
 manager_pid=$!
 
-bold "kubectl apply --server-side -k config/samples"
-"$kubectl" apply --server-side -k config/samples
+bold "kubectl apply --server-side -k config/samples   (a P5en push pair and a trn2 pull pair)"
+"$kubectl" apply --server-side -k config/samples | sed 's/^/  /'
 
-bold "the engines the manager rendered"
-for i in $(seq 1 300); do
-  [ "$("$kubectl" get statefulsets -o name | wc -l)" -ge 4 ] && break
-  kill -0 "$manager_pid" 2>/dev/null || { echo "the manager exited:" >&2; cat "$work/manager.log" >&2; exit 1; }
-  sleep 0.1
-done
-"$kubectl" get statefulsets,services -l app.kubernetes.io/managed-by=kvhandoff -L kvhandoff.io/role
-for pool in qwen3-32b-prefill qwen3-32b-decode llama-70b-decode; do
-  bold "engine container of $pool"
-  "$kubectl" get statefulset "$pool" -o go-template-file=hack/engine.gotmpl
-done
-
-bold "pool conditions (no kubelets here, so engines are created but never ready)"
-"$kubectl" get pfp,dcp -o custom-columns='KIND:.kind,NAME:.metadata.name,READY:.status.conditions[?(@.type=="Ready")].reason,DEGRADED:.status.conditions[?(@.type=="Degraded")].status,PAIRED:.status.conditions[?(@.type=="Paired")].reason,MESSAGE:.status.conditions[?(@.type=="Ready")].message'
+bold "the engines the scheduler placed (decode never on a node of its prefill pool, both in one zone)"
+until_ok 'test "$("$kubectl" get pods --field-selector=status.phase=Running -o name | wc -l)" -ge 4'
+"$kubectl" get pods -o custom-columns='POD:.metadata.name,ROLE:.metadata.labels.kvhandoff\.io/role,NODE:.spec.nodeName,POD-IP:.status.podIP,PHASE:.status.phase,COMPAT-HASH:.metadata.labels.kvhandoff\.io/compat-hash'
 
 bold "kubectl get kvtp,pfp,dcp -o wide"
+until_ok 'test "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.status.conditions[?(@.type=="Paired")].status}'\'')" = True'
 "$kubectl" get kvtp,pfp,dcp -o wide
 
-bold "defaults filled in by the API server's schema: kubectl get kvtp trn2-pull -o jsonpath='{.spec}'"
-"$kubectl" get kvtp trn2-pull -o jsonpath='{.spec}'
-echo
+bold "what a router reads: kubectl get dcp qwen3-32b-decode -o jsonpath='{.status.engines}'"
+"$kubectl" get dcp qwen3-32b-decode -o jsonpath='{.status.engines}'; echo
+bold "pool conditions"
+"$kubectl" get pfp,dcp -o custom-columns='KIND:.kind,NAME:.metadata.name,READY:.status.conditions[?(@.type=="Ready")].reason,DEGRADED:.status.conditions[?(@.type=="Degraded")].status,PAIRED:.status.conditions[?(@.type=="Paired")].reason,MESSAGE:.status.conditions[?(@.type=="Ready")].message'
 
-bold "an invalid policy is refused: push with bidirectional KV (kubectl apply --dry-run=server)"
-bad=$(cat <<'YAML'
-apiVersion: kvhandoff.io/v1alpha1
-kind: KVTransferPolicy
-metadata:
-  name: push-bidirectional
-spec:
-  mode: Push
-  bidirectional: true
-YAML
-)
-echo "$bad" | sed 's/^/  /'
+bold "the engine container the manager rendered for qwen3-32b-decode"
+"$kubectl" get statefulset qwen3-32b-decode -o go-template-file=hack/engine.gotmpl
+bold "... and for llama-70b-prefill (trn2, pull)"
+"$kubectl" get statefulset llama-70b-prefill -o go-template-file=hack/engine.gotmpl
+
+bold "an invalid policy is refused at apply time: push with bidirectional KV (--dry-run=server)"
+bad='{"apiVersion":"kvhandoff.io/v1alpha1","kind":"KVTransferPolicy","metadata":{"name":"push-bidirectional"},"spec":{"mode":"Push","bidirectional":true}}'
+echo "  $bad"
 if echo "$bad" | "$kubectl" apply --dry-run=server -f - 2>"$work/err"; then
   echo "demo: the API server accepted an invalid policy" >&2; exit 1
 fi
@@ -95,7 +87,7 @@ sed 's/^/  /' "$work/err"
 grep -q 'mode: Push does not support bidirectional KV' "$work/err"
 
 bold "an invalid pair is reported, not rendered: a TP 4 decode pool for the TP 8 prefill pool"
-"$kubectl" apply --server-side -f - <<'YAML'
+"$kubectl" apply --server-side -f - <<'YAML' | sed 's/^/  /'
 apiVersion: kvhandoff.io/v1alpha1
 kind: DecodePool
 metadata:
@@ -109,29 +101,24 @@ spec:
   transferPolicyRef: {name: p5en-push}
   prefillPoolRef: {name: qwen3-32b-prefill}
 YAML
-for i in $(seq 1 300); do
-  reason=$("$kubectl" get dcp qwen3-32b-decode-tp4 -o jsonpath='{.status.conditions[?(@.type=="Ready")].reason}')
-  [ -n "$reason" ] && break
-  sleep 0.1
-done
+until_ok 'test -n "$("$kubectl" get dcp qwen3-32b-decode-tp4 -o jsonpath='\''{.status.conditions[?(@.type=="Ready")].reason}'\'')"'
 "$kubectl" get dcp qwen3-32b-decode-tp4 -o jsonpath='{range .status.conditions[*]}  {.type}={.status} {.reason}: {.message}{"\n"}{end}'
+reason=$("$kubectl" get dcp qwen3-32b-decode-tp4 -o jsonpath='{.status.conditions[?(@.type=="Ready")].reason}')
 [ "$reason" = TensorParallelMismatch ] || { echo "demo: expected TensorParallelMismatch, got '$reason'" >&2; exit 1; }
 if "$kubectl" get statefulset qwen3-32b-decode-tp4 >/dev/null 2>&1; then
   echo "demo: an invalid pair got engines" >&2; exit 1
 fi
-"$kubectl" get events --field-selector involvedObject.name=qwen3-32b-decode-tp4 -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message | head -5
+"$kubectl" delete dcp qwen3-32b-decode-tp4 >/dev/null
 
-bold "scaling through /scale: kubectl scale dcp qwen3-32b-decode --replicas=3"
-"$kubectl" scale dcp qwen3-32b-decode --replicas=3
-for i in $(seq 1 300); do
-  [ "$("$kubectl" get statefulset qwen3-32b-decode -o jsonpath='{.spec.replicas}')" = 3 ] && break
-  sleep 0.1
-done
-"$kubectl" get dcp qwen3-32b-decode
-"$kubectl" get statefulset qwen3-32b-decode
+bold "kubectl scale dcp qwen3-32b-decode --replicas=4   (more engines than one zone has free nodes)"
+"$kubectl" scale dcp qwen3-32b-decode --replicas=4 | sed 's/^/  /'
+until_ok 'test "$("$kubectl" get pods -l kvhandoff.io/pool=qwen3-32b-decode -o name | wc -l)" -eq 4'
+until_ok 'test -n "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.status.conditions[?(@.reason=="EnginesUnschedulable")].message}'\'')"'
+"$kubectl" get pods -l kvhandoff.io/pool=qwen3-32b-decode -o custom-columns='POD:.metadata.name,NODE:.spec.nodeName,PHASE:.status.phase'
+"$kubectl" get dcp qwen3-32b-decode -o jsonpath='{range .status.conditions[?(@.type=="Degraded")]}  {.type}={.status} {.reason}: {.message}{"\n"}{end}'
 
 if [ "${DEMO_KEEP:-}" = 1 ]; then
-  bold "control plane kept up: export KUBECONFIG=$KUBECONFIG   (Ctrl-C stops it)"
+  bold "cluster kept up: export KUBECONFIG=$KUBECONFIG   (Ctrl-C stops it)"
   wait "$cluster_pid"
 fi
-bold "demo done; stopping the control plane"
+bold "demo done; stopping the cluster"

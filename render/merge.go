@@ -1,41 +1,42 @@
 package render
 
 import (
-	"encoding/json"
 	"fmt"
+	"strings"
 
+	"encoding/json"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/strategicpatch"
+	sigsjson "sigs.k8s.io/json"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/compat"
 )
 
 // mergeTemplate merges the pool's template over the rendered pod template with
 // Kubernetes' strategic merge: containers, volumes and env merge by name, maps merge by
-// key, everything else the template sets replaces the rendered value.
-func mergeTemplate(rendered *corev1.PodTemplateSpec, user *corev1.PodTemplateSpec) (*corev1.PodTemplateSpec, error) {
-	if user == nil {
+// key, everything else the template sets replaces the rendered value. The template is
+// decoded strictly first, so a misspelt field is reported instead of silently ignored.
+func mergeTemplate(rendered *corev1.PodTemplateSpec, user *runtime.RawExtension) (*corev1.PodTemplateSpec, error) {
+	if user == nil || len(user.Raw) == 0 {
 		return rendered, nil
+	}
+	var check corev1.PodTemplateSpec
+	strictErrs, err := sigsjson.UnmarshalStrict(user.Raw, &check)
+	if err == nil && len(strictErrs) > 0 {
+		err = joinErrors(strictErrs)
+	}
+	if err != nil {
+		return nil, &compat.Problem{Reason: kvv1.ReasonInvalidTemplate, Message: fmt.Sprintf("spec.template is not a pod template: %v", err)}
 	}
 	base, err := json.Marshal(rendered)
 	if err != nil {
 		return nil, err
 	}
-	patch, err := json.Marshal(user)
+	merged, err := strategicpatch.StrategicMergePatch(base, user.Raw, corev1.PodTemplateSpec{})
 	if err != nil {
-		return nil, err
-	}
-	// A typed template marshals unset lists as null, which a strategic merge patch reads
-	// as "delete": drop the nulls so only what the user wrote takes effect.
-	var patchMap map[string]any
-	if err := json.Unmarshal(patch, &patchMap); err != nil {
-		return nil, err
-	}
-	dropNulls(patchMap)
-	if patch, err = json.Marshal(patchMap); err != nil {
-		return nil, err
-	}
-	merged, err := strategicpatch.StrategicMergePatch(base, patch, corev1.PodTemplateSpec{})
-	if err != nil {
-		return nil, fmt.Errorf("merging spec.template into the rendered pod: %w", err)
+		return nil, &compat.Problem{Reason: kvv1.ReasonInvalidTemplate, Message: fmt.Sprintf("spec.template cannot be merged into the engine pod: %v", err)}
 	}
 	out := &corev1.PodTemplateSpec{}
 	if err := json.Unmarshal(merged, out); err != nil {
@@ -44,19 +45,10 @@ func mergeTemplate(rendered *corev1.PodTemplateSpec, user *corev1.PodTemplateSpe
 	return out, nil
 }
 
-func dropNulls(m map[string]any) {
-	for k, v := range m {
-		switch v := v.(type) {
-		case nil:
-			delete(m, k)
-		case map[string]any:
-			dropNulls(v)
-		case []any:
-			for _, item := range v {
-				if im, ok := item.(map[string]any); ok {
-					dropNulls(im)
-				}
-			}
-		}
+func joinErrors(errs []error) error {
+	msgs := make([]string, len(errs))
+	for i, e := range errs {
+		msgs[i] = e.Error()
 	}
+	return fmt.Errorf("%s", strings.Join(msgs, "; "))
 }

@@ -3,6 +3,7 @@ package render
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"flag"
 	"os"
 	"path/filepath"
@@ -11,10 +12,10 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	"sigs.k8s.io/yaml"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/compat"
 	"github.com/kvhandoff/kvhandoff/test/builder"
 )
 
@@ -192,14 +193,12 @@ func TestUserEnvReplacesRenderedEnvInPlace(t *testing.T) {
 }
 
 func TestTemplateMergesIntoTheEngineContainerByName(t *testing.T) {
-	p := builder.PrefillPool("p").Obj()
-	p.Spec.Template = &corev1.PodTemplateSpec{Spec: corev1.PodSpec{
-		PriorityClassName: "inference",
-		Containers: []corev1.Container{
-			{Name: EngineContainer, Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("32")}}},
-			{Name: "sidecar", Image: "busybox"},
-		},
-	}}
+	p := builder.PrefillPool("p").Template(`{"spec": {
+		"priorityClassName": "inference",
+		"nodeSelector": {"topology.kubernetes.io/zone": "us-east-2a"},
+		"containers": [
+			{"name": "engine", "resources": {"requests": {"cpu": "32"}}},
+			{"name": "sidecar", "image": "busybox"}]}}`).Obj()
 	pol := builder.Policy("push").Obj()
 	w, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
 	if err != nil {
@@ -208,6 +207,9 @@ func TestTemplateMergesIntoTheEngineContainerByName(t *testing.T) {
 	spec := w.StatefulSet.Spec.Template.Spec
 	if spec.PriorityClassName != "inference" || len(spec.Containers) != 2 {
 		t.Fatalf("template not merged: priority %q, %d containers", spec.PriorityClassName, len(spec.Containers))
+	}
+	if spec.NodeSelector["topology.kubernetes.io/zone"] != "us-east-2a" || spec.NodeSelector["node.kubernetes.io/instance-type"] != "p5en.48xlarge" {
+		t.Errorf("node selectors not merged by key: %v", spec.NodeSelector)
 	}
 	e := spec.Containers[0]
 	if e.Image != builder.Image || len(e.Args) == 0 {
@@ -218,6 +220,16 @@ func TestTemplateMergesIntoTheEngineContainerByName(t *testing.T) {
 	}
 	if gpu := e.Resources.Requests[ResourceNvidiaGPU]; gpu.String() != "8" {
 		t.Errorf("gpu request = %s, want the rendered 8 kept", gpu.String())
+	}
+}
+
+func TestTemplateWithUnknownFieldsIsRefusedNamingThem(t *testing.T) {
+	p := builder.PrefillPool("p").Template(`{"spec": {"nodeSelecter": {"a": "b"}}}`).Obj()
+	pol := builder.Policy("push").Obj()
+	_, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+	var prob *compat.Problem
+	if !errors.As(err, &prob) || prob.Reason != kvv1.ReasonInvalidTemplate || !strings.Contains(prob.Message, `unknown field "spec.nodeSelecter"`) {
+		t.Fatalf("err = %v, want InvalidTemplate naming spec.nodeSelecter", err)
 	}
 }
 

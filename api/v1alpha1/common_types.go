@@ -3,6 +3,7 @@ package v1alpha1
 import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 )
 
 // AcceleratorType names the kind of accelerator an engine runs on.
@@ -128,11 +129,17 @@ type EngineSpec struct {
 	// +optional
 	Env []corev1.EnvVar `json:"env,omitempty"`
 
-	// template is a pod template merged over the rendered engine pod last, for what this API
-	// does not cover (node affinity, extra volumes, sidecars, security context). Containers
-	// are merged by name; the engine container is named "engine".
+	// template is a partial pod template (metadata and spec, as in a Deployment) merged over
+	// the rendered engine pod last, with Kubernetes' strategic merge, for what this API does
+	// not cover: node selectors, affinity, extra volumes, sidecars, priority class. Containers
+	// merge by name; the engine container is named "engine". It may be partial, so the API
+	// server stores it as written; the manager decodes it strictly and reports unknown
+	// fields, and anything the API server refuses in the result, as the InvalidTemplate
+	// condition.
+	// +kubebuilder:validation:Type=object
+	// +kubebuilder:pruning:PreserveUnknownFields
 	// +optional
-	Template *corev1.PodTemplateSpec `json:"template,omitempty"`
+	Template *runtime.RawExtension `json:"template,omitempty"`
 }
 
 // EngineStatus is the identity of one running engine, published so that a router can
@@ -245,6 +252,9 @@ const (
 	ReasonUnknownInstanceType = "UnknownInstanceType"
 	// ReasonInstanceTypeMismatch: the instance type carries another kind of accelerator than the pool asks for.
 	ReasonInstanceTypeMismatch = "InstanceTypeMismatch"
+	// ReasonInvalidTemplate: spec.template has unknown fields, or the API server refused the
+	// engine workload it produced.
+	ReasonInvalidTemplate = "InvalidTemplate"
 	// ReasonNameConflict: a workload with the pool's name exists and belongs to something else.
 	ReasonNameConflict = "NameConflict"
 
@@ -252,6 +262,9 @@ const (
 	ReasonEnginesReady = "EnginesReady"
 	// ReasonEnginesNotReady: some engines are not ready or not yet updated.
 	ReasonEnginesNotReady = "EnginesNotReady"
+	// ReasonEnginesUnschedulable: the scheduler cannot place some engines (capacity,
+	// instance type, placement rules); the message carries the scheduler's reason.
+	ReasonEnginesUnschedulable = "EnginesUnschedulable"
 	// ReasonRollingOut: engines are being created, updated or scaled.
 	ReasonRollingOut = "RollingOut"
 	// ReasonRolledOut: every engine runs the current configuration.

@@ -1,64 +1,67 @@
-// Command localcluster runs a loopback-only kube-apiserver and etcd (the binaries
-// hack/control-plane-bins.sh builds), installs kvhandoff's CRDs, writes an admin
-// kubeconfig and serves until it is interrupted. make demo uses it.
+// Command localcluster runs a loopback-only control plane for make demo and
+// make e2e-cluster-up: kube-apiserver and etcd with kvhandoff's CRDs, and with
+// --simulated also kube-controller-manager, kube-scheduler and KWOK with the simulated
+// accelerator nodes of test/cluster/nodes.yaml. It writes an admin kubeconfig and serves
+// until it is interrupted.
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"syscall"
 
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
-
-	"github.com/kvhandoff/kvhandoff/controllers"
-	kvenvtest "github.com/kvhandoff/kvhandoff/test/envtest"
+	"github.com/kvhandoff/kvhandoff/test/cluster"
 )
 
 func main() {
 	kubeconfig := flag.String("write-kubeconfig", "", "path to write the admin kubeconfig to (required)")
+	logDir := flag.String("log-dir", "", "folder for the processes' logs (default: a new temporary folder)")
+	nodes := flag.String("nodes", cluster.NodesFile(), "the simulated nodes' description")
 	flag.Parse()
 	if *kubeconfig == "" {
 		fmt.Fprintln(os.Stderr, "localcluster: --write-kubeconfig is required")
 		os.Exit(2)
 	}
-	if err := run(*kubeconfig); err != nil {
+	if err := run(*kubeconfig, *logDir, *nodes); err != nil {
 		fmt.Fprintln(os.Stderr, "localcluster:", err)
 		os.Exit(1)
 	}
 }
 
-func run(kubeconfig string) error {
-	env, err := kvenvtest.Start(controllers.NewScheme())
+func run(kubeconfig, logDir, nodes string) error {
+	if logDir == "" {
+		var err error
+		if logDir, err = os.MkdirTemp("", "kvhandoff-cluster-"); err != nil {
+			return err
+		}
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	c, err := cluster.Start(ctx, nodes, logDir)
 	if err != nil {
 		return err
 	}
 	defer func() {
-		if err := env.Stop(); err != nil {
+		if err := c.Stop(); err != nil {
 			fmt.Fprintln(os.Stderr, "localcluster: stopping:", err)
 		}
 	}()
-
-	admin, err := env.ControlPlane.AddUser(envtest.User{Name: "kvhandoff-admin", Groups: []string{"system:masters"}}, nil)
-	if err != nil {
-		return fmt.Errorf("adding the admin user: %w", err)
-	}
-	data, err := admin.KubeConfig()
+	// Copy, then rename, so a reader that waits for the file never sees half of it.
+	data, err := os.ReadFile(c.Kubeconfig)
 	if err != nil {
 		return err
 	}
-	// Write then rename, so a reader that waits for the file never sees half of it.
 	if err := os.WriteFile(kubeconfig+".tmp", data, 0o600); err != nil {
 		return err
 	}
 	if err := os.Rename(kubeconfig+".tmp", kubeconfig); err != nil {
 		return err
 	}
-	fmt.Printf("kube-apiserver serving at %s; kubeconfig %s\n", env.Config.Host, kubeconfig)
-
-	stop := make(chan os.Signal, 1)
-	signal.Notify(stop, syscall.SIGINT, syscall.SIGTERM)
-	<-stop
+	fmt.Printf("simulated cluster up: kubeconfig %s, logs in %s\n", kubeconfig, filepath.Clean(logDir))
+	<-ctx.Done()
 	return nil
 }

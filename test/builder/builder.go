@@ -9,6 +9,7 @@ package builder
 import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/utils/ptr"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -164,6 +165,12 @@ func (b *PoolBuilder[P]) Policy(name string) *PoolBuilder[P] {
 }
 func (b *PoolBuilder[P]) EngineArgs(args ...string) *PoolBuilder[P] {
 	b.spec.EngineArgs = args
+	return b
+}
+
+// Template sets the pool's partial pod template, as the JSON a user would write.
+func (b *PoolBuilder[P]) Template(json string) *PoolBuilder[P] {
+	b.spec.Template = &runtime.RawExtension{Raw: []byte(json)}
 	return b
 }
 

@@ -34,10 +34,8 @@ func RepoRoot() string {
 
 // Start starts kube-apiserver and etcd, installs the CRDs from config/crd/bases and
 // returns a client for scheme s.
-// The binaries come from $KUBEBUILDER_ASSETS, or else from hack/control-plane-bins.sh,
-// which builds them on first use and answers from its cache afterwards.
 func Start(s *k8sruntime.Scheme) (*Env, error) {
-	assets, err := binaryAssets()
+	assets, err := Binaries("kube-apiserver", "etcd")
 	if err != nil {
 		return nil, err
 	}
@@ -58,15 +56,27 @@ func Start(s *k8sruntime.Scheme) (*Env, error) {
 	return &Env{Environment: env, Config: cfg, Scheme: s, Client: client.WithFieldValidation(c, "Strict")}, nil
 }
 
-func binaryAssets() (string, error) {
-	if dir := os.Getenv("KUBEBUILDER_ASSETS"); dir != "" {
+// Binaries returns the folder that holds the named control-plane binaries:
+// $KUBEBUILDER_ASSETS when it has them all, or else the cache that
+// hack/control-plane-bins.sh fills (building what is missing, once).
+func Binaries(names ...string) (string, error) {
+	if dir := os.Getenv("KUBEBUILDER_ASSETS"); dir != "" && hasAll(dir, names) {
 		return dir, nil
 	}
-	cmd := exec.Command(filepath.Join(RepoRoot(), "hack", "control-plane-bins.sh"))
+	cmd := exec.Command(filepath.Join(RepoRoot(), "hack", "control-plane-bins.sh"), names...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.Output()
 	if err != nil {
-		return "", fmt.Errorf("KUBEBUILDER_ASSETS is unset and hack/control-plane-bins.sh failed: %w", err)
+		return "", fmt.Errorf("building the control-plane binaries %v with hack/control-plane-bins.sh: %w", names, err)
 	}
 	return strings.TrimSpace(string(out)), nil
+}
+
+func hasAll(dir string, names []string) bool {
+	for _, n := range names {
+		if _, err := os.Stat(filepath.Join(dir, n)); err != nil {
+			return false
+		}
+	}
+	return true
 }

@@ -1,0 +1,84 @@
+package cluster
+
+import (
+	"fmt"
+	"os"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
+)
+
+// kwokNodeAnnotation marks the nodes KWOK manages.
+const kwokNodeAnnotation = "kwok.x-k8s.io/node"
+
+// nodeDescription is the format of nodes.yaml.
+type nodeDescription struct {
+	InstanceTypes map[string]struct {
+		Capacity map[corev1.ResourceName]string `json:"capacity"`
+		Labels   map[string]string              `json:"labels"`
+		Taints   []corev1.Taint                 `json:"taints"`
+	} `json:"instanceTypes"`
+	NodeGroups []struct {
+		Name         string `json:"name"`
+		InstanceType string `json:"instanceType"`
+		Zone         string `json:"zone"`
+		Count        int    `json:"count"`
+	} `json:"nodeGroups"`
+}
+
+// Nodes reads a node description and returns the Nodes it describes, with the labels,
+// taints, capacity and allocatable an EKS node of each instance type carries.
+func Nodes(path string) ([]*corev1.Node, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var d nodeDescription
+	if err := yaml.UnmarshalStrict(data, &d); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	var nodes []*corev1.Node
+	for _, g := range d.NodeGroups {
+		it, ok := d.InstanceTypes[g.InstanceType]
+		if !ok {
+			return nil, fmt.Errorf("%s: node group %s names instance type %q, which instanceTypes does not describe", path, g.Name, g.InstanceType)
+		}
+		capacity := corev1.ResourceList{}
+		for name, q := range it.Capacity {
+			v, err := resource.ParseQuantity(q)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %s capacity %s: %w", path, g.InstanceType, name, err)
+			}
+			capacity[name] = v
+		}
+		for i := range g.Count {
+			name := fmt.Sprintf("%s-%d", g.Name, i)
+			labels := map[string]string{
+				"kubernetes.io/hostname":           name,
+				"kubernetes.io/os":                 "linux",
+				"kubernetes.io/arch":               "amd64",
+				"node.kubernetes.io/instance-type": g.InstanceType,
+				"topology.kubernetes.io/zone":      g.Zone,
+				"topology.kubernetes.io/region":    strings.TrimRight(g.Zone, "abcdef"),
+				"eks.amazonaws.com/nodegroup":      g.Name,
+				"type":                             "kwok",
+			}
+			for k, v := range it.Labels {
+				labels[k] = v
+			}
+			nodes = append(nodes, &corev1.Node{
+				ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels, Annotations: map[string]string{kwokNodeAnnotation: "fake"}},
+				Spec:       corev1.NodeSpec{Taints: append([]corev1.Taint(nil), it.Taints...)},
+				Status: corev1.NodeStatus{
+					Capacity:    capacity,
+					Allocatable: capacity.DeepCopy(),
+					NodeInfo:    corev1.NodeSystemInfo{Architecture: "amd64", OperatingSystem: "linux", KubeletVersion: "fake"},
+				},
+			})
+		}
+	}
+	return nodes, nil
+}

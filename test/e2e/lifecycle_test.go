@@ -1,0 +1,169 @@
+package e2e
+
+import (
+	"strings"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+)
+
+// inZoneA keeps the sample's prefill pool in zone us-east-2a (four p5en nodes), so that
+// specs that need spare nodes next to it have them. It uses the pool's template, the way
+// a user pins what the API does not cover.
+func inZoneA(ns string) {
+	mustKubectl(ns, "patch", "pfp", "qwen3-32b-prefill", "--type=merge", "-p",
+		`{"spec":{"template":{"spec":{"nodeSelector":{"topology.kubernetes.io/zone":"us-east-2a"}}}}}`)
+}
+
+var _ = Describe("Lifecycle", func() {
+	It("scales through /scale with kubectl scale, reports engines that do not fit, and recovers when scaled back", func() {
+		ns := namespace()
+		applySample(ns, "p5en-push.yaml")
+		inZoneA(ns)
+		running(ns, "qwen3-32b-prefill", kvv1.RolePrefill, 1)
+
+		By("scaling decode to 3: zone A has four p5en nodes, one of them taken by prefill")
+		mustKubectl(ns, "scale", "dcp", "qwen3-32b-decode", "--replicas=3")
+		running(ns, "qwen3-32b-decode", kvv1.RoleDecode, 3)
+
+		By("scaling decode to 5: one engine cannot fit")
+		mustKubectl(ns, "scale", "dcp", "qwen3-32b-decode", "--replicas=5")
+		Eventually(func(g Gomega) {
+			c := conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionDegraded)
+			g.Expect(c.Reason).To(Equal(kvv1.ReasonEnginesUnschedulable))
+			g.Expect(c.Message).To(ContainSubstring("Insufficient vpc.amazonaws.com/efa"))
+			g.Expect(c.Message).To(ContainSubstring("qwen3-32b-decode-3"))
+		}).Should(Succeed())
+		Expect(conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionReady).Status).To(Equal(metav1.ConditionFalse))
+
+		By("scaling back to 1")
+		mustKubectl(ns, "scale", "dcp", "qwen3-32b-decode", "--replicas=1")
+		Eventually(func(g Gomega) {
+			st := poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode)
+			g.Expect(conditionOf(st, kvv1.ConditionDegraded).Status).To(Equal(metav1.ConditionFalse))
+			g.Expect(conditionOf(st, kvv1.ConditionReady).Status).To(Equal(metav1.ConditionTrue))
+			g.Expect(st.Engines).To(HaveLen(1))
+		}).Should(Succeed())
+	})
+
+	It("reschedules engines off a drained node and updates their identity", func() {
+		ns := namespace()
+		applySample(ns, "p5en-push.yaml")
+		inZoneA(ns)
+		running(ns, "qwen3-32b-prefill", kvv1.RolePrefill, 1)
+		before := running(ns, "qwen3-32b-decode", kvv1.RoleDecode, 1)[0]
+
+		By("cordoning and draining " + before.Spec.NodeName)
+		mustKubectl(ns, "cordon", before.Spec.NodeName)
+		DeferCleanup(func() { mustKubectl(ns, "uncordon", before.Spec.NodeName) })
+		Expect(k8s.SubResource("eviction").Create(ctx, &before, &policyv1.Eviction{
+			ObjectMeta: metav1.ObjectMeta{Name: before.Name, Namespace: ns},
+		})).To(Succeed())
+
+		Eventually(func(g Gomega) {
+			pods := poolPods(ns, "qwen3-32b-decode", kvv1.RoleDecode)
+			g.Expect(pods).To(HaveLen(1))
+			g.Expect(pods[0].UID).NotTo(Equal(before.UID))
+			g.Expect(pods[0].Status.Phase).To(Equal(corev1.PodRunning))
+			g.Expect(pods[0].Spec.NodeName).NotTo(Equal(before.Spec.NodeName))
+			st := poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode)
+			g.Expect(st.Engines).To(ConsistOf(And(
+				HaveField("NodeName", pods[0].Spec.NodeName), HaveField("Host", pods[0].Status.PodIP))))
+			g.Expect(conditionOf(st, kvv1.ConditionReady).Status).To(Equal(metav1.ConditionTrue))
+		}).Should(Succeed())
+	})
+
+	It("rolls both pools on a policy change: Paired is False while their compat-hashes differ and True once both rolled", func() {
+		ns := namespace()
+		applySample(ns, "p5en-push.yaml")
+		Eventually(func() metav1.ConditionStatus {
+			return conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionPaired).Status
+		}).Should(Equal(metav1.ConditionTrue))
+		hashBefore := poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode).CompatHash
+
+		// Watch every status the manager writes during the roll.
+		w, err := k8s.Watch(ctx, &kvv1.DecodePoolList{}, client.InNamespace(ns))
+		Expect(err).NotTo(HaveOccurred())
+		defer w.Stop()
+
+		By("switching the policy from Push to Pull, which changes the connector")
+		mustKubectl(ns, "patch", "kvtp", "p5en-push", "--type=merge", "-p", `{"spec":{"mode":"Pull"}}`)
+
+		var sawMismatch bool
+		Eventually(func(g Gomega) {
+			for {
+				select {
+				case ev := <-w.ResultChan():
+					if ev.Type != watch.Modified {
+						continue
+					}
+					st := ev.Object.(*kvv1.DecodePool).Status
+					c := conditionOf(st, kvv1.ConditionPaired)
+					if c.Reason == kvv1.ReasonCompatHashMismatch {
+						sawMismatch = true
+					}
+				default:
+					st := poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode)
+					g.Expect(sawMismatch).To(BeTrue(), "Paired never went False during the roll")
+					g.Expect(st.CompatHash).NotTo(BeEmpty())
+					g.Expect(st.CompatHash).NotTo(Equal(hashBefore))
+					g.Expect(st.CompatHash).To(Equal(poolStatus(ns, "qwen3-32b-prefill", kvv1.RolePrefill).CompatHash))
+					g.Expect(conditionOf(st, kvv1.ConditionPaired).Status).To(Equal(metav1.ConditionTrue))
+					return
+				}
+			}
+		}).Should(Succeed())
+		for _, pool := range []string{"qwen3-32b-prefill", "qwen3-32b-decode"} {
+			sts := &appsv1.StatefulSet{}
+			Expect(k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: pool}, sts)).To(Succeed())
+			Expect(strings.Join(sts.Spec.Template.Spec.Containers[0].Args, " ")).To(ContainSubstring(`"kv_connector":"NixlConnector"`))
+		}
+	})
+})
+
+var _ = Describe("GitOps", func() {
+	It("changes nothing when the samples are applied server-side a second time", func() {
+		ns := namespace()
+		applySample(ns, "p5en-push.yaml")
+		running(ns, "qwen3-32b-decode", kvv1.RoleDecode, 1)
+		Eventually(func() metav1.ConditionStatus {
+			return conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionPaired).Status
+		}).Should(Equal(metav1.ConditionTrue))
+		versions := func() map[string]string {
+			out := mustKubectl(ns, "get", "kvtp,pfp,dcp,statefulsets,services", "-o", `jsonpath={range .items[*]}{.kind}/{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}`)
+			m := map[string]string{}
+			for _, line := range strings.Fields(out) {
+				k, v, _ := strings.Cut(line, "=")
+				m[k] = v
+			}
+			return m
+		}
+		before := versions()
+		Expect(before).To(HaveLen(7))
+		out := applySample(ns, "p5en-push.yaml")
+		Expect(out).To(ContainSubstring("serverside-applied"))
+		Consistently(versions, "3s").Should(Equal(before))
+	})
+
+	It("removes everything a pool owns when the pools are deleted", func() {
+		ns := namespace()
+		applySample(ns, "p5en-push.yaml")
+		running(ns, "qwen3-32b-decode", kvv1.RoleDecode, 1)
+		mustKubectl(ns, "delete", "pfp,dcp", "--all", "--wait=false")
+		Eventually(func(g Gomega) {
+			g.Expect(pods(ns, nil)).To(BeEmpty())
+			for _, list := range []client.ObjectList{&appsv1.StatefulSetList{}, &corev1.ServiceList{}} {
+				g.Expect(k8s.List(ctx, list, client.InNamespace(ns))).To(Succeed())
+				g.Expect(list).To(HaveField("Items", BeEmpty()))
+			}
+		}).Should(Succeed())
+	})
+})

@@ -1,0 +1,103 @@
+package e2e
+
+import (
+	"strings"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+)
+
+const zoneLabel = "topology.kubernetes.io/zone"
+
+var _ = Describe("Placement", func() {
+	It("runs the P5en push sample's engines on two nodes of one zone and publishes them", func() {
+		ns := namespace()
+		applySample(ns, "p5en-push.yaml")
+		prefill := running(ns, "qwen3-32b-prefill", kvv1.RolePrefill, 1)[0]
+		decode := running(ns, "qwen3-32b-decode", kvv1.RoleDecode, 1)[0]
+
+		Expect(decode.Spec.NodeName).NotTo(Equal(prefill.Spec.NodeName), "EFA has no intra-host loopback")
+		Expect(node(decode.Spec.NodeName).Labels[zoneLabel]).To(Equal(node(prefill.Spec.NodeName).Labels[zoneLabel]), "EFA does not cross zones")
+		for _, p := range []corev1.Pod{prefill, decode} {
+			Expect(node(p.Spec.NodeName).Labels).To(HaveKeyWithValue("node.kubernetes.io/instance-type", "p5en.48xlarge"))
+		}
+
+		for _, c := range []struct {
+			pool string
+			role kvv1.Role
+			pod  corev1.Pod
+		}{{"qwen3-32b-prefill", kvv1.RolePrefill, prefill}, {"qwen3-32b-decode", kvv1.RoleDecode, decode}} {
+			Eventually(func(g Gomega) {
+				st := poolStatus(ns, c.pool, c.role)
+				g.Expect(conditionOf(st, kvv1.ConditionReady).Status).To(Equal(metav1.ConditionTrue))
+				g.Expect(st.ReadyReplicas).To(BeEquivalentTo(1))
+				g.Expect(st.Engines).To(ConsistOf(kvv1.EngineStatus{
+					PodName: c.pod.Name, EngineID: c.pod.Name + "." + ns, Host: c.pod.Status.PodIP, SideChannelPort: 5600,
+					TensorParallelSize: 8, PipelineParallelSize: 1, NodeName: c.pod.Spec.NodeName,
+				}))
+			}).Should(Succeed())
+		}
+		Eventually(func() metav1.ConditionStatus {
+			return conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionPaired).Status
+		}).Should(Equal(metav1.ConditionTrue))
+	})
+
+	It("runs the trn2 pull sample's engines on the Trainium nodes", func() {
+		ns := namespace()
+		applySample(ns, "trn2-pull.yaml")
+		for _, p := range append(running(ns, "llama-70b-prefill", kvv1.RolePrefill, 1), running(ns, "llama-70b-decode", kvv1.RoleDecode, 1)...) {
+			Expect(node(p.Spec.NodeName).Labels).To(HaveKeyWithValue("node.kubernetes.io/instance-type", "trn2.48xlarge"))
+		}
+		prefillNodes := map[string]bool{}
+		for _, p := range poolPods(ns, "llama-70b-prefill", kvv1.RolePrefill) {
+			prefillNodes[p.Spec.NodeName] = true
+		}
+		for _, p := range poolPods(ns, "llama-70b-decode", kvv1.RoleDecode) {
+			Expect(prefillNodes).NotTo(HaveKey(p.Spec.NodeName))
+		}
+		Eventually(func() metav1.ConditionStatus {
+			return conditionOf(poolStatus(ns, "llama-70b-decode", kvv1.RoleDecode), kvv1.ConditionReady).Status
+		}).Should(Equal(metav1.ConditionTrue))
+	})
+
+	It("keeps a pool whose instance type no node has Pending, and says so", func() {
+		ns := namespace()
+		applyYAML(ns, `
+apiVersion: kvhandoff.io/v1alpha1
+kind: KVTransferPolicy
+metadata: {name: push}
+spec: {mode: Push}
+---
+apiVersion: kvhandoff.io/v1alpha1
+kind: PrefillPool
+metadata: {name: h100}
+spec:
+  model: Qwen/Qwen3-32B
+  image: vllm/vllm-openai:v0.29.0
+  tensorParallelSize: 8
+  accelerator: {type: NvidiaGPU}
+  instanceType: p5.48xlarge
+  transferPolicyRef: {name: push}
+`)
+		Eventually(func(g Gomega) {
+			st := poolStatus(ns, "h100", kvv1.RolePrefill)
+			c := conditionOf(st, kvv1.ConditionDegraded)
+			g.Expect(c.Status).To(Equal(metav1.ConditionTrue))
+			g.Expect(c.Reason).To(Equal(kvv1.ReasonEnginesUnschedulable))
+			g.Expect(c.Message).To(ContainSubstring("didn't match Pod's node affinity/selector"))
+		}).Should(Succeed())
+		Expect(poolPods(ns, "h100", kvv1.RolePrefill)).To(ConsistOf(HaveField("Status.Phase", corev1.PodPending)))
+	})
+})
+
+// applyYAML applies manifests server-side into ns.
+func applyYAML(ns, manifests string) {
+	cmd := kubectlCmd(ns, "apply", "--server-side", "-f", "-")
+	cmd.Stdin = strings.NewReader(manifests)
+	out, err := cmd.CombinedOutput()
+	Expect(err).NotTo(HaveOccurred(), string(out))
+}
