@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	. "github.com/onsi/ginkgo/v2"
@@ -128,4 +129,37 @@ func conditionOf(st kvv1.PoolStatus, t string) metav1.Condition {
 		}
 	}
 	return metav1.Condition{}
+}
+
+// largestZone returns the zone with the most nodes of an instance type, and those nodes,
+// sorted. Specs that need spare nodes beside an engine use it, so they run on any
+// cluster with such nodes, not only the simulated one.
+func largestZone(instanceType string) (string, []string) {
+	list := &corev1.NodeList{}
+	Expect(k8s.List(ctx, list, client.MatchingLabels{"node.kubernetes.io/instance-type": instanceType})).To(Succeed())
+	byZone := map[string][]string{}
+	for _, n := range list.Items {
+		z := n.Labels["topology.kubernetes.io/zone"]
+		byZone[z] = append(byZone[z], n.Name)
+	}
+	best := ""
+	for z, nodes := range byZone {
+		if len(nodes) > len(byZone[best]) || (len(nodes) == len(byZone[best]) && z < best) {
+			best = z
+		}
+	}
+	Expect(len(byZone[best])).To(BeNumerically(">=", 2), "this spec needs at least two %s nodes in one zone", instanceType)
+	slices.Sort(byZone[best])
+	return best, byZone[best]
+}
+
+// allNodes lists the names of the nodes of an instance type.
+func allNodes(instanceType string) []string {
+	list := &corev1.NodeList{}
+	Expect(k8s.List(ctx, list, client.MatchingLabels{"node.kubernetes.io/instance-type": instanceType})).To(Succeed())
+	var names []string
+	for _, n := range list.Items {
+		names = append(names, n.Name)
+	}
+	return names
 }

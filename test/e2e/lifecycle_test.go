@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"fmt"
 	"strings"
 
 	. "github.com/onsi/ginkgo/v2"
@@ -15,32 +16,34 @@ import (
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 )
 
-// inZoneA keeps the sample's prefill pool in zone us-east-2a (four p5en nodes), so that
-// specs that need spare nodes next to it have them. It uses the pool's template, the way
-// a user pins what the API does not cover.
-func inZoneA(ns string) {
+// inLargestZone keeps the sample's prefill pool in the zone with the most p5en nodes, so
+// that specs that need spare nodes next to it have them, and returns how many there are.
+// It uses the pool's template, the way a user pins what the API does not cover.
+func inLargestZone(ns string) int {
+	zone, nodes := largestZone("p5en.48xlarge")
 	mustKubectl(ns, "patch", "pfp", "qwen3-32b-prefill", "--type=merge", "-p",
-		`{"spec":{"template":{"spec":{"nodeSelector":{"topology.kubernetes.io/zone":"us-east-2a"}}}}}`)
+		`{"spec":{"template":{"spec":{"nodeSelector":{"topology.kubernetes.io/zone":"`+zone+`"}}}}}`)
+	return len(nodes)
 }
 
-var _ = Describe("Lifecycle", func() {
+var _ = Describe("Lifecycle", Label("p5en"), func() {
 	It("scales through /scale with kubectl scale, reports engines that do not fit, and recovers when scaled back", func() {
 		ns := namespace()
 		applySample(ns, "p5en-push.yaml")
-		inZoneA(ns)
+		n := inLargestZone(ns)
 		running(ns, "qwen3-32b-prefill", kvv1.RolePrefill, 1)
 
-		By("scaling decode to 3: zone A has four p5en nodes, one of them taken by prefill")
-		mustKubectl(ns, "scale", "dcp", "qwen3-32b-decode", "--replicas=3")
-		running(ns, "qwen3-32b-decode", kvv1.RoleDecode, 3)
+		By(fmt.Sprintf("scaling decode to %d: the zone has %d p5en nodes, one of them taken by prefill", n-1, n))
+		mustKubectl(ns, "scale", "dcp", "qwen3-32b-decode", fmt.Sprintf("--replicas=%d", n-1))
+		running(ns, "qwen3-32b-decode", kvv1.RoleDecode, n-1)
 
-		By("scaling decode to 5: one engine cannot fit")
-		mustKubectl(ns, "scale", "dcp", "qwen3-32b-decode", "--replicas=5")
+		By(fmt.Sprintf("scaling decode to %d: one engine cannot fit", n))
+		mustKubectl(ns, "scale", "dcp", "qwen3-32b-decode", fmt.Sprintf("--replicas=%d", n))
 		Eventually(func(g Gomega) {
 			c := conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionDegraded)
 			g.Expect(c.Reason).To(Equal(kvv1.ReasonEnginesUnschedulable))
 			g.Expect(c.Message).To(ContainSubstring("Insufficient vpc.amazonaws.com/efa"))
-			g.Expect(c.Message).To(ContainSubstring("qwen3-32b-decode-3"))
+			g.Expect(c.Message).To(ContainSubstring(fmt.Sprintf("qwen3-32b-decode-%d", n-1)))
 		}).Should(Succeed())
 		Expect(conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionReady).Status).To(Equal(metav1.ConditionFalse))
 
@@ -57,7 +60,7 @@ var _ = Describe("Lifecycle", func() {
 	It("reschedules engines off a drained node and updates their identity", func() {
 		ns := namespace()
 		applySample(ns, "p5en-push.yaml")
-		inZoneA(ns)
+		inLargestZone(ns)
 		running(ns, "qwen3-32b-prefill", kvv1.RolePrefill, 1)
 		before := running(ns, "qwen3-32b-decode", kvv1.RoleDecode, 1)[0]
 
@@ -129,7 +132,7 @@ var _ = Describe("Lifecycle", func() {
 	})
 })
 
-var _ = Describe("GitOps", func() {
+var _ = Describe("GitOps", Label("p5en"), func() {
 	It("changes nothing when the samples are applied server-side a second time", func() {
 		ns := namespace()
 		applySample(ns, "p5en-push.yaml")

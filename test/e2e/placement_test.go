@@ -14,7 +14,7 @@ import (
 const zoneLabel = "topology.kubernetes.io/zone"
 
 var _ = Describe("Placement", func() {
-	It("runs the P5en push sample's engines on two nodes of one zone and publishes them", func() {
+	It("runs the P5en push sample's engines on two nodes of one zone and publishes them", Label("p5en"), func() {
 		ns := namespace()
 		applySample(ns, "p5en-push.yaml")
 		prefill := running(ns, "qwen3-32b-prefill", kvv1.RolePrefill, 1)[0]
@@ -46,7 +46,48 @@ var _ = Describe("Placement", func() {
 		}).Should(Equal(metav1.ConditionTrue))
 	})
 
-	It("runs the trn2 pull sample's engines on the Trainium nodes", func() {
+	It("keeps a decode engine Pending rather than on its prefill engine's node, even where it would fit", Label("p5en"), func() {
+		ns := namespace()
+		_, zoneNodes := largestZone("p5en.48xlarge")
+		only, spare := zoneNodes[0], zoneNodes[1]
+		By("leaving " + only + " the only schedulable p5en node")
+		for _, n := range allNodes("p5en.48xlarge") {
+			if n != only {
+				mustKubectl(ns, "cordon", n)
+				DeferCleanup(mustKubectl, ns, "uncordon", n)
+			}
+		}
+		By("running a TP 4 pair: 4 GPUs and 8 EFA each, so both would fit on one node")
+		applyYAML(ns, `
+apiVersion: kvhandoff.io/v1alpha1
+kind: KVTransferPolicy
+metadata: {name: push}
+spec: {mode: Push}
+---
+apiVersion: kvhandoff.io/v1alpha1
+kind: PrefillPool
+metadata: {name: p}
+spec: {model: Qwen/Qwen3-32B, image: "vllm/vllm-openai:v0.29.0", tensorParallelSize: 4, accelerator: {type: NvidiaGPU}, instanceType: p5en.48xlarge, transferPolicyRef: {name: push}}
+---
+apiVersion: kvhandoff.io/v1alpha1
+kind: DecodePool
+metadata: {name: d}
+spec: {model: Qwen/Qwen3-32B, image: "vllm/vllm-openai:v0.29.0", tensorParallelSize: 4, accelerator: {type: NvidiaGPU}, instanceType: p5en.48xlarge, transferPolicyRef: {name: push}, prefillPoolRef: {name: p}}
+`)
+		Expect(running(ns, "p", kvv1.RolePrefill, 1)[0].Spec.NodeName).To(Equal(only))
+		Eventually(func(g Gomega) {
+			c := conditionOf(poolStatus(ns, "d", kvv1.RoleDecode), kvv1.ConditionDegraded)
+			g.Expect(c.Reason).To(Equal(kvv1.ReasonEnginesUnschedulable))
+			g.Expect(c.Message).To(ContainSubstring("didn't match pod anti-affinity rules"))
+		}).Should(Succeed())
+		Expect(poolPods(ns, "d", kvv1.RoleDecode)).To(ConsistOf(HaveField("Spec.NodeName", "")))
+
+		By("uncordoning " + spare + ", in the same zone")
+		mustKubectl(ns, "uncordon", spare)
+		Expect(running(ns, "d", kvv1.RoleDecode, 1)[0].Spec.NodeName).To(Equal(spare))
+	})
+
+	It("runs the trn2 pull sample's engines on the Trainium nodes", Label("trn2"), func() {
 		ns := namespace()
 		applySample(ns, "trn2-pull.yaml")
 		for _, p := range append(running(ns, "llama-70b-prefill", kvv1.RolePrefill, 1), running(ns, "llama-70b-decode", kvv1.RoleDecode, 1)...) {

@@ -37,7 +37,15 @@ func TestE2E(t *testing.T) {
 }
 
 var _ = BeforeSuite(func() {
-	SetDefaultEventuallyTimeout(2 * time.Minute)
+	// On real clusters engines load a model before they are ready: KVHANDOFF_E2E_TIMEOUT
+	// (a Go duration, say 40m) raises every wait.
+	timeout := 2 * time.Minute
+	if v := os.Getenv("KVHANDOFF_E2E_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		Expect(err).NotTo(HaveOccurred(), "KVHANDOFF_E2E_TIMEOUT")
+		timeout = d
+	}
+	SetDefaultEventuallyTimeout(timeout)
 	SetDefaultEventuallyPollingInterval(100 * time.Millisecond)
 	bins, err := envtest.Binaries("kubectl")
 	Expect(err).NotTo(HaveOccurred())
