@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"path/filepath"
 	"strings"
 
 	. "github.com/onsi/ginkgo/v2"
@@ -9,6 +10,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
 const zoneLabel = "topology.kubernetes.io/zone"
@@ -142,3 +144,37 @@ func applyYAML(ns, manifests string) {
 	out, err := cmd.CombinedOutput()
 	Expect(err).NotTo(HaveOccurred(), string(out))
 }
+
+var _ = Describe("Node programs", func() {
+	It("runs the device plugin's DaemonSet from config/ on exactly the accelerator nodes", func() {
+		ns := namespace()
+		dir := filepath.Join(envtest.RepoRoot(), "config", "device-plugin")
+		applyYAML(ns, `{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"kvhandoff-system"}}`)
+		mustKubectl("kvhandoff-system", "apply", "--server-side", "-k", dir)
+		DeferCleanup(func() {
+			mustKubectl("kvhandoff-system", "delete", "-k", dir, "--wait=false")
+			Eventually(func() []corev1.Pod {
+				return pods("kvhandoff-system", map[string]string{"app.kubernetes.io/component": "device-plugin"})
+			}).Should(BeEmpty())
+		})
+
+		accelerators := map[string]bool{}
+		list := &corev1.NodeList{}
+		Expect(k8s.List(ctx, list)).To(Succeed())
+		for _, n := range list.Items {
+			switch n.Labels["node.kubernetes.io/instance-type"] {
+			case "p5en.48xlarge", "p5e.48xlarge", "p5.48xlarge", "trn2.48xlarge", "trn1.32xlarge":
+				accelerators[n.Name] = true
+			}
+		}
+		Expect(len(accelerators)).To(BeNumerically("<", len(list.Items)), "the cluster needs a node without accelerators for this spec to mean anything")
+		Eventually(func(g Gomega) {
+			on := map[string]bool{}
+			for _, p := range pods("kvhandoff-system", map[string]string{"app.kubernetes.io/component": "device-plugin"}) {
+				g.Expect(p.Status.Phase).To(Equal(corev1.PodRunning))
+				on[p.Spec.NodeName] = true
+			}
+			g.Expect(on).To(Equal(accelerators))
+		}).Should(Succeed())
+	})
+})

@@ -1,0 +1,106 @@
+package nvml
+
+import (
+	"context"
+	"fmt"
+
+	gonvml "github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// Open initialises NVML. It fails when the NVIDIA driver (libnvidia-ml.so.1) is absent.
+func Open() (Interface, error) {
+	lib := gonvml.New()
+	if ret := lib.Init(); ret != gonvml.SUCCESS {
+		return nil, fmt.Errorf("NVML init: %s", lib.ErrorString(ret))
+	}
+	return &real{lib: lib}, nil
+}
+
+type real struct{ lib gonvml.Interface }
+
+func (r *real) Shutdown() { r.lib.Shutdown() }
+
+func (r *real) GPUs() ([]GPU, error) {
+	n, ret := r.lib.DeviceGetCount()
+	if ret != gonvml.SUCCESS {
+		return nil, fmt.Errorf("NVML device count: %s", r.lib.ErrorString(ret))
+	}
+	out := make([]GPU, 0, n)
+	for i := range n {
+		d, ret := r.lib.DeviceGetHandleByIndex(i)
+		if ret != gonvml.SUCCESS {
+			return nil, fmt.Errorf("NVML device %d: %s", i, r.lib.ErrorString(ret))
+		}
+		g := GPU{}
+		if g.UUID, ret = d.GetUUID(); ret != gonvml.SUCCESS {
+			return nil, fmt.Errorf("NVML device %d UUID: %s", i, r.lib.ErrorString(ret))
+		}
+		if g.Minor, ret = d.GetMinorNumber(); ret != gonvml.SUCCESS {
+			return nil, fmt.Errorf("NVML device %d minor: %s", i, r.lib.ErrorString(ret))
+		}
+		pci, ret := d.GetPciInfo()
+		if ret != gonvml.SUCCESS {
+			return nil, fmt.Errorf("NVML device %d PCI info: %s", i, r.lib.ErrorString(ret))
+		}
+		g.PCIBusID = NormalizeBusID(busID(pci.BusId))
+		g.Name, _ = d.GetName()
+		for link := range gonvml.NVLINK_MAX_LINKS {
+			state, ret := d.GetNvLinkState(link)
+			if ret != gonvml.SUCCESS || state != gonvml.FEATURE_ENABLED {
+				continue
+			}
+			g.NVLinks++
+			if remote, ret := d.GetNvLinkRemotePciInfo(link); ret == gonvml.SUCCESS {
+				g.NVLinkPeers = append(g.NVLinkPeers, NormalizeBusID(busID(remote.BusId)))
+			}
+		}
+		out = append(out, g)
+	}
+	return out, nil
+}
+
+func busID[T ~int8 | ~uint8](b [32]T) string {
+	s := make([]byte, 0, len(b))
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		s = append(s, byte(c))
+	}
+	return string(s)
+}
+
+func (r *real) Events(ctx context.Context) (<-chan Event, error) {
+	set, ret := r.lib.EventSetCreate()
+	if ret != gonvml.SUCCESS {
+		return nil, fmt.Errorf("NVML event set: %s", r.lib.ErrorString(ret))
+	}
+	n, _ := r.lib.DeviceGetCount()
+	for i := range n {
+		d, ret := r.lib.DeviceGetHandleByIndex(i)
+		if ret != gonvml.SUCCESS {
+			continue
+		}
+		_ = d.RegisterEvents(gonvml.EventTypeXidCriticalError|gonvml.EventTypeSingleBitEccError|gonvml.EventTypeDoubleBitEccError, set)
+	}
+	out := make(chan Event)
+	go func() {
+		defer close(out)
+		defer set.Free()
+		for ctx.Err() == nil {
+			e, ret := set.Wait(1000)
+			if ret == gonvml.ERROR_TIMEOUT {
+				continue
+			}
+			if ret != gonvml.SUCCESS || e.EventType != gonvml.EventTypeXidCriticalError {
+				continue
+			}
+			uuid, _ := e.Device.GetUUID()
+			select {
+			case out <- Event{UUID: uuid, XID: e.EventData}:
+			case <-ctx.Done():
+			}
+		}
+	}()
+	return out, nil
+}

@@ -1,0 +1,189 @@
+// Package server serves the kubelet device plugin API (deviceplugin/v1beta1) for the
+// resources kvhandoff advertises: vpc.amazonaws.com/efa, and opt-in bundles of an
+// accelerator with its local EFAs (kvhandoff.io/gpu-efa, kvhandoff.io/neuron-efa).
+package server
+
+import (
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/deviceplugin/topology"
+)
+
+// Resource names.
+const (
+	ResourceEFA       = "vpc.amazonaws.com/efa"
+	ResourceGPUEFA    = "kvhandoff.io/gpu-efa"
+	ResourceNeuronEFA = "kvhandoff.io/neuron-efa"
+)
+
+// Resource is one advertised resource over an inventory.
+type Resource struct {
+	Name string
+	// members maps an advertised device id to the inventory devices it stands for.
+	members func(inv inventory.Inventory) map[string][]inventory.Device
+	// anchor is the device whose locality stands for an advertised device.
+	anchor func(members []inventory.Device) inventory.Device
+	// env is extra container environment for an allocation.
+	env func(members [][]inventory.Device) map[string]string
+}
+
+// Resources returns the resources to serve: EFA always, bundles when asked for.
+func Resources(bundles bool) []Resource {
+	rs := []Resource{{
+		Name: ResourceEFA,
+		members: func(inv inventory.Inventory) map[string][]inventory.Device {
+			out := map[string][]inventory.Device{}
+			for _, d := range inv.OfKind(inventory.EFA) {
+				out[d.ID] = []inventory.Device{d}
+			}
+			return out
+		},
+		anchor: func(m []inventory.Device) inventory.Device { return m[0] },
+	}}
+	if bundles {
+		rs = append(rs, bundle(ResourceGPUEFA, inventory.GPU, func(accs []inventory.Device) map[string]string {
+			ids := make([]string, len(accs))
+			for i, a := range accs {
+				ids[i] = a.UUID
+				if ids[i] == "" {
+					ids[i] = strconv.Itoa(a.Index)
+				}
+			}
+			return map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(ids, ",")}
+		}), bundle(ResourceNeuronEFA, inventory.Neuron, func(accs []inventory.Device) map[string]string {
+			ids := make([]string, len(accs))
+			for i, a := range accs {
+				ids[i] = strconv.Itoa(a.Index)
+			}
+			return map[string]string{"AWS_NEURON_VISIBLE_DEVICES": strings.Join(ids, ",")}
+		}))
+	}
+	return rs
+}
+
+// bundle is a resource whose devices are an accelerator of kind with its local EFAs.
+func bundle(name string, kind inventory.Kind, env func(accs []inventory.Device) map[string]string) Resource {
+	return Resource{
+		Name: name,
+		members: func(inv inventory.Inventory) map[string][]inventory.Device {
+			out := map[string][]inventory.Device{}
+			for _, b := range inv.Bundles {
+				if b.Kind != kind {
+					continue
+				}
+				acc, _ := inv.Lookup(b.Accelerator)
+				m := []inventory.Device{acc}
+				for _, e := range b.EFAs {
+					nic, _ := inv.Lookup(e)
+					m = append(m, nic)
+				}
+				out[b.ID] = m
+			}
+			return out
+		},
+		anchor: func(m []inventory.Device) inventory.Device { return m[0] },
+		env: func(members [][]inventory.Device) map[string]string {
+			accs := make([]inventory.Device, len(members))
+			for i, m := range members {
+				accs[i] = m[0]
+			}
+			return env(accs)
+		},
+	}
+}
+
+// devices lists the resource's devices for ListAndWatch: healthy only when every member
+// is, with the anchor's NUMA node as topology (omitted when unknown).
+func (r Resource) devices(inv inventory.Inventory, healthy func(inventory.Device) bool) []*pluginapi.Device {
+	members := r.members(inv)
+	ids := make([]string, 0, len(members))
+	for id := range members {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	out := make([]*pluginapi.Device, 0, len(ids))
+	for _, id := range ids {
+		d := &pluginapi.Device{ID: id, Health: pluginapi.Healthy}
+		for _, m := range members[id] {
+			if !healthy(m) {
+				d.Health = pluginapi.Unhealthy
+			}
+		}
+		if numa := r.anchor(members[id]).NUMANode; numa >= 0 {
+			d.Topology = &pluginapi.TopologyInfo{Nodes: []*pluginapi.NUMANode{{ID: int64(numa)}}}
+		}
+		out = append(out, d)
+	}
+	return out
+}
+
+// allocate answers one container's allocation: the device nodes of every member (each
+// once) and the resource's environment.
+func (r Resource) allocate(inv inventory.Inventory, ids []string) (*pluginapi.ContainerAllocateResponse, error) {
+	members := r.members(inv)
+	resp := &pluginapi.ContainerAllocateResponse{}
+	seen := map[string]bool{}
+	var picked [][]inventory.Device
+	for _, id := range ids {
+		m, ok := members[id]
+		if !ok {
+			return nil, fmt.Errorf("%s: unknown device %q", r.Name, id)
+		}
+		picked = append(picked, m)
+		for _, d := range m {
+			for _, node := range d.DeviceNodes {
+				if seen[node] {
+					continue
+				}
+				seen[node] = true
+				resp.Devices = append(resp.Devices, &pluginapi.DeviceSpec{ContainerPath: node, HostPath: node, Permissions: "rw"})
+			}
+		}
+	}
+	if r.env != nil {
+		resp.Envs = r.env(picked)
+	}
+	return resp, nil
+}
+
+// preferred picks size of the available devices: must-include first, then as few PCIe
+// switches and NUMA nodes as possible.
+func (r Resource) preferred(inv inventory.Inventory, available, mustInclude []string, size int) []string {
+	members := r.members(inv)
+	var ds []topology.Device
+	for _, id := range available {
+		if m, ok := members[id]; ok {
+			a := r.anchor(m)
+			ds = append(ds, topology.Device{ID: id, Bridges: a.Bridges, NUMA: a.NUMANode})
+		}
+	}
+	return topology.Preferred(ds, mustInclude, size)
+}
+
+// Prefer is the allocation the plugin would prefer for resource, as the discover
+// command prints it. available defaults to every device of the resource.
+func Prefer(inv inventory.Inventory, resource string, available, mustInclude []string, size int) ([]string, error) {
+	for _, r := range Resources(true) {
+		if r.Name != resource {
+			continue
+		}
+		if available == nil {
+			for id := range r.members(inv) {
+				available = append(available, id)
+			}
+			sort.Strings(available)
+		}
+		ids := r.preferred(inv, available, mustInclude, size)
+		if ids == nil {
+			return nil, fmt.Errorf("cannot pick %d of the %d available %s devices including %v", size, len(available), resource, mustInclude)
+		}
+		return ids, nil
+	}
+	return nil, fmt.Errorf("unknown resource %q (want %s, %s or %s)", resource, ResourceEFA, ResourceGPUEFA, ResourceNeuronEFA)
+}
