@@ -1,18 +1,10 @@
 package controllers
 
 import (
-	"bufio"
-	"bytes"
-	"errors"
-	"io"
-	"os"
-	"path/filepath"
-
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	"k8s.io/apimachinery/pkg/api/equality"
-	"k8s.io/apimachinery/pkg/runtime/serializer"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/apimachinery/pkg/runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -20,26 +12,19 @@ import (
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
-// readSample decodes every object of a file in config/samples.
+// readSample returns the typed objects of a file in config/samples.
 func readSample(file string) []client.Object {
-	data, err := os.ReadFile(filepath.Join(envtest.RepoRoot(), "config", "samples", file))
+	samples, err := envtest.Samples()
 	Expect(err).NotTo(HaveOccurred())
-	decoder := serializer.NewCodecFactory(env.Scheme).UniversalDeserializer()
-	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
 	var objs []client.Object
-	for {
-		doc, err := reader.Read()
-		if errors.Is(err, io.EOF) {
-			return objs
-		}
+	for _, u := range samples[file] {
+		obj, err := env.Scheme.New(u.GroupVersionKind())
 		Expect(err).NotTo(HaveOccurred())
-		if len(bytes.TrimSpace(doc)) == 0 {
-			continue
-		}
-		obj, _, err := decoder.Decode(doc, nil, nil)
-		Expect(err).NotTo(HaveOccurred())
+		Expect(runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, obj)).To(Succeed())
 		objs = append(objs, obj.(client.Object))
 	}
+	Expect(objs).NotTo(BeEmpty(), file)
+	return objs
 }
 
 var _ = Describe("The samples", func() {

@@ -1,45 +1,17 @@
 package v1alpha1_test
 
 import (
-	"bytes"
-	"errors"
-	"io"
-	"os"
-	"path/filepath"
-
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
-// sampleObjects reads every object of every YAML file in config/samples.
 func sampleObjects() map[string][]*unstructured.Unstructured {
-	files, err := filepath.Glob(filepath.Join(envtest.RepoRoot(), "config", "samples", "*.yaml"))
+	samples, err := envtest.Samples()
 	Expect(err).NotTo(HaveOccurred())
-	out := map[string][]*unstructured.Unstructured{}
-	for _, f := range files {
-		if filepath.Base(f) == "kustomization.yaml" {
-			continue
-		}
-		data, err := os.ReadFile(f)
-		Expect(err).NotTo(HaveOccurred())
-		dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
-		for {
-			u := &unstructured.Unstructured{}
-			if err := dec.Decode(&u.Object); errors.Is(err, io.EOF) {
-				break
-			} else {
-				Expect(err).NotTo(HaveOccurred(), f)
-			}
-			if len(u.Object) > 0 {
-				out[filepath.Base(f)] = append(out[filepath.Base(f)], u)
-			}
-		}
-	}
-	return out
+	return samples
 }
 
 var _ = Describe("Samples", func() {

@@ -252,12 +252,3 @@ func (inv Inventory) OfKind(k Kind) []Device {
 	}
 	return out
 }
-
-// Topology returns devices as locality sees them.
-func Topology(ds []Device) []topology.Device {
-	out := make([]topology.Device, len(ds))
-	for i, d := range ds {
-		out[i] = locality(d)
-	}
-	return out
-}

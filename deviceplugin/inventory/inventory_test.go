@@ -133,9 +133,9 @@ func TestBrokenTreeIsReportedPerDevice(t *testing.T) {
 
 type fakeNVML struct{ gpus []nvml.GPU }
 
-func (f fakeNVML) GPUs() ([]nvml.GPU, error)                            { return f.gpus, nil }
+func (f fakeNVML) GPUs() ([]nvml.GPU, error)                         { return f.gpus, nil }
 func (f fakeNVML) Events(context.Context) (<-chan nvml.Event, error) { return nil, nil }
-func (f fakeNVML) Shutdown()                                            {}
+func (f fakeNVML) Shutdown()                                         {}
 
 func TestNVMLGivesUUIDsAndIsCrossCheckedInSysfs(t *testing.T) {
 	o := machine(t, sysfstest.P5en())

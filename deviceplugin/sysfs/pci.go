@@ -16,7 +16,9 @@ import (
 // Root is the folder that holds sys/ (and proc/ for NVIDIA's driver files).
 type Root string
 
-func (r Root) path(parts ...string) string { return filepath.Join(append([]string{string(r)}, parts...)...) }
+func (r Root) path(parts ...string) string {
+	return filepath.Join(append([]string{string(r)}, parts...)...)
+}
 
 // PCI vendor ids kvhandoff looks for.
 const (

@@ -15,6 +15,14 @@ import (
 
 const zoneLabel = "topology.kubernetes.io/zone"
 
+// pushPolicy is a push KVTransferPolicy named push, to put before pools in a manifest.
+const pushPolicy = `
+apiVersion: kvhandoff.io/v1alpha1
+kind: KVTransferPolicy
+metadata: {name: push}
+spec: {mode: Push}
+---`
+
 var _ = Describe("Placement", func() {
 	It("runs the P5en push sample's engines on two nodes of one zone and publishes them", Label("p5en"), func() {
 		ns := namespace()
@@ -60,12 +68,7 @@ var _ = Describe("Placement", func() {
 			}
 		}
 		By("running a TP 4 pair: 4 GPUs and 8 EFA each, so both would fit on one node")
-		applyYAML(ns, `
-apiVersion: kvhandoff.io/v1alpha1
-kind: KVTransferPolicy
-metadata: {name: push}
-spec: {mode: Push}
----
+		applyYAML(ns, pushPolicy+`
 apiVersion: kvhandoff.io/v1alpha1
 kind: PrefillPool
 metadata: {name: p}
@@ -109,12 +112,7 @@ spec: {model: Qwen/Qwen3-32B, image: "vllm/vllm-openai:v0.29.0", tensorParallelS
 
 	It("keeps a pool whose instance type no node has Pending, and says so", func() {
 		ns := namespace()
-		applyYAML(ns, `
-apiVersion: kvhandoff.io/v1alpha1
-kind: KVTransferPolicy
-metadata: {name: push}
-spec: {mode: Push}
----
+		applyYAML(ns, pushPolicy+`
 apiVersion: kvhandoff.io/v1alpha1
 kind: PrefillPool
 metadata: {name: h100}

@@ -3,14 +3,19 @@
 package envtest
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
 
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
@@ -79,4 +84,35 @@ func hasAll(dir string, names []string) bool {
 		}
 	}
 	return true
+}
+
+// Samples reads every object of every file in config/samples, by file name.
+func Samples() (map[string][]*unstructured.Unstructured, error) {
+	files, err := filepath.Glob(filepath.Join(RepoRoot(), "config", "samples", "*.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	out := map[string][]*unstructured.Unstructured{}
+	for _, f := range files {
+		if filepath.Base(f) == "kustomization.yaml" {
+			continue
+		}
+		data, err := os.ReadFile(f)
+		if err != nil {
+			return nil, err
+		}
+		dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
+		for {
+			u := &unstructured.Unstructured{}
+			if err := dec.Decode(&u.Object); errors.Is(err, io.EOF) {
+				break
+			} else if err != nil {
+				return nil, fmt.Errorf("%s: %w", f, err)
+			}
+			if len(u.Object) > 0 {
+				out[filepath.Base(f)] = append(out[filepath.Base(f)], u)
+			}
+		}
+	}
+	return out, nil
 }

@@ -98,7 +98,7 @@ func VM() Fixture {
 func Broken() Fixture {
 	f := P5en()
 	f.Name = "broken"
-	f.Functions[0].Vendor = ""          // GPU 0: no vendor file
+	f.Functions[0].Vendor = ""           // GPU 0: no vendor file
 	f.Functions[1].Driver = "dangling-x" // EFA next to GPU 0: dangling driver link
 	f.Functions[3].NUMA = "garbage"      // GPU 1: numa_node is not a number
 	f.Functions[4].PortState = "1: DOWN" // EFA next to GPU 1: port down
