@@ -1,0 +1,147 @@
+package fabric
+
+import (
+	"bytes"
+	"testing"
+	"time"
+)
+
+// pair opens two endpoints of provider that know each other, as a prefill agent and a
+// decode agent would after their address exchange.
+func pair(t *testing.T, provider string) (src, dst *Endpoint, peer Peer) {
+	t.Helper()
+	var err error
+	if src, err = Open(provider); err != nil {
+		t.Fatalf("opening %s: %v", provider, err)
+	}
+	t.Cleanup(src.Close)
+	if dst, err = Open(provider); err != nil {
+		t.Fatalf("opening %s: %v", provider, err)
+	}
+	t.Cleanup(dst.Close)
+	addr, err := dst.Address()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if peer, err = src.AddPeer(addr); err != nil {
+		t.Fatal(err)
+	}
+	return src, dst, peer
+}
+
+func region(t *testing.T, e *Endpoint, size int, access Access) (Memory, *Region) {
+	t.Helper()
+	mem, err := Alloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.Register(mem, access)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := r.Close(); err != nil {
+			t.Error(err)
+		}
+		_ = mem.Free()
+	})
+	return mem, r
+}
+
+// link drives two endpoints the way an agent's writer does: every completion either side
+// reports is kept, and posts that meet ErrAgain are retried while both sides poll.
+type link struct {
+	t        *testing.T
+	src, dst *Endpoint
+	s, d     []Completion
+}
+
+func (l *link) poll() {
+	buf := make([]Completion, 16)
+	n := l.src.Poll(buf)
+	l.s = append(l.s, buf[:n]...)
+	n = l.dst.Poll(buf)
+	l.d = append(l.d, buf[:n]...)
+	for _, c := range append(l.s, l.d...) {
+		if c.Err != nil {
+			l.t.Fatal(c.Err)
+		}
+	}
+}
+
+func (l *link) post(op func() error) {
+	for {
+		err := op()
+		if err == nil {
+			return
+		}
+		if err != ErrAgain {
+			l.t.Fatal(err)
+		}
+		l.poll()
+	}
+}
+
+// until polls until cond holds, failing after a deadline instead of hanging.
+func (l *link) until(what string, cond func() bool) {
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			l.t.Fatalf("no progress waiting for %s: %d source and %d target completions", what, len(l.s), len(l.d))
+		}
+		l.poll()
+	}
+}
+
+func TestWriteThenSignalDeliversEveryByte(t *testing.T) {
+	for _, provider := range []string{"tcp;ofi_rxm", "shm"} {
+		t.Run(provider, func(t *testing.T) {
+			src, dst, peer := pair(t, provider)
+			if got := src.Limits().Provider; got != provider {
+				t.Fatalf("asked for %s, got %s", provider, got)
+			}
+			const size, piece = 64 << 20, 4 << 20
+			from, srcRegion := region(t, src, size, Source)
+			to, dstRegion := region(t, dst, size, Target)
+			for i := range from {
+				from[i] = byte(i*7 + i>>16)
+			}
+			l := &link{t: t, src: src, dst: dst}
+			for off := uint64(0); off < size; off += piece {
+				l.post(func() error {
+					return src.Write(peer, srcRegion, off, piece, dstRegion.RemoteAddr(off), dstRegion.Key, off/piece+1)
+				})
+			}
+			l.until("the writes' completions", func() bool { return len(l.s) == size/piece })
+			for i, c := range l.s {
+				if c.Remote || c.ID == 0 {
+					t.Fatalf("source completion %d is %+v", i, c)
+				}
+			}
+
+			l.post(func() error { return src.WriteData(peer, 42, dstRegion.RemoteAddr(0), dstRegion.Key, 1000) })
+			l.until("the signal at the target", func() bool { return len(l.d) > 0 })
+			if c := l.d[0]; !c.Remote || c.Data != 42 {
+				t.Fatalf("target completion %+v, want remote data 42", c)
+			}
+			if !bytes.Equal(from, to) {
+				t.Fatal("the target's memory differs from the source after the signal arrived")
+			}
+		})
+	}
+}
+
+func TestOpenRefusesAMissingProvider(t *testing.T) {
+	if _, err := Open("efa"); err == nil {
+		t.Fatal("opened efa on a machine without EFA devices; it must fail, not fall back")
+	}
+}
+
+func TestWriteRefusesLocalBounds(t *testing.T) {
+	src, dst, peer := pair(t, "tcp;ofi_rxm")
+	_, s := region(t, src, 4096, Source)
+	_, d := region(t, dst, 4096, Target)
+	if err := src.Write(peer, s, 4000, 200, d.RemoteAddr(0), d.Key, 1); err == nil {
+		t.Fatal("wrote past the end of the source region")
+	}
+}
