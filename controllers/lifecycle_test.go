@@ -12,6 +12,7 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -65,6 +66,61 @@ var _ = Describe("Status", func() {
 		Eventually(func() string { return statefulSet(ns, "p").Spec.Template.Spec.Containers[0].Image }).Should(Equal("vllm/vllm-openai:v0.29.1"))
 		markRolledOut(statefulSet(ns, "p"), 1)
 		Eventually(func() metav1.ConditionStatus { return condition(d, kvv1.ConditionPaired).Status }).Should(Equal(metav1.ConditionTrue))
+	})
+})
+
+// gauge reads a pool metric's value; ok is false when the series does not exist.
+func gauge(name string, labels map[string]string) (value float64, ok bool) {
+	families, err := metrics.Registry.Gather()
+	Expect(err).NotTo(HaveOccurred())
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range f.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for k, v := range labels {
+				if have[k] != v {
+					continue series
+				}
+			}
+			return m.GetGauge().GetValue(), true
+		}
+	}
+	return 0, false
+}
+
+var _ = Describe("Metrics", func() {
+	It("publishes engines and conditions per pool, and forgets a deleted pool", func() {
+		ns, _, p, _ := readyPair()
+		decode := map[string]string{"namespace": ns, "pool": "d", "role": "decode"}
+		with := func(extra ...string) map[string]string {
+			m := map[string]string{}
+			for k, v := range decode {
+				m[k] = v
+			}
+			m[extra[0]] = extra[1]
+			return m
+		}
+		Eventually(func(g Gomega) {
+			v, ok := gauge("kvhandoff_pool_engines", with("state", "ready"))
+			g.Expect(ok).To(BeTrue())
+			g.Expect(v).To(Equal(1.0))
+			v, _ = gauge("kvhandoff_pool_condition", with("type", "Paired"))
+			g.Expect(v).To(Equal(1.0))
+			v, _ = gauge("kvhandoff_pool_engines", with("state", "unschedulable"))
+			g.Expect(v).To(Equal(0.0))
+		}).Should(Succeed())
+
+		Expect(k8s.Delete(ctx, p)).To(Succeed())
+		Eventually(func() bool {
+			_, ok := gauge("kvhandoff_pool_engines", map[string]string{"namespace": ns, "pool": "p", "role": "prefill", "state": "desired"})
+			return ok
+		}).Should(BeFalse())
 	})
 })
 
@@ -132,6 +188,8 @@ var _ = Describe("Lifecycle", func() {
 			g.Expect(c.Reason).To(Equal(kvv1.ReasonEnginesUnschedulable))
 			g.Expect(c.Message).To(Equal("1 engine(s) cannot be scheduled (d-1): " + says))
 			g.Expect(condition(d, kvv1.ConditionReady).Reason).To(Equal(kvv1.ReasonEnginesUnschedulable))
+			v, _ := gauge("kvhandoff_pool_engines", map[string]string{"namespace": ns, "pool": "d", "role": "decode", "state": "unschedulable"})
+			g.Expect(v).To(Equal(1.0))
 		}).Should(Succeed())
 
 		pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionTrue}}

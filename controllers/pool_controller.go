@@ -48,6 +48,9 @@ type PoolReconciler struct {
 func (r *PoolReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	p := newPool(r.Role)
 	if err := r.Get(ctx, req.NamespacedName, p.object()); err != nil {
+		if apierrors.IsNotFound(err) {
+			forgetMetrics(req.Namespace, req.Name, r.Role)
+		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	before := p.object().DeepCopyObject().(client.Object)

@@ -51,11 +51,15 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 			st.CompatHash = sts.Spec.Template.Labels[kvv1.LabelCompatHash]
 		}
 	}
-	engines, unschedulable, err := r.engines(ctx, p)
+	engines, pending, schedulerSays, err := r.engines(ctx, p)
 	if err != nil {
 		return err
 	}
 	st.Engines = engines
+	unschedulable := ""
+	if len(pending) > 0 {
+		unschedulable = fmt.Sprintf("%d engine(s) cannot be scheduled (%s): %s", len(pending), strings.Join(pending, ", "), schedulerSays)
+	}
 
 	ready := v.problem == nil && rolled && st.ReadyReplicas == desired
 	set := func(c metav1.Condition) {
@@ -85,6 +89,7 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 	if p.role() == kvv1.RoleDecode {
 		set(paired(st, v))
 	}
+	recordMetrics(p, desired, len(pending))
 
 	old := poolOf(before).status()
 	if old.ObservedGeneration != gen {
@@ -160,16 +165,13 @@ func paired(st *kvv1.PoolStatus, v *validation) metav1.Condition {
 }
 
 // engines lists the identity of every engine pod that has an IP, in pod-name order, and
-// says which engines the scheduler cannot place and why ("" when it can place them all).
-func (r *PoolReconciler) engines(ctx context.Context, p pool) ([]kvv1.EngineStatus, string, error) {
+// the engines the scheduler cannot place (sorted) with its reason.
+func (r *PoolReconciler) engines(ctx context.Context, p pool) (engines []kvv1.EngineStatus, pending []string, schedulerSays string, err error) {
 	pods := &corev1.PodList{}
 	if err := r.List(ctx, pods, client.InNamespace(p.object().GetNamespace()), client.MatchingLabels(render.SelectorLabels(p.role(), p.object().GetName()))); err != nil {
-		return nil, "", err
+		return nil, nil, "", err
 	}
 	spec := p.engine()
-	var out []kvv1.EngineStatus
-	var pending []string
-	schedulerSays := ""
 	for _, pod := range pods.Items {
 		if pod.DeletionTimestamp != nil {
 			continue
@@ -183,7 +185,7 @@ func (r *PoolReconciler) engines(ctx context.Context, p pool) ([]kvv1.EngineStat
 		if pod.Status.PodIP == "" {
 			continue
 		}
-		out = append(out, kvv1.EngineStatus{
+		engines = append(engines, kvv1.EngineStatus{
 			PodName:              pod.Name,
 			EngineID:             render.EngineID(pod.Name, pod.Namespace),
 			Host:                 pod.Status.PodIP,
@@ -193,10 +195,7 @@ func (r *PoolReconciler) engines(ctx context.Context, p pool) ([]kvv1.EngineStat
 			NodeName:             pod.Spec.NodeName,
 		})
 	}
-	slices.SortFunc(out, func(a, b kvv1.EngineStatus) int { return strings.Compare(a.PodName, b.PodName) })
-	if len(pending) == 0 {
-		return out, "", nil
-	}
+	slices.SortFunc(engines, func(a, b kvv1.EngineStatus) int { return strings.Compare(a.PodName, b.PodName) })
 	slices.Sort(pending)
-	return out, fmt.Sprintf("%d engine(s) cannot be scheduled (%s): %s", len(pending), strings.Join(pending, ", "), schedulerSays), nil
+	return engines, pending, schedulerSays, nil
 }
