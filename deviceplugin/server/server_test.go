@@ -111,6 +111,12 @@ func (fx *fixture) serve(t *testing.T, resources []Resource) {
 		if err := <-done; err != nil {
 			t.Error(err)
 		}
+		// A clean shutdown leaves no plugin socket for the kubelet to dial.
+		for _, r := range resources {
+			if _, err := os.Stat(filepath.Join(fx.dir, socketName(r.Name))); !os.IsNotExist(err) {
+				t.Errorf("socket of %s still there after shutdown: %v", r.Name, err)
+			}
+		}
 	})
 }
 

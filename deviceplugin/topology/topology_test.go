@@ -1,10 +1,15 @@
-package topology
+package topology_test
 
 import (
 	"fmt"
 	"math/rand/v2"
+	"path/filepath"
 	"slices"
 	"testing"
+
+	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs/sysfstest"
+	. "github.com/kvhandoff/kvhandoff/deviceplugin/topology"
 )
 
 // nics builds switches × perSwitch NICs, switches split over two NUMA nodes.
@@ -61,11 +66,31 @@ func bruteForce(ds []Device, must []string, size int) (int, int) {
 	return bestS, bestN
 }
 
+// fixtureNICs discovers a fixture's EFAs as locality sees them.
+func fixtureNICs(t *testing.T, f sysfstest.Fixture) []Device {
+	dir := t.TempDir()
+	if err := f.Write(dir, filepath.Join(dir, "dev")); err != nil {
+		t.Fatal(err)
+	}
+	var out []Device
+	for _, d := range inventory.Discover(inventory.Options{Root: dir, DevRoot: filepath.Join(dir, "dev")}).OfKind(inventory.EFA) {
+		out = append(out, Device{ID: d.ID, Bridges: d.Bridges, NUMA: d.NUMANode})
+	}
+	return out
+}
+
 func TestPreferredIsOptimalAgainstBruteForce(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
-	for _, shape := range []struct{ switches, per int }{{8, 2}, {8, 4}, {16, 1}} {
-		all := nics(shape.switches, shape.per)
-		for trial := range 60 {
+	machines := map[string][]Device{
+		"p5en fixture": fixtureNICs(t, sysfstest.P5en()),
+		"p5 fixture":   fixtureNICs(t, sysfstest.P5()),
+		"trn2 fixture": fixtureNICs(t, sysfstest.Trn2()),
+		"trn1 fixture": fixtureNICs(t, sysfstest.Trn1()),
+		"8x2":          nics(8, 2),
+		"16x1":         nics(16, 1),
+	}
+	for shape, all := range machines {
+		for trial := range 40 {
 			// A random availability, as after other pods took some NICs.
 			var avail []Device
 			for _, d := range all {
@@ -83,17 +108,17 @@ func TestPreferredIsOptimalAgainstBruteForce(t *testing.T) {
 			}
 			got := Preferred(avail, must, size)
 			if len(got) != size {
-				t.Fatalf("%v trial %d: got %d devices, want %d", shape, trial, len(got), size)
+				t.Fatalf("%s trial %d: got %d devices, want %d", shape, trial, len(got), size)
 			}
 			for _, m := range must {
 				if !slices.Contains(got, m) {
-					t.Fatalf("%v trial %d: must-include %s missing from %v", shape, trial, m, got)
+					t.Fatalf("%s trial %d: must-include %s missing from %v", shape, trial, m, got)
 				}
 			}
 			gs, gn := cost(avail, got)
 			bs, bn := bruteForce(avail, must, size)
 			if gs != bs || gn != bn {
-				t.Fatalf("%v trial %d: %v uses %d switches / %d NUMA nodes, brute force %d / %d", shape, trial, got, gs, gn, bs, bn)
+				t.Fatalf("%s trial %d: %v uses %d switches / %d NUMA nodes, brute force %d / %d", shape, trial, got, gs, gn, bs, bn)
 			}
 		}
 	}
