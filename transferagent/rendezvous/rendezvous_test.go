@@ -1,0 +1,315 @@
+package rendezvous
+
+import (
+	"errors"
+	"math/rand/v2"
+	"reflect"
+	"testing"
+	"time"
+)
+
+var (
+	t0  = time.Unix(1_000_000, 0)
+	cfg = Config{Lease: 30 * time.Second, RegistrationTimeout: 480 * time.Second}
+	dec = Engine{ID: "decode-0.ns", Epoch: 1}
+)
+
+func reg(att uint64, blocks ...uint32) Registration {
+	return Registration{Request: "r1", Attempt: att, Decode: dec, Blocks: blocks}
+}
+
+// must(t)(call) fails the test when call returned an error, and returns its actions.
+func must(t *testing.T) func([]Action, error) []Action {
+	return func(acts []Action, err error) []Action {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return acts
+	}
+}
+
+func expect(t *testing.T, got []Action, want ...Action) {
+	t.Helper()
+	if len(got) == 0 && len(want) == 0 {
+		return
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("actions\n got %#v\nwant %#v", got, want)
+	}
+}
+
+func TestPairsInEitherOrder(t *testing.T) {
+	want := Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{7, 8, 9}, Dst: []uint32{100, 101, 102}}
+
+	regFirst := New(cfg)
+	expect(t, must(t)(regFirst.Register(t0, reg(1, 100, 101, 102))))
+	expect(t, must(t)(regFirst.SourceReady(Part{Request: "r1", Blocks: []uint32{7, 8, 9}, Final: true})), want)
+
+	srcFirst := New(cfg)
+	expect(t, must(t)(srcFirst.SourceReady(Part{Request: "r1", Blocks: []uint32{7, 8, 9}, Final: true})))
+	expect(t, must(t)(srcFirst.Register(t0, reg(1, 100, 101, 102))), want)
+}
+
+func TestPartsArriveInAnyOrderAndDeliveryWaitsForEveryWrite(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(1, 100, 101, 102, 103)))
+	expect(t, must(t)(tb.SourceReady(Part{Request: "r1", Offset: 2, Blocks: []uint32{12, 13}, Final: true})),
+		Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{12, 13}, Dst: []uint32{102, 103}})
+	// One merged write covers both blocks: accounting is in blocks, not writes.
+	if err := tb.Posted("r1", 1, 2); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, must(t)(tb.SourceReady(Part{Request: "r1", Offset: 0, Blocks: []uint32{10, 11}})),
+		Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{10, 11}, Dst: []uint32{100, 101}})
+	if err := tb.Posted("r1", 1, 2); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, must(t)(tb.Completed("r1", 1, 2)))
+	expect(t, must(t)(tb.Completed("r1", 1, 1)))
+	expect(t, must(t)(tb.Completed("r1", 1, 1)), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+}
+
+func TestNewAttemptSupersedesAndWaitsForTheOldOneToDrain(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	must(t)(tb.Register(t0, reg(1, 10, 11)))
+	if err := tb.Posted("r1", 1, 2); err != nil {
+		t.Fatal(err)
+	}
+	// The retry arrives while attempt 1's writes are in flight: nothing for attempt 2 yet.
+	expect(t, must(t)(tb.Register(t0, reg(2, 20, 21))))
+	if err := tb.Posted("r1", 1, 1); !errors.Is(err, ErrFenced) {
+		t.Fatalf("posting for a superseded attempt: %v", err)
+	}
+	expect(t, must(t)(tb.Completed("r1", 1, 1)))
+	expect(t, must(t)(tb.Completed("r1", 1, 1)),
+		CancelAcked{Request: "r1", Attempt: 1, Decode: dec},
+		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
+}
+
+func TestCancelIsAcknowledgedOnlyAfterInFlightWritesDrain(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(1, 10, 11, 12)))
+	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2, 3}, Final: true}))
+	if err := tb.Posted("r1", 1, 3); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, must(t)(tb.Cancel("r1", 1)))
+	if err := tb.Posted("r1", 1, 1); !errors.Is(err, ErrFenced) {
+		t.Fatalf("posting after cancel: %v", err)
+	}
+	expect(t, must(t)(tb.Completed("r1", 1, 2)))
+	expect(t, must(t)(tb.Completed("r1", 1, 1)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
+	if _, err := tb.Cancel("r1", 1); !errors.Is(err, ErrUnknown) { // acknowledged and forgotten
+		t.Fatalf("a cancel after the acknowledgement: %v", err)
+	}
+}
+
+func TestLeaseExpiresWithoutHeartbeatAndFailsAfterDrain(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(1, 10)))
+	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1}, Final: true}))
+	if err := tb.Posted("r1", 1, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := tb.Heartbeat(t0.Add(20*time.Second), "r1", 1); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, tb.Expire(t0.Add(49*time.Second))) // renewed until 50 s
+	expect(t, tb.Expire(t0.Add(50*time.Second)))  // fenced, one write in flight
+	if err := tb.Posted("r1", 1, 1); !errors.Is(err, ErrFenced) {
+		t.Fatalf("posting after expiry: %v", err)
+	}
+	acts := must(t)(tb.Completed("r1", 1, 1))
+	if f, ok := acts[0].(Failed); len(acts) != 1 || !ok || f.Attempt != 1 {
+		t.Fatalf("after drain: %#v", acts)
+	}
+}
+
+func TestRegistrationTimesOutWhenPrefillNeverFinishes(t *testing.T) {
+	tb := New(Config{Lease: time.Hour, RegistrationTimeout: 480 * time.Second})
+	must(t)(tb.Register(t0, reg(1, 10, 11)))
+	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1}})) // not final
+	acts := tb.Expire(t0.Add(480 * time.Second))
+	if f, ok := acts[0].(Failed); !ok || f.Reason == "" {
+		t.Fatalf("%#v", acts)
+	}
+}
+
+func TestProtocolViolationsAreRefusedAndChangeNothing(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(2, 10, 11)))
+	for name, err := range map[string]error{
+		"older attempt": second(tb.Register(t0, reg(1, 10, 11))),
+		"same attempt":  second(tb.Register(t0, reg(2, 10, 11))),
+		"no blocks":     second(tb.Register(t0, Registration{Request: "r1", Attempt: 3, Decode: dec})),
+		"past the end":  second(tb.SourceReady(Part{Request: "r1", Offset: 1, Blocks: []uint32{5, 6}})),
+		"negative":      second(tb.SourceReady(Part{Request: "r1", Offset: -1, Blocks: []uint32{5}})),
+		"over-complete": second(tb.Completed("r1", 2, 1)),
+		"unknown":       tb.Posted("r9", 1, 1),
+	} {
+		if err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1}}))
+	if _, err := tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1}}); !errors.Is(err, ErrBadBlocks) {
+		t.Errorf("a position reported twice: %v", err)
+	}
+}
+
+func second(_ []Action, err error) error { return err }
+
+func TestRestartedEngineDropsOlderEpochs(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(1, 10)))
+	acts := tb.EngineRestarted(Engine{ID: dec.ID, Epoch: 2})
+	if f, ok := acts[0].(Failed); len(acts) != 1 || !ok || f.Reason != "decode engine restarted" {
+		t.Fatalf("%#v", acts)
+	}
+	if _, err := tb.Register(t0, Registration{Request: "r2", Attempt: 1, Decode: dec, Blocks: []uint32{1}}); !errors.Is(err, ErrStaleEpoch) {
+		t.Fatalf("registration from the old epoch: %v", err)
+	}
+}
+
+// TestInvariantsUnderRandomInterleavings drives the table with random events and checks
+// the protocol's invariants against an independent model of in-flight writes:
+//   - no write is admitted for an attempt after it was fenced;
+//   - CancelAcked and Failed come only when the attempt has nothing in flight;
+//   - every attempt ends at most once, and a Delivered attempt had every position written once.
+func TestInvariantsUnderRandomInterleavings(t *testing.T) {
+	for seed := range uint64(300) {
+		rng := rand.New(rand.NewPCG(seed, 7))
+		tb := New(cfg)
+		now := t0
+		const n = 6
+		inFlight := map[uint64]int{}
+		pendingPositions := map[uint64]int{} // positions handed to the writer, not yet posted
+		fencedAt := map[uint64]bool{}
+		ended := map[uint64]bool{}
+		written := map[uint64]map[uint32]bool{}
+		attempt := uint64(0)
+		nextPos := 0
+		check := func(acts []Action) {
+			for _, a := range acts {
+				switch a := a.(type) {
+				case Transfer:
+					for _, d := range a.Dst {
+						if written[a.Attempt][d] {
+							t.Fatalf("seed %d: block %d of attempt %d handed out twice", seed, d, a.Attempt)
+						}
+						written[a.Attempt][d] = true
+					}
+					pendingPositions[a.Attempt] += len(a.Dst)
+				case CancelAcked, Failed:
+					var att uint64
+					if c, ok := a.(CancelAcked); ok {
+						att = c.Attempt
+					} else {
+						att = a.(Failed).Attempt
+					}
+					if inFlight[att] != 0 {
+						t.Fatalf("seed %d: attempt %d acknowledged with %d writes in flight", seed, att, inFlight[att])
+					}
+					if ended[att] {
+						t.Fatalf("seed %d: attempt %d ended twice", seed, att)
+					}
+					ended[att], fencedAt[att] = true, true
+				case Delivered:
+					if ended[a.Attempt] || len(written[a.Attempt]) != n || inFlight[a.Attempt] != 0 {
+						t.Fatalf("seed %d: delivered attempt %d with %d of %d blocks, %d in flight", seed, a.Attempt, len(written[a.Attempt]), n, inFlight[a.Attempt])
+					}
+					ended[a.Attempt] = true
+				}
+			}
+		}
+		for step := 0; step < 60; step++ {
+			switch rng.IntN(7) {
+			case 0: // decode registers (a retry when one exists)
+				attempt++
+				written[attempt] = map[uint32]bool{}
+				blocks := make([]uint32, n)
+				for i := range blocks {
+					blocks[i] = uint32(100*attempt) + uint32(i)
+				}
+				acts, err := tb.Register(now, Registration{Request: "r", Attempt: attempt, Decode: dec, Blocks: blocks})
+				if err != nil {
+					t.Fatalf("seed %d: %v", seed, err)
+				}
+				if attempt > 1 && !ended[attempt-1] {
+					fencedAt[attempt-1] = true
+				}
+				if attempt > 1 && ended[attempt-1] {
+					fencedAt[attempt-1] = true // delivered: no further writes either way
+				}
+				check(acts)
+			case 1: // prefill finishes some positions
+				if nextPos < n {
+					k := 1 + rng.IntN(n-nextPos)
+					blocks := make([]uint32, k)
+					for i := range blocks {
+						blocks[i] = uint32(nextPos + i)
+					}
+					check(must(t)(tb.SourceReady(Part{Request: "r", Offset: nextPos, Blocks: blocks, Final: nextPos+k == n})))
+					nextPos += k
+				}
+			case 2, 3: // the writer posts what it was handed
+				for att, k := range pendingPositions {
+					if k == 0 {
+						continue
+					}
+					err := tb.Posted("r", att, k)
+					if fencedAt[att] {
+						if err == nil {
+							t.Fatalf("seed %d: a write was admitted for fenced attempt %d", seed, att)
+						}
+						pendingPositions[att] = 0
+						continue
+					}
+					if err != nil {
+						t.Fatalf("seed %d: %v", seed, err)
+					}
+					inFlight[att] += k
+					pendingPositions[att] = 0
+				}
+			case 4: // some writes complete
+				for att, k := range inFlight {
+					if k > 0 {
+						done := 1 + rng.IntN(k)
+						inFlight[att] -= done
+						check(must(t)(tb.Completed("r", att, done)))
+					}
+				}
+			case 5: // decode cancels, or time passes and the watchdog runs
+				if rng.IntN(2) == 0 && attempt > 0 && !ended[attempt] {
+					acts, err := tb.Cancel("r", attempt)
+					if err == nil {
+						fencedAt[attempt] = true
+					}
+					check(acts)
+				} else {
+					now = now.Add(time.Duration(rng.IntN(40)) * time.Second)
+					acts := tb.Expire(now)
+					for _, a := range acts {
+						if f, ok := a.(Failed); ok {
+							fencedAt[f.Attempt] = true
+						}
+					}
+					// Expire fences even when the Failed comes later, after drain: learn
+					// which attempts it fenced by probing with a zero-write admission.
+					for att := uint64(1); att <= attempt; att++ {
+						if !ended[att] && errors.Is(tb.Posted("r", att, 0), ErrFenced) {
+							fencedAt[att] = true
+						}
+					}
+					check(acts)
+				}
+			case 6:
+				if attempt > 0 && !fencedAt[attempt] {
+					_ = tb.Heartbeat(now, "r", attempt)
+				}
+			}
+		}
+	}
+}
