@@ -279,6 +279,22 @@ func (t *Table) Completed(req string, att uint64, n int) ([]Action, error) {
 	return t.maybeDelivered(r), nil
 }
 
+// Withdraw takes back the admission of n blocks whose write was not posted after all (the
+// provider said "again"); a fenced attempt that has drained by that is acknowledged.
+func (t *Table) Withdraw(req string, att uint64, n int) ([]Action, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	a := t.find(req, att)
+	if a == nil || n > a.inFlight {
+		return nil, fmt.Errorf("%w: withdrawing %d blocks of %s attempt %d", ErrUnknown, n, req, att)
+	}
+	a.inFlight -= n
+	if a.fenced {
+		return t.drained(t.reqs[req]), nil
+	}
+	return nil, nil
+}
+
 // Heartbeat renews an attempt's lease.
 func (t *Table) Heartbeat(now time.Time, req string, att uint64) error {
 	t.mu.Lock()

@@ -106,6 +106,21 @@ func TestCancelIsAcknowledgedOnlyAfterInFlightWritesDrain(t *testing.T) {
 	}
 }
 
+func TestWithdrawnAdmissionsNeitherDeliverNorBlockTheAcknowledgement(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(1, 10, 11)))
+	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	if err := tb.Posted("r1", 1, 2); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, must(t)(tb.Withdraw("r1", 1, 2))) // not posted: nothing delivered
+	if err := tb.Posted("r1", 1, 2); err != nil {
+		t.Fatal(err)
+	}
+	must(t)(tb.Cancel("r1", 1))
+	expect(t, must(t)(tb.Withdraw("r1", 1, 2)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
+}
+
 func TestLeaseExpiresWithoutHeartbeatAndFailsAfterDrain(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.Register(t0, reg(1, 10)))

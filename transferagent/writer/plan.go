@@ -1,0 +1,78 @@
+// Package writer turns the rendezvous table's transfers into RMA writes: it maps block ids
+// to offsets in every KV region, merges contiguous runs into the largest writes the
+// provider accepts, and drives them through the fabric under the table's fence.
+package writer
+
+import (
+	"fmt"
+
+	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
+)
+
+// Region is one registered KV region as the writer sees it: vLLM keeps one per layer and
+// K/V on each TP rank, each an array of equally sized blocks indexed by block id.
+type Region struct {
+	// ID names the region; a source region is written into the destination region with
+	// the same ID.
+	ID       int
+	BlockLen uint64
+	Blocks   uint32
+}
+
+// Write is one RMA write: Len bytes from SrcOff of source region Region to DstOff of the
+// destination region with the same ID. It covers Blocks blocks of the transfer.
+type Write struct {
+	Region         int
+	SrcOff, DstOff uint64
+	Len            uint64
+	Blocks         int
+}
+
+// Plan maps a transfer onto the regions. Every block id is checked against both sides'
+// regions before anything is planned, so an out-of-bounds request is refused whole,
+// never half-written. Contiguous source and destination runs merge into one write per
+// region, split where a write would exceed maxMsg bytes. Source and destination must
+// hold the same regions with the same block length.
+func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, error) {
+	if len(t.Src) != len(t.Dst) {
+		return nil, fmt.Errorf("writer: %d source blocks for %d destination blocks", len(t.Src), len(t.Dst))
+	}
+	dstByID := map[int]Region{}
+	for _, r := range dst {
+		dstByID[r.ID] = r
+	}
+	for _, s := range src {
+		d, ok := dstByID[s.ID]
+		if !ok || d.BlockLen != s.BlockLen {
+			return nil, fmt.Errorf("writer: region %d does not match between source and destination", s.ID)
+		}
+		if s.BlockLen == 0 || s.BlockLen > maxMsg {
+			return nil, fmt.Errorf("writer: region %d's %d-byte blocks do not fit the provider's %d-byte messages", s.ID, s.BlockLen, maxMsg)
+		}
+		for i := range t.Src {
+			if t.Src[i] >= s.Blocks || t.Dst[i] >= d.Blocks {
+				return nil, fmt.Errorf("writer: block %d→%d is outside region %d (%d source, %d destination blocks)", t.Src[i], t.Dst[i], s.ID, s.Blocks, d.Blocks)
+			}
+		}
+	}
+
+	var writes []Write
+	for _, s := range src {
+		perWrite := int(maxMsg / s.BlockLen) // blocks one write may carry
+		for i := 0; i < len(t.Src); {
+			j := i + 1
+			for j < len(t.Src) && j-i < perWrite && t.Src[j] == t.Src[j-1]+1 && t.Dst[j] == t.Dst[j-1]+1 {
+				j++
+			}
+			writes = append(writes, Write{
+				Region: s.ID,
+				SrcOff: uint64(t.Src[i]) * s.BlockLen,
+				DstOff: uint64(t.Dst[i]) * s.BlockLen,
+				Len:    uint64(j-i) * s.BlockLen,
+				Blocks: j - i,
+			})
+			i = j
+		}
+	}
+	return writes, nil
+}

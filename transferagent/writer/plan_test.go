@@ -1,0 +1,94 @@
+package writer
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
+)
+
+func regions(n int, blockLen uint64, blocks uint32) []Region {
+	out := make([]Region, n)
+	for i := range out {
+		out[i] = Region{ID: i, BlockLen: blockLen, Blocks: blocks}
+	}
+	return out
+}
+
+func transfer(src, dst []uint32) rendezvous.Transfer {
+	return rendezvous.Transfer{Request: "r", Attempt: 1, Src: src, Dst: dst}
+}
+
+func seq(from, n uint32) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = from + uint32(i)
+	}
+	return out
+}
+
+func TestPlanMergesContiguousRunsIntoOneWritePerRunAndRegion(t *testing.T) {
+	// Qwen3-32B at TP8 on one rank: 64 layers × K,V = 128 regions of 4 KiB blocks; a
+	// 16k-token request is 1024 blocks, ~131k descriptors unmerged.
+	src, dst := regions(128, 4096, 4096), regions(128, 4096, 4096)
+	w, err := Plan(transfer(seq(0, 1024), seq(2000, 1024)), src, dst, 1<<30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(w) != 128 {
+		t.Fatalf("%d writes for one contiguous run in 128 regions, want 128", len(w))
+	}
+	if w[5] != (Write{Region: 5, SrcOff: 0, DstOff: 2000 * 4096, Len: 1024 * 4096, Blocks: 1024}) {
+		t.Fatalf("write %+v", w[5])
+	}
+}
+
+func TestPlanCountsOneWritePerContiguousRun(t *testing.T) {
+	// Runs: 0-2 → 10-12; 5 → 13 (the source breaks); 6-8 → 20-22 (the destination breaks
+	// between 5 → 13 and 6 → 20).
+	src := []uint32{0, 1, 2, 5, 6, 7, 8}
+	dst := []uint32{10, 11, 12, 13, 20, 21, 22}
+	w, err := Plan(transfer(src, dst), regions(2, 16, 64), regions(2, 16, 64), 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(w) != 2*3 {
+		t.Fatalf("%d writes, want 3 runs × 2 regions: %+v", len(w), w)
+	}
+	blocks := 0
+	for _, x := range w {
+		blocks += x.Blocks
+	}
+	if blocks != 2*len(src) {
+		t.Fatalf("writes cover %d blocks, want %d", blocks, 2*len(src))
+	}
+}
+
+func TestPlanSplitsAtTheProviderMessageSize(t *testing.T) {
+	w, err := Plan(transfer(seq(0, 10), seq(0, 10)), regions(1, 1000, 16), regions(1, 1000, 16), 3500)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(w) != 4 || w[0].Len != 3000 || w[3].Blocks != 1 {
+		t.Fatalf("%+v: want writes of 3, 3, 3 and 1 blocks", w)
+	}
+}
+
+func TestPlanRefusesOutOfBoundsOrMismatchedRegionsWhole(t *testing.T) {
+	for name, c := range map[string]struct {
+		t        rendezvous.Transfer
+		src, dst []Region
+		want     string
+	}{
+		"source block past the region":      {transfer([]uint32{0, 64}, []uint32{0, 1}), regions(1, 16, 64), regions(1, 16, 128), "outside region 0"},
+		"destination block past the region": {transfer([]uint32{0, 1}, []uint32{0, 200}), regions(1, 16, 64), regions(1, 16, 128), "outside region 0"},
+		"block length differs":              {transfer([]uint32{0}, []uint32{0}), regions(1, 16, 64), regions(1, 32, 64), "does not match"},
+		"region missing at the destination": {transfer([]uint32{0}, []uint32{0}), regions(2, 16, 64), regions(1, 16, 64), "region 1 does not match"},
+		"uneven pairs":                      {rendezvous.Transfer{Src: []uint32{0, 1}, Dst: []uint32{0}}, regions(1, 16, 64), regions(1, 16, 64), "2 source blocks for 1"},
+	} {
+		w, err := Plan(c.t, c.src, c.dst, 1<<20)
+		if err == nil || !strings.Contains(err.Error(), c.want) || w != nil {
+			t.Errorf("%s: %v, %d writes; want an error containing %q and no writes", name, err, len(w), c.want)
+		}
+	}
+}
