@@ -3,9 +3,11 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -51,62 +53,76 @@ func Serve(ctx context.Context, cfg Config) error {
 		return err
 	}
 
-	registered := false
-	restart := func() {
-		registered = true
+	// Events are coalesced, then the folder is compared with what was served: the kubelet
+	// restarted when kubelet.sock is a new file, and a plugin must be served again when its
+	// socket is gone. Our own restarts remove and recreate sockets too; comparing state
+	// instead of reacting to each event keeps them from triggering further restarts.
+	served := "" // identity of the kubelet.sock registered with; "" when not registered
+	reconcile := func() {
+		id := fileID(kubelet)
+		if id == "" {
+			return // no kubelet yet: wait for its socket
+		}
+		need := id != served
+		for _, p := range plugins {
+			if _, err := os.Stat(p.socket); err != nil {
+				need = true
+			}
+		}
+		if !need {
+			return
+		}
+		if id != served && served != "" {
+			log.Info("the kubelet restarted; serving and registering again")
+		}
+		served = id
 		for _, p := range plugins {
 			p.stop()
 			if err := p.start(); err != nil {
 				log.Error("starting plugin", "resource", p.res.Name, "err", err)
-				registered = false
+				served = ""
 				continue
 			}
 			if err := p.register(ctx, kubelet); err != nil {
 				log.Warn("kubelet registration failed; retrying", "resource", p.res.Name, "err", err)
-				registered = false
+				served = ""
 				continue
 			}
 			log.Info("registered with the kubelet", "resource", p.res.Name, "socket", p.socket)
 		}
 	}
-	if _, err := os.Stat(kubelet); err == nil {
-		restart()
-	}
+	reconcile()
+	settle := time.NewTimer(time.Hour)
+	settle.Stop()
 	retry := time.NewTicker(5 * time.Second)
 	defer retry.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
-		case ev, ok := <-watcher.Events:
+		case _, ok := <-watcher.Events:
 			if !ok {
 				return errors.New("plugin folder watch closed")
 			}
-			switch {
-			case ev.Name == kubelet && ev.Has(fsnotify.Create):
-				log.Info("kubelet socket created; the kubelet restarted, registering again")
-				restart()
-			case ev.Has(fsnotify.Remove) && isPluginSocket(plugins, ev.Name):
-				log.Info("plugin socket removed; serving and registering again", "socket", ev.Name)
-				restart()
-			}
+			settle.Reset(100 * time.Millisecond)
 		case err := <-watcher.Errors:
 			log.Warn("watching the plugin folder", "err", err)
+		case <-settle.C:
+			reconcile()
 		case <-retry.C:
-			if !registered {
-				if _, err := os.Stat(kubelet); err == nil {
-					restart()
-				}
-			}
+			reconcile()
 		}
 	}
 }
 
-func isPluginSocket(ps []*plugin, name string) bool {
-	for _, p := range ps {
-		if p.socket == name && p.server != nil {
-			return true
-		}
+// fileID identifies a file by inode and change time, "" when it does not exist.
+func fileID(path string) string {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return ""
 	}
-	return false
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return fmt.Sprintf("%d/%d.%d", st.Ino, st.Ctim.Sec, st.Ctim.Nsec)
+	}
+	return fi.ModTime().String()
 }

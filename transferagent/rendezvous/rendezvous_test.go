@@ -132,7 +132,7 @@ func TestLeaseExpiresWithoutHeartbeatAndFailsAfterDrain(t *testing.T) {
 		t.Fatal(err)
 	}
 	expect(t, tb.Expire(t0.Add(49*time.Second))) // renewed until 50 s
-	expect(t, tb.Expire(t0.Add(50*time.Second)))  // fenced, one write in flight
+	expect(t, tb.Expire(t0.Add(50*time.Second))) // fenced, one write in flight
 	if err := tb.Posted("r1", 1, 1); !errors.Is(err, ErrFenced) {
 		t.Fatalf("posting after expiry: %v", err)
 	}
