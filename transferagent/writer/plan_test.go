@@ -19,6 +19,7 @@ func transfer(src, dst []uint32) rendezvous.Transfer {
 	return rendezvous.Transfer{Request: "r", Attempt: 1, Src: src, Dst: dst}
 }
 
+// seq is the n block ids from, from+1, ….
 func seq(from, n uint32) []uint32 {
 	out := make([]uint32, n)
 	for i := range out {

@@ -139,19 +139,11 @@ func (r *rig) signalled() uint64 {
 	return 0
 }
 
-func blocks(from, n uint32) []uint32 {
-	out := make([]uint32, n)
-	for i := range out {
-		out[i] = from + uint32(i)
-	}
-	return out
-}
-
 func TestDeliversEveryBlockInMergedWrites(t *testing.T) {
 	r := newRig(t)
 	// Two runs on each side: source 0..63 and 100..163 into destination 128..191, 10..73.
-	src := append(blocks(0, 64), blocks(100, 64)...)
-	dst := append(blocks(128, 64), blocks(10, 64)...)
+	src := append(seq(0, 64), seq(100, 64)...)
+	dst := append(seq(128, 64), seq(10, 64)...)
 	r.submit(mustActs(t)(r.table.Register(time.Now(), rendezvous.Registration{Request: "req", Attempt: 1, Decode: decode, Blocks: dst})))
 	r.submit(mustActs(t)(r.table.SourceReady(rendezvous.Part{Request: "req", Blocks: src[:100]})))
 	r.submit(mustActs(t)(r.table.SourceReady(rendezvous.Part{Request: "req", Offset: 100, Blocks: src[100:], Final: true})))
@@ -194,7 +186,7 @@ func TestNothingLandsAfterACancelIsAcknowledged(t *testing.T) {
 	// A window wider than the cancel point: right after the cancel the writer tries the
 	// next write in the same Poll, and only the table's fence can stop it.
 	r.w.MaxInFlight = 64
-	all := blocks(0, nBlocks)
+	all := seq(0, nBlocks)
 	r.submit(mustActs(t)(r.table.Register(time.Now(), rendezvous.Registration{Request: "req", Attempt: 1, Decode: decode, Blocks: all})))
 	r.submit(mustActs(t)(r.table.SourceReady(rendezvous.Part{Request: "req", Blocks: all, Final: true})))
 	// Cancel right after the 40th write is posted, while it is surely in flight, so the
