@@ -1,0 +1,109 @@
+package wire
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"io"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+var samples = []Message{
+	Register{Request: "req-1", Attempt: 2, Engine: "qwen3-32b-decode-0.default", EngineEpoch: 7, Blocks: []uint32{0, 1, 2, 4096, 1<<32 - 1}},
+	Heartbeat{Request: "req-1", Attempt: 2},
+	Cancel{Request: "req-1", Attempt: 2},
+	CancelAcked{Request: "req-1", Attempt: 2},
+	Delivered{Request: "req-1", Attempt: 2},
+	Failed{Request: "req-1", Attempt: 2, Reason: "lease of 30s expired without a heartbeat"},
+}
+
+func TestRoundTripOverAStream(t *testing.T) {
+	var stream []byte
+	for _, m := range samples {
+		var err error
+		if stream, err = Encode(stream, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r := bytes.NewReader(stream)
+	for _, want := range samples {
+		got, err := Read(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(got, want) {
+			t.Fatalf("got %#v, want %#v", got, want)
+		}
+	}
+	if _, err := Read(r); err != io.EOF {
+		t.Fatalf("after the last frame: %v", err)
+	}
+}
+
+func frame(body ...byte) []byte {
+	return append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
+}
+
+func cat(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+
+func TestMalformedFramesAreRefused(t *testing.T) {
+	good, _ := Encode(nil, Heartbeat{Request: "r", Attempt: 1})
+	uv := func(v uint64) []byte { return binary.AppendUvarint(nil, v) }
+	bodies := map[string][]byte{
+		"empty body":             {},
+		"another version":        {2, byte(KindHeartbeat), 1, 'r', 1},
+		"unknown kind":           {Version, 99},
+		"trailing bytes":         cat(good[4:], []byte{0}),
+		"string past the end":    {Version, byte(KindCancel), 10, 'a'},
+		"string over the limit":  cat([]byte{Version, byte(KindCancel)}, uv(MaxString+1)),
+		"bad varint":             {Version, byte(KindHeartbeat), 1, 'r', 0xff},
+		"more blocks than bytes": {Version, byte(KindRegister), 1, 'r', 1, 1, 'e', 1, 100, 1},
+		"block id over 32 bits":  cat([]byte{Version, byte(KindRegister), 1, 'r', 1, 1, 'e', 1, 1}, uv(1<<33)),
+	}
+	for name, body := range bodies {
+		if _, err := Read(bytes.NewReader(frame(body...))); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: %v, want ErrMalformed", name, err)
+		}
+	}
+	// A length over the limit is refused before anything is read or allocated.
+	if _, err := Read(bytes.NewReader(binary.BigEndian.AppendUint32(nil, MaxFrame+1))); !errors.Is(err, ErrMalformed) {
+		t.Errorf("oversized length: %v", err)
+	}
+	if _, err := Read(bytes.NewReader(good[:len(good)-1])); err == nil {
+		t.Error("truncated frame accepted")
+	}
+}
+
+func TestEncodeRefusesWhatDecodeWouldRefuse(t *testing.T) {
+	if _, err := Encode(nil, Failed{Request: "r", Reason: strings.Repeat("x", MaxString+1)}); err == nil {
+		t.Error("encoded an over-long string")
+	}
+	if _, err := Encode(nil, Register{Request: "r", Blocks: make([]uint32, MaxBlocks+1)}); err == nil {
+		t.Error("encoded too many blocks")
+	}
+}
+
+// FuzzDecode feeds arbitrary bodies to the decoder: it must never panic, and whatever it
+// accepts must encode and decode back to the same message.
+func FuzzDecode(f *testing.F) {
+	for _, m := range samples {
+		b, _ := Encode(nil, m)
+		f.Add(b[4:])
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		m, err := Decode(body)
+		if err != nil {
+			return
+		}
+		b, err := Encode(nil, m)
+		if err != nil {
+			t.Fatalf("decoded %#v but cannot encode it: %v", m, err)
+		}
+		again, err := Decode(b[4:])
+		if err != nil || !reflect.DeepEqual(again, m) {
+			t.Fatalf("round trip of %#v: %#v, %v", m, again, err)
+		}
+	})
+}
