@@ -1,0 +1,123 @@
+// Package simengine is the simulated vLLM engine that tests and the handoff benchmark use
+// to drive transfer agents. This file is its KV cache: host memory in vLLM's layout, filled
+// with a pattern derived from the request and token position, so the decode side can
+// verify every byte it received.
+package simengine
+
+import (
+	"encoding/binary"
+	"fmt"
+	"hash/fnv"
+)
+
+// Layout is a model's KV cache on one tensor-parallel rank.
+type Layout struct {
+	Layers     int
+	BlockSize  int // tokens per block (vLLM --block-size)
+	KVHeads    int // KV heads of the whole model
+	HeadDim    int
+	DTypeBytes int // 2 for bf16
+	TP         int // tensor-parallel size: a rank holds KVHeads/TP heads
+	Blocks     int // blocks per region
+}
+
+// Qwen3_32B is the model DESIGN.md sizes everything by: 64 layers × 8 KV heads × 128 ×
+// K,V × bf16 = 256 KiB per token; at TP8 a block of one layer's K or V on one rank is 4 KiB.
+func Qwen3_32B(tp, blocks int) Layout {
+	return Layout{Layers: 64, BlockSize: 16, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, TP: tp, Blocks: blocks}
+}
+
+// Regions is the number of KV regions on a rank: one per layer for K and one for V.
+func (l Layout) Regions() int { return 2 * l.Layers }
+
+// BlockBytes is one block of one region on one rank.
+func (l Layout) BlockBytes() int { return l.BlockSize * l.KVHeads / l.TP * l.HeadDim * l.DTypeBytes }
+
+// BytesPerToken is the KV one token takes across all ranks.
+func (l Layout) BytesPerToken() int { return l.Regions() * l.KVHeads * l.HeadDim * l.DTypeBytes }
+
+// Validate reports a layout that cannot be laid out.
+func (l Layout) Validate() error {
+	if l.Layers <= 0 || l.BlockSize <= 0 || l.HeadDim <= 0 || l.DTypeBytes <= 0 || l.Blocks <= 0 || l.TP <= 0 {
+		return fmt.Errorf("simengine: layout %+v has a non-positive field", l)
+	}
+	if l.KVHeads%l.TP != 0 {
+		return fmt.Errorf("simengine: %d KV heads do not split over TP %d", l.KVHeads, l.TP)
+	}
+	if l.BlockBytes()%8 != 0 {
+		return fmt.Errorf("simengine: %d-byte blocks are not a multiple of 8", l.BlockBytes())
+	}
+	return nil
+}
+
+// Cache is a rank's KV cache: one byte slice per region (callers allocate them, off the
+// Go heap when they are registered with the fabric).
+type Cache struct {
+	Layout  Layout
+	Regions [][]byte
+}
+
+// NewCache checks that regions fit the layout.
+func NewCache(l Layout, regions [][]byte) (*Cache, error) {
+	if err := l.Validate(); err != nil {
+		return nil, err
+	}
+	if len(regions) != l.Regions() {
+		return nil, fmt.Errorf("simengine: %d regions for a layout of %d", len(regions), l.Regions())
+	}
+	for i, r := range regions {
+		if len(r) != l.Blocks*l.BlockBytes() {
+			return nil, fmt.Errorf("simengine: region %d is %d bytes, want %d", i, len(r), l.Blocks*l.BlockBytes())
+		}
+	}
+	return &Cache{Layout: l, Regions: regions}, nil
+}
+
+// pattern is the 8-byte word at word index w of the block holding token-order block
+// position pos of a request, in region r: an xorshift of a seed unique to all four.
+func pattern(seed uint64, r, pos, w int) uint64 {
+	x := seed ^ uint64(r)<<48 ^ uint64(pos)<<24 ^ uint64(w)
+	x ^= x << 13
+	x ^= x >> 7
+	x ^= x << 17
+	return x*0x9E3779B97F4A7C15 + 1
+}
+
+func requestSeed(request string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(request))
+	return h.Sum64()
+}
+
+// Fill writes request's pattern into blocks, which hold token-order positions 0, 1, …
+// of the request — what a prefill engine produces.
+func (c *Cache) Fill(request string, blocks []uint32) {
+	seed := requestSeed(request)
+	bb := c.Layout.BlockBytes()
+	for r, region := range c.Regions {
+		for pos, b := range blocks {
+			dst := region[int(b)*bb : (int(b)+1)*bb]
+			for w := 0; w < bb/8; w++ {
+				binary.LittleEndian.PutUint64(dst[w*8:], pattern(seed, r, pos, w))
+			}
+		}
+	}
+}
+
+// Verify checks that blocks hold request's pattern for positions 0, 1, … — what a decode
+// engine checks after the handoff. It names the first wrong byte.
+func (c *Cache) Verify(request string, blocks []uint32) error {
+	seed := requestSeed(request)
+	bb := c.Layout.BlockBytes()
+	for r, region := range c.Regions {
+		for pos, b := range blocks {
+			src := region[int(b)*bb : (int(b)+1)*bb]
+			for w := 0; w < bb/8; w++ {
+				if got, want := binary.LittleEndian.Uint64(src[w*8:]), pattern(seed, r, pos, w); got != want {
+					return fmt.Errorf("simengine: request %s, region %d, block %d (position %d), byte %d: %#x, want %#x", request, r, b, pos, w*8, got, want)
+				}
+			}
+		}
+	}
+	return nil
+}
