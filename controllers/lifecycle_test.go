@@ -244,5 +244,14 @@ var _ = Describe("Lifecycle", func() {
 		create(ns, builder.Policy("policy").Obj(), p)
 		Eventually(func() string { return condition(p, kvv1.ConditionReady).Reason }).Should(Equal(kvv1.ReasonNameConflict))
 		Expect(statefulSet(ns, "p").Spec.Template.Spec.Containers[0].Image).To(Equal("busybox"))
+
+		By("deleting the foreign StatefulSet, which clears the conflict")
+		Expect(k8s.Delete(ctx, foreign)).To(Succeed())
+		Eventually(func(g Gomega) {
+			sts := &appsv1.StatefulSet{}
+			g.Expect(k8s.Get(ctx, key(ns, "p"), sts)).To(Succeed())
+			g.Expect(metav1.IsControlledBy(sts, p)).To(BeTrue())
+			g.Expect(condition(p, kvv1.ConditionDegraded).Status).To(Equal(metav1.ConditionFalse))
+		}).Should(Succeed())
 	})
 })

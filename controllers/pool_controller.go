@@ -123,9 +123,10 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 	return r.apply(ctx, p, w.StatefulSet, &appsv1.StatefulSet{})
 }
 
-// SetupWithManager registers the reconciler: it owns the pool's StatefulSet and Service,
-// follows its pods, and is woken by changes of the policy (and, for a decode pool, the
-// prefill pool) it references.
+// SetupWithManager registers the reconciler: it follows the StatefulSet and Service of
+// the pool's name (its own, or a foreign one that blocks it: deleting that must clear the
+// NameConflict), the pool's pods, and the policy (and, for a decode pool, the prefill
+// pool) it references.
 func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	if err := indexReferences(context.Background(), mgr, r.Role); err != nil {
 		return err
@@ -133,8 +134,8 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	b := ctrl.NewControllerManagedBy(mgr).
 		Named(string(r.Role)+"pool").
 		For(newPool(r.Role).object()).
-		Owns(&appsv1.StatefulSet{}).
-		Owns(&corev1.Service{}).
+		Watches(&appsv1.StatefulSet{}, enqueuePoolOfName()).
+		Watches(&corev1.Service{}, enqueuePoolOfName()).
 		Watches(&corev1.Pod{}, enqueuePoolOfPod(r.Role)).
 		Watches(&kvv1.KVTransferPolicy{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPolicy))
 	if r.Role == kvv1.RoleDecode {

@@ -64,6 +64,14 @@ func enqueueReferrers(c client.Client, role kvv1.Role, index string) handler.Eve
 	})
 }
 
+// enqueuePoolOfName maps a StatefulSet or Service to the pool of the same name, whose
+// workload it is or would be.
+func enqueuePoolOfName() handler.EventHandler {
+	return handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
+		return []reconcile.Request{{NamespacedName: client.ObjectKeyFromObject(o)}}
+	})
+}
+
 // enqueuePoolOfPod maps an engine pod to its pool through the pool and role labels.
 func enqueuePoolOfPod(role kvv1.Role) handler.EventHandler {
 	return handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
