@@ -38,7 +38,8 @@ func fiError(op string, ret C.ssize_t) error {
 // Endpoint is an RDM endpoint with its own address vector and completion queue.
 // It is not safe for concurrent use: one goroutine (a writer) owns it.
 type Endpoint struct {
-	c *C.kvh_ep
+	c      *C.kvh_ep
+	limits Limits // read once at Open; they do not change
 
 	mu   sync.Mutex
 	ctxs map[unsafe.Pointer]uint64 // operation contexts in flight → operation ids
@@ -56,7 +57,17 @@ func Open(provider string) (*Endpoint, error) {
 		C.free(unsafe.Pointer(c))
 		return nil, fiError("opening provider "+provider, C.ssize_t(ret))
 	}
-	return &Endpoint{c: c, ctxs: map[unsafe.Pointer]uint64{}}, nil
+	e := &Endpoint{c: c, ctxs: map[unsafe.Pointer]uint64{}}
+	mode := uint64(C.kvh_mr_mode(c))
+	e.limits = Limits{
+		Provider:    C.GoString(C.kvh_provider(c)),
+		RMAIovLimit: int(C.kvh_rma_iov_limit(c)),
+		IOVLimit:    int(C.kvh_iov_limit(c)),
+		MaxMsgSize:  uint64(C.kvh_max_msg_size(c)),
+		CQDataSize:  int(C.kvh_cq_data_size(c)),
+		VirtAddr:    mode&C.FI_MR_VIRT_ADDR != 0,
+	}
+	return e, nil
 }
 
 // Close releases the endpoint. Regions must be closed first.
@@ -84,17 +95,7 @@ type Limits struct {
 }
 
 // Limits reports the provider's limits.
-func (e *Endpoint) Limits() Limits {
-	mode := uint64(C.kvh_mr_mode(e.c))
-	return Limits{
-		Provider:    C.GoString(C.kvh_provider(e.c)),
-		RMAIovLimit: int(C.kvh_rma_iov_limit(e.c)),
-		IOVLimit:    int(C.kvh_iov_limit(e.c)),
-		MaxMsgSize:  uint64(C.kvh_max_msg_size(e.c)),
-		CQDataSize:  int(C.kvh_cq_data_size(e.c)),
-		VirtAddr:    mode&C.FI_MR_VIRT_ADDR != 0,
-	}
-}
+func (e *Endpoint) Limits() Limits { return e.limits }
 
 // Address is the endpoint's fabric address, for a peer's AddPeer.
 func (e *Endpoint) Address() ([]byte, error) {
@@ -193,7 +194,7 @@ func (r *Region) Close() error {
 // RemoteAddr is the address a peer writes to for offset off of this region: its virtual
 // address where the provider addresses by virtual address, else the offset.
 func (r *Region) RemoteAddr(off uint64) uint64 {
-	if r.e.Limits().VirtAddr {
+	if r.e.limits.VirtAddr {
 		return uint64(uintptr(unsafe.Pointer(&r.mem[0]))) + off
 	}
 	return off

@@ -41,6 +41,9 @@ func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, err
 	for _, r := range dst {
 		dstByID[r.ID] = r
 	}
+	// Every region holds the same block ids, so one pass against the smallest region of
+	// each side checks them all.
+	srcBlocks, dstBlocks, smallest := ^uint32(0), ^uint32(0), 0
 	for _, s := range src {
 		d, ok := dstByID[s.ID]
 		if !ok || d.BlockLen != s.BlockLen {
@@ -49,29 +52,47 @@ func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, err
 		if s.BlockLen == 0 || s.BlockLen > maxMsg {
 			return nil, fmt.Errorf("writer: region %d's %d-byte blocks do not fit the provider's %d-byte messages", s.ID, s.BlockLen, maxMsg)
 		}
-		for i := range t.Src {
-			if t.Src[i] >= s.Blocks || t.Dst[i] >= d.Blocks {
-				return nil, fmt.Errorf("writer: block %d→%d is outside region %d (%d source, %d destination blocks)", t.Src[i], t.Dst[i], s.ID, s.Blocks, d.Blocks)
-			}
+		if min(s.Blocks, d.Blocks) < min(srcBlocks, dstBlocks) {
+			smallest = s.ID
+		}
+		srcBlocks, dstBlocks = min(srcBlocks, s.Blocks), min(dstBlocks, d.Blocks)
+	}
+	for i := range t.Src {
+		if t.Src[i] >= srcBlocks || t.Dst[i] >= dstBlocks {
+			return nil, fmt.Errorf("writer: block %d→%d is outside region %d (%d source, %d destination blocks)", t.Src[i], t.Dst[i], smallest, srcBlocks, dstBlocks)
 		}
 	}
 
+	// Runs depend only on the block ids and how many blocks one write may carry, not on
+	// the region: find them once per block length, then emit one write per run and region.
+	type run struct {
+		src, dst uint32
+		n        int
+	}
+	runsFor := map[int][]run{}
 	var writes []Write
 	for _, s := range src {
 		perWrite := int(maxMsg / s.BlockLen) // blocks one write may carry
-		for i := 0; i < len(t.Src); {
-			j := i + 1
-			for j < len(t.Src) && j-i < perWrite && t.Src[j] == t.Src[j-1]+1 && t.Dst[j] == t.Dst[j-1]+1 {
-				j++
+		runs, ok := runsFor[perWrite]
+		if !ok {
+			for i := 0; i < len(t.Src); {
+				j := i + 1
+				for j < len(t.Src) && j-i < perWrite && t.Src[j] == t.Src[j-1]+1 && t.Dst[j] == t.Dst[j-1]+1 {
+					j++
+				}
+				runs = append(runs, run{src: t.Src[i], dst: t.Dst[i], n: j - i})
+				i = j
 			}
+			runsFor[perWrite] = runs
+		}
+		for _, r := range runs {
 			writes = append(writes, Write{
 				Region: s.ID,
-				SrcOff: uint64(t.Src[i]) * s.BlockLen,
-				DstOff: uint64(t.Dst[i]) * s.BlockLen,
-				Len:    uint64(j-i) * s.BlockLen,
-				Blocks: j - i,
+				SrcOff: uint64(r.src) * s.BlockLen,
+				DstOff: uint64(r.dst) * s.BlockLen,
+				Len:    uint64(r.n) * s.BlockLen,
+				Blocks: r.n,
 			})
-			i = j
 		}
 	}
 	return writes, nil

@@ -93,3 +93,15 @@ func TestPlanRefusesOutOfBoundsOrMismatchedRegionsWhole(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkPlan16kTokens plans a 16k-token Qwen3-32B request on one TP8 rank: 1024
+// blocks in 128 regions, as two runs.
+func BenchmarkPlan16kTokens(b *testing.B) {
+	src, dst := regions(128, 4096, 8192), regions(128, 4096, 8192)
+	t := transfer(append(seq(0, 512), seq(2000, 512)...), seq(4000, 1024))
+	for b.Loop() {
+		if _, err := Plan(t, src, dst, 1<<30); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

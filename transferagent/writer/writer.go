@@ -19,6 +19,8 @@ type RemoteRegion struct {
 type Destination struct {
 	Peer    fabric.Peer
 	Regions []RemoteRegion
+	// byID indexes Regions by region ID, built by AddDestination.
+	byID map[int]RemoteRegion
 }
 
 // Writer is the background writer of one TP rank. One goroutine owns it: it calls Submit
@@ -64,7 +66,13 @@ func New(ep *fabric.Endpoint, table *rendezvous.Table, local map[int]*fabric.Reg
 }
 
 // AddDestination records a decode engine's memory.
-func (w *Writer) AddDestination(engine string, d Destination) { w.dests[engine] = d }
+func (w *Writer) AddDestination(engine string, d Destination) {
+	d.byID = make(map[int]RemoteRegion, len(d.Regions))
+	for _, r := range d.Regions {
+		d.byID[r.ID] = r
+	}
+	w.dests[engine] = d
+}
 
 // Submit plans a transfer and queues its writes. A transfer that does not fit the
 // regions is refused whole.
@@ -104,7 +112,7 @@ func (w *Writer) Poll() ([]rendezvous.Action, error) {
 			w.drop(q.req, q.attempt)
 			continue
 		}
-		remote := q.dest.Regions[w.regionIndex(q.dest, q.w.Region)]
+		remote := q.dest.byID[q.w.Region] // Plan checked every region exists on both sides
 		w.nextID++
 		err := w.ep.Write(q.dest.Peer, w.src[q.w.Region], q.w.SrcOff, q.w.Len, remote.Addr+q.w.DstOff, remote.Key, w.nextID)
 		if errors.Is(err, fabric.ErrAgain) {
@@ -177,13 +185,4 @@ func (w *Writer) drop(req string, attempt uint64) {
 		}
 	}
 	w.queue = keep
-}
-
-func (w *Writer) regionIndex(d Destination, id int) int {
-	for i, r := range d.Regions {
-		if r.ID == id {
-			return i
-		}
-	}
-	return -1 // Plan checked every region exists on both sides
 }
