@@ -89,35 +89,42 @@ func requestSeed(request string) uint64 {
 	return h.Sum64()
 }
 
-// Fill writes request's pattern into blocks, which hold token-order positions 0, 1, …
-// of the request — what a prefill engine produces.
-func (c *Cache) Fill(request string, blocks []uint32) {
+// words calls fn with every 8-byte word of blocks (token-order positions 0, 1, … of
+// request) and the pattern word it must hold, until fn returns false.
+func (c *Cache) words(request string, blocks []uint32, fn func(word []byte, want uint64, r, pos, off int) bool) {
 	seed := requestSeed(request)
 	bb := c.Layout.BlockBytes()
 	for r, region := range c.Regions {
 		for pos, b := range blocks {
-			dst := region[int(b)*bb : (int(b)+1)*bb]
+			block := region[int(b)*bb : (int(b)+1)*bb]
 			for w := 0; w < bb/8; w++ {
-				binary.LittleEndian.PutUint64(dst[w*8:], pattern(seed, r, pos, w))
+				if !fn(block[w*8:w*8+8], pattern(seed, r, pos, w), r, pos, w*8) {
+					return
+				}
 			}
 		}
 	}
 }
 
+// Fill writes request's pattern into blocks, which hold token-order positions 0, 1, …
+// of the request — what a prefill engine produces.
+func (c *Cache) Fill(request string, blocks []uint32) {
+	c.words(request, blocks, func(word []byte, want uint64, _, _, _ int) bool {
+		binary.LittleEndian.PutUint64(word, want)
+		return true
+	})
+}
+
 // Verify checks that blocks hold request's pattern for positions 0, 1, … — what a decode
 // engine checks after the handoff. It names the first wrong byte.
 func (c *Cache) Verify(request string, blocks []uint32) error {
-	seed := requestSeed(request)
-	bb := c.Layout.BlockBytes()
-	for r, region := range c.Regions {
-		for pos, b := range blocks {
-			src := region[int(b)*bb : (int(b)+1)*bb]
-			for w := 0; w < bb/8; w++ {
-				if got, want := binary.LittleEndian.Uint64(src[w*8:]), pattern(seed, r, pos, w); got != want {
-					return fmt.Errorf("simengine: request %s, region %d, block %d (position %d), byte %d: %#x, want %#x", request, r, b, pos, w*8, got, want)
-				}
-			}
+	var err error
+	c.words(request, blocks, func(word []byte, want uint64, r, pos, off int) bool {
+		if got := binary.LittleEndian.Uint64(word); got != want {
+			err = fmt.Errorf("simengine: request %s, region %d, block %d (position %d), byte %d: %#x, want %#x", request, r, blocks[pos], pos, off, got, want)
+			return false
 		}
-	}
-	return nil
+		return true
+	})
+	return err
 }
