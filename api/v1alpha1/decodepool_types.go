@@ -49,7 +49,3 @@ type DecodePoolList struct {
 	metav1.ListMeta `json:"metadata,omitempty"`
 	Items           []DecodePool `json:"items"`
 }
-
-func init() {
-	SchemeBuilder.Register(&DecodePool{}, &DecodePoolList{})
-}

@@ -212,7 +212,3 @@ type KVTransferPolicyList struct {
 	metav1.ListMeta `json:"metadata,omitempty"`
 	Items           []KVTransferPolicy `json:"items"`
 }
-
-func init() {
-	SchemeBuilder.Register(&KVTransferPolicy{}, &KVTransferPolicyList{})
-}

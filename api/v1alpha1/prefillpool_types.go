@@ -44,7 +44,3 @@ type PrefillPoolList struct {
 	metav1.ListMeta `json:"metadata,omitempty"`
 	Items           []PrefillPool `json:"items"`
 }
-
-func init() {
-	SchemeBuilder.Register(&PrefillPool{}, &PrefillPoolList{})
-}
