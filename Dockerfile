@@ -1,5 +1,5 @@
-# Images: `docker build --target manager .` (default) and `--target device-plugin .`.
-# The transfer agent, which links libfabric, gets its own target when its code lands.
+# Images: `docker build --target manager .` (default), `--target device-plugin .` and
+# `--target transfer-agent .`.
 FROM golang:1.26 AS build
 WORKDIR /src
 COPY go.mod go.sum ./
@@ -11,9 +11,21 @@ COPY controllers/ controllers/
 COPY deviceplugin/ deviceplugin/
 COPY instancetype/ instancetype/
 COPY render/ render/
+COPY transferagent/ transferagent/
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/manager ./cmd/manager
 # go-nvml needs cgo; it loads libnvidia-ml.so.1 from the host's driver at run time.
 RUN CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ldflags "-s -w" -o /out/device-plugin ./cmd/device-plugin
+
+# The transfer agent links libfabric dynamically: built against Debian's headers, it runs
+# on the node's own libfabric (the AWS EFA installer's, mounted at /opt/amazon/efa and
+# first on LD_LIBRARY_PATH in config/agent), with Debian's as the fallback for tcp/shm.
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends libfabric-dev >/dev/null && \
+    CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ldflags "-s -w" -o /out/transfer-agent ./cmd/transfer-agent
+
+FROM debian:bookworm-slim AS transfer-agent
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends libfabric1 >/dev/null && rm -rf /var/lib/apt/lists/*
+COPY --from=build /out/transfer-agent /transfer-agent
+ENTRYPOINT ["/transfer-agent"]
 
 FROM gcr.io/distroless/base-debian12 AS device-plugin
 COPY --from=build /out/device-plugin /device-plugin

@@ -7,6 +7,10 @@ CACHE ?= $(HOME)/.cache/kvhandoff
 LOCALBIN ?= $(CURDIR)/bin
 CONTROLLER_TOOLS_VERSION ?= v0.23.0
 CONTROLLER_GEN ?= $(LOCALBIN)/controller-gen
+PROTOC_GEN_GO_VERSION ?= v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.2
+PROTOC_GEN_GO ?= $(LOCALBIN)/protoc-gen-go
+PROTOC_GEN_GO_GRPC ?= $(LOCALBIN)/protoc-gen-go-grpc
 # go-nvml's header marks some NVML calls deprecated; the warnings say nothing about kvhandoff.
 export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 
@@ -29,6 +33,12 @@ manifests: controller-gen ## Generate CRDs and RBAC from the markers in api/ and
 generate: controller-gen ## Generate DeepCopy methods for the API types.
 	$(CONTROLLER_GEN) object paths="./..."
 
+.PHONY: proto
+proto: protoc-gen-go ## Generate the transfer agent's engine API (Go code from transferagent/api/v1/agent.proto).
+	protoc --plugin=protoc-gen-go=$(PROTOC_GEN_GO) --plugin=protoc-gen-go-grpc=$(PROTOC_GEN_GO_GRPC) \
+		--go_out=. --go_opt=paths=source_relative --go-grpc_out=. --go-grpc_opt=paths=source_relative \
+		transferagent/api/v1/agent.proto
+
 .PHONY: fmt
 fmt: ## go fmt the module.
 	go fmt ./...
@@ -38,8 +48,8 @@ vet: ## go vet the module.
 	go vet ./...
 
 .PHONY: verify-generated
-verify-generated: controller-gen ## Fail when committed generated files differ from a fresh generation.
-	CONTROLLER_GEN=$(CONTROLLER_GEN) hack/verify-generated.sh
+verify-generated: controller-gen protoc-gen-go ## Fail when committed generated files differ from a fresh generation.
+	CONTROLLER_GEN=$(CONTROLLER_GEN) PROTOC_GEN_GO=$(PROTOC_GEN_GO) PROTOC_GEN_GO_GRPC=$(PROTOC_GEN_GO_GRPC) hack/verify-generated.sh
 
 CLUSTER_BINS := kube-apiserver etcd kube-controller-manager kube-scheduler kwok kubectl
 E2E_CLUSTER_DIR ?= $(CACHE)/e2e-cluster
@@ -70,6 +80,10 @@ e2e-cluster-down: ## Stop the simulated cluster started by e2e-cluster-up.
 build: ## Build the binaries into bin/.
 	go build -o $(LOCALBIN)/ ./cmd/...
 
+.PHONY: bench-handoff
+bench-handoff: deps ## Push-vs-pull handoff benchmark: markdown table, bench/results/handoff.json and handoff.png.
+	go run ./cmd/bench-handoff --out bench/results
+
 .PHONY: demo
 demo: deps ## Start a local control plane, install the CRDs, apply the samples and show them.
 	hack/demo.sh
@@ -80,3 +94,10 @@ demo: deps ## Start a local control plane, install the CRDs, apply the samples a
 controller-gen: $(CONTROLLER_GEN) ## Build controller-gen (cached under ~/.cache/kvhandoff/tools).
 $(CONTROLLER_GEN):
 	hack/go-install.sh controller-gen sigs.k8s.io/controller-tools/cmd/controller-gen $(CONTROLLER_TOOLS_VERSION) $@
+
+.PHONY: protoc-gen-go
+protoc-gen-go: $(PROTOC_GEN_GO) $(PROTOC_GEN_GO_GRPC) ## Build the protoc plugins (cached under ~/.cache/kvhandoff/tools).
+$(PROTOC_GEN_GO):
+	hack/go-install.sh protoc-gen-go google.golang.org/protobuf/cmd/protoc-gen-go $(PROTOC_GEN_GO_VERSION) $@
+$(PROTOC_GEN_GO_GRPC):
+	hack/go-install.sh protoc-gen-go-grpc google.golang.org/grpc/cmd/protoc-gen-go-grpc $(PROTOC_GEN_GO_GRPC_VERSION) $@

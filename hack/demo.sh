@@ -2,7 +2,8 @@
 # make demo: the whole operator on a simulated cluster. A real kube-apiserver, etcd,
 # kube-controller-manager and kube-scheduler on loopback, KWOK playing the kubelets of
 # fake p5en and trn2 nodes, kvhandoff installed from config/default, its manager running,
-# the samples applied. Everything it starts is stopped on exit.
+# the samples applied; then two transfer agents on loopback pushing one verified request.
+# Everything it starts is stopped on exit.
 #
 #   DEMO_KEEP=1 make demo   keeps the cluster up until Ctrl-C, for kubectl by hand.
 set -euo pipefail
@@ -116,6 +117,9 @@ until_ok 'test "$("$kubectl" get pods -l kvhandoff.io/pool=qwen3-32b-decode -o n
 until_ok 'test -n "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.status.conditions[?(@.reason=="EnginesUnschedulable")].message}'\'')"'
 "$kubectl" get pods -l kvhandoff.io/pool=qwen3-32b-decode -o custom-columns='POD:.metadata.name,NODE:.spec.nodeName,PHASE:.status.phase'
 "$kubectl" get dcp qwen3-32b-decode -o jsonpath='{range .status.conditions[?(@.type=="Degraded")]}  {.type}={.status} {.reason}: {.message}{"\n"}{end}'
+
+bold "transfer agents: two agents as processes on loopback push one request's KV (real libfabric, tcp;ofi_rxm)"
+(cd "$root" && go run ./cmd/bench-handoff --demo)
 
 if [ "${DEMO_KEEP:-}" = 1 ]; then
   bold "cluster kept up: export KUBECONFIG=$KUBECONFIG   (Ctrl-C stops it)"

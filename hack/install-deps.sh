@@ -12,6 +12,7 @@ declare -A want=(
   [libfabric-dev]=/usr/include/rdma/fabric.h
   [libfabric-bin]=/usr/bin/fi_info
   [pkg-config]=/usr/bin/pkg-config
+  [protobuf-compiler]=/usr/bin/protoc
 )
 missing=()
 for pkg in "${!want[@]}"; do

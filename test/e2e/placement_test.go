@@ -144,35 +144,41 @@ func applyYAML(ns, manifests string) {
 }
 
 var _ = Describe("Node programs", func() {
-	It("runs the device plugin's DaemonSet from config/ on exactly the accelerator nodes", func() {
-		ns := namespace()
-		dir := filepath.Join(envtest.RepoRoot(), "config", "device-plugin")
-		applyYAML(ns, `{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"kvhandoff-system"}}`)
-		mustKubectl("kvhandoff-system", "apply", "--server-side", "-k", dir)
-		DeferCleanup(func() {
-			mustKubectl("kvhandoff-system", "delete", "-k", dir, "--wait=false")
-			Eventually(func() []corev1.Pod {
-				return pods("kvhandoff-system", map[string]string{"app.kubernetes.io/component": "device-plugin"})
-			}).Should(BeEmpty())
-		})
+	// Both node programs come from config/ and must land on exactly the accelerator nodes:
+	// a missing toleration or a wrong affinity shows up here, not on a customer's cluster.
+	for _, program := range []struct{ dir, component string }{
+		{"device-plugin", "device-plugin"},
+		{"agent", "transfer-agent"},
+	} {
+		It("runs the "+program.component+" DaemonSet from config/"+program.dir+" on exactly the accelerator nodes", func() {
+			ns := namespace()
+			dir := filepath.Join(envtest.RepoRoot(), "config", program.dir)
+			selector := map[string]string{"app.kubernetes.io/component": program.component}
+			applyYAML(ns, `{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"kvhandoff-system"}}`)
+			mustKubectl("kvhandoff-system", "apply", "--server-side", "-k", dir)
+			DeferCleanup(func() {
+				mustKubectl("kvhandoff-system", "delete", "-k", dir, "--wait=false")
+				Eventually(func() []corev1.Pod { return pods("kvhandoff-system", selector) }).Should(BeEmpty())
+			})
 
-		accelerators := map[string]bool{}
-		list := &corev1.NodeList{}
-		Expect(k8s.List(ctx, list)).To(Succeed())
-		for _, n := range list.Items {
-			switch n.Labels["node.kubernetes.io/instance-type"] {
-			case "p5en.48xlarge", "p5e.48xlarge", "p5.48xlarge", "trn2.48xlarge", "trn1.32xlarge":
-				accelerators[n.Name] = true
+			accelerators := map[string]bool{}
+			list := &corev1.NodeList{}
+			Expect(k8s.List(ctx, list)).To(Succeed())
+			for _, n := range list.Items {
+				switch n.Labels["node.kubernetes.io/instance-type"] {
+				case "p5en.48xlarge", "p5e.48xlarge", "p5.48xlarge", "trn2.48xlarge", "trn1.32xlarge":
+					accelerators[n.Name] = true
+				}
 			}
-		}
-		Expect(len(accelerators)).To(BeNumerically("<", len(list.Items)), "the cluster needs a node without accelerators for this spec to mean anything")
-		Eventually(func(g Gomega) {
-			on := map[string]bool{}
-			for _, p := range pods("kvhandoff-system", map[string]string{"app.kubernetes.io/component": "device-plugin"}) {
-				g.Expect(p.Status.Phase).To(Equal(corev1.PodRunning))
-				on[p.Spec.NodeName] = true
-			}
-			g.Expect(on).To(Equal(accelerators))
-		}).Should(Succeed())
-	})
+			Expect(len(accelerators)).To(BeNumerically("<", len(list.Items)), "the cluster needs a node without accelerators for this spec to mean anything")
+			Eventually(func(g Gomega) {
+				on := map[string]bool{}
+				for _, p := range pods("kvhandoff-system", selector) {
+					g.Expect(p.Status.Phase).To(Equal(corev1.PodRunning))
+					on[p.Spec.NodeName] = true
+				}
+				g.Expect(on).To(Equal(accelerators))
+			}).Should(Succeed())
+		})
+	}
 })

@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 )
 
@@ -148,13 +149,39 @@ const (
 	Source Access = C.FI_WRITE
 	// Target: peers write into it.
 	Target Access = C.FI_REMOTE_WRITE
+	// ReadTarget: local reads land in it (pull, decode side).
+	ReadTarget Access = C.FI_READ
+	// ReadSource: peers read from it (pull, prefill side).
+	ReadSource Access = C.FI_REMOTE_READ
 )
+
+// Device is the memory a dmabuf exports.
+type Device int
+
+const (
+	CUDA   Device = C.FI_HMEM_CUDA
+	Neuron Device = C.FI_HMEM_NEURON
+)
+
+// ErrNoDmabuf means this build's libfabric headers lack FI_MR_DMABUF (added in 1.20;
+// Debian's 1.17 lacks it), so device memory cannot be registered.
+var ErrNoDmabuf = errors.New("fabric: this agent was built against a libfabric without FI_MR_DMABUF (needs >= 1.20); device memory cannot be registered")
+
+// HasDmabuf reports whether device memory can be registered by dmabuf.
+func HasDmabuf() bool { return C.kvh_has_dmabuf() != 0 }
+
+// Version is the libfabric loaded at run time, as major and minor.
+func Version() (major, minor int) {
+	v := uint32(C.fi_version())
+	return int(v >> 16), int(v & 0xffff)
+}
 
 // Region is registered memory.
 type Region struct {
 	e    *Endpoint
 	mr   *C.struct_fid_mr
-	mem  []byte
+	mem  []byte // nil for device memory
+	size uint64
 	Key  uint64
 	desc unsafe.Pointer
 }
@@ -170,17 +197,37 @@ func (e *Endpoint) Register(mem []byte, access Access) (*Region, error) {
 	if len(mem) == 0 {
 		return nil, errors.New("fabric: registering empty memory")
 	}
+	r := &Region{e: e, mem: mem, size: uint64(len(mem))}
+	ret := C.kvh_mr_reg(e.c, unsafe.Pointer(&mem[0]), C.size_t(len(mem)), C.uint64_t(access), C.uint64_t(requestKey()), &r.mr)
+	return r.registered("registering memory", ret)
+}
+
+// requestKey is a key to ask for; providers with FI_MR_PROV_KEY choose their own.
+func requestKey() uint64 {
 	nextKey.Lock()
+	defer nextKey.Unlock()
 	nextKey.n++
-	requested := nextKey.n
-	nextKey.Unlock()
-	r := &Region{e: e, mem: mem}
-	if ret := C.kvh_mr_reg(e.c, unsafe.Pointer(&mem[0]), C.size_t(len(mem)), C.uint64_t(access), C.uint64_t(requested), &r.mr); ret != 0 {
-		return nil, fiError("registering memory", C.ssize_t(ret))
+	return nextKey.n
+}
+
+// registered completes a registration that returned ret.
+func (r *Region) registered(op string, ret C.int) (*Region, error) {
+	if ret != 0 {
+		return nil, fiError(op, C.ssize_t(ret))
 	}
 	r.Key = uint64(C.kvh_mr_key(r.mr))
 	r.desc = C.kvh_mr_desc(r.mr)
 	return r, nil
+}
+
+// RegisterDmabuf registers size bytes at offset of a device-memory dmabuf.
+func (e *Endpoint) RegisterDmabuf(fd int, offset, size uint64, dev Device, access Access) (*Region, error) {
+	if !HasDmabuf() {
+		return nil, ErrNoDmabuf
+	}
+	r := &Region{e: e, size: size} // registered with base address 0
+	ret := C.kvh_mr_reg_dmabuf(e.c, C.int(fd), C.uint64_t(offset), C.size_t(size), C.int(dev), C.uint64_t(access), C.uint64_t(requestKey()), &r.mr)
+	return r.registered("registering a dmabuf", ret)
 }
 
 // Close deregisters the region.
@@ -194,14 +241,14 @@ func (r *Region) Close() error {
 // RemoteAddr is the address a peer writes to for offset off of this region: its virtual
 // address where the provider addresses by virtual address, else the offset.
 func (r *Region) RemoteAddr(off uint64) uint64 {
-	if r.e.limits.VirtAddr {
+	if r.e.limits.VirtAddr && r.mem != nil {
 		return uint64(uintptr(unsafe.Pointer(&r.mem[0]))) + off
 	}
 	return off
 }
 
 // Size is the region's length.
-func (r *Region) Size() uint64 { return uint64(len(r.mem)) }
+func (r *Region) Size() uint64 { return r.size }
 
 func (e *Endpoint) context(id uint64) unsafe.Pointer {
 	// Providers with FI_CONTEXT modes scribble in the context: it must be real memory
@@ -224,18 +271,47 @@ func (e *Endpoint) release(p unsafe.Pointer) (uint64, bool) {
 	return id, ok
 }
 
+// local is the address of length bytes at off of the region, for an operation's local
+// side, checked against the region's bounds.
+func (r *Region) local(op string, off, length uint64) (unsafe.Pointer, error) {
+	if r.mem == nil {
+		return nil, fmt.Errorf("fabric: a %s with device memory on the local side needs its virtual address, which this agent does not track", op)
+	}
+	if off > r.Size() || length > r.Size()-off {
+		return nil, fmt.Errorf("fabric: %s of %d bytes at offset %d is outside the %d-byte local region", op, length, off, r.Size())
+	}
+	return unsafe.Pointer(&r.mem[off]), nil
+}
+
 // Write posts an RMA write of length bytes from offset srcOff of src to dstAddr (see
 // RemoteAddr) under dstKey at peer. id comes back in its completion. It checks the local
 // bounds; the caller checks the remote ones, which the provider does not.
 func (e *Endpoint) Write(peer Peer, src *Region, srcOff, length, dstAddr, dstKey, id uint64) error {
-	if srcOff > src.Size() || length > src.Size()-srcOff {
-		return fmt.Errorf("fabric: write of %d bytes at offset %d is outside the %d-byte source region", length, srcOff, src.Size())
+	buf, err := src.local("write", srcOff, length)
+	if err != nil {
+		return err
 	}
 	ctx := e.context(id)
-	ret := C.kvh_write(e.c, unsafe.Pointer(&src.mem[srcOff]), C.size_t(length), src.desc, C.fi_addr_t(peer), C.uint64_t(dstAddr), C.uint64_t(dstKey), ctx)
+	ret := C.kvh_write(e.c, buf, C.size_t(length), src.desc, C.fi_addr_t(peer), C.uint64_t(dstAddr), C.uint64_t(dstKey), ctx)
 	if ret != 0 {
 		e.release(ctx)
 		return fiError("write", ret)
+	}
+	return nil
+}
+
+// Read posts an RMA read of length bytes from srcAddr under srcKey at peer into offset
+// dstOff of dst (pull). A read's local completion means its data has arrived.
+func (e *Endpoint) Read(peer Peer, dst *Region, dstOff, length, srcAddr, srcKey, id uint64) error {
+	buf, err := dst.local("read", dstOff, length)
+	if err != nil {
+		return err
+	}
+	ctx := e.context(id)
+	ret := C.kvh_read(e.c, buf, C.size_t(length), dst.desc, C.fi_addr_t(peer), C.uint64_t(srcAddr), C.uint64_t(srcKey), ctx)
+	if ret != 0 {
+		e.release(ctx)
+		return fiError("read", ret)
 	}
 	return nil
 }
@@ -266,7 +342,30 @@ type Completion struct {
 
 // Poll reads completions into out and returns how many it read. Call it on both sides:
 // some providers move data only while the target polls.
-func (e *Endpoint) Poll(out []Completion) int {
+func (e *Endpoint) Poll(out []Completion) int { return e.read(out, -1) }
+
+// Waitable reports whether Wait can sleep in the kernel; otherwise it is Poll.
+func (e *Endpoint) Waitable() bool { return e.c.waitable != 0 }
+
+// Wait is Poll, but sleeps up to timeout until the provider has something: a completion,
+// or (on providers with file-descriptor progress, such as tcp;ofi_rxm) data to move,
+// which it moves while it waits. Wake ends it early.
+func (e *Endpoint) Wait(out []Completion, timeout time.Duration) int {
+	if !e.Waitable() {
+		return e.Poll(out)
+	}
+	return e.read(out, max(int(timeout.Milliseconds()), 1))
+}
+
+// Wake makes a Wait return now, or the next one return at once. Safe from any goroutine.
+func (e *Endpoint) Wake() {
+	if e.Waitable() {
+		C.kvh_signal(e.c)
+	}
+}
+
+// read polls (timeoutMs < 0) or waits.
+func (e *Endpoint) read(out []Completion, timeoutMs int) int {
 	var entries [16]C.struct_fi_cq_data_entry
 	n := min(len(out), len(entries))
 	if n == 0 {
@@ -274,7 +373,12 @@ func (e *Endpoint) Poll(out []Completion) int {
 	}
 	var errCtx unsafe.Pointer
 	var errCode C.int
-	ret := C.kvh_poll(e.c, &entries[0], C.size_t(n), &errCtx, &errCode)
+	var ret C.ssize_t
+	if timeoutMs < 0 {
+		ret = C.kvh_poll(e.c, &entries[0], C.size_t(n), &errCtx, &errCode)
+	} else {
+		ret = C.kvh_sread(e.c, &entries[0], C.size_t(n), C.int(timeoutMs), &errCtx, &errCode)
+	}
 	if ret == -C.FI_EAVAIL {
 		id, _ := e.release(errCtx)
 		out[0] = Completion{ID: id, Err: fmt.Errorf("fabric: operation %d failed: %s", id, C.GoString(C.fi_strerror(errCode)))}

@@ -145,3 +145,77 @@ func TestWriteRefusesLocalBounds(t *testing.T) {
 		t.Fatal("wrote past the end of the source region")
 	}
 }
+
+// TestWaitMovesDataAndWakes: on tcp;ofi_rxm the target's Wait sleeps in the kernel and
+// still moves incoming data (incoming RMA raises no completion, so only the signal ends
+// the wait), and Wake ends a Wait from another goroutine at once.
+func TestWaitMovesDataAndWakes(t *testing.T) {
+	src, dst, peer := pair(t, "tcp;ofi_rxm")
+	if !dst.Waitable() {
+		t.Fatal("tcp;ofi_rxm endpoints should have a wait object")
+	}
+	const size = 16 << 20
+	from, s := region(t, src, size, Source)
+	to, d := region(t, dst, size, Target)
+	for i := range from {
+		from[i] = byte(i * 13)
+	}
+	signalled := make(chan struct{})
+	go func() {
+		defer close(signalled)
+		buf := make([]Completion, 16)
+		for {
+			for _, c := range buf[:dst.Wait(buf, time.Second)] {
+				if c.Remote {
+					return
+				}
+			}
+		}
+	}()
+	buf := make([]Completion, 16)
+	post := func(op func() error) {
+		for err := op(); err != nil; err = op() {
+			if err != ErrAgain {
+				t.Fatal(err)
+			}
+			src.Poll(buf)
+		}
+	}
+	post(func() error { return src.Write(peer, s, 0, size, d.RemoteAddr(0), d.Key, 1) })
+	for done := false; !done; {
+		for _, c := range buf[:src.Poll(buf)] {
+			if c.Err != nil {
+				t.Fatal(c.Err)
+			}
+			done = done || c.ID == 1
+		}
+	}
+	post(func() error { return src.WriteData(peer, 7, d.RemoteAddr(0), d.Key, 2) })
+	for {
+		src.Poll(buf)
+		select {
+		case <-signalled:
+			if !bytes.Equal(from, to) {
+				t.Fatal("data missing after the signal")
+			}
+			woke := make(chan time.Duration)
+			go func() {
+				start := time.Now()
+				dst.Wait(buf, 30*time.Second)
+				woke <- time.Since(start)
+			}()
+			for {
+				dst.Wake()
+				select {
+				case d := <-woke:
+					if d > 10*time.Second {
+						t.Fatalf("Wait returned after %v, not at the Wake", d)
+					}
+					return
+				default:
+				}
+			}
+		default:
+		}
+	}
+}

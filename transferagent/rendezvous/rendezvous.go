@@ -63,6 +63,9 @@ type Config struct {
 	Lease time.Duration
 	// RegistrationTimeout is how long a registration waits for every source block.
 	RegistrationTimeout time.Duration
+	// Regions is how many regions every block is written into (vLLM: 2 per layer): a
+	// block is delivered once all of its regions' writes completed. 0 means 1.
+	Regions int
 }
 
 // Action is an effect for the agent to carry out.
@@ -97,8 +100,17 @@ type Failed struct {
 	Request string
 	Attempt uint64
 	Decode  Engine
-	Reason  string
+	// Code classifies the failure (for metrics); Reason says it in words.
+	Code   string
+	Reason string
 }
+
+// Failure codes.
+const (
+	CodeLeaseExpired        = "lease_expired"
+	CodeRegistrationTimeout = "registration_timeout"
+	CodeEngineRestarted     = "engine_restarted"
+)
 
 func (Transfer) isAction()    {}
 func (Delivered) isAction()   {}
@@ -111,8 +123,8 @@ type attempt struct {
 	registered time.Time
 	leaseEnd   time.Time
 	sent       []bool // positions handed to the writer
-	inFlight   int    // blocks whose writes were admitted and have not completed
-	completed  int    // blocks whose writes completed
+	inFlight   int    // block-regions whose writes were admitted and have not completed
+	completed  int    // block-regions whose writes completed
 	fenced     bool
 	// outcome is what to report once drained: a CancelAcked or a Failed.
 	outcome Action
@@ -236,15 +248,15 @@ func (t *Table) progress(r *request) []Action {
 
 func (t *Table) maybeDelivered(r *request) []Action {
 	cur := r.current
-	if cur == nil || cur.fenced || cur.done || r.final < 0 || cur.inFlight > 0 || cur.completed < r.final {
+	if cur == nil || cur.fenced || cur.done || r.final < 0 || cur.inFlight > 0 || cur.completed < r.final*max(t.cfg.Regions, 1) {
 		return nil
 	}
 	cur.done = true
 	return []Action{Delivered{Request: cur.reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode}}
 }
 
-// Posted admits writes covering n blocks of an attempt, before the writer posts them (a
-// merged write covers several blocks; accounting is in blocks). It refuses a fenced
+// Posted admits writes covering n blocks of one region of an attempt, before the writer
+// posts them (a merged write covers several blocks; accounting is in block-regions). It refuses a fenced
 // attempt: this check is where "no write after cancel or expiry" is enforced.
 func (t *Table) Posted(req string, att uint64, n int) error {
 	t.mu.Lock()
@@ -337,16 +349,16 @@ func (t *Table) Expire(now time.Time) []Action {
 		if cur == nil || cur.fenced || cur.done {
 			continue
 		}
-		reason := ""
+		f := Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode}
 		switch {
 		case !now.Before(cur.leaseEnd):
-			reason = fmt.Sprintf("lease of %s expired without a heartbeat", t.cfg.Lease)
+			f.Code, f.Reason = CodeLeaseExpired, fmt.Sprintf("lease of %s expired without a heartbeat", t.cfg.Lease)
 		case !now.Before(cur.registered.Add(t.cfg.RegistrationTimeout)):
-			reason = fmt.Sprintf("prefill did not finish within the registration timeout of %s", t.cfg.RegistrationTimeout)
+			f.Code, f.Reason = CodeRegistrationTimeout, fmt.Sprintf("prefill did not finish within the registration timeout of %s", t.cfg.RegistrationTimeout)
 		default:
 			continue
 		}
-		acts = append(acts, t.fence(r, cur, Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Reason: reason})...)
+		acts = append(acts, t.fence(r, cur, f)...)
 	}
 	return acts
 }
@@ -363,10 +375,37 @@ func (t *Table) EngineRestarted(e Engine) []Action {
 	var acts []Action
 	for id, r := range t.reqs {
 		if cur := r.current; cur != nil && cur.reg.Decode.ID == e.ID && cur.reg.Decode.Epoch < e.Epoch && !cur.fenced {
-			acts = append(acts, t.fence(r, cur, Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Reason: "decode engine restarted"})...)
+			acts = append(acts, t.fence(r, cur, Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeEngineRestarted, Reason: "decode engine restarted"})...)
 		}
 	}
 	return acts
+}
+
+// Fail fences an attempt for a reason of the agent's own (a write error, a lost peer):
+// Failed comes once its writes have drained. An attempt already fenced or finished is
+// left as it is.
+func (t *Table) Fail(req string, att uint64, code, reason string) []Action {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.reqs[req]
+	if r == nil || r.current == nil || r.current.reg.Attempt != att || r.current.done {
+		return nil
+	}
+	return t.fence(r, r.current, Failed{Request: req, Attempt: att, Decode: r.current.reg.Decode, Code: code, Reason: reason})
+}
+
+// Current lists the live (unfenced, undelivered) attempts, so an agent can fail them
+// when their engine or peer goes away.
+func (t *Table) Current() []Registration {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []Registration
+	for _, r := range t.reqs {
+		if c := r.current; c != nil && !c.done {
+			out = append(out, c.reg)
+		}
+	}
+	return out
 }
 
 // Forget drops a finished request (delivered and acknowledged by the agent).

@@ -70,6 +70,34 @@ func TestPartsArriveInAnyOrderAndDeliveryWaitsForEveryWrite(t *testing.T) {
 	expect(t, must(t)(tb.Completed("r1", 1, 1)), Delivered{Request: "r1", Attempt: 1, Decode: dec})
 }
 
+// Every block is written once per region: a first part whose writes all completed in
+// every region must not count as the whole request (the agent's two-process test found
+// this: delivery was signalled before the second part was written).
+func TestDeliveryCountsEveryRegionOfEveryBlock(t *testing.T) {
+	tb := New(Config{Lease: time.Hour, RegistrationTimeout: time.Hour, Regions: 4})
+	must(t)(tb.Register(t0, reg(1, 100, 101, 102, 103)))
+	must(t)(tb.SourceReady(Part{Request: "r1", Offset: 0, Blocks: []uint32{10, 11}}))
+	for range 4 { // one merged write of both blocks per region
+		if err := tb.Posted("r1", 1, 2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 4 {
+		expect(t, must(t)(tb.Completed("r1", 1, 2)))
+	}
+	acts := must(t)(tb.SourceReady(Part{Request: "r1", Offset: 2, Blocks: []uint32{12, 13}, Final: true}))
+	expect(t, acts, Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{12, 13}, Dst: []uint32{102, 103}})
+	for range 4 {
+		if err := tb.Posted("r1", 1, 2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 3 {
+		expect(t, must(t)(tb.Completed("r1", 1, 2)))
+	}
+	expect(t, must(t)(tb.Completed("r1", 1, 2)), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+}
+
 func TestNewAttemptSupersedesAndWaitsForTheOldOneToDrain(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))

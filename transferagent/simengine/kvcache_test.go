@@ -66,3 +66,18 @@ func TestVerifyFindsEveryKindOfWrongByte(t *testing.T) {
 		}
 	}
 }
+
+func TestFreedBlocksComeBackInAscendingRuns(t *testing.T) {
+	e := &Engine{cfg: Config{Layout: Layout{Blocks: 8}}, freed: make(chan struct{})}
+	for b := 7; b >= 0; b-- {
+		e.free = append(e.free, uint32(b))
+	}
+	first, _ := e.Allocate(4)
+	e.Free(first)
+	again, _ := e.Allocate(4)
+	for i := range again {
+		if again[i] != first[i] || (i > 0 && again[i] != again[i-1]+1) {
+			t.Fatalf("allocated %v after freeing %v: runs must stay ascending for merging", again, first)
+		}
+	}
+}

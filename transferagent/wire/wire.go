@@ -1,12 +1,13 @@
-// Package wire is the framing of messages between transfer agents: a decode agent
-// forwards registrations, heartbeats and cancels to the prefill agent, which answers with
-// acknowledgements, deliveries and failures. Frames are small and decoded strictly — a
-// peer's bytes are never trusted: every length is bounded before anything is allocated,
-// and a malformed frame is an error, never a panic (FuzzDecode checks that).
+// Package wire is the framing of messages between transfer agents: the handshake, the
+// exchange of engine memory (fabric address, region keys), and the push and pull control
+// messages. Frames are small and decoded strictly — a peer's bytes are never trusted:
+// every length is bounded before anything is allocated, and a malformed frame is an
+// error, never a panic (FuzzDecode checks that).
 //
 // A frame is: length (uint32, big endian, of what follows) | version (1 byte) |
-// kind (1 byte) | fields, each an unsigned varint or a varint-length-prefixed string,
-// in the order of the message's struct.
+// kind (1 byte) | fields, each an unsigned varint, a varint-length-prefixed string, or a
+// varint count followed by that many varint block ids, in the order of the message's
+// fields method.
 package wire
 
 import (
@@ -23,129 +24,319 @@ const Version = 1
 const (
 	// MaxFrame bounds a frame: a registration of MaxBlocks blocks fits.
 	MaxFrame = 8 << 20
-	// MaxBlocks bounds the blocks of one registration (a 16k-token request is 1024).
+	// MaxBlocks bounds the blocks of one message (a 16k-token request is 1024).
 	MaxBlocks = 1 << 20
-	// MaxString bounds a request id, engine id or reason.
+	// MaxString bounds a request id, engine id, address or reason.
 	MaxString = 1024
+	// MaxRegions bounds the regions of one engine (vLLM has 2 per layer).
+	MaxRegions = 4096
 )
 
 // Kind says what a frame carries.
 type Kind uint8
 
 const (
-	KindRegister Kind = iota + 1
+	KindHello Kind = iota + 1
+	KindAuth
+	KindEngineInfo
+	KindRegister
 	KindHeartbeat
 	KindCancel
 	KindCancelAcked
-	KindDelivered
 	KindFailed
+	KindAcquire
+	KindAcquired
+	KindRelease
+	KindWriting
 )
 
-// Message is one of the message structs below.
-type Message interface{ kind() Kind }
+// Message is a pointer to one of the message structs below.
+type Message interface {
+	Kind() Kind
+	fields(c codec)
+}
 
-// Register forwards decode's registration to the prefill agent.
+// Hello opens a connection, from both sides: the agent's name, its epoch (new at every
+// start, so a peer can drop what it knew of the previous run) and a nonce the other side
+// must answer with Auth.
+type Hello struct {
+	Agent string
+	Epoch uint64
+	Nonce string
+}
+
+// Auth answers the peer's Hello: HMAC-SHA256 of the peer's nonce under the shared token.
+type Auth struct{ MAC string }
+
+// RegionInfo is one registered region as a peer may address it.
+type RegionInfo struct {
+	ID       uint64
+	BlockLen uint64
+	Blocks   uint64
+	Addr     uint64 // the address the provider expects for offset 0
+	Key      uint64
+}
+
+// EngineInfo tells a peer how to reach an engine rank's memory: its fabric address and
+// regions. It is sent once per connection and engine epoch, before the first message
+// naming the engine.
+type EngineInfo struct {
+	Engine  string
+	Epoch   uint64
+	Address string
+	Regions []RegionInfo
+}
+
+// Register forwards decode's registration to the prefill agent. Token is what the
+// prefill agent's signal carries back to name this attempt.
 type Register struct {
 	Request     string
 	Attempt     uint64
 	Engine      string
 	EngineEpoch uint64
+	Source      string
+	Token       uint64
 	Blocks      []uint32
 }
 
-// Heartbeat renews a registration's lease.
+// Heartbeat renews a registration's (or an acquired pull's) lease.
 type Heartbeat struct {
 	Request string
 	Attempt uint64
+	Source  string
 }
 
-// Cancel fences an attempt.
+// Cancel fences a registered attempt.
 type Cancel struct {
 	Request string
 	Attempt uint64
+	Source  string
 }
 
-// CancelAcked says a cancelled attempt has drained: its blocks may be reused.
+// CancelAcked says a cancelled attempt has drained. Signalled: a fence signal was posted
+// after its last write, and the decode agent acknowledges only once it has arrived.
 type CancelAcked struct {
-	Request string
-	Attempt uint64
+	Request   string
+	Attempt   uint64
+	Engine    string
+	Signalled uint64
 }
 
-// Delivered says every block of an attempt has landed (sent after the data's signal).
-type Delivered struct {
-	Request string
-	Attempt uint64
-}
-
-// Failed says an attempt ended without delivery, after draining.
+// Failed says an attempt ended without delivery, after draining (Signalled as above), or
+// that a pull's acquire was refused.
 type Failed struct {
-	Request string
-	Attempt uint64
-	Reason  string
+	Request   string
+	Attempt   uint64
+	Engine    string
+	Reason    string
+	Signalled uint64
 }
 
-func (Register) kind() Kind    { return KindRegister }
-func (Heartbeat) kind() Kind   { return KindHeartbeat }
-func (Cancel) kind() Kind      { return KindCancel }
-func (CancelAcked) kind() Kind { return KindCancelAcked }
-func (Delivered) kind() Kind   { return KindDelivered }
-func (Failed) kind() Kind      { return KindFailed }
+// Acquire asks the prefill agent to hold a request's source blocks for a pull.
+type Acquire struct {
+	Request     string
+	Attempt     uint64
+	Engine      string
+	EngineEpoch uint64
+	Source      string
+	Blocks      []uint32
+}
+
+// Acquired grants an Acquire: the blocks are held for LeaseMillis from its receipt.
+type Acquired struct {
+	Request     string
+	Attempt     uint64
+	Engine      string
+	LeaseMillis uint64
+}
+
+// Release ends a pull: the decode agent has read (or given up on) the blocks.
+type Release struct {
+	Request string
+	Attempt uint64
+	Source  string
+	Failed  uint64 // nonzero: the pull did not complete
+}
+
+// Writing tells the decode agent that an attempt's writes are starting, so it polls its
+// endpoint without pause while they arrive (providers such as tcp;ofi_rxm move data
+// only while the target polls, and an incoming write raises no completion to notice).
+type Writing struct {
+	Request string
+	Attempt uint64
+	Engine  string
+}
+
+func (*Hello) Kind() Kind       { return KindHello }
+func (*Writing) Kind() Kind     { return KindWriting }
+func (*Auth) Kind() Kind        { return KindAuth }
+func (*EngineInfo) Kind() Kind  { return KindEngineInfo }
+func (*Register) Kind() Kind    { return KindRegister }
+func (*Heartbeat) Kind() Kind   { return KindHeartbeat }
+func (*Cancel) Kind() Kind      { return KindCancel }
+func (*CancelAcked) Kind() Kind { return KindCancelAcked }
+func (*Failed) Kind() Kind      { return KindFailed }
+func (*Acquire) Kind() Kind     { return KindAcquire }
+func (*Acquired) Kind() Kind    { return KindAcquired }
+func (*Release) Kind() Kind     { return KindRelease }
+
+func (m *Hello) fields(c codec) { c.str(&m.Agent); c.num(&m.Epoch); c.str(&m.Nonce) }
+func (m *Auth) fields(c codec)  { c.str(&m.MAC) }
+func (m *EngineInfo) fields(c codec) {
+	c.str(&m.Engine)
+	c.num(&m.Epoch)
+	c.str(&m.Address)
+	n := uint64(len(m.Regions))
+	c.count(&n, MaxRegions, 5)
+	if uint64(len(m.Regions)) != n {
+		m.Regions = make([]RegionInfo, n)
+	}
+	for i := range m.Regions {
+		r := &m.Regions[i]
+		c.num(&r.ID)
+		c.num(&r.BlockLen)
+		c.num(&r.Blocks)
+		c.num(&r.Addr)
+		c.num(&r.Key)
+	}
+}
+func (m *Register) fields(c codec) {
+	c.str(&m.Request)
+	c.num(&m.Attempt)
+	c.str(&m.Engine)
+	c.num(&m.EngineEpoch)
+	c.str(&m.Source)
+	c.num(&m.Token)
+	c.blocks(&m.Blocks)
+}
+func (m *Heartbeat) fields(c codec) { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Source) }
+func (m *Cancel) fields(c codec)    { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Source) }
+func (m *CancelAcked) fields(c codec) {
+	c.str(&m.Request)
+	c.num(&m.Attempt)
+	c.str(&m.Engine)
+	c.num(&m.Signalled)
+}
+func (m *Failed) fields(c codec) {
+	c.str(&m.Request)
+	c.num(&m.Attempt)
+	c.str(&m.Engine)
+	c.str(&m.Reason)
+	c.num(&m.Signalled)
+}
+func (m *Acquire) fields(c codec) {
+	c.str(&m.Request)
+	c.num(&m.Attempt)
+	c.str(&m.Engine)
+	c.num(&m.EngineEpoch)
+	c.str(&m.Source)
+	c.blocks(&m.Blocks)
+}
+func (m *Acquired) fields(c codec) {
+	c.str(&m.Request)
+	c.num(&m.Attempt)
+	c.str(&m.Engine)
+	c.num(&m.LeaseMillis)
+}
+func (m *Writing) fields(c codec) { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Engine) }
+func (m *Release) fields(c codec) {
+	c.str(&m.Request)
+	c.num(&m.Attempt)
+	c.str(&m.Source)
+	c.num(&m.Failed)
+}
+
+// newMessage returns an empty message of a kind.
+func newMessage(k Kind) Message {
+	switch k {
+	case KindHello:
+		return &Hello{}
+	case KindAuth:
+		return &Auth{}
+	case KindEngineInfo:
+		return &EngineInfo{}
+	case KindRegister:
+		return &Register{}
+	case KindHeartbeat:
+		return &Heartbeat{}
+	case KindCancel:
+		return &Cancel{}
+	case KindCancelAcked:
+		return &CancelAcked{}
+	case KindFailed:
+		return &Failed{}
+	case KindAcquire:
+		return &Acquire{}
+	case KindAcquired:
+		return &Acquired{}
+	case KindRelease:
+		return &Release{}
+	case KindWriting:
+		return &Writing{}
+	}
+	return nil
+}
+
+// codec visits a message's fields: the encoder reads them, the decoder sets them.
+type codec interface {
+	num(*uint64)
+	str(*string)
+	blocks(*[]uint32)
+	// count is a list length; min is the fewest bytes one element takes encoded.
+	count(n *uint64, limit uint64, min int)
+}
 
 // ErrMalformed wraps every decoding error.
 var ErrMalformed = errors.New("wire: malformed frame")
 
 // Encode appends m's frame to b.
 func Encode(b []byte, m Message) ([]byte, error) {
-	body := []byte{Version, byte(m.kind())}
-	var err error
-	str := func(s string) {
-		if len(s) > MaxString && err == nil {
-			err = fmt.Errorf("wire: string of %d bytes exceeds %d", len(s), MaxString)
-		}
-		body = binary.AppendUvarint(body, uint64(len(s)))
-		body = append(body, s...)
+	e := encoder{body: []byte{Version, byte(m.Kind())}}
+	m.fields(&e)
+	if e.err != nil {
+		return nil, e.err
 	}
-	num := func(v uint64) { body = binary.AppendUvarint(body, v) }
-	switch m := m.(type) {
-	case Register:
-		if len(m.Blocks) > MaxBlocks {
-			return nil, fmt.Errorf("wire: %d blocks exceed %d", len(m.Blocks), MaxBlocks)
-		}
-		str(m.Request)
-		num(m.Attempt)
-		str(m.Engine)
-		num(m.EngineEpoch)
-		num(uint64(len(m.Blocks)))
-		for _, blk := range m.Blocks {
-			num(uint64(blk))
-		}
-	case Heartbeat:
-		str(m.Request)
-		num(m.Attempt)
-	case Cancel:
-		str(m.Request)
-		num(m.Attempt)
-	case CancelAcked:
-		str(m.Request)
-		num(m.Attempt)
-	case Delivered:
-		str(m.Request)
-		num(m.Attempt)
-	case Failed:
-		str(m.Request)
-		num(m.Attempt)
-		str(m.Reason)
-	default:
-		return nil, fmt.Errorf("wire: cannot encode %T", m)
+	if len(e.body) > MaxFrame {
+		return nil, fmt.Errorf("wire: frame of %d bytes exceeds %d", len(e.body), MaxFrame)
 	}
-	if err != nil {
-		return nil, err
+	b = binary.BigEndian.AppendUint32(b, uint32(len(e.body)))
+	return append(b, e.body...), nil
+}
+
+type encoder struct {
+	body []byte
+	err  error
+}
+
+func (e *encoder) fail(format string, args ...any) {
+	if e.err == nil {
+		e.err = fmt.Errorf("wire: "+format, args...)
 	}
-	if len(body) > MaxFrame {
-		return nil, fmt.Errorf("wire: frame of %d bytes exceeds %d", len(body), MaxFrame)
+}
+
+func (e *encoder) num(v *uint64) { e.body = binary.AppendUvarint(e.body, *v) }
+
+func (e *encoder) str(s *string) {
+	if len(*s) > MaxString {
+		e.fail("string of %d bytes exceeds %d", len(*s), MaxString)
 	}
-	b = binary.BigEndian.AppendUint32(b, uint32(len(body)))
-	return append(b, body...), nil
+	e.body = binary.AppendUvarint(e.body, uint64(len(*s)))
+	e.body = append(e.body, *s...)
+}
+
+func (e *encoder) blocks(b *[]uint32) {
+	n := uint64(len(*b))
+	e.count(&n, MaxBlocks, 1)
+	for _, blk := range *b {
+		e.body = binary.AppendUvarint(e.body, uint64(blk))
+	}
+}
+
+func (e *encoder) count(n *uint64, limit uint64, _ int) {
+	if *n > limit {
+		e.fail("%d elements exceed %d", *n, limit)
+	}
+	e.num(n)
 }
 
 // Read reads one frame from r and decodes it. It reads no more than the frame's length,
@@ -168,45 +359,18 @@ func Read(r io.Reader) (Message, error) {
 
 // Decode decodes a frame's body (what follows the length).
 func Decode(body []byte) (Message, error) {
-	d := decoder{b: body}
 	if len(body) < 2 {
 		return nil, fmt.Errorf("%w: %d bytes", ErrMalformed, len(body))
 	}
 	if body[0] != Version {
 		return nil, fmt.Errorf("%w: version %d, this agent speaks %d", ErrMalformed, body[0], Version)
 	}
-	kind := Kind(body[1])
-	d.b = body[2:]
-	var m Message
-	switch kind {
-	case KindRegister:
-		r := Register{Request: d.str(), Attempt: d.num(), Engine: d.str(), EngineEpoch: d.num()}
-		n := d.num()
-		if n > MaxBlocks || n > uint64(len(d.b)) { // every block takes at least one byte
-			return nil, fmt.Errorf("%w: %d blocks", ErrMalformed, n)
-		}
-		r.Blocks = make([]uint32, n)
-		for i := range r.Blocks {
-			v := d.num()
-			if v > 1<<32-1 {
-				d.fail("block id %d overflows 32 bits", v)
-			}
-			r.Blocks[i] = uint32(v)
-		}
-		m = r
-	case KindHeartbeat:
-		m = Heartbeat{Request: d.str(), Attempt: d.num()}
-	case KindCancel:
-		m = Cancel{Request: d.str(), Attempt: d.num()}
-	case KindCancelAcked:
-		m = CancelAcked{Request: d.str(), Attempt: d.num()}
-	case KindDelivered:
-		m = Delivered{Request: d.str(), Attempt: d.num()}
-	case KindFailed:
-		m = Failed{Request: d.str(), Attempt: d.num(), Reason: d.str()}
-	default:
-		return nil, fmt.Errorf("%w: unknown kind %d", ErrMalformed, kind)
+	m := newMessage(Kind(body[1]))
+	if m == nil {
+		return nil, fmt.Errorf("%w: unknown kind %d", ErrMalformed, body[1])
 	}
+	d := decoder{b: body[2:]}
+	m.fields(&d)
 	if d.err != nil {
 		return nil, d.err
 	}
@@ -216,7 +380,7 @@ func Decode(body []byte) (Message, error) {
 	return m, nil
 }
 
-// decoder reads fields, remembering the first error; later reads return zero values.
+// decoder sets fields, remembering the first error; later fields get zero values.
 type decoder struct {
 	b   []byte
 	err error
@@ -228,29 +392,61 @@ func (d *decoder) fail(format string, args ...any) {
 	}
 }
 
-func (d *decoder) num() uint64 {
+func (d *decoder) num(v *uint64) {
+	*v = 0
 	if d.err != nil {
-		return 0
+		return
 	}
-	v, n := binary.Uvarint(d.b)
+	x, n := binary.Uvarint(d.b)
 	if n <= 0 {
 		d.fail("bad varint")
-		return 0
+		return
 	}
 	d.b = d.b[n:]
-	return v
+	*v = x
 }
 
-func (d *decoder) str() string {
-	n := d.num()
+func (d *decoder) str(s *string) {
+	var n uint64
+	d.num(&n)
+	*s = ""
 	if d.err != nil {
-		return ""
+		return
 	}
 	if n > MaxString || n > uint64(len(d.b)) {
 		d.fail("string of %d bytes (%d left, limit %d)", n, len(d.b), MaxString)
-		return ""
+		return
 	}
-	s := string(d.b[:n])
+	*s = string(d.b[:n])
 	d.b = d.b[n:]
-	return s
+}
+
+func (d *decoder) count(n *uint64, limit uint64, min int) {
+	d.num(n)
+	// Every element takes at least min bytes: a count beyond what is left is refused
+	// before anything is allocated for it.
+	if d.err == nil && (*n > limit || *n > uint64(len(d.b)/min)) {
+		d.fail("%d elements (limit %d, %d bytes left)", *n, limit, len(d.b))
+	}
+	if d.err != nil {
+		*n = 0
+	}
+}
+
+func (d *decoder) blocks(b *[]uint32) {
+	var n uint64
+	d.count(&n, MaxBlocks, 1)
+	if n == 0 {
+		*b = nil
+		return
+	}
+	*b = make([]uint32, n)
+	for i := range *b {
+		var v uint64
+		d.num(&v)
+		if v > 1<<32-1 {
+			d.fail("block id %d overflows 32 bits", v)
+		}
+		(*b)[i] = uint32(v)
+	}
 }

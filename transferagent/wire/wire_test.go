@@ -11,12 +11,21 @@ import (
 )
 
 var samples = []Message{
-	Register{Request: "req-1", Attempt: 2, Engine: "qwen3-32b-decode-0.default", EngineEpoch: 7, Blocks: []uint32{0, 1, 2, 4096, 1<<32 - 1}},
-	Heartbeat{Request: "req-1", Attempt: 2},
-	Cancel{Request: "req-1", Attempt: 2},
-	CancelAcked{Request: "req-1", Attempt: 2},
-	Delivered{Request: "req-1", Attempt: 2},
-	Failed{Request: "req-1", Attempt: 2, Reason: "lease of 30s expired without a heartbeat"},
+	&Hello{Agent: "ip-10-0-1-7", Epoch: 1764457200123, Nonce: "0123456789abcdef"},
+	&Auth{MAC: strings.Repeat("m", 32)},
+	&EngineInfo{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Address: "fi-address-bytes", Regions: []RegionInfo{
+		{ID: 0, BlockLen: 4096, Blocks: 8192, Addr: 0x7f0000000000, Key: 17},
+		{ID: 1, BlockLen: 4096, Blocks: 8192, Addr: 0x7f0002000000, Key: 18},
+	}},
+	&Register{Request: "req-1", Attempt: 2, Engine: "qwen3-32b-decode-0.default/3", EngineEpoch: 7, Source: "qwen3-32b-prefill-0.default/3", Token: 41, Blocks: []uint32{0, 1, 2, 4096, 1<<32 - 1}},
+	&Heartbeat{Request: "req-1", Attempt: 2, Source: "p/0"},
+	&Cancel{Request: "req-1", Attempt: 2, Source: "p/0"},
+	&CancelAcked{Request: "req-1", Attempt: 2, Engine: "d/0", Signalled: 1},
+	&Failed{Request: "req-1", Attempt: 2, Engine: "d/0", Reason: "lease of 30s expired without a heartbeat"},
+	&Acquire{Request: "req-1", Attempt: 1, Engine: "d/0", EngineEpoch: 3, Source: "p/0", Blocks: []uint32{5, 6, 7}},
+	&Acquired{Request: "req-1", Attempt: 1, Engine: "d/0", LeaseMillis: 30000},
+	&Release{Request: "req-1", Attempt: 1, Source: "p/0", Failed: 0},
+	&Writing{Request: "req-1", Attempt: 2, Engine: "d/0"},
 }
 
 func TestRoundTripOverAStream(t *testing.T) {
@@ -49,18 +58,19 @@ func frame(body ...byte) []byte {
 func cat(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
 
 func TestMalformedFramesAreRefused(t *testing.T) {
-	good, _ := Encode(nil, Heartbeat{Request: "r", Attempt: 1})
+	good, _ := Encode(nil, &Heartbeat{Request: "r", Attempt: 1, Source: "s"})
 	uv := func(v uint64) []byte { return binary.AppendUvarint(nil, v) }
 	bodies := map[string][]byte{
-		"empty body":             {},
-		"another version":        {2, byte(KindHeartbeat), 1, 'r', 1},
-		"unknown kind":           {Version, 99},
-		"trailing bytes":         cat(good[4:], []byte{0}),
-		"string past the end":    {Version, byte(KindCancel), 10, 'a'},
-		"string over the limit":  cat([]byte{Version, byte(KindCancel)}, uv(MaxString+1)),
-		"bad varint":             {Version, byte(KindHeartbeat), 1, 'r', 0xff},
-		"more blocks than bytes": {Version, byte(KindRegister), 1, 'r', 1, 1, 'e', 1, 100, 1},
-		"block id over 32 bits":  cat([]byte{Version, byte(KindRegister), 1, 'r', 1, 1, 'e', 1, 1}, uv(1<<33)),
+		"empty body":              {},
+		"another version":         {2, byte(KindHeartbeat), 1, 'r', 1, 1, 's'},
+		"unknown kind":            {Version, 99},
+		"trailing bytes":          cat(good[4:], []byte{0}),
+		"string past the end":     {Version, byte(KindCancel), 10, 'a'},
+		"string over the limit":   cat([]byte{Version, byte(KindCancel)}, uv(MaxString+1)),
+		"bad varint":              {Version, byte(KindHeartbeat), 1, 'r', 0xff},
+		"more blocks than bytes":  {Version, byte(KindRegister), 1, 'r', 1, 1, 'e', 1, 1, 's', 1, 100, 1},
+		"block id over 32 bits":   cat([]byte{Version, byte(KindRegister), 1, 'r', 1, 1, 'e', 1, 1, 's', 1, 1}, uv(1<<33)),
+		"more regions than bytes": cat([]byte{Version, byte(KindEngineInfo), 1, 'e', 1, 1, 'a'}, uv(MaxRegions), []byte{1, 2, 3, 4, 5}),
 	}
 	for name, body := range bodies {
 		if _, err := Read(bytes.NewReader(frame(body...))); !errors.Is(err, ErrMalformed) {
@@ -77,10 +87,10 @@ func TestMalformedFramesAreRefused(t *testing.T) {
 }
 
 func TestEncodeRefusesWhatDecodeWouldRefuse(t *testing.T) {
-	if _, err := Encode(nil, Failed{Request: "r", Reason: strings.Repeat("x", MaxString+1)}); err == nil {
+	if _, err := Encode(nil, &Failed{Request: "r", Reason: strings.Repeat("x", MaxString+1)}); err == nil {
 		t.Error("encoded an over-long string")
 	}
-	if _, err := Encode(nil, Register{Request: "r", Blocks: make([]uint32, MaxBlocks+1)}); err == nil {
+	if _, err := Encode(nil, &Register{Request: "r", Blocks: make([]uint32, MaxBlocks+1)}); err == nil {
 		t.Error("encoded too many blocks")
 	}
 }

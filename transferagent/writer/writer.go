@@ -15,9 +15,10 @@ type RemoteRegion struct {
 	Addr, Key uint64
 }
 
-// Destination is one decode agent's memory, exchanged once per peer.
+// Destination is one decode engine's memory, exchanged once per peer and engine epoch.
 type Destination struct {
 	Peer    fabric.Peer
+	Epoch   uint64
 	Regions []RemoteRegion
 	// byID indexes Regions by region ID, built by AddDestination.
 	byID map[int]RemoteRegion
@@ -44,9 +45,9 @@ type Writer struct {
 	nextID  uint64
 	buf     []fabric.Completion
 	reaped  []fabric.Completion // completions read while making room for a signal
-	// afterPost, when set (by tests), runs after each write is posted and before any
-	// completion is reaped: the moment a cancel must be able to land in.
-	afterPost func()
+	// OnPost, when set, runs after each write is posted and before any completion is
+	// reaped (the agent times the post stage with it; tests land a cancel there).
+	OnPost func(req string, attempt uint64)
 }
 
 type queued struct {
@@ -74,40 +75,62 @@ func (w *Writer) AddDestination(engine string, d Destination) {
 	w.dests[engine] = d
 }
 
-// Submit plans a transfer and queues its writes. A transfer that does not fit the
-// regions is refused whole.
-func (w *Writer) Submit(t rendezvous.Transfer) error {
+// HasDestination reports whether engine's memory is known at this epoch.
+func (w *Writer) HasDestination(engine string, epoch uint64) bool {
+	d, ok := w.dests[engine]
+	return ok && d.Epoch == epoch
+}
+
+// Submit plans a transfer and queues its writes, returning how many writes (descriptors
+// after merging) and bytes it queued. A transfer that does not fit the regions is refused
+// whole.
+func (w *Writer) Submit(t rendezvous.Transfer) (writes int, bytes uint64, err error) {
 	d, ok := w.dests[t.Decode.ID]
 	if !ok {
-		return fmt.Errorf("writer: no memory known for decode engine %s", t.Decode.ID)
+		return 0, 0, fmt.Errorf("writer: no memory known for decode engine %s", t.Decode.ID)
 	}
 	dst := make([]Region, len(d.Regions))
 	for i, r := range d.Regions {
 		dst[i] = r.Region
 	}
-	writes, err := Plan(t, w.layout, dst, w.MaxMessage)
+	plan, err := Plan(t, w.layout, dst, w.MaxMessage)
 	if err != nil {
-		return err
+		return 0, 0, err
 	}
-	for _, x := range writes {
+	for _, x := range plan {
 		w.queue = append(w.queue, queued{req: t.Request, attempt: t.Attempt, dest: d, w: x})
+		bytes += x.Len
 	}
-	return nil
+	return len(plan), bytes, nil
 }
+
+// Failure is a write the provider failed: the agent fails its attempt.
+type Failure struct {
+	Request string
+	Attempt uint64
+	Err     error
+}
+
+// Absorb hands the writer completions its endpoint returned to someone else (a Wait);
+// the next Poll processes them.
+func (w *Writer) Absorb(cs []fabric.Completion) { w.reaped = append(w.reaped, cs...) }
 
 // Idle reports whether nothing is queued or in flight.
 func (w *Writer) Idle() bool { return len(w.queue) == 0 && len(w.pending) == 0 }
 
 // Poll posts queued writes up to MaxInFlight — each admitted by the table first, so a
 // fenced attempt's queued writes are dropped, never posted — and reaps completions into
-// the table, returning the actions that result (Delivered, CancelAcked, Failed).
-func (w *Writer) Poll() ([]rendezvous.Action, error) {
+// the table, returning the actions that result (Delivered, CancelAcked, Failed) and the
+// writes the provider failed, whose attempts the caller fails. An error means the
+// writer's state disagrees with the table's: a bug, not a fabric fault.
+func (w *Writer) Poll() ([]rendezvous.Action, []Failure, error) {
 	var acts []rendezvous.Action
+	var failed []Failure
 	for len(w.queue) > 0 && len(w.pending) < w.MaxInFlight {
 		q := w.queue[0]
 		if err := w.table.Posted(q.req, q.attempt, q.w.Blocks); err != nil {
 			if !errors.Is(err, rendezvous.ErrFenced) && !errors.Is(err, rendezvous.ErrUnknown) {
-				return acts, err
+				return acts, failed, err
 			}
 			w.drop(q.req, q.attempt)
 			continue
@@ -115,24 +138,27 @@ func (w *Writer) Poll() ([]rendezvous.Action, error) {
 		remote := q.dest.byID[q.w.Region] // Plan checked every region exists on both sides
 		w.nextID++
 		err := w.ep.Write(q.dest.Peer, w.src[q.w.Region], q.w.SrcOff, q.w.Len, remote.Addr+q.w.DstOff, remote.Key, w.nextID)
-		if errors.Is(err, fabric.ErrAgain) {
-			// Not posted: hand the admission back, reap, and post it on a later Poll.
+		if err != nil {
+			// Not posted: hand the admission back. "Again" is retried on a later Poll,
+			// after reaping; anything else fails the attempt.
 			a, werr := w.table.Withdraw(q.req, q.attempt, q.w.Blocks)
 			acts = append(acts, a...)
 			if werr != nil {
-				return acts, werr
+				return acts, failed, werr
 			}
-			break
-		}
-		if err != nil {
-			return acts, err
+			if errors.Is(err, fabric.ErrAgain) {
+				break
+			}
+			failed = append(failed, Failure{Request: q.req, Attempt: q.attempt, Err: err})
+			w.drop(q.req, q.attempt)
+			continue
 		}
 		w.queue = w.queue[1:]
 		w.pending[w.nextID] = q
 		w.Stats.Writes++
 		w.Stats.Bytes += q.w.Len
-		if w.afterPost != nil {
-			w.afterPost()
+		if w.OnPost != nil {
+			w.OnPost(q.req, q.attempt)
 		}
 	}
 	n := w.ep.Poll(w.buf)
@@ -145,15 +171,16 @@ func (w *Writer) Poll() ([]rendezvous.Action, error) {
 		}
 		delete(w.pending, c.ID)
 		if c.Err != nil {
-			return acts, fmt.Errorf("writer: request %s attempt %d: %w", q.req, q.attempt, c.Err)
+			// The write is no longer in flight either way; the caller fails its attempt.
+			failed = append(failed, Failure{Request: q.req, Attempt: q.attempt, Err: c.Err})
 		}
 		a, err := w.table.Completed(q.req, q.attempt, q.w.Blocks)
 		if err != nil {
-			return acts, err
+			return acts, failed, err
 		}
 		acts = append(acts, a...)
 	}
-	return acts, nil
+	return acts, failed, nil
 }
 
 // Signal tells a decode engine's agent that a delivered request's KV has landed: a

@@ -28,7 +28,7 @@ type rig struct {
 
 func newRig(t *testing.T) *rig {
 	t.Helper()
-	r := &rig{t: t, table: rendezvous.New(rendezvous.Config{Lease: time.Hour, RegistrationTimeout: time.Hour})}
+	r := &rig{t: t, table: rendezvous.New(rendezvous.Config{Lease: time.Hour, RegistrationTimeout: time.Hour, Regions: nRegions})}
 	var err error
 	if r.src, err = fabric.Open("tcp;ofi_rxm"); err != nil {
 		t.Fatal(err)
@@ -81,7 +81,7 @@ func newRig(t *testing.T) *rig {
 
 // step polls the writer and, as a decode agent must, the target's queue.
 func (r *rig) step() []rendezvous.Action {
-	acts, err := r.w.Poll()
+	acts, _, err := r.w.Poll()
 	if err != nil {
 		r.t.Fatal(err)
 	}
@@ -94,7 +94,7 @@ func (r *rig) submit(acts []rendezvous.Action) []rendezvous.Action {
 	var rest []rendezvous.Action
 	for _, a := range acts {
 		if tr, ok := a.(rendezvous.Transfer); ok {
-			if err := r.w.Submit(tr); err != nil {
+			if _, _, err := r.w.Submit(tr); err != nil {
 				r.t.Fatal(err)
 			}
 			continue
@@ -126,7 +126,7 @@ func (r *rig) signalled() uint64 {
 	buf := make([]fabric.Completion, 16)
 	deadline := time.Now().Add(60 * time.Second)
 	for time.Now().Before(deadline) {
-		if _, err := r.w.Poll(); err != nil {
+		if _, _, err := r.w.Poll(); err != nil {
 			r.t.Fatal(err)
 		}
 		for _, c := range buf[:r.dst.Poll(buf)] {
@@ -193,7 +193,7 @@ func TestNothingLandsAfterACancelIsAcknowledged(t *testing.T) {
 	// fence (not the attempt's absence) is what must stop the writer.
 	var posted uint64
 	var cancelActs []rendezvous.Action
-	r.w.afterPost = func() {
+	r.w.OnPost = func(string, uint64) {
 		if r.w.Stats.Writes == 40 {
 			posted = r.w.Stats.Writes
 			cancelActs = mustActs(t)(r.table.Cancel("req", 1))

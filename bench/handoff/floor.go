@@ -1,0 +1,217 @@
+// Package handoff is the push-versus-pull handoff benchmark (make bench-handoff): two
+// transfer agents as processes on loopback, one simulated prefill and one simulated
+// decode engine per TP rank, Poisson arrivals, every byte verified. It reports TTFT and
+// the handoff overhead (prefill end → decode ready) against the wire floor, a plain
+// libfabric write of the same bytes on the same provider, measured in the same run.
+package handoff
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
+)
+
+// wirePair is two endpoints of the provider in this process, the floor's measuring rig.
+type wirePair struct {
+	src, dst       *fabric.Endpoint
+	from, to       fabric.Memory
+	srcReg, dstReg *fabric.Region
+	peer           fabric.Peer
+	buf            []fabric.Completion
+}
+
+func newWirePair(provider string, size int) (*wirePair, error) {
+	w := &wirePair{buf: make([]fabric.Completion, 16)}
+	var err error
+	if w.src, err = fabric.Open(provider); err != nil {
+		return nil, err
+	}
+	if w.dst, err = fabric.Open(provider); err != nil {
+		return nil, err
+	}
+	if w.from, err = fabric.Alloc(size); err != nil {
+		return nil, err
+	}
+	if w.to, err = fabric.Alloc(size); err != nil {
+		return nil, err
+	}
+	for i := range w.from {
+		w.from[i] = byte(i * 7)
+	}
+	if w.srcReg, err = w.src.Register(w.from, fabric.Source); err != nil {
+		return nil, err
+	}
+	if w.dstReg, err = w.dst.Register(w.to, fabric.Target); err != nil {
+		return nil, err
+	}
+	addr, err := w.dst.Address()
+	if err != nil {
+		return nil, err
+	}
+	w.peer, err = w.src.AddPeer(addr)
+	return w, err
+}
+
+func (w *wirePair) close() {
+	w.srcReg.Close()
+	w.dstReg.Close()
+	w.src.Close()
+	w.dst.Close()
+	w.from.Free()
+	w.to.Free()
+}
+
+// write moves n bytes in writes of at most chunk bytes, then a CQ-data signal, and
+// returns the time from the first post until the signal arrived at the target: what a
+// handoff of n bytes costs when nothing but the wire is in the way.
+func (w *wirePair) write(n, chunk int) (time.Duration, error) {
+	start := time.Now()
+	posted, done := 0, 0
+	pending := 0
+	for off := 0; off < n; {
+		l := min(chunk, n-off)
+		var err error
+		if pending < 64 {
+			err = w.src.Write(w.peer, w.srcReg, uint64(off), uint64(l), w.dstReg.RemoteAddr(uint64(off)), w.dstReg.Key, uint64(posted+1))
+		}
+		if pending >= 64 || errors.Is(err, fabric.ErrAgain) {
+			d, err := w.reap()
+			if err != nil {
+				return 0, err
+			}
+			done += d
+			pending -= d
+			continue
+		}
+		if err != nil {
+			return 0, err
+		}
+		posted++
+		pending++
+		off += l
+	}
+	for done < posted {
+		d, err := w.reap()
+		if err != nil {
+			return 0, err
+		}
+		done += d
+	}
+	for {
+		err := w.src.WriteData(w.peer, 1, w.dstReg.RemoteAddr(0), w.dstReg.Key, 1<<40)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, fabric.ErrAgain) {
+			return 0, err
+		}
+		w.reap()
+	}
+	for {
+		w.src.Poll(w.buf)
+		for _, c := range w.buf[:w.dst.Poll(w.buf)] {
+			if c.Err != nil {
+				return 0, c.Err
+			}
+			if c.Remote {
+				return time.Since(start), nil
+			}
+		}
+	}
+}
+
+// reap polls both sides (the target must poll for data to move on tcp;ofi_rxm).
+func (w *wirePair) reap() (int, error) {
+	w.dst.Poll(w.buf)
+	n := w.src.Poll(w.buf)
+	d := 0
+	for _, c := range w.buf[:n] {
+		if c.Err != nil {
+			return d, c.Err
+		}
+		if c.ID < 1<<40 {
+			d++
+		}
+	}
+	return d, nil
+}
+
+// measureBandwidth is the provider's bandwidth in bytes/s: the median of several writes
+// of size bytes.
+func measureBandwidth(provider string, size int) (float64, error) {
+	w, err := newWirePair(provider, size)
+	if err != nil {
+		return 0, err
+	}
+	defer w.close()
+	if _, err := w.write(1<<20, 1<<20); err != nil { // connection setup
+		return 0, err
+	}
+	var rates []float64
+	for range 5 {
+		d, err := w.write(size, 4<<20)
+		if err != nil {
+			return 0, err
+		}
+		rates = append(rates, float64(size)/d.Seconds())
+	}
+	slices.Sort(rates)
+	return rates[len(rates)/2], nil
+}
+
+// wireFloor is the median time of a plain write of n bytes, signalled, on the provider.
+func wireFloor(provider string, n int) (time.Duration, error) {
+	w, err := newWirePair(provider, n)
+	if err != nil {
+		return 0, fmt.Errorf("wire floor: %w", err)
+	}
+	defer w.close()
+	if _, err := w.write(1<<20, 1<<20); err != nil {
+		return 0, err
+	}
+	var ds []time.Duration
+	for range 9 {
+		d, err := w.write(n, 4<<20)
+		if err != nil {
+			return 0, err
+		}
+		ds = append(ds, d)
+	}
+	slices.Sort(ds)
+	return ds[len(ds)/2], nil
+}
+
+// wireFloorParallel is the median time for tp endpoint pairs to each write n/tp bytes at
+// once, signalled: the same bytes spread over as many endpoints as a TP handoff uses.
+func wireFloorParallel(provider string, n, tp int) (time.Duration, error) {
+	pairs := make([]*wirePair, tp)
+	for i := range pairs {
+		w, err := newWirePair(provider, n/tp)
+		if err != nil {
+			return 0, fmt.Errorf("wire floor: %w", err)
+		}
+		defer w.close()
+		if _, err := w.write(1<<20, 1<<20); err != nil {
+			return 0, err
+		}
+		pairs[i] = w
+	}
+	var ds []time.Duration
+	for range 9 {
+		start := time.Now()
+		err := parallelPairs(pairs, func(w *wirePair) error { _, err := w.write(n/tp, 4<<20); return err })
+		if err != nil {
+			return 0, err
+		}
+		ds = append(ds, time.Since(start))
+	}
+	slices.Sort(ds)
+	return ds[len(ds)/2], nil
+}
+
+func parallelPairs(pairs []*wirePair, fn func(*wirePair) error) error {
+	return parallel(len(pairs), func(i int) error { return fn(pairs[i]) })
+}

@@ -1,0 +1,58 @@
+package handoff
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+)
+
+// percentiles are nearest-rank percentiles of ms values.
+func percentiles(v []float64) Percentiles {
+	if len(v) == 0 {
+		return Percentiles{}
+	}
+	s := slices.Clone(v)
+	slices.Sort(s)
+	at := func(p float64) float64 {
+		i := int(math.Ceil(p*float64(len(s)))) - 1
+		return round(s[max(i, 0)])
+	}
+	return Percentiles{P50: at(0.50), P90: at(0.90), P99: at(0.99)}
+}
+
+func round(v float64) float64 { return math.Round(v*100) / 100 }
+
+// Markdown writes the report's table.
+func (r *Report) Markdown(w io.Writer) {
+	fmt.Fprintf(w, "Provider `%s`, measured %.2f GB/s; offered load %.0f%% of it; TP %d; prefill %.1f ms per request.\n", r.Provider, r.BandwidthGBps, r.OfferedLoad*100, r.TP, r.PrefillMs)
+	fmt.Fprintf(w, "KV layout (scaled): %s.\n\n", r.Layout)
+	fmt.Fprintln(w, "| mode | QPS | prompt tokens | MB/request | TTFT p50 / p90 / p99 (ms) | handoff p50 / p90 / p99 (ms) | wire floor (ms) | descriptors/request | verified | failed |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|")
+	for _, m := range r.Results {
+		fmt.Fprintf(w, "| %s | %.0f | %d | %.1f | %.1f / %.1f / %.1f | %.1f / %.1f / %.1f | %.1f | %.0f | %d | %d |\n",
+			m.Mode, m.QPS, m.PromptTokens, float64(m.BytesPerRequest)/1e6,
+			m.TTFT.P50, m.TTFT.P90, m.TTFT.P99, m.Handoff.P50, m.Handoff.P90, m.Handoff.P99,
+			m.WireFloorMs, m.DescriptorsPerRequest, m.VerifiedRequests, m.FailedRequests)
+	}
+	fmt.Fprintf(w, "\nWire floor: one endpoint pair; the same bytes over %d pairs at once took %.1f ms.\n", r.TP, r.WireFloorTPMs)
+	fmt.Fprintf(w, "Push handoff p50 is %.2f× the wire floor (target ≤ 1.25×); pull's p50 is %+.1f ms from push's.\n", r.PushOverFloorP50, r.PullMinusPushP50)
+}
+
+// Write saves handoff.json and handoff.png into dir.
+func (r *Report) Write(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "handoff.json"), append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	return r.plot(filepath.Join(dir, "handoff.png"))
+}

@@ -1,0 +1,81 @@
+// Command bench-handoff runs the push-versus-pull handoff benchmark (make bench-handoff):
+// it prints a markdown table and writes bench/results/handoff.json and handoff.png.
+// With --demo it pushes one verified request through two agents instead (make demo).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/kvhandoff/kvhandoff/bench/handoff"
+	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+)
+
+func main() {
+	sc := handoff.Default()
+	flag.StringVar(&sc.Provider, "provider", sc.Provider, "libfabric provider")
+	flag.Float64Var(&sc.QPS, "qps", sc.QPS, "Poisson arrival rate")
+	flag.IntVar(&sc.PromptTokens, "prompt-tokens", sc.PromptTokens, "tokens per prompt")
+	flag.IntVar(&sc.TP, "tp", sc.TP, "tensor-parallel size (engine ranks per side)")
+	flag.DurationVar(&sc.Duration, "duration", sc.Duration, "how long requests arrive, per mode")
+	flag.Float64Var(&sc.LoadFraction, "load", sc.LoadFraction, "offered load as a fraction of the measured bandwidth")
+	flag.Float64Var(&sc.Utilisation, "prefill-utilisation", sc.Utilisation, "how busy the prefill engine is")
+	out := flag.String("out", "bench/results", "folder for handoff.json and handoff.png")
+	demo := flag.Bool("demo", false, "instead of the benchmark, push one verified request through two agents (make demo)")
+	flag.Parse()
+	run := run
+	if *demo {
+		run = runDemo
+	}
+	if err := run(sc, *out); err != nil {
+		fmt.Fprintln(os.Stderr, "bench-handoff:", err)
+		os.Exit(1)
+	}
+}
+
+func run(sc handoff.Scenario, out string) error {
+	work, err := workDir()
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+	if sc.AgentBin, err = agentproc.Build(work); err != nil {
+		return err
+	}
+	sc.WorkDir, sc.Log = work, os.Stderr
+	rep, err := handoff.Run(context.Background(), sc)
+	if err != nil {
+		return err
+	}
+	rep.Markdown(os.Stdout)
+	if err := rep.Write(out); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "wrote %s and %s\n", filepath.Join(out, "handoff.json"), filepath.Join(out, "handoff.png"))
+	return nil
+}
+
+func runDemo(sc handoff.Scenario, _ string) error {
+	work, err := workDir()
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+	bin, err := agentproc.Build(work)
+	if err != nil {
+		return err
+	}
+	return handoff.Demo(context.Background(), bin, work, sc.Provider, os.Stdout)
+}
+
+// workDir is where the agents' sockets and the engines' KV files go: shared memory when
+// the machine has it, so the simulated caches live in RAM as real ones do.
+func workDir() (string, error) {
+	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
+		return os.MkdirTemp("/dev/shm", "kvhandoff-bench")
+	}
+	return os.MkdirTemp("", "kvhandoff-bench")
+}

@@ -1,0 +1,276 @@
+// Package agent is the node transfer agent: it serves the engine API (gRPC on a Unix
+// socket), talks to other nodes' agents (package wire over TCP), and drives each engine
+// rank's fabric endpoint from one goroutine of its own — the rank's writer (push) or
+// reader (pull). Engine-facing calls validate, record and return; none waits on the
+// fabric.
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
+)
+
+// Config is the agent's configuration (cmd/transfer-agent's flags).
+type Config struct {
+	// Provider is the libfabric provider: "efa" on AWS, "tcp;ofi_rxm" or "shm" here.
+	Provider string
+	// Socket is the engine API's Unix socket.
+	Socket string
+	// PeerListen is the TCP address peers connect to; Advertise is how they name it
+	// (defaults to the listener's address).
+	PeerListen, Advertise string
+	// MemoryDir is the only folder engines may name host-memory files in.
+	MemoryDir string
+	// Token authenticates peers: both sides prove they hold it (HMAC of a nonce).
+	Token []byte
+	// Lease, RegistrationTimeout and BlocksTTL come from the KVTransferPolicy.
+	Lease, RegistrationTimeout, BlocksTTL time.Duration
+	// Tick is the watchdog's period.
+	Tick time.Duration
+	Log  *slog.Logger
+	// Registry receives the agent's metrics.
+	Registry prometheus.Registerer
+}
+
+func (c *Config) defaults() error {
+	if c.Provider == "" {
+		return errors.New("agent: no libfabric provider configured")
+	}
+	if len(c.Token) == 0 {
+		return errors.New("agent: no peer token configured; agents must authenticate each other")
+	}
+	if c.MemoryDir == "" {
+		return errors.New("agent: no memory directory configured")
+	}
+	if c.Lease <= 0 {
+		c.Lease = 30 * time.Second
+	}
+	if c.RegistrationTimeout <= 0 {
+		c.RegistrationTimeout = 2 * c.Lease
+	}
+	if c.BlocksTTL <= 0 {
+		c.BlocksTTL = c.Lease
+	}
+	if c.Tick <= 0 {
+		c.Tick = min(c.Lease/4, 100*time.Millisecond)
+	}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+	if c.Registry == nil {
+		c.Registry = prometheus.NewRegistry()
+	}
+	return nil
+}
+
+// Agent is one node's transfer agent.
+type Agent struct {
+	cfg     Config
+	log     *slog.Logger
+	metrics *metrics
+	// epoch is new at every start, so peers and engines can tell this run from the last.
+	epoch uint64
+	// providerErr is why the configured provider cannot be used (readiness fails).
+	providerErr error
+	limits      fabric.Limits
+
+	grpc   *grpc.Server
+	engLn  net.Listener
+	peerLn net.Listener
+	self   string // the advertised peer address
+
+	mu        sync.Mutex
+	sessions  map[string]*session // by session id
+	engines   map[string]*session // by engine key (id/rank), the live incarnation
+	nextEpoch uint64
+	memory    memoryIndex
+	peers     map[string]*peer // outbound, by address
+	inbound   map[*peer]struct{}
+	closed    bool
+	wg        sync.WaitGroup
+}
+
+// New checks the configuration and the provider, and binds both listeners. A provider
+// that cannot be opened does not fail New: the agent serves, and reports not-ready with
+// the reason (no silent fallback to another provider).
+func New(cfg Config) (*Agent, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	a := &Agent{
+		cfg: cfg, log: cfg.Log, epoch: newEpoch(),
+		sessions: map[string]*session{}, engines: map[string]*session{},
+		peers: map[string]*peer{}, inbound: map[*peer]struct{}{},
+		memory: memoryIndex{},
+	}
+	a.nextEpoch = a.epoch
+	a.metrics = newMetrics(cfg.Registry)
+	a.limits, a.providerErr = probe(cfg.Provider)
+	if a.providerErr != nil {
+		a.log.Error("libfabric provider unavailable; not ready", "provider", cfg.Provider, "err", a.providerErr)
+	} else {
+		maj, minor := fabric.Version()
+		a.log.Info("libfabric provider ready", "provider", a.limits.Provider, "libfabric", fmt.Sprintf("%d.%d", maj, minor),
+			"rma_iov_limit", a.limits.RMAIovLimit, "max_msg_size", a.limits.MaxMsgSize, "cq_data_size", a.limits.CQDataSize)
+		a.metrics.provider.WithLabelValues(a.limits.Provider).Set(1)
+	}
+
+	if err := os.MkdirAll(filepath.Dir(cfg.Socket), 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.Remove(cfg.Socket); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("agent: removing the stale socket %s: %w", cfg.Socket, err)
+	}
+	ln, err := net.Listen("unix", cfg.Socket)
+	if err != nil {
+		return nil, err
+	}
+	// Engines run as the socket's group; nobody else may talk to the agent.
+	if err := os.Chmod(cfg.Socket, 0o660); err != nil {
+		ln.Close()
+		return nil, err
+	}
+	a.engLn = ln
+	if a.peerLn, err = net.Listen("tcp", cfg.PeerListen); err != nil {
+		ln.Close()
+		return nil, err
+	}
+	a.self = cfg.Advertise
+	if a.self == "" {
+		a.self = a.peerLn.Addr().String()
+	}
+	a.grpc = grpc.NewServer(
+		grpc.MaxRecvMsgSize(maxRequest),
+		grpc.StatsHandler(refusals{a}),
+	)
+	agentv1.RegisterAgentServer(a.grpc, &engineAPI{a: a})
+	return a, nil
+}
+
+// maxRequest bounds an engine API message: a registration of wire.MaxBlocks blocks fits.
+const maxRequest = 8 << 20
+
+// probe opens and closes an endpoint on the provider, to learn its limits and whether it
+// is there at all.
+func probe(provider string) (fabric.Limits, error) {
+	if provider == "efa" {
+		if maj, minor := fabric.Version(); maj < 1 || (maj == 1 && minor < 18) {
+			return fabric.Limits{}, fmt.Errorf("efa RDMA write needs libfabric >= 1.18; this node loaded %d.%d", maj, minor)
+		}
+	}
+	ep, err := fabric.Open(provider)
+	if err != nil {
+		return fabric.Limits{}, err
+	}
+	defer ep.Close()
+	return ep.Limits(), nil
+}
+
+// Serve serves both listeners until ctx ends, then shuts down: engine sessions are
+// fenced and drained before their endpoints close.
+func (a *Agent) Serve(ctx context.Context) error {
+	a.wg.Add(2)
+	go func() { defer a.wg.Done(); _ = a.grpc.Serve(a.engLn) }()
+	go func() { defer a.wg.Done(); a.acceptPeers() }()
+	a.log.Info("serving", "socket", a.cfg.Socket, "peers", a.self, "epoch", a.epoch)
+	<-ctx.Done()
+	a.shutdown()
+	return nil
+}
+
+func (a *Agent) shutdown() {
+	a.mu.Lock()
+	a.closed = true
+	sessions := make([]*session, 0, len(a.sessions))
+	for _, s := range a.sessions {
+		sessions = append(sessions, s)
+	}
+	peers := make([]*peer, 0, len(a.peers)+len(a.inbound))
+	for _, p := range a.peers {
+		peers = append(peers, p)
+	}
+	for p := range a.inbound {
+		peers = append(peers, p)
+	}
+	a.mu.Unlock()
+	a.grpc.Stop()
+	a.peerLn.Close()
+	for _, s := range sessions {
+		s.close("agent shutting down")
+	}
+	for _, s := range sessions {
+		<-s.stopped
+	}
+	for _, p := range peers {
+		p.close()
+	}
+	a.wg.Wait()
+	os.Remove(a.cfg.Socket)
+	a.log.Info("stopped")
+}
+
+// Ready reports whether the agent can serve transfers, and why not.
+func (a *Agent) Ready() error {
+	if a.providerErr != nil {
+		return fmt.Errorf("libfabric provider %q unavailable: %w", a.cfg.Provider, a.providerErr)
+	}
+	return nil
+}
+
+// Provider is the provider the agent runs on ("" when unavailable).
+func (a *Agent) Provider() string { return a.limits.Provider }
+
+// PeerAddress is the address peers reach this agent at.
+func (a *Agent) PeerAddress() string { return a.self }
+
+func newEpoch() uint64 {
+	// Time keeps epochs increasing across restarts; the random low bits keep two agents
+	// started in the same microsecond apart.
+	var b [2]byte
+	_, _ = rand.Read(b[:])
+	return uint64(time.Now().UnixMicro())<<16 | uint64(binary.BigEndian.Uint16(b[:]))
+}
+
+// session returns the session with id, or an error naming it.
+func (a *Agent) session(id string) (*session, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	s, ok := a.sessions[id]
+	if !ok {
+		return nil, fmt.Errorf("session %q: %w", id, errNoSession)
+	}
+	return s, nil
+}
+
+// engine returns the live session of an engine rank key.
+func (a *Agent) engine(key string) *session {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.engines[key]
+}
+
+func (a *Agent) forget(s *session) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	delete(a.sessions, s.id)
+	if a.engines[s.key] == s {
+		delete(a.engines, s.key)
+	}
+	a.memory.remove(s)
+	a.metrics.sessions.Set(float64(len(a.sessions)))
+}

@@ -1,0 +1,296 @@
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strings"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/stats"
+	"google.golang.org/grpc/status"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/transferagent/wire"
+)
+
+var errNoSession = errors.New("no such session (register the engine first; a session ends when its event stream closes)")
+
+// engineAPI implements the gRPC service. Every method validates its request against the
+// session's state and returns an error naming the field and the rule it broke; nothing
+// is recorded from a refused request.
+type engineAPI struct {
+	agentv1.UnimplementedAgentServer
+	a *Agent
+}
+
+func invalid(field, format string, args ...any) error {
+	return status.Errorf(codes.InvalidArgument, "%s: "+format, append([]any{field}, args...)...)
+}
+
+// refusals counts and logs every refused engine call, including those gRPC itself
+// refuses before a handler runs (an oversized message): bad input must be visible to
+// operators, not only to the engine that sent it.
+type refusals struct{ a *Agent }
+
+type methodKey struct{}
+
+func (r refusals) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+	return context.WithValue(ctx, methodKey{}, info.FullMethodName[strings.LastIndex(info.FullMethodName, "/")+1:])
+}
+
+func (r refusals) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	end, ok := s.(*stats.End)
+	if !ok || end.Error == nil {
+		return
+	}
+	code := status.Code(end.Error)
+	if code == codes.Canceled {
+		return // an engine closing its event stream
+	}
+	method, _ := ctx.Value(methodKey{}).(string)
+	r.a.metrics.refused.WithLabelValues(method, code.String()).Inc()
+	r.a.log.Warn("refused an engine call", "method", method, "code", code.String(), "err", status.Convert(end.Error).Message())
+}
+
+func (refusals) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
+func (refusals) HandleConn(context.Context, stats.ConnStats)                       {}
+
+func engineKey(id string, rank uint32) string { return fmt.Sprintf("%s/%d", id, rank) }
+
+func checkRequestID(id string) error {
+	if id == "" {
+		return invalid("request_id", "must not be empty")
+	}
+	if len(id) > wire.MaxString {
+		return invalid("request_id", "is %d bytes, longer than %d", len(id), wire.MaxString)
+	}
+	return nil
+}
+
+func checkBlocks(field string, ids []uint32) error {
+	if len(ids) == 0 {
+		return invalid(field, "must name at least one block")
+	}
+	if len(ids) > wire.MaxBlocks {
+		return invalid(field, "names %d blocks, more than %d", len(ids), wire.MaxBlocks)
+	}
+	return nil
+}
+
+func checkSource(field string, ref *agentv1.EngineRef, rank uint32) error {
+	switch {
+	case ref == nil || ref.Agent == "" || ref.EngineId == "":
+		return invalid(field, "must name the agent (host:port) and engine_id")
+	case ref.TpRank != rank:
+		return invalid(field+".tp_rank", "is %d; rank %d transfers only to and from rank %d (tensor-parallel sizes must match)", ref.TpRank, rank, rank)
+	}
+	return nil
+}
+
+func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngineRequest) (*agentv1.RegisterEngineResponse, error) {
+	a := e.a
+	l := r.GetLayout()
+	switch {
+	case r.EngineId == "" || len(r.EngineId) > 253 || strings.Contains(r.EngineId, "/"):
+		return nil, invalid("engine_id", "must be 1 to 253 bytes without '/'")
+	case r.Role != agentv1.Role_ROLE_PREFILL && r.Role != agentv1.Role_ROLE_DECODE:
+		return nil, invalid("role", "must be ROLE_PREFILL or ROLE_DECODE")
+	case r.Mode != agentv1.Mode_MODE_PUSH && r.Mode != agentv1.Mode_MODE_PULL:
+		return nil, invalid("mode", "must be MODE_PUSH or MODE_PULL")
+	case r.TpSize == 0 || r.TpRank >= r.TpSize:
+		return nil, invalid("tp_rank", "%d must be below tp_size %d", r.TpRank, r.TpSize)
+	case l == nil || l.Layers == 0 || l.BlockSize == 0 || l.KvHeads == 0 || l.HeadDim == 0 || l.DtypeBytes == 0:
+		return nil, invalid("layout", "every field must be positive")
+	case l.KvHeads%r.TpSize != 0:
+		return nil, invalid("layout.kv_heads", "%d do not split over tp_size %d", l.KvHeads, r.TpSize)
+	}
+	if err := a.Ready(); err != nil {
+		return nil, status.Error(codes.Unavailable, err.Error())
+	}
+	ep, err := fabric.Open(a.cfg.Provider)
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "opening a fabric endpoint: %v", err)
+	}
+	var id [16]byte
+	_, _ = rand.Read(id[:])
+	key := engineKey(r.EngineId, r.TpRank)
+
+	a.mu.Lock()
+	if a.closed {
+		a.mu.Unlock()
+		ep.Close()
+		return nil, status.Error(codes.Unavailable, "agent is shutting down")
+	}
+	a.nextEpoch++
+	s := newSession(a, hex.EncodeToString(id[:]), key, a.nextEpoch, r, ep)
+	old := a.engines[key]
+	a.sessions[s.id], a.engines[key] = s, s
+	a.metrics.sessions.Set(float64(len(a.sessions)))
+	a.mu.Unlock()
+	if old != nil {
+		// A new incarnation of the same rank: the old one's memory is gone.
+		old.close("replaced by a new incarnation of the engine")
+	}
+	go s.run()
+	a.log.Info("engine registered", "engine", key, "role", r.Role.String(), "mode", r.Mode.String(), "epoch", s.epoch)
+	return &agentv1.RegisterEngineResponse{
+		Session: s.id, Epoch: s.epoch, Provider: a.limits.Provider,
+		Self: &agentv1.EngineRef{Agent: a.self, EngineId: r.EngineId, TpRank: r.TpRank},
+	}, nil
+}
+
+func (e *engineAPI) RegisterRegion(ctx context.Context, r *agentv1.RegisterRegionRequest) (*agentv1.RegisterRegionResponse, error) {
+	s, err := e.a.session(r.Session)
+	if err != nil {
+		return nil, status.Error(codes.NotFound, err.Error())
+	}
+	switch {
+	case r.BlockLen == 0 || r.BlockCount == 0:
+		return nil, invalid("block_len", "and block_count must be positive")
+	case r.BlockLen > r.Size/uint64(r.BlockCount):
+		return nil, invalid("size", "%d bytes cannot hold %d blocks of %d bytes", r.Size, r.BlockCount, r.BlockLen)
+	}
+	switch r.Kind {
+	case agentv1.MemoryKind_MEMORY_KIND_HOST:
+	case agentv1.MemoryKind_MEMORY_KIND_CUDA, agentv1.MemoryKind_MEMORY_KIND_NEURON:
+		// The dmabuf path needs libfabric's FI_MR_DMABUF at build time and the fd in
+		// this process; without either, say so rather than register something else.
+		return nil, status.Errorf(codes.FailedPrecondition, "kind %s: %v", r.Kind, fabric.ErrNoDmabuf)
+	default:
+		return nil, invalid("kind", "must be MEMORY_KIND_HOST, _CUDA or _NEURON")
+	}
+	m, err := mapFile(e.a.cfg.MemoryDir, r.Path, r.Offset, r.Size)
+	if err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if err := e.a.claim(s, r.RegionId, m); err != nil {
+		m.unmap()
+		return nil, status.Error(codes.AlreadyExists, err.Error())
+	}
+	if err := s.call(func() error { return s.addRegion(r, m) }); err != nil {
+		e.a.release(s, r.RegionId)
+		m.unmap()
+		return nil, err
+	}
+	return &agentv1.RegisterRegionResponse{}, nil
+}
+
+func (e *engineAPI) RegisterDestination(ctx context.Context, r *agentv1.RegisterDestinationRequest) (*agentv1.Ack, error) {
+	s, err := e.sessionFor(r.Session, agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, "RegisterDestination")
+	if err != nil {
+		return nil, err
+	}
+	if err := checkRequestID(r.RequestId); err != nil {
+		return nil, err
+	}
+	if err := checkBlocks("block_ids", r.BlockIds); err != nil {
+		return nil, err
+	}
+	if err := checkSource("source", r.Source, s.rank); err != nil {
+		return nil, err
+	}
+	return ack(s.call(func() error { return s.registerDestination(r) }))
+}
+
+func (e *engineAPI) SourceReady(ctx context.Context, r *agentv1.SourceReadyRequest) (*agentv1.Ack, error) {
+	s, err := e.sessionFor(r.Session, agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_UNSPECIFIED, "SourceReady")
+	if err != nil {
+		return nil, err
+	}
+	if err := checkRequestID(r.RequestId); err != nil {
+		return nil, err
+	}
+	if err := checkBlocks("block_ids", r.BlockIds); err != nil {
+		return nil, err
+	}
+	return ack(s.call(func() error { return s.sourceReady(r) }))
+}
+
+func (e *engineAPI) Pull(ctx context.Context, r *agentv1.PullRequest) (*agentv1.Ack, error) {
+	s, err := e.sessionFor(r.Session, agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PULL, "Pull")
+	if err != nil {
+		return nil, err
+	}
+	if err := checkRequestID(r.RequestId); err != nil {
+		return nil, err
+	}
+	if err := checkBlocks("source_block_ids", r.SourceBlockIds); err != nil {
+		return nil, err
+	}
+	if len(r.DestinationBlockIds) != len(r.SourceBlockIds) {
+		return nil, invalid("destination_block_ids", "names %d blocks for %d source blocks", len(r.DestinationBlockIds), len(r.SourceBlockIds))
+	}
+	if err := checkSource("source", r.Source, s.rank); err != nil {
+		return nil, err
+	}
+	return ack(s.call(func() error { return s.pull(r) }))
+}
+
+func (e *engineAPI) Cancel(ctx context.Context, r *agentv1.CancelRequest) (*agentv1.Ack, error) {
+	s, err := e.a.session(r.Session)
+	if err != nil {
+		return nil, status.Error(codes.NotFound, err.Error())
+	}
+	if err := checkRequestID(r.RequestId); err != nil {
+		return nil, err
+	}
+	return ack(s.call(func() error { return s.cancel(r.RequestId, r.Attempt) }))
+}
+
+func (e *engineAPI) Heartbeat(ctx context.Context, r *agentv1.HeartbeatRequest) (*agentv1.Ack, error) {
+	s, err := e.a.session(r.Session)
+	if err != nil {
+		return nil, status.Error(codes.NotFound, err.Error())
+	}
+	return ack(s.call(func() error { s.heartbeat(); return nil }))
+}
+
+func (e *engineAPI) Events(r *agentv1.EventsRequest, stream grpc.ServerStreamingServer[agentv1.Event]) error {
+	s, err := e.a.session(r.Session)
+	if err != nil {
+		return status.Error(codes.NotFound, err.Error())
+	}
+	if !s.attach() {
+		return status.Error(codes.AlreadyExists, "session: already has an event stream")
+	}
+	// The stream is the engine's liveness: when it ends, the session ends, and everything
+	// the engine had outstanding is fenced and failed.
+	defer s.close("the engine's event stream closed")
+	for {
+		select {
+		case ev := <-s.events:
+			if err := stream.Send(ev); err != nil {
+				return err
+			}
+		case <-stream.Context().Done():
+			return nil
+		case <-s.stopped:
+			return status.Error(codes.Aborted, s.closeReason())
+		}
+	}
+}
+
+// sessionFor returns a session that may make a call, refusing calls its role or mode
+// does not allow (MODE_UNSPECIFIED: either mode).
+func (e *engineAPI) sessionFor(id string, role agentv1.Role, mode agentv1.Mode, call string) (*session, error) {
+	s, err := e.a.session(id)
+	if err != nil {
+		return nil, status.Error(codes.NotFound, err.Error())
+	}
+	if s.role != role || (mode != agentv1.Mode_MODE_UNSPECIFIED && s.mode != mode) {
+		return nil, status.Errorf(codes.FailedPrecondition, "%s: not allowed for a %s engine in %s", call, s.role, s.mode)
+	}
+	return s, nil
+}
+
+func ack(err error) (*agentv1.Ack, error) {
+	if err != nil {
+		return nil, err
+	}
+	return &agentv1.Ack{}, nil
+}

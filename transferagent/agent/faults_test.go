@@ -1,0 +1,154 @@
+package agent_test
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+)
+
+func TestANewAttemptSupersedesTheOldOne(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 128)
+	src, old, fresh := alloc(t, p.P[0], 10), alloc(t, p.D[0], 10), alloc(t, p.D[0], 10)
+	p.P[0].Cache.Fill("retry", src)
+	if err := p.D[0].RegisterDestination(bg, "retry", 1, old, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	// Decode preempted the request and retries it into other blocks.
+	if err := p.D[0].RegisterDestination(bg, "retry", 2, fresh, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "retry", 1), agentv1.Event_CANCEL_ACKED)
+	// While attempt 2 is outstanding, an older attempt is refused by decode's own agent.
+	if err := p.D[0].RegisterDestination(bg, "retry", 1, old, p.P[0].Self); err == nil {
+		t.Fatal("a stale attempt was accepted")
+	}
+	if err := p.P[0].SourceReady(bg, "retry", 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "retry", 2), agentv1.Event_DELIVERED)
+	if err := p.D[0].Cache.Verify("retry", fresh); err != nil {
+		t.Fatal(err)
+	}
+	// The superseded attempt's blocks were never written.
+	for _, region := range p.D[0].Cache.Regions {
+		bb := p.layout.BlockBytes()
+		for _, b := range old {
+			if !bytes.Equal(region[int(b)*bb:int(b+1)*bb], make([]byte, bb)) {
+				t.Fatalf("superseded block %d was written", b)
+			}
+		}
+	}
+}
+
+// TestCancelMidWriteLetsNothingLandAfterTheAcknowledgement cancels large requests while
+// their writes are in flight. After CANCEL_ACKED the test overwrites the blocks with a
+// sentinel; a later request through the same agents is delivered, and the sentinel must
+// still be intact: no write of the cancelled attempt arrived after the acknowledgement.
+func TestCancelMidWriteLetsNothingLandAfterTheAcknowledgement(t *testing.T) {
+	// 8 layers × 2 × 2048 blocks × 2 KiB: a 1024-block request is 32 MiB per rank.
+	l := testLayout(1, 2048)
+	l.Layers = 8
+	p := &pair{layout: l, dirA: t.TempDir(), dirB: t.TempDir()}
+	p.A, p.B = startAgent(t, "prefill-node", p.dirA), startAgent(t, "decode-node", p.dirB)
+	P := engine(t, p.A, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PUSH, 0, l)
+	D := engine(t, p.B, "decode-0.default", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, 0, l)
+	bb := l.BlockBytes()
+	acked := 0
+	for i := range 6 {
+		req := "big-" + string(rune('a'+i))
+		src, dst := alloc(t, P, 1024), alloc(t, D, 1024)
+		P.Cache.Fill(req, src)
+		if err := D.RegisterDestination(bg, req, 1, dst, P.Self); err != nil {
+			t.Fatal(err)
+		}
+		if err := P.SourceReady(bg, req, 0, src, true); err != nil {
+			t.Fatal(err)
+		}
+		if err := D.Cancel(bg, req, 1); err != nil {
+			t.Fatal(err)
+		}
+		ev := wait(t, D, req, 1)
+		if ev.Type == agentv1.Event_DELIVERED {
+			// The writes won the race with the cancel: then the data must be whole.
+			if err := D.Cache.Verify(req, dst); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			expect(t, ev, agentv1.Event_CANCEL_ACKED)
+			acked++
+			for _, region := range D.Cache.Regions {
+				for _, b := range dst {
+					copy(region[int(b)*bb:int(b+1)*bb], bytes.Repeat([]byte{0xEE}, bb))
+				}
+			}
+			// A request after the cancel, on the same connection and endpoint.
+			s2, d2 := alloc(t, P, 16), alloc(t, D, 16)
+			P.Cache.Fill(req+"-after", s2)
+			if err := D.RegisterDestination(bg, req+"-after", 1, d2, P.Self); err != nil {
+				t.Fatal(err)
+			}
+			if err := P.SourceReady(bg, req+"-after", 0, s2, true); err != nil {
+				t.Fatal(err)
+			}
+			expect(t, wait(t, D, req+"-after", 1), agentv1.Event_DELIVERED)
+			for r, region := range D.Cache.Regions {
+				for _, b := range dst {
+					if !bytes.Equal(region[int(b)*bb:int(b+1)*bb], bytes.Repeat([]byte{0xEE}, bb)) {
+						t.Fatalf("region %d block %d changed after the cancel was acknowledged", r, b)
+					}
+				}
+			}
+			P.Free(s2)
+			D.Free(d2)
+		}
+		P.Free(src)
+		D.Free(dst)
+	}
+	if acked == 0 {
+		t.Fatal("no cancel landed while writes were in flight; the test proved nothing")
+	}
+	t.Logf("%d of 6 cancels landed mid-write", acked)
+}
+
+func TestLeaseExpiresOnBothSides(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--lease", "300ms", "--registration-timeout", "20s", "--blocks-ttl", "300ms")
+	// Decode registers and then goes silent: no heartbeat within the lease.
+	dst := alloc(t, p.D[0], 4)
+	if err := p.D[0].RegisterDestination(bg, "silent", 1, dst, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	ev := wait(t, p.D[0], "silent", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	expect(t, wait(t, p.P[0], "silent", 1), agentv1.Event_FAILED)
+	// Prefill's blocks wait for a registration that never comes: the blocks TTL frees them.
+	src := alloc(t, p.P[0], 4)
+	if err := p.P[0].SourceReady(bg, "orphan", 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.P[0], "orphan", 0), agentv1.Event_FAILED)
+	// A heartbeating registration outlives several leases.
+	if err := p.D[0].RegisterDestination(bg, "alive", 1, dst, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	// Heartbeat every 50 ms, well inside the lease, for a second: three leases' worth.
+	beat := time.NewTicker(50 * time.Millisecond)
+	defer beat.Stop()
+	for end := time.Now().Add(time.Second); time.Now().Before(end); <-beat.C {
+		if err := p.D[0].Heartbeat(bg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.P[0].Cache.Fill("alive", src)
+	if err := p.P[0].SourceReady(bg, "alive", 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "alive", 1), agentv1.Event_DELIVERED)
+	if got := p.A.Metric(t, `kvhandoff_agent_lease_expiries_total{kind="push"}`); got != 1 {
+		t.Errorf("push lease expiries: %v, want 1", got)
+	}
+	if got := p.A.Metric(t, `kvhandoff_agent_lease_expiries_total{kind="source"}`); got != 1 {
+		t.Errorf("source TTL expiries: %v, want 1", got)
+	}
+}

@@ -1,0 +1,113 @@
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+)
+
+// The agents under test are real processes of cmd/transfer-agent, talking over real
+// libfabric (tcp;ofi_rxm on loopback unless KVHANDOFF_TEST_PROVIDER says otherwise).
+var agentBin string
+
+func TestMain(m *testing.M) {
+	if bin := os.Getenv("KVHANDOFF_AGENT_BIN"); bin != "" {
+		// A prebuilt agent, e.g. one built with -race.
+		agentBin = bin
+		os.Exit(m.Run())
+	}
+	dir, err := os.MkdirTemp("", "kvhandoff-agent-test")
+	if err != nil {
+		panic(err)
+	}
+	if agentBin, err = agentproc.Build(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func provider() string {
+	if p := os.Getenv("KVHANDOFF_TEST_PROVIDER"); p != "" {
+		return p
+	}
+	return "tcp;ofi_rxm"
+}
+
+// agentProc is one running agent, tied to the test that started it.
+type agentProc struct {
+	*agentproc.Proc
+	t *testing.T
+}
+
+// startAgent starts an agent and waits until it serves; it is stopped when the test
+// ends, and its log printed if the test failed. Reusing a dir restarts "the same node's"
+// agent.
+func startAgent(t *testing.T, name, dir string, flags ...string) *agentProc {
+	t.Helper()
+	flags = append([]string{"--lease", "5s", "--registration-timeout", "10s", "--blocks-ttl", "5s"}, flags...)
+	p, err := agentproc.Start(agentBin, name, dir, provider(), flags...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Stop()
+		if t.Failed() {
+			t.Logf("agent %s log:\n%s", name, p.Log())
+		}
+	})
+	return &agentProc{Proc: p, t: t}
+}
+
+// Metric reads one series' value from the agent's /metrics (0 when absent).
+func (a *agentProc) Metric(t *testing.T, series string) float64 {
+	t.Helper()
+	v, err := a.Proc.Metric(series)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// testLayout is small enough for many requests, with 2 layers (4 regions) per rank.
+func testLayout(tp, blocks int) simengine.Layout {
+	return simengine.Layout{Layers: 2, BlockSize: 16, KVHeads: 8, HeadDim: 16, DTypeBytes: 2, TP: tp, Blocks: blocks}
+}
+
+func engine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode agentv1.Mode, rank int, l simengine.Layout) *simengine.Engine {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Rank: rank, Layout: l, Socket: a.Socket, MemoryDir: a.MemoryDir})
+	if err != nil {
+		t.Fatalf("starting engine %s/%d on agent %s: %v", id, rank, a.Name, err)
+	}
+	t.Cleanup(e.Stop)
+	return e
+}
+
+func wait(t *testing.T, e *simengine.Engine, req string, attempt uint64) *agentv1.Event {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	ev, err := e.Wait(ctx, req, attempt)
+	if err != nil {
+		t.Fatalf("waiting for %s attempt %d: %v", req, attempt, err)
+	}
+	return ev
+}
+
+func expect(t *testing.T, ev *agentv1.Event, typ agentv1.Event_Type) {
+	t.Helper()
+	if ev.Type != typ {
+		t.Fatalf("%s attempt %d: got %s (%q), want %s", ev.RequestId, ev.Attempt, ev.Type, ev.Reason, typ)
+	}
+}

@@ -1,0 +1,54 @@
+package agent
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// metrics are the agent's Prometheus series. Label values are bounded: modes, stages,
+// failure codes and refused call names are fixed sets.
+type metrics struct {
+	stage       *prometheus.HistogramVec
+	bytes       *prometheus.CounterVec
+	descriptors *prometheus.CounterVec
+	expiries    *prometheus.CounterVec
+	cancels     prometheus.Counter
+	failures    *prometheus.CounterVec
+	refused     *prometheus.CounterVec
+	sessions    prometheus.Gauge
+	peers       prometheus.Gauge
+	provider    *prometheus.GaugeVec
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		stage: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvhandoff_agent_handoff_stage_seconds",
+			Help: "Handoff latency by stage: rendezvous_wait (push: source ready until paired with a registration; pull: acquire round trip), post (paired until the last write was posted), wire (last write posted until every write completed; pull: the reads), notify (decode: signal received until the engine was told).",
+			// 10 µs to ~40 s.
+			Buckets: prometheus.ExponentialBuckets(10e-6, 2.5, 17),
+		}, []string{"mode", "stage"}),
+		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_transferred_bytes_total", Help: "KV bytes moved into decode memory.",
+		}, []string{"mode"}),
+		descriptors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_descriptors_total", Help: "RMA operations posted, after merging contiguous blocks.",
+		}, []string{"mode"}),
+		expiries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_lease_expiries_total", Help: "Leases and TTLs that ran out: push registrations, push sources, pull holds, pulls.",
+		}, []string{"kind"}),
+		cancels: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_cancels_total", Help: "Attempts cancelled by engines.",
+		}),
+		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_failures_total", Help: "Attempts that ended without delivery, by reason.",
+		}, []string{"reason"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_refused_total", Help: "Refused engine calls and peer messages, by call and code.",
+		}, []string{"call", "code"}),
+		sessions: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_engine_sessions", Help: "Engine ranks registered."}),
+		peers:    prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_peer_connections", Help: "Connections to other agents."}),
+		provider: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvhandoff_agent_provider_info", Help: "1 for the libfabric provider the agent runs on.",
+		}, []string{"provider"}),
+	}
+	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.failures, m.refused, m.sessions, m.peers, m.provider)
+	return m
+}

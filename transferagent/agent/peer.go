@@ -1,0 +1,298 @@
+package agent
+
+import (
+	"bufio"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/transferagent/wire"
+)
+
+// handshakeTimeout bounds connecting and authenticating a peer.
+const handshakeTimeout = 10 * time.Second
+
+// peer is one TCP connection to another agent. A decode agent dials the prefill agents
+// its engines name; the prefill agent answers on the same connection. Messages to a peer
+// are queued and written by one goroutine, so a slow peer never blocks an engine's pump.
+type peer struct {
+	a        *Agent
+	conn     net.Conn
+	outbound bool
+	addr     string // the address dialled (outbound) or the remote's advertised one
+	epoch    uint64 // the remote agent's epoch
+	out      chan wire.Message
+	ready    chan struct{} // closed once the handshake is done
+	done     chan struct{}
+	once     sync.Once
+	err      error
+
+	mu       sync.Mutex
+	sentInfo map[string]uint64           // engine key → epoch whose EngineInfo was sent
+	infos    map[string]*wire.EngineInfo // engines the remote described, by key
+}
+
+func newPeer(a *Agent, conn net.Conn, outbound bool, addr string) *peer {
+	return &peer{
+		a: a, conn: conn, outbound: outbound, addr: addr,
+		out: make(chan wire.Message, 4096), ready: make(chan struct{}), done: make(chan struct{}),
+		sentInfo: map[string]uint64{}, infos: map[string]*wire.EngineInfo{},
+	}
+}
+
+// dial returns the connection to the agent at addr, opening it in the background when
+// there is none: messages sent before it is up are queued.
+func (a *Agent) dial(addr string) *peer {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if p, ok := a.peers[addr]; ok {
+		return p
+	}
+	p := newPeer(a, nil, true, addr)
+	a.peers[addr] = p
+	a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		conn, err := net.DialTimeout("tcp", addr, handshakeTimeout)
+		if err != nil {
+			p.fail(fmt.Errorf("connecting to agent %s: %w", addr, err))
+			return
+		}
+		p.conn = conn
+		p.serve()
+	}()
+	return p
+}
+
+func (a *Agent) acceptPeers() {
+	for {
+		conn, err := a.peerLn.Accept()
+		if err != nil {
+			return
+		}
+		p := newPeer(a, conn, false, conn.RemoteAddr().String())
+		a.mu.Lock()
+		if a.closed {
+			a.mu.Unlock()
+			conn.Close()
+			return
+		}
+		a.inbound[p] = struct{}{}
+		a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
+		a.mu.Unlock()
+		a.wg.Add(1)
+		go func() { defer a.wg.Done(); p.serve() }()
+	}
+}
+
+// serve authenticates the connection, then reads and dispatches frames until it fails.
+func (p *peer) serve() {
+	if err := p.handshake(); err != nil {
+		p.a.metrics.refused.WithLabelValues("peer", "Unauthenticated").Inc()
+		p.fail(fmt.Errorf("handshake with %s: %w", p.conn.RemoteAddr(), err))
+		return
+	}
+	close(p.ready)
+	go p.writeLoop()
+	r := bufio.NewReaderSize(p.conn, 64<<10)
+	for {
+		m, err := wire.Read(r)
+		if err != nil {
+			// A malformed frame ends this connection only; the agent serves every other.
+			p.a.metrics.refused.WithLabelValues("peer", "Malformed").Inc()
+			p.fail(fmt.Errorf("reading from agent %s: %w", p.addr, err))
+			return
+		}
+		p.a.dispatch(p, m)
+	}
+}
+
+func (p *peer) handshake() error {
+	p.conn.SetDeadline(time.Now().Add(handshakeTimeout))
+	defer p.conn.SetDeadline(time.Time{})
+	var nonce [16]byte
+	_, _ = rand.Read(nonce[:])
+	mine := hex.EncodeToString(nonce[:])
+	if err := p.write(&wire.Hello{Agent: p.a.self, Epoch: p.a.epoch, Nonce: mine}); err != nil {
+		return err
+	}
+	m, err := wire.Read(p.conn)
+	if err != nil {
+		return err
+	}
+	hello, ok := m.(*wire.Hello)
+	if !ok || len(hello.Nonce) < 16 {
+		return fmt.Errorf("expected a Hello with a nonce, got %T", m)
+	}
+	if err := p.write(&wire.Auth{MAC: p.a.mac(hello.Nonce)}); err != nil {
+		return err
+	}
+	if m, err = wire.Read(p.conn); err != nil {
+		return err
+	}
+	auth, ok := m.(*wire.Auth)
+	if !ok || !hmac.Equal([]byte(auth.MAC), []byte(p.a.mac(mine))) {
+		return fmt.Errorf("peer did not prove it holds the agents' token")
+	}
+	if !p.outbound {
+		p.addr = hello.Agent
+	}
+	p.epoch = hello.Epoch
+	p.a.log.Info("peer connected", "peer", p.addr, "epoch", p.epoch, "outbound", p.outbound)
+	return nil
+}
+
+func (a *Agent) mac(nonce string) string {
+	h := hmac.New(sha256.New, a.cfg.Token)
+	h.Write([]byte(nonce))
+	return string(h.Sum(nil))
+}
+
+func (p *peer) write(m wire.Message) error {
+	b, err := wire.Encode(nil, m)
+	if err != nil {
+		return err
+	}
+	_, err = p.conn.Write(b)
+	return err
+}
+
+func (p *peer) writeLoop() {
+	w := bufio.NewWriterSize(p.conn, 64<<10)
+	var buf []byte
+	for {
+		select {
+		case m := <-p.out:
+			var err error
+			if buf, err = wire.Encode(buf[:0], m); err != nil {
+				p.a.log.Error("cannot encode a message", "peer", p.addr, "err", err)
+				continue
+			}
+			if _, err := w.Write(buf); err != nil {
+				p.fail(err)
+				return
+			}
+			if len(p.out) == 0 {
+				if err := w.Flush(); err != nil {
+					p.fail(err)
+					return
+				}
+			}
+		case <-p.done:
+			return
+		}
+	}
+}
+
+// send queues m; it is dropped when the connection has failed (whoever waits on it
+// learns of the failure through peerLost).
+func (p *peer) send(m wire.Message) {
+	select {
+	case p.out <- m:
+	case <-p.done:
+	}
+}
+
+// describe sends s's EngineInfo unless this connection already has it for s's epoch.
+func (p *peer) describe(s *session) {
+	p.mu.Lock()
+	sent := p.sentInfo[s.key] == s.epoch
+	p.sentInfo[s.key] = s.epoch
+	p.mu.Unlock()
+	if !sent {
+		p.send(s.info())
+	}
+}
+
+func (p *peer) info(key string) *wire.EngineInfo {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.infos[key]
+}
+
+func (p *peer) fail(err error) {
+	p.once.Do(func() {
+		p.err = err
+		close(p.done)
+		if p.conn != nil {
+			p.conn.Close()
+		}
+		a := p.a
+		a.mu.Lock()
+		if a.peers[p.addr] == p {
+			delete(a.peers, p.addr)
+		}
+		delete(a.inbound, p)
+		a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
+		sessions := make([]*session, 0, len(a.sessions))
+		for _, s := range a.sessions {
+			sessions = append(sessions, s)
+		}
+		closed := a.closed
+		a.mu.Unlock()
+		if !closed {
+			a.log.Warn("peer lost", "peer", p.addr, "err", err)
+		}
+		for _, s := range sessions {
+			s.post(func() { s.peerLost(p) })
+		}
+	})
+}
+
+func (p *peer) close() { p.fail(fmt.Errorf("agent shutting down")) }
+
+// dispatch routes a peer's message to the engine session it names. Messages for the
+// prefill side name the source engine; answers for the decode side name the decode
+// engine. A message naming no live engine is answered (or dropped) here.
+func (a *Agent) dispatch(p *peer, m wire.Message) {
+	switch m := m.(type) {
+	case *wire.EngineInfo:
+		p.mu.Lock()
+		p.infos[m.Engine] = m
+		p.mu.Unlock()
+	case *wire.Register:
+		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(s *session) { s.onRegister(p, m) })
+	case *wire.Acquire:
+		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(s *session) { s.onAcquire(p, m) })
+	case *wire.Heartbeat:
+		a.toPrefill(p, m.Source, "", 0, "", func(s *session) { s.onHeartbeat(m) })
+	case *wire.Cancel:
+		a.toPrefill(p, m.Source, "", 0, "", func(s *session) { s.onCancel(p, m) })
+	case *wire.Release:
+		a.toPrefill(p, m.Source, "", 0, "", func(s *session) { s.onRelease(p, m) })
+	case *wire.CancelAcked:
+		a.toDecode(m.Engine, func(s *session) { s.onOutcome(p, m.Request, m.Attempt, outcomeCancelAcked, "", m.Signalled != 0) })
+	case *wire.Failed:
+		a.toDecode(m.Engine, func(s *session) { s.onOutcome(p, m.Request, m.Attempt, outcomeFailed, m.Reason, m.Signalled != 0) })
+	case *wire.Acquired:
+		a.toDecode(m.Engine, func(s *session) { s.onAcquired(p, m) })
+	case *wire.Writing:
+		a.toDecode(m.Engine, func(s *session) { s.onWriting(p, m) })
+	default:
+		a.metrics.refused.WithLabelValues("peer", "Unexpected").Inc()
+		a.log.Warn("unexpected message from a peer", "peer", p.addr, "kind", m.Kind())
+	}
+}
+
+func (a *Agent) toPrefill(p *peer, source, req string, attempt uint64, decode string, fn func(*session)) {
+	s := a.engine(source)
+	if s == nil || s.role != roleP {
+		if req != "" {
+			p.send(&wire.Failed{Request: req, Attempt: attempt, Engine: decode, Reason: fmt.Sprintf("no prefill engine %s at agent %s", source, a.self)})
+		}
+		return
+	}
+	s.post(func() { fn(s) })
+}
+
+func (a *Agent) toDecode(engine string, fn func(*session)) {
+	if s := a.engine(engine); s != nil && s.role == roleD {
+		s.post(func() { fn(s) })
+	}
+}

@@ -1,0 +1,91 @@
+package agent_test
+
+import (
+	"fmt"
+	"testing"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+)
+
+func TestPullReadsVerifiedBytesAndReleasesTheSource(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PULL, 2, 256)
+	for i := range 3 {
+		req := fmt.Sprintf("pull-%d", i)
+		for r := range p.P {
+			src, dst := alloc(t, p.P[r], 16+i), alloc(t, p.D[r], 16+i)
+			p.P[r].Cache.Fill(req, src)
+			if err := p.P[r].SourceReady(bg, req, 0, src, true); err != nil {
+				t.Fatal(err)
+			}
+			// The router relays the block ids; decode pulls them.
+			if err := p.D[r].Pull(bg, req, 1, p.P[r].Self, src, dst); err != nil {
+				t.Fatal(err)
+			}
+			ev := wait(t, p.D[r], req, 1)
+			expect(t, ev, agentv1.Event_DELIVERED)
+			if want := uint64(runs(src, dst) * p.layout.Regions()); ev.Descriptors != want {
+				t.Errorf("%d reads, want %d", ev.Descriptors, want)
+			}
+			if err := p.D[r].Cache.Verify(req, dst); err != nil {
+				t.Fatal(err)
+			}
+			expect(t, wait(t, p.P[r], req, 1), agentv1.Event_SOURCE_DONE)
+		}
+	}
+}
+
+func TestPullOfBlocksThatAreNotReadyIsRefused(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PULL, 1, 64)
+	src, dst := alloc(t, p.P[0], 4), alloc(t, p.D[0], 4)
+	// Nothing is ready yet.
+	if err := p.D[0].Pull(bg, "early", 1, p.P[0].Self, src, dst); err != nil {
+		t.Fatal(err)
+	}
+	ev := wait(t, p.D[0], "early", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	// Ready, but the pull names a block that is not part of the request.
+	if err := p.P[0].SourceReady(bg, "partial", 0, src[:3], true); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.D[0].Pull(bg, "partial", 1, p.P[0].Self, src, dst); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "partial", 1), agentv1.Event_FAILED)
+	if got := p.A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="Acquire"}`); got != 2 {
+		t.Errorf("prefill agent counted %v refused acquires, want 2", got)
+	}
+}
+
+// The suite runs on tcp;ofi_rxm (KVHANDOFF_TEST_PROVIDER=shm runs all of it on shm);
+// this keeps shm, the other provider here, covered in every run.
+func TestPushAndPullOverShm(t *testing.T) {
+	for _, mode := range []agentv1.Mode{agentv1.Mode_MODE_PUSH, agentv1.Mode_MODE_PULL} {
+		t.Run(mode.String(), func(t *testing.T) {
+			p := newPair(t, mode, 2, 64, "--provider", "shm")
+			if p.P[0].Provider != "shm" {
+				t.Fatalf("running on %q", p.P[0].Provider)
+			}
+			for r := range p.P {
+				src, dst := alloc(t, p.P[r], 12), alloc(t, p.D[r], 12)
+				p.P[r].Cache.Fill("shm", src)
+				if mode == agentv1.Mode_MODE_PUSH {
+					if err := p.D[r].RegisterDestination(bg, "shm", 1, dst, p.P[r].Self); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := p.P[r].SourceReady(bg, "shm", 0, src, true); err != nil {
+					t.Fatal(err)
+				}
+				if mode == agentv1.Mode_MODE_PULL {
+					if err := p.D[r].Pull(bg, "shm", 1, p.P[r].Self, src, dst); err != nil {
+						t.Fatal(err)
+					}
+				}
+				expect(t, wait(t, p.D[r], "shm", 1), agentv1.Event_DELIVERED)
+				if err := p.D[r].Cache.Verify("shm", dst); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
+	}
+}

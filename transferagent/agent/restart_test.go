@@ -1,0 +1,68 @@
+package agent_test
+
+import (
+	"testing"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+)
+
+// transfer pushes one verified request from P to D.
+func transfer(t *testing.T, P, D *simengine.Engine, req string) {
+	t.Helper()
+	src, dst := alloc(t, P, 8), alloc(t, D, 8)
+	defer P.Free(src)
+	defer D.Free(dst)
+	P.Cache.Fill(req, src)
+	if err := D.RegisterDestination(bg, req, 1, dst, P.Self); err != nil {
+		t.Fatal(err)
+	}
+	if err := P.SourceReady(bg, req, 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, D, req, 1), agentv1.Event_DELIVERED)
+	if err := D.Cache.Verify(req, dst); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestPrefillAgentRestart(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--lease", "500ms")
+	transfer(t, p.P[0], p.D[0], "before")
+	// Decode registers; the prefill node's agent dies before the source is ready.
+	dst := alloc(t, p.D[0], 8)
+	if err := p.D[0].RegisterDestination(bg, "orphaned", 1, dst, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	p.A.Kill()
+	// The decode agent fails the attempt only after a lease of quarantine: whatever the
+	// dead agent had sent can no longer land.
+	ev := wait(t, p.D[0], "orphaned", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	t.Logf("decode was told: %s", ev.Reason)
+	// A new agent on the same node (new epoch) and a re-registered prefill engine.
+	a2 := startAgent(t, "prefill-node-2", p.dirA, p.agentArgs...)
+	P2 := engine(t, a2, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PUSH, 0, p.layout)
+	transfer(t, P2, p.D[0], "after-prefill-restart")
+}
+
+func TestDecodeAgentRestart(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--lease", "500ms")
+	transfer(t, p.P[0], p.D[0], "before")
+	dst := alloc(t, p.D[0], 8)
+	if err := p.D[0].RegisterDestination(bg, "lost-decode", 1, dst, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	p.B.Kill()
+	// The prefill agent learns its peer is gone and fails the attempt to prefill.
+	ev := wait(t, p.P[0], "lost-decode", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	// The decode node comes back with a new agent and a new incarnation of the engine,
+	// possibly with the same block ids: the prefill agent must use the new memory.
+	b2 := startAgent(t, "decode-node-2", p.dirB, p.agentArgs...)
+	D2 := engine(t, b2, "decode-0.default", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, 0, p.layout)
+	if D2.Epoch <= p.D[0].Epoch {
+		t.Fatalf("the restarted engine's epoch %d is not newer than %d", D2.Epoch, p.D[0].Epoch)
+	}
+	transfer(t, p.P[0], D2, "after-decode-restart")
+}

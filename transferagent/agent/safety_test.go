@@ -1,0 +1,199 @@
+package agent_test
+
+import (
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/client"
+	"github.com/kvhandoff/kvhandoff/transferagent/wire"
+)
+
+// refused asserts a call failed with code and a message naming what was wrong.
+func refused(t *testing.T, what string, err error, code codes.Code, mentions string) {
+	t.Helper()
+	if err == nil {
+		t.Errorf("%s: accepted", what)
+		return
+	}
+	if st := status.Convert(err); st.Code() != code || !strings.Contains(st.Message(), mentions) {
+		t.Errorf("%s: %s %q, want %s mentioning %q", what, st.Code(), st.Message(), code, mentions)
+	}
+}
+
+func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	cl, err := client.Dial(p.B.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	api := cl.API
+	layout := &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}
+	reg := func(r *agentv1.RegisterEngineRequest) error { _, err := api.RegisterEngine(bg, r); return err }
+	refused(t, "empty engine id", reg(&agentv1.RegisterEngineRequest{Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout}), codes.InvalidArgument, "engine_id")
+	refused(t, "rank past size", reg(&agentv1.RegisterEngineRequest{EngineId: "e", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpRank: 2, TpSize: 2, Layout: layout}), codes.InvalidArgument, "tp_rank")
+	refused(t, "heads that do not split", reg(&agentv1.RegisterEngineRequest{EngineId: "e", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 3, Layout: layout}), codes.InvalidArgument, "layout.kv_heads")
+
+	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "bad-input", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	file := filepath.Join(p.B.MemoryDir, "bad-input.kv")
+	if err := os.WriteFile(file, make([]byte, 1<<16), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	region := func(id uint32, path string, off, size uint64, kind agentv1.MemoryKind) error {
+		_, err := api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, RegionId: id, Kind: kind, Path: path, Offset: off, Size: size, BlockLen: 1024, BlockCount: 16})
+		return err
+	}
+	host := agentv1.MemoryKind_MEMORY_KIND_HOST
+	refused(t, "a file outside the memory directory", region(0, "/etc/hostname", 0, 16<<10, host), codes.InvalidArgument, "outside the memory directory")
+	refused(t, "a symlink out of the memory directory", func() error {
+		link := filepath.Join(p.B.MemoryDir, "escape")
+		if err := os.Symlink("/etc/hostname", link); err != nil {
+			t.Fatal(err)
+		}
+		return region(0, link, 0, 16<<10, host)
+	}(), codes.InvalidArgument, "outside the memory directory")
+	refused(t, "a region past the file's end", region(0, file, 60<<10, 16<<10, host), codes.InvalidArgument, "size")
+	refused(t, "blocks that do not fit the size", region(0, file, 0, 8<<10, host), codes.InvalidArgument, "size")
+	refused(t, "device memory without FI_MR_DMABUF", region(0, file, 0, 16<<10, agentv1.MemoryKind_MEMORY_KIND_CUDA), codes.FailedPrecondition, "FI_MR_DMABUF")
+	if err := region(0, file, 0, 16<<10, host); err != nil {
+		t.Fatal(err)
+	}
+	refused(t, "a duplicate region id", region(0, file, 32<<10, 16<<10, host), codes.AlreadyExists, "region_id")
+	refused(t, "an overlapping region", region(1, file, 8<<10, 16<<10, host), codes.AlreadyExists, "overlap")
+	// Another engine naming the same memory is refused too.
+	refused(t, "another engine's memory", func() error {
+		other, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "thief", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer other.Close()
+		_, err = api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: other.Session, RegionId: 0, Kind: host, Path: file, Offset: 0, Size: 16 << 10, BlockLen: 1024, BlockCount: 16})
+		return err
+	}(), codes.AlreadyExists, "overlap")
+
+	src := p.P[0].Self
+	dest := func(req string, blocks []uint32, source *agentv1.EngineRef) error {
+		_, err := api.RegisterDestination(bg, &agentv1.RegisterDestinationRequest{Session: e.Session, RequestId: req, Attempt: 1, BlockIds: blocks, Source: source})
+		return err
+	}
+	refused(t, "a block outside the region", dest("r", []uint32{3, 16}, src), codes.InvalidArgument, "block_ids[1]")
+	refused(t, "no blocks", dest("r", nil, src), codes.InvalidArgument, "block_ids")
+	refused(t, "no request id", dest("", []uint32{1}, src), codes.InvalidArgument, "request_id")
+	refused(t, "a source of another rank", dest("r", []uint32{1}, &agentv1.EngineRef{Agent: src.Agent, EngineId: src.EngineId, TpRank: 1}), codes.InvalidArgument, "source.tp_rank")
+	refused(t, "an unknown session", func() error {
+		_, err := api.Heartbeat(bg, &agentv1.HeartbeatRequest{Session: "nope"})
+		return err
+	}(), codes.NotFound, "session")
+	refused(t, "a call the role does not allow", func() error {
+		_, err := api.SourceReady(bg, &agentv1.SourceReadyRequest{Session: e.Session, RequestId: "r", BlockIds: []uint32{1}, Final: true})
+		return err
+	}(), codes.FailedPrecondition, "SourceReady")
+	huge := make([]uint32, 2<<20) // 10 MiB encoded, over the 8 MiB limit
+	for i := range huge {
+		huge[i] = 1 << 30
+	}
+	refused(t, "an oversized message", dest("r", huge, src), codes.ResourceExhausted, "larger than max")
+	// A valid registration stays outstanding (no source yet): a second one is a duplicate.
+	if err := p.D[0].RegisterDestination(bg, "dup", 1, []uint32{1, 2}, src); err != nil {
+		t.Fatal(err)
+	}
+	refused(t, "a duplicate registration", p.D[0].RegisterDestination(bg, "dup", 1, []uint32{1, 2}, src), codes.AlreadyExists, "already registered")
+	refused(t, "regions added after the first transfer", region(2, file, 32<<10, 16<<10, host), codes.FailedPrecondition, "fixed")
+
+	// Prefill side: a position reported twice, a block outside the regions.
+	ready := func(off uint32, blocks []uint32) error { return p.P[0].SourceReady(bg, "twice", off, blocks, false) }
+	if err := ready(0, []uint32{1, 2}); err != nil {
+		t.Fatal(err)
+	}
+	refused(t, "a position reported twice", ready(1, []uint32{3}), codes.InvalidArgument, "twice")
+	refused(t, "a source block outside the regions", ready(2, []uint32{64}), codes.InvalidArgument, "block_ids[0]")
+
+	if got := p.B.Metric(t, `kvhandoff_agent_refused_total{call="RegisterRegion",code="AlreadyExists"}`); got != 3 {
+		t.Errorf("refused RegisterRegion/AlreadyExists counted %v, want 3", got)
+	}
+	if got := p.B.Metric(t, `kvhandoff_agent_refused_total{call="RegisterDestination",code="ResourceExhausted"}`); got != 1 {
+		t.Errorf("refused oversized messages counted %v, want 1", got)
+	}
+	// After all of that, both agents still serve.
+	transfer(t, p.P[0], p.D[0], "after-bad-input")
+}
+
+func TestPeersMustAuthenticateAndMalformedFramesAreRefused(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	send := func(frames ...[]byte) {
+		c, err := net.Dial("tcp", p.A.Peer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		for _, f := range frames {
+			c.Write(f)
+		}
+		c.(*net.TCPConn).CloseWrite() // a truncated frame then ends at EOF, not at the handshake timeout
+		// The agent answers with its Hello, then closes the connection on us.
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		buf := make([]byte, 4096)
+		for {
+			if _, err := c.Read(buf); err != nil {
+				break
+			}
+		}
+	}
+	hello, _ := wire.Encode(nil, &wire.Hello{Agent: "intruder", Epoch: 1, Nonce: "0123456789abcdef0123"})
+	badAuth, _ := wire.Encode(nil, &wire.Auth{MAC: "not the token's mac"})
+	send(hello, badAuth)
+	send([]byte{0, 0, 0, 3, 9, 9, 9})    // not a frame of this protocol
+	send([]byte{0xff, 0xff, 0xff, 0xff}) // a length over the limit
+	send(hello[:len(hello)-3])           // truncated
+	reg, _ := wire.Encode(nil, &wire.Register{Request: "r", Source: p.P[0].Self.EngineId + "/0", Blocks: []uint32{1}})
+	send(reg) // a registration before any handshake
+	if got := p.A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="Unauthenticated"}`); got != 5 {
+		t.Errorf("refused peer handshakes: %v, want 5", got)
+	}
+	transfer(t, p.P[0], p.D[0], "after-intruders")
+}
+
+func TestSIGTERMDrainsAndExitsCleanly(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	transfer(t, p.P[0], p.D[0], "before-shutdown")
+	if err := p.A.Stop(); err != nil {
+		t.Fatalf("SIGTERM: %v (libfabric's providers must not take over the signal)\n%s", err, p.A.Log())
+	}
+	if _, err := os.Stat(p.A.Socket); !os.IsNotExist(err) {
+		t.Errorf("the socket is still there after shutdown: %v", err)
+	}
+	if !strings.Contains(p.A.Log(), `"msg":"stopped"`) {
+		t.Error("the agent did not log its orderly stop")
+	}
+}
+
+func TestAnUnavailableProviderFailsReadinessWithoutFallingBack(t *testing.T) {
+	a := startAgent(t, "no-efa", t.TempDir(), "--provider", "efa")
+	code, body, err := a.Get("/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code != 503 || !strings.Contains(body, `provider "efa" unavailable`) {
+		t.Fatalf("readyz: %d %q", code, body)
+	}
+	cl, err := client.Dial(a.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	_, err = cl.API.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "e", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
+	refused(t, "an engine on an agent without its provider", err, codes.Unavailable, "efa")
+}

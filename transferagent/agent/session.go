@@ -1,0 +1,488 @@
+package agent
+
+import (
+	"fmt"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
+	"github.com/kvhandoff/kvhandoff/transferagent/wire"
+	"github.com/kvhandoff/kvhandoff/transferagent/writer"
+)
+
+const (
+	roleP = agentv1.Role_ROLE_PREFILL
+	roleD = agentv1.Role_ROLE_DECODE
+)
+
+// session is one engine rank's connection to the agent. It owns the rank's fabric
+// endpoint, and one goroutine (run, the "pump") owns all of its state: engine calls and
+// peer messages reach it as closures on cmds, so no lock guards the transfer state and
+// the fabric is only touched from one thread, as libfabric's RDM endpoints expect.
+type session struct {
+	a     *Agent
+	id    string
+	key   string // engine id/rank
+	epoch uint64
+	role  agentv1.Role
+	mode  agentv1.Mode
+	rank  uint32
+	ep    *fabric.Endpoint
+
+	cmds     chan func()
+	sleeping atomic.Bool // the pump is (about to be) blocked in the endpoint's Wait
+	events   chan *agentv1.Event
+	attached atomic.Bool
+	closing  chan struct{}
+	stopped  chan struct{}
+	once     sync.Once
+	reasonMu sync.Mutex
+	reason   string
+
+	// Everything below belongs to the pump.
+	regions   map[uint32]*localRegion
+	layout    []writer.Region
+	minBlocks uint32
+	frozen    bool
+	buf       []fabric.Completion
+	waited    []fabric.Completion // read by a Wait, for stepDecode
+	lastTick  time.Time
+
+	// Prefill, push.
+	table    *rendezvous.Table
+	w        *writer.Writer
+	attempts map[attemptKey]*pushAttempt
+	sources  map[string]*source
+	// Prefill, pull.
+	holds map[string]*hold
+	// Decode, push.
+	regs      map[attemptKey]*destination
+	byToken   map[uint32]*destination
+	nextToken uint32
+	// Decode, pull.
+	pulls   map[attemptKey]*pull
+	reads   []readOp
+	pending map[uint64]readOp
+	nextID  uint64
+	remotes map[string]remoteEngine // fabric peers by engine key
+}
+
+type attemptKey struct {
+	req     string
+	attempt uint64
+}
+
+type localRegion struct {
+	id       uint32
+	m        *mapping
+	reg      *fabric.Region
+	blockLen uint64
+	blocks   uint32
+}
+
+type remoteEngine struct {
+	epoch uint64
+	peer  fabric.Peer
+}
+
+func newSession(a *Agent, id, key string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *session {
+	s := &session{
+		a: a, id: id, key: key, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
+		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
+		closing: make(chan struct{}), stopped: make(chan struct{}),
+		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64),
+		attempts: map[attemptKey]*pushAttempt{}, sources: map[string]*source{}, holds: map[string]*hold{},
+		regs: map[attemptKey]*destination{}, byToken: map[uint32]*destination{},
+		pulls: map[attemptKey]*pull{}, pending: map[uint64]readOp{}, remotes: map[string]remoteEngine{},
+	}
+	return s
+}
+
+// post runs fn on the pump, unless the session has stopped.
+func (s *session) post(fn func()) {
+	select {
+	case s.cmds <- fn:
+		s.wake()
+	case <-s.stopped:
+	}
+}
+
+// wake ends the pump's Wait on the endpoint, so it runs a command now.
+func (s *session) wake() {
+	if s.sleeping.Load() {
+		s.ep.Wake()
+	}
+}
+
+// call runs fn on the pump and returns its error: engine calls get their validation
+// errors synchronously, while the fabric work they start runs on after they return.
+func (s *session) call(fn func() error) error {
+	done := make(chan error, 1)
+	select {
+	case s.cmds <- func() { done <- fn() }:
+		s.wake()
+	case <-s.stopped:
+		return status.Error(codes.NotFound, "session ended: "+s.closeReason())
+	}
+	select {
+	case err := <-done:
+		return err
+	case <-s.stopped:
+		return status.Error(codes.NotFound, "session ended: "+s.closeReason())
+	}
+}
+
+func (s *session) attach() bool { return s.attached.CompareAndSwap(false, true) }
+
+// close ends the session: the pump fences what is outstanding, drains, and releases the
+// endpoint and memory.
+func (s *session) close(reason string) {
+	s.once.Do(func() {
+		s.reasonMu.Lock()
+		s.reason = reason
+		s.reasonMu.Unlock()
+		close(s.closing)
+		s.wake()
+	})
+}
+
+func (s *session) closeReason() string {
+	s.reasonMu.Lock()
+	defer s.reasonMu.Unlock()
+	return s.reason
+}
+
+func (s *session) emit(ev *agentv1.Event) {
+	select {
+	case s.events <- ev:
+	case <-s.closing:
+	}
+}
+
+// Polling while data moves: hotSpins immediate polls after the last progress, then naps.
+const (
+	hotSpins = 16
+	hotNap   = 20 * time.Microsecond
+)
+
+// run is the pump. It alternates running commands with driving the fabric; when the
+// fabric needs driving (transfers in flight, or a peer may be moving data into this
+// rank's memory: tcp;ofi_rxm moves data only while the target polls) it polls, backing
+// off while nothing happens; otherwise it sleeps until a command or the watchdog's tick.
+func (s *session) run() {
+	defer close(s.stopped)
+	tick := time.NewTicker(s.a.cfg.Tick)
+	defer tick.Stop()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	idle := 0
+	closing := false
+	var closeDeadline time.Time
+	for {
+		worked := s.runCommands()
+		if s.step() {
+			worked = true
+		}
+		now := time.Now()
+		if now.Sub(s.lastTick) >= s.a.cfg.Tick {
+			s.lastTick = now
+			s.watchdog(now)
+		}
+		if !closing {
+			select {
+			case <-s.closing:
+				closing = true
+				closeDeadline = now.Add(s.a.cfg.Lease)
+				s.fenceAll(s.closeReason())
+				continue
+			default:
+			}
+		} else if s.drained() || now.After(closeDeadline) {
+			s.teardown()
+			return
+		}
+		if worked {
+			idle = 0
+			runtime.Gosched()
+			continue
+		}
+		idle++
+		if (s.hot() || s.warm() || closing) && s.ep.Waitable() {
+			// Sleep in the provider until it has work (data to move, a completion) or a
+			// command wakes us: no spinning, and no sub-millisecond timers, which the Go
+			// runtime rounds up to a millisecond.
+			timeout := s.a.cfg.Tick
+			if s.hot() || closing {
+				timeout = time.Millisecond
+			}
+			s.sleeping.Store(true)
+			if len(s.cmds) == 0 {
+				s.absorb(s.buf[:s.ep.Wait(s.buf, timeout)])
+			}
+			s.sleeping.Store(false)
+			continue
+		}
+		switch {
+		case s.hot():
+			// Data is moving: poll again at once a few times, then in short naps, so that
+			// many hot ranks sharing few cores leave the cores to the ones moving data.
+			if idle < hotSpins {
+				runtime.Gosched()
+				continue
+			}
+			timer.Reset(hotNap)
+		case s.warm() || closing:
+			// Something may arrive: poll, backing off to a millisecond.
+			timer.Reset(min(time.Duration(idle)*10*time.Microsecond, time.Millisecond))
+		default:
+			timer.Reset(s.a.cfg.Tick)
+		}
+		select {
+		case fn := <-s.cmds:
+			fn()
+			idle = 0
+		case <-timer.C:
+		case <-s.closing:
+		}
+	}
+}
+
+func (s *session) runCommands() bool {
+	ran := false
+	for {
+		select {
+		case fn := <-s.cmds:
+			fn()
+			ran = true
+		default:
+			return ran
+		}
+	}
+}
+
+// absorb keeps completions a Wait read for the step that handles them.
+func (s *session) absorb(cs []fabric.Completion) {
+	if len(cs) == 0 {
+		return
+	}
+	switch {
+	case s.role == roleD:
+		s.waited = append(s.waited, cs...)
+	case s.w != nil:
+		s.w.Absorb(cs)
+	}
+}
+
+// hot reports whether data is moving through the endpoint now: writes or reads in
+// flight, a peer writing into this rank's memory or reading from it. The provider may
+// move that data only while this side polls, and incoming RMA raises no completion, so
+// the pump polls without pause until it is done.
+func (s *session) hot() bool {
+	if s.role == roleP {
+		if s.w != nil && !s.w.Idle() {
+			return true
+		}
+		for _, h := range s.holds {
+			if h.acquired != nil {
+				return true
+			}
+		}
+		return false
+	}
+	if len(s.reads) > 0 || len(s.pending) > 0 {
+		return true
+	}
+	for _, d := range s.regs {
+		if d.writing {
+			return true
+		}
+	}
+	return false
+}
+
+// warm reports whether something may arrive (registrations waiting for their source):
+// the pump then polls with a backoff.
+func (s *session) warm() bool { return len(s.regs) > 0 || len(s.pulls) > 0 }
+
+// step drives the fabric once and reports whether anything happened.
+func (s *session) step() bool {
+	if s.role == roleP {
+		if s.w != nil && !s.w.Idle() {
+			acts, failed, err := s.w.Poll()
+			if err != nil {
+				s.a.log.Error("writer state disagrees with the rendezvous table", "engine", s.key, "err", err)
+			}
+			for _, f := range failed {
+				s.a.metrics.failures.WithLabelValues("write_error").Inc()
+				acts = append(acts, s.table.Fail(f.Request, f.Attempt, "write_error", fmt.Sprintf("RMA write failed: %v", f.Err))...)
+			}
+			s.handle(acts)
+			return len(acts) > 0 || len(failed) > 0
+		}
+		if s.hot() {
+			// Pull: peers read from this rank; the provider needs this side to poll.
+			return s.ep.Poll(s.buf) > 0
+		}
+		return false
+	}
+	return s.stepDecode()
+}
+
+// watchdog expires what waited too long.
+func (s *session) watchdog(now time.Time) {
+	if s.role == roleP {
+		s.expirePrefill(now)
+	} else {
+		s.expireDecode(now)
+	}
+}
+
+// fenceAll fails everything outstanding when the session ends.
+func (s *session) fenceAll(reason string) {
+	s.a.log.Info("engine session ending", "engine", s.key, "reason", reason)
+	if s.role == roleP {
+		if s.table == nil {
+			return
+		}
+		for _, reg := range s.table.Current() {
+			s.handle(s.table.Fail(reg.Request, reg.Attempt, "session_closed", "prefill engine's session ended: "+reason))
+		}
+		return
+	}
+	for k, d := range s.regs {
+		d.peer.send(&wire.Cancel{Request: k.req, Attempt: k.attempt, Source: d.source})
+	}
+	for _, p := range s.pulls {
+		p.cancelled = true
+	}
+	s.reads = nil
+}
+
+func (s *session) drained() bool {
+	if s.role == roleP {
+		return s.w == nil || s.w.Idle()
+	}
+	return len(s.pending) == 0
+}
+
+func (s *session) teardown() {
+	for _, r := range s.regions {
+		if err := r.reg.Close(); err != nil {
+			s.a.log.Warn("deregistering memory", "engine", s.key, "region", r.id, "err", err)
+		}
+		r.m.unmap()
+	}
+	s.ep.Close()
+	s.a.forget(s)
+	s.a.log.Info("engine session ended", "engine", s.key, "reason", s.closeReason())
+}
+
+// addRegion registers a region on the rank's endpoint. Prefill memory is a source for
+// writes and readable by peers (pull); decode memory is writable by peers and a target
+// for reads — never the other way round.
+func (s *session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error {
+	if s.frozen {
+		return status.Error(codes.FailedPrecondition, "region_id: regions are fixed once the engine's first transfer started")
+	}
+	access := fabric.Source | fabric.ReadSource
+	if s.role == roleD {
+		access = fabric.Target | fabric.ReadTarget
+	}
+	reg, err := s.ep.Register(m.mem, access)
+	if err != nil {
+		return status.Errorf(codes.Internal, "registering region %d: %v", r.RegionId, err)
+	}
+	s.regions[r.RegionId] = &localRegion{id: r.RegionId, m: m, reg: reg, blockLen: r.BlockLen, blocks: r.BlockCount}
+	s.layout = append(s.layout, writer.Region{ID: int(r.RegionId), BlockLen: r.BlockLen, Blocks: r.BlockCount})
+	slices.SortFunc(s.layout, func(a, b writer.Region) int { return a.ID - b.ID })
+	if s.minBlocks == 0 || r.BlockCount < s.minBlocks {
+		s.minBlocks = r.BlockCount
+	}
+	return nil
+}
+
+// freeze fixes the regions at the first transfer: peers are told about them once.
+func (s *session) freeze() error {
+	if len(s.regions) == 0 {
+		return status.Error(codes.FailedPrecondition, "session: register the engine's KV regions before its first transfer")
+	}
+	if !s.frozen && s.role == roleP {
+		s.table = rendezvous.New(rendezvous.Config{Lease: s.a.cfg.Lease, RegistrationTimeout: s.a.cfg.RegistrationTimeout, Regions: len(s.regions)})
+		local := make(map[int]*fabric.Region, len(s.regions))
+		for id, r := range s.regions {
+			local[int(id)] = r.reg
+		}
+		s.w = writer.New(s.ep, s.table, local, s.layout)
+		s.w.OnPost = s.onPost
+		// A request's merged writes (one per region and run: 128 for a contiguous Qwen3
+		// request) go out at once; the window only bounds pathological fragmentation.
+		s.w.MaxInFlight = 512
+	}
+	s.frozen = true
+	return nil
+}
+
+// checkBlocks refuses block ids outside the engine's regions.
+func (s *session) checkBlocks(field string, ids []uint32) error {
+	for i, b := range ids {
+		if b >= s.minBlocks {
+			return status.Errorf(codes.InvalidArgument, "%s[%d]: block %d is outside the registered regions (%d blocks)", field, i, b, s.minBlocks)
+		}
+	}
+	return nil
+}
+
+// bytesFor is what a request of n blocks moves on this rank.
+func (s *session) bytesFor(n int) uint64 {
+	var per uint64
+	for _, r := range s.layout {
+		per += r.BlockLen
+	}
+	return per * uint64(n)
+}
+
+// info describes the rank's memory to a peer.
+func (s *session) info() *wire.EngineInfo {
+	addr, err := s.ep.Address()
+	if err != nil {
+		s.a.log.Error("reading the endpoint's address", "engine", s.key, "err", err)
+	}
+	m := &wire.EngineInfo{Engine: s.key, Epoch: s.epoch, Address: string(addr)}
+	for _, l := range s.layout {
+		r := s.regions[uint32(l.ID)]
+		m.Regions = append(m.Regions, wire.RegionInfo{ID: uint64(r.id), BlockLen: r.blockLen, Blocks: uint64(r.blocks), Addr: r.reg.RemoteAddr(0), Key: r.reg.Key})
+	}
+	return m
+}
+
+// remote returns the fabric peer of a remote engine, inserting its address once per epoch.
+func (s *session) remote(info *wire.EngineInfo) (fabric.Peer, error) {
+	if r, ok := s.remotes[info.Engine]; ok && r.epoch == info.Epoch {
+		return r.peer, nil
+	}
+	p, err := s.ep.AddPeer([]byte(info.Address))
+	if err != nil {
+		return 0, err
+	}
+	s.remotes[info.Engine] = remoteEngine{epoch: info.Epoch, peer: p}
+	return p, nil
+}
+
+// remoteLayout is a peer engine's regions as the planner sees them, with their keys.
+func remoteLayout(info *wire.EngineInfo) ([]writer.Region, map[int]wire.RegionInfo) {
+	regions := make([]writer.Region, len(info.Regions))
+	byID := make(map[int]wire.RegionInfo, len(info.Regions))
+	for i, r := range info.Regions {
+		regions[i] = writer.Region{ID: int(r.ID), BlockLen: r.BlockLen, Blocks: uint32(min(r.Blocks, 1<<32-1))}
+		byID[int(r.ID)] = r
+	}
+	return regions, byID
+}

@@ -1,0 +1,164 @@
+// Package agentproc runs transfer agents as separate processes on loopback, for the
+// two-process tests, the handoff benchmark and the demo: real agents, real libfabric,
+// nothing in between.
+package agentproc
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Build builds cmd/transfer-agent into dir and returns the binary's path.
+func Build(dir string) (string, error) {
+	bin := filepath.Join(dir, "transfer-agent")
+	cmd := exec.Command("go", "build", "-o", bin, "github.com/kvhandoff/kvhandoff/cmd/transfer-agent")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("building the transfer agent: %w", err)
+	}
+	return bin, nil
+}
+
+// Token is the peer token the agents started here share.
+const Token = "kvhandoff-loopback-token-0123456789"
+
+// Proc is a running agent.
+type Proc struct {
+	Name      string
+	Dir       string
+	Socket    string
+	MemoryDir string
+	Peer      string // host:port of its peer listener
+	HTTP      string // host:port of /metrics, /healthz, /readyz
+
+	cmd     *exec.Cmd
+	exited  chan struct{}
+	exitErr error
+	mu      sync.Mutex
+	log     bytes.Buffer
+}
+
+// Start starts the agent binary bin with its socket, token and memory folder in dir
+// (reusing a dir restarts "the same node's" agent) and waits until it serves. flags
+// come last, so they override the defaults here.
+func Start(bin, name, dir, provider string, flags ...string) (*Proc, error) {
+	token := filepath.Join(dir, "token")
+	if err := os.WriteFile(token, []byte(Token), 0o600); err != nil {
+		return nil, err
+	}
+	p := &Proc{Name: name, Dir: dir, Socket: filepath.Join(dir, "agent.sock"), MemoryDir: filepath.Join(dir, "memory"), exited: make(chan struct{})}
+	args := append([]string{
+		"--provider", provider, "--socket", p.Socket, "--memory-dir", p.MemoryDir,
+		"--peer-listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--peer-token-file", token,
+	}, flags...)
+	p.cmd = exec.Command(bin, args...)
+	p.cmd.Dir = dir // libinfinipath drops *.btr files in the working directory on crashes
+	stderr, err := p.cmd.StderrPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := p.cmd.Start(); err != nil {
+		return nil, err
+	}
+	ready := make(chan struct{})
+	go p.scan(stderr, ready)
+	go func() { p.exitErr = p.cmd.Wait(); close(p.exited) }()
+	select {
+	case <-ready:
+		return p, nil
+	case <-p.exited:
+		return nil, fmt.Errorf("agent %s exited before serving: %v\n%s", name, p.exitErr, p.Log())
+	case <-time.After(30 * time.Second):
+		p.Kill()
+		return nil, fmt.Errorf("agent %s did not serve within 30s\n%s", name, p.Log())
+	}
+}
+
+// scan keeps the agent's log and picks the addresses it reports.
+func (p *Proc) scan(r io.Reader, ready chan struct{}) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Bytes()
+		var rec map[string]any
+		_ = json.Unmarshal(line, &rec)
+		p.mu.Lock()
+		p.log.Write(line)
+		p.log.WriteByte('\n')
+		switch rec["msg"] {
+		case "http":
+			p.HTTP, _ = rec["addr"].(string)
+		case "serving":
+			p.Peer, _ = rec["peers"].(string)
+			close(ready)
+		}
+		p.mu.Unlock()
+	}
+}
+
+// Log is everything the agent logged so far.
+func (p *Proc) Log() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.log.String()
+}
+
+// Stop sends SIGTERM, waits, and returns how the process exited.
+func (p *Proc) Stop() error {
+	select {
+	case <-p.exited:
+		return p.exitErr
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.exited:
+	case <-time.After(30 * time.Second):
+		p.Kill()
+	}
+	return p.exitErr
+}
+
+// Kill ends the agent without letting it clean up, as a crash would.
+func (p *Proc) Kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.exited
+}
+
+// Get fetches a path from the agent's HTTP endpoint.
+func (p *Proc) Get(path string) (int, string, error) {
+	resp, err := http.Get("http://" + p.HTTP + path)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), err
+}
+
+// Metric reads one series' value from /metrics (0 when absent).
+func (p *Proc) Metric(series string) (float64, error) {
+	_, body, err := p.Get("/metrics")
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(body, "\n") {
+		if rest, ok := strings.CutPrefix(line, series+" "); ok {
+			var v float64
+			_, err := fmt.Sscan(rest, &v)
+			return v, err
+		}
+	}
+	return 0, nil
+}

@@ -1,0 +1,154 @@
+// Package client is the Go client of the transfer agent's engine API, for engines (and
+// the simulated engine) to use. It is a thin layer over the generated gRPC stubs: it
+// dials the agent's Unix socket, registers an engine rank and keeps its event stream
+// open, which is how the agent knows the engine is alive.
+package client
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+)
+
+// DefaultSocket is where the agent's DaemonSet puts its socket.
+const DefaultSocket = "/var/run/kvhandoff/agent.sock"
+
+// Client is a connection to the node's agent.
+type Client struct {
+	conn *grpc.ClientConn
+	API  agentv1.AgentClient
+}
+
+// Dial connects to the agent's socket (lazily: the first call waits for it).
+func Dial(socket string) (*Client, error) {
+	conn, err := grpc.NewClient("unix://"+socket,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(16<<20)))
+	if err != nil {
+		return nil, err
+	}
+	return &Client{conn: conn, API: agentv1.NewAgentClient(conn)}, nil
+}
+
+// Close closes the connection, ending every session opened through it.
+func (c *Client) Close() error { return c.conn.Close() }
+
+// Engine is a registered engine rank.
+type Engine struct {
+	c        *Client
+	Session  string
+	Epoch    uint64
+	Self     *agentv1.EngineRef
+	Provider string
+	events   chan *agentv1.Event
+	cancel   context.CancelFunc
+
+	mu  sync.Mutex
+	err error
+}
+
+// RegisterEngine registers an engine rank and opens its event stream. It waits for the
+// agent to come up.
+func (c *Client) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngineRequest) (*Engine, error) {
+	resp, err := c.API.RegisterEngine(ctx, r, grpc.WaitForReady(true))
+	if err != nil {
+		return nil, err
+	}
+	sctx, cancel := context.WithCancel(context.Background())
+	stream, err := c.API.Events(sctx, &agentv1.EventsRequest{Session: resp.Session})
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	e := &Engine{c: c, Session: resp.Session, Epoch: resp.Epoch, Self: resp.Self, Provider: resp.Provider,
+		events: make(chan *agentv1.Event, 1024), cancel: cancel}
+	go func() {
+		defer close(e.events)
+		for {
+			ev, err := stream.Recv()
+			if err != nil {
+				e.mu.Lock()
+				e.err = err
+				e.mu.Unlock()
+				return
+			}
+			e.events <- ev
+		}
+	}()
+	return e, nil
+}
+
+// Events delivers the session's outcomes; it closes when the session ends (see Err).
+func (e *Engine) Events() <-chan *agentv1.Event { return e.events }
+
+// Err is why the event stream ended.
+func (e *Engine) Err() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.err
+}
+
+// Close ends the session: the agent fences and fails what it had outstanding.
+func (e *Engine) Close() { e.cancel() }
+
+// Region describes one KV region in a shared file under the agent's memory directory.
+type Region struct {
+	ID         uint32
+	Path       string
+	Offset     uint64
+	Size       uint64
+	BlockLen   uint64
+	BlockCount uint32
+}
+
+func (e *Engine) RegisterRegion(ctx context.Context, r Region) error {
+	_, err := e.c.API.RegisterRegion(ctx, &agentv1.RegisterRegionRequest{
+		Session: e.Session, RegionId: r.ID, Kind: agentv1.MemoryKind_MEMORY_KIND_HOST,
+		Path: r.Path, Offset: r.Offset, Size: r.Size, BlockLen: r.BlockLen, BlockCount: r.BlockCount,
+	})
+	if err != nil {
+		return fmt.Errorf("registering region %d: %w", r.ID, err)
+	}
+	return nil
+}
+
+// RegisterDestination (push, decode) names where a request's KV goes.
+func (e *Engine) RegisterDestination(ctx context.Context, req string, attempt uint64, blocks []uint32, source *agentv1.EngineRef) error {
+	_, err := e.c.API.RegisterDestination(ctx, &agentv1.RegisterDestinationRequest{
+		Session: e.Session, RequestId: req, Attempt: attempt, BlockIds: blocks, Source: source,
+	})
+	return err
+}
+
+// SourceReady (prefill) reports a part of a request's blocks ready.
+func (e *Engine) SourceReady(ctx context.Context, req string, offset uint32, blocks []uint32, final bool) error {
+	_, err := e.c.API.SourceReady(ctx, &agentv1.SourceReadyRequest{
+		Session: e.Session, RequestId: req, Offset: offset, BlockIds: blocks, Final: final,
+	})
+	return err
+}
+
+// Pull (pull, decode) reads a request's blocks from a prefill engine.
+func (e *Engine) Pull(ctx context.Context, req string, attempt uint64, source *agentv1.EngineRef, src, dst []uint32) error {
+	_, err := e.c.API.Pull(ctx, &agentv1.PullRequest{
+		Session: e.Session, RequestId: req, Attempt: attempt, Source: source, SourceBlockIds: src, DestinationBlockIds: dst,
+	})
+	return err
+}
+
+// Cancel fences an attempt.
+func (e *Engine) Cancel(ctx context.Context, req string, attempt uint64) error {
+	_, err := e.c.API.Cancel(ctx, &agentv1.CancelRequest{Session: e.Session, RequestId: req, Attempt: attempt})
+	return err
+}
+
+// Heartbeat renews the leases of everything the engine has outstanding.
+func (e *Engine) Heartbeat(ctx context.Context) error {
+	_, err := e.c.API.Heartbeat(ctx, &agentv1.HeartbeatRequest{Session: e.Session})
+	return err
+}

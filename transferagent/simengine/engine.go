@@ -1,0 +1,233 @@
+package simengine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/client"
+)
+
+// Config describes one simulated engine rank.
+type Config struct {
+	ID     string
+	Role   agentv1.Role
+	Mode   agentv1.Mode
+	Rank   int
+	Layout Layout
+	// Socket is the agent's socket; MemoryDir the agent's memory directory, where the
+	// engine puts the file holding its KV cache.
+	Socket, MemoryDir string
+}
+
+// Engine is a simulated engine rank: its KV cache lives in a shared file the agent maps,
+// it talks to the agent only through the client API, and it allocates blocks the way an
+// engine's block manager does.
+type Engine struct {
+	*client.Engine
+	Cache *Cache
+	cfg   Config
+	cl    *client.Client
+	path  string
+	mem   []byte
+
+	mu      sync.Mutex
+	free    []uint32
+	freed   chan struct{} // closed (and replaced) whenever blocks are freed
+	waiters map[waitKey]chan *agentv1.Event
+	early   map[waitKey]*agentv1.Event
+}
+
+type waitKey struct {
+	req     string
+	attempt uint64
+}
+
+// Start creates the engine's KV cache file, registers the engine rank and its regions.
+func Start(ctx context.Context, cfg Config) (*Engine, error) {
+	l := cfg.Layout
+	if err := l.Validate(); err != nil {
+		return nil, err
+	}
+	regionBytes := l.Blocks * l.BlockBytes()
+	size := l.Regions() * regionBytes
+	path := filepath.Join(cfg.MemoryDir, fmt.Sprintf("%s-%d.kv", cfg.ID, cfg.Rank))
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o660)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if err := f.Truncate(int64(size)); err != nil {
+		return nil, err
+	}
+	mem, err := syscall.Mmap(int(f.Fd()), 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	if err != nil {
+		return nil, err
+	}
+	regions := make([][]byte, l.Regions())
+	for i := range regions {
+		regions[i] = mem[i*regionBytes : (i+1)*regionBytes]
+	}
+	cache, err := NewCache(l, regions)
+	if err != nil {
+		return nil, err
+	}
+	e := &Engine{Cache: cache, cfg: cfg, path: path, mem: mem, waiters: map[waitKey]chan *agentv1.Event{}, early: map[waitKey]*agentv1.Event{}, freed: make(chan struct{})}
+	for b := l.Blocks - 1; b >= 0; b-- {
+		e.free = append(e.free, uint32(b))
+	}
+	fail := func(err error) (*Engine, error) { e.release(); return nil, err }
+	if e.cl, err = client.Dial(cfg.Socket); err != nil {
+		return fail(err)
+	}
+	e.Engine, err = e.cl.RegisterEngine(ctx, &agentv1.RegisterEngineRequest{
+		EngineId: cfg.ID, Role: cfg.Role, Mode: cfg.Mode, TpRank: uint32(cfg.Rank), TpSize: uint32(l.TP),
+		Layout: &agentv1.KVLayout{Layers: uint32(l.Layers), BlockSize: uint32(l.BlockSize), KvHeads: uint32(l.KVHeads), HeadDim: uint32(l.HeadDim), DtypeBytes: uint32(l.DTypeBytes)},
+	})
+	if err != nil {
+		return fail(err)
+	}
+	for i := range regions {
+		err := e.RegisterRegion(ctx, client.Region{
+			ID: uint32(i), Path: path, Offset: uint64(i * regionBytes), Size: uint64(regionBytes),
+			BlockLen: uint64(l.BlockBytes()), BlockCount: uint32(l.Blocks),
+		})
+		if err != nil {
+			e.Engine.Close()
+			return fail(err)
+		}
+	}
+	go e.route()
+	return e, nil
+}
+
+func (e *Engine) release() {
+	if e.cl != nil {
+		e.cl.Close()
+	}
+	_ = syscall.Munmap(e.mem)
+	_ = os.Remove(e.path)
+}
+
+// Stop ends the session and frees the cache.
+func (e *Engine) Stop() {
+	e.Engine.Close()
+	e.release()
+}
+
+// Path is the file holding the engine's KV cache.
+func (e *Engine) Path() string { return e.path }
+
+// route hands events to whoever waits for them.
+func (e *Engine) route() {
+	for ev := range e.Events() {
+		k := waitKey{ev.RequestId, ev.Attempt}
+		e.mu.Lock()
+		if ch, ok := e.waiters[k]; ok {
+			delete(e.waiters, k)
+			ch <- ev
+		} else {
+			e.early[k] = ev
+		}
+		e.mu.Unlock()
+	}
+	e.mu.Lock()
+	for k, ch := range e.waiters {
+		close(ch)
+		delete(e.waiters, k)
+	}
+	e.mu.Unlock()
+}
+
+// Wait returns the next event of a request's attempt.
+func (e *Engine) Wait(ctx context.Context, req string, attempt uint64) (*agentv1.Event, error) {
+	k := waitKey{req, attempt}
+	e.mu.Lock()
+	if ev, ok := e.early[k]; ok {
+		delete(e.early, k)
+		e.mu.Unlock()
+		return ev, nil
+	}
+	ch := make(chan *agentv1.Event, 1)
+	e.waiters[k] = ch
+	e.mu.Unlock()
+	select {
+	case ev, ok := <-ch:
+		if !ok {
+			return nil, fmt.Errorf("simengine: session ended: %v", e.Err())
+		}
+		return ev, nil
+	case <-ctx.Done():
+		e.mu.Lock()
+		delete(e.waiters, k)
+		e.mu.Unlock()
+		return nil, ctx.Err()
+	}
+}
+
+// ErrNoBlocks means the cache is full: a decode engine preempts a request to make room.
+var ErrNoBlocks = errors.New("simengine: no free blocks")
+
+// Allocate takes n free blocks, like vLLM's block manager (not necessarily contiguous:
+// freed blocks are reused first).
+func (e *Engine) Allocate(n int) ([]uint32, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if n > len(e.free) {
+		return nil, ErrNoBlocks
+	}
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = e.free[len(e.free)-1]
+		e.free = e.free[:len(e.free)-1]
+	}
+	return out, nil
+}
+
+// Free returns blocks to the allocator. Decode frees only after the agent said no write
+// can land in them any more (DELIVERED then done, CANCEL_ACKED or FAILED).
+func (e *Engine) Free(blocks []uint32) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	// The free list is a stack popped from its end: push in reverse, so a request of the
+	// same size gets the same ascending run back, as from vLLM's free-block queue.
+	for i := len(blocks) - 1; i >= 0; i-- {
+		e.free = append(e.free, blocks[i])
+	}
+	close(e.freed)
+	e.freed = make(chan struct{})
+}
+
+// AllocateWait takes n blocks, waiting for frees while the cache is full: a request
+// waits for running ones to finish, as in vLLM's scheduler.
+func (e *Engine) AllocateWait(ctx context.Context, n int) ([]uint32, error) {
+	if n > e.cfg.Layout.Blocks {
+		return nil, fmt.Errorf("simengine: %d blocks requested from a cache of %d", n, e.cfg.Layout.Blocks)
+	}
+	for {
+		e.mu.Lock()
+		freed := e.freed
+		e.mu.Unlock()
+		b, err := e.Allocate(n)
+		if !errors.Is(err, ErrNoBlocks) {
+			return b, err
+		}
+		select {
+		case <-freed:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// FreeBlocks is how many blocks are free.
+func (e *Engine) FreeBlocks() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.free)
+}
