@@ -25,6 +25,7 @@ func main() {
 	flag.Float64Var(&sc.Utilisation, "prefill-utilisation", sc.Utilisation, "how busy the prefill engine is")
 	out := flag.String("out", "bench/results", "folder for handoff.json and handoff.png")
 	demo := flag.Bool("demo", false, "instead of the benchmark, push one verified request through two agents (make demo)")
+	flag.StringVar(&agentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")
 	flag.Parse()
 	run := run
 	if *demo {
@@ -36,13 +37,23 @@ func main() {
 	}
 }
 
+var agentBin string
+
+// agent returns the agent binary to run: --agent-bin, or one built into work.
+func agent(work string) (string, error) {
+	if agentBin != "" {
+		return agentBin, nil
+	}
+	return agentproc.Build(work)
+}
+
 func run(sc handoff.Scenario, out string) error {
 	work, err := workDir()
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(work)
-	if sc.AgentBin, err = agentproc.Build(work); err != nil {
+	if sc.AgentBin, err = agent(work); err != nil {
 		return err
 	}
 	sc.WorkDir, sc.Log = work, os.Stderr
@@ -64,7 +75,7 @@ func runDemo(sc handoff.Scenario, _ string) error {
 		return err
 	}
 	defer os.RemoveAll(work)
-	bin, err := agentproc.Build(work)
+	bin, err := agent(work)
 	if err != nil {
 		return err
 	}
