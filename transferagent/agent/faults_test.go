@@ -42,6 +42,35 @@ func TestANewAttemptSupersedesTheOldOne(t *testing.T) {
 	}
 }
 
+// A decode engine short of blocks preempts a request (cancel, wait for the agent, free)
+// and retries it later with a new attempt into other blocks.
+func TestPreemptedRequestIsRetriedWithANewAttempt(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	src, first := alloc(t, p.P[0], 16), alloc(t, p.D[0], 16)
+	p.P[0].Cache.Fill("preempted", src)
+	if err := p.D[0].RegisterDestination(bg, "preempted", 1, first, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	ev, err := p.D[0].Preempt(bg, "preempted", 1, first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	expect(t, ev, agentv1.Event_CANCEL_ACKED)
+	// Another request takes the freed blocks in the meantime.
+	transfer(t, p.P[0], p.D[0], "took-the-blocks")
+	retry := alloc(t, p.D[0], 16)
+	if err := p.D[0].RegisterDestination(bg, "preempted", 2, retry, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.P[0].SourceReady(bg, "preempted", 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "preempted", 2), agentv1.Event_DELIVERED)
+	if err := p.D[0].Cache.Verify("preempted", retry); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestCancelMidWriteLetsNothingLandAfterTheAcknowledgement cancels large requests while
 // their writes are in flight. After CANCEL_ACKED the test overwrites the blocks with a
 // sentinel; a later request through the same agents is delivered, and the sentinel must

@@ -167,20 +167,20 @@ func (s *session) emit(ev *agentv1.Event) {
 	}
 }
 
-// Polling while data moves: hotSpins immediate polls after the last progress, then naps.
+// Polling while data moves, on providers without a kernel wait (shm): hotSpins immediate
+// polls after the last progress, then naps (which the Go runtime stretches to about 1 ms).
 const (
 	hotSpins = 16
 	hotNap   = 20 * time.Microsecond
 )
 
-// run is the pump. It alternates running commands with driving the fabric; when the
+// run is the pump. It alternates running commands with driving the fabric. When the
 // fabric needs driving (transfers in flight, or a peer may be moving data into this
-// rank's memory: tcp;ofi_rxm moves data only while the target polls) it polls, backing
-// off while nothing happens; otherwise it sleeps until a command or the watchdog's tick.
+// rank's memory: tcp;ofi_rxm moves data only while the target polls) it waits inside the
+// provider where it can, else polls with a backoff; otherwise it sleeps until a command
+// or the watchdog's tick.
 func (s *session) run() {
 	defer close(s.stopped)
-	tick := time.NewTicker(s.a.cfg.Tick)
-	defer tick.Stop()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	idle := 0
@@ -232,8 +232,8 @@ func (s *session) run() {
 		}
 		switch {
 		case s.hot():
-			// Data is moving: poll again at once a few times, then in short naps, so that
-			// many hot ranks sharing few cores leave the cores to the ones moving data.
+			// Data is moving: poll again at once a few times, then nap, so that many hot
+			// ranks sharing few cores leave the cores to the ones moving data.
 			if idle < hotSpins {
 				runtime.Gosched()
 				continue

@@ -231,3 +231,19 @@ func (e *Engine) FreeBlocks() int {
 	defer e.mu.Unlock()
 	return len(e.free)
 }
+
+// Preempt gives up a registered attempt the way vLLM preempts a request to make room: it
+// cancels the attempt and frees its blocks once the agent says nothing more will land in
+// them (CANCEL_ACKED, or DELIVERED or FAILED when the attempt ended first), returning
+// that event. The request is retried later with a higher attempt.
+func (e *Engine) Preempt(ctx context.Context, req string, attempt uint64, blocks []uint32) (*agentv1.Event, error) {
+	if err := e.Cancel(ctx, req, attempt); err != nil {
+		return nil, err
+	}
+	ev, err := e.Wait(ctx, req, attempt)
+	if err != nil {
+		return nil, err
+	}
+	e.Free(blocks)
+	return ev, nil
+}
