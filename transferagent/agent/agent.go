@@ -235,9 +235,6 @@ func (a *Agent) Ready() error {
 // Provider is the provider the agent runs on ("" when unavailable).
 func (a *Agent) Provider() string { return a.limits.Provider }
 
-// PeerAddress is the address peers reach this agent at.
-func (a *Agent) PeerAddress() string { return a.self }
-
 func newEpoch() uint64 {
 	// Time keeps epochs increasing across restarts; the random low bits keep two agents
 	// started in the same microsecond apart.

@@ -160,7 +160,10 @@ func (e *engineAPI) RegisterRegion(ctx context.Context, r *agentv1.RegisterRegio
 	case agentv1.MemoryKind_MEMORY_KIND_CUDA, agentv1.MemoryKind_MEMORY_KIND_NEURON:
 		// The dmabuf path needs libfabric's FI_MR_DMABUF at build time and the fd in
 		// this process; without either, say so rather than register something else.
-		return nil, status.Errorf(codes.FailedPrecondition, "kind %s: %v", r.Kind, fabric.ErrNoDmabuf)
+		if !fabric.HasDmabuf() {
+			return nil, status.Errorf(codes.FailedPrecondition, "kind %s: %v", r.Kind, fabric.ErrNoDmabuf)
+		}
+		return nil, status.Errorf(codes.Unimplemented, "kind %s: device memory needs its dmabuf fd passed to the agent over the socket, which this agent does not accept yet", r.Kind)
 	default:
 		return nil, invalid("kind", "must be MEMORY_KIND_HOST, _CUDA or _NEURON")
 	}

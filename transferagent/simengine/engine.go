@@ -120,9 +120,6 @@ func (e *Engine) Stop() {
 	e.release()
 }
 
-// Path is the file holding the engine's KV cache.
-func (e *Engine) Path() string { return e.path }
-
 // route hands events to whoever waits for them.
 func (e *Engine) route() {
 	for ev := range e.Events() {
@@ -225,12 +222,6 @@ func (e *Engine) AllocateWait(ctx context.Context, n int) ([]uint32, error) {
 	}
 }
 
-// FreeBlocks is how many blocks are free.
-func (e *Engine) FreeBlocks() int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return len(e.free)
-}
 
 // Preempt gives up a registered attempt the way vLLM preempts a request to make room: it
 // cancels the attempt and frees its blocks once the agent says nothing more will land in
