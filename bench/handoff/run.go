@@ -148,14 +148,19 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 
 // stageMeans reads the agents' stage histograms: mean milliseconds per stage.
 func stageMeans(mode string, agents ...*agentproc.Proc) map[string]float64 {
+	var scraped []map[string]float64
+	for _, a := range agents {
+		if m, err := a.Metrics(); err == nil {
+			scraped = append(scraped, m)
+		}
+	}
 	out := map[string]float64{}
 	for _, stage := range []string{"rendezvous_wait", "post", "wire", "notify"} {
 		var sum, count float64
-		for _, a := range agents {
-			labels := fmt.Sprintf(`{mode="%s",stage="%s"}`, mode, stage)
-			s, _ := a.Metric("kvhandoff_agent_handoff_stage_seconds_sum" + labels)
-			c, _ := a.Metric("kvhandoff_agent_handoff_stage_seconds_count" + labels)
-			sum, count = sum+s, count+c
+		labels := fmt.Sprintf(`{mode="%s",stage="%s"}`, mode, stage)
+		for _, m := range scraped {
+			sum += m["kvhandoff_agent_handoff_stage_seconds_sum"+labels]
+			count += m["kvhandoff_agent_handoff_stage_seconds_count"+labels]
 		}
 		if count > 0 {
 			out[stage] = round(sum / count * 1000)

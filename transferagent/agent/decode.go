@@ -25,7 +25,6 @@ type destination struct {
 	peer       *peer
 	source     string
 	blocks     int
-	registered time.Time
 	writing    bool      // the prefill agent started writing: poll without pause
 	fenced     bool      // the fence signal arrived
 	outcome    *outcome  // the prefill agent's message, waiting for the fence signal
@@ -91,7 +90,7 @@ func (s *session) registerDestination(r *agentv1.RegisterDestinationRequest) err
 	}
 	d := &destination{
 		key: k, token: s.nextToken, source: engineKey(r.Source.EngineId, r.Source.TpRank),
-		blocks: len(r.BlockIds), registered: time.Now(),
+		blocks: len(r.BlockIds),
 	}
 	d.peer = s.a.dial(r.Source.Agent)
 	d.peer.describe(s)
@@ -120,28 +119,7 @@ func (s *session) cancel(req string, attempt uint64) error {
 			return nil
 		}
 	case roleP:
-		// A prefill engine gives up on a request: fail its attempts and drop its blocks.
-		if s.table == nil {
-			break
-		}
-		found := false
-		if s.sources[req] != nil {
-			found = true
-			delete(s.sources, req)
-		}
-		for ak := range s.attempts {
-			if ak.req == req {
-				found = true
-				s.handle(s.table.Fail(ak.req, ak.attempt, "source_cancelled", "the prefill engine cancelled the request"))
-			}
-		}
-		s.table.Forget(req)
-		if h := s.holds[req]; h != nil && h.acquired == nil {
-			found = true
-			delete(s.holds, req)
-		}
-		if found {
-			s.a.metrics.cancels.Inc()
+		if s.cancelSource(req) {
 			return nil
 		}
 	}

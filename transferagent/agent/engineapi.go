@@ -72,7 +72,11 @@ func checkRequestID(id string) error {
 	return nil
 }
 
-func checkBlocks(field string, ids []uint32) error {
+// checkRequest checks a request id and the blocks a call names.
+func checkRequest(id, field string, ids []uint32) error {
+	if err := checkRequestID(id); err != nil {
+		return err
+	}
 	if len(ids) == 0 {
 		return invalid(field, "must name at least one block")
 	}
@@ -188,10 +192,7 @@ func (e *engineAPI) RegisterDestination(ctx context.Context, r *agentv1.Register
 	if err != nil {
 		return nil, err
 	}
-	if err := checkRequestID(r.RequestId); err != nil {
-		return nil, err
-	}
-	if err := checkBlocks("block_ids", r.BlockIds); err != nil {
+	if err := checkRequest(r.RequestId, "block_ids", r.BlockIds); err != nil {
 		return nil, err
 	}
 	if err := checkSource("source", r.Source, s.rank); err != nil {
@@ -205,10 +206,7 @@ func (e *engineAPI) SourceReady(ctx context.Context, r *agentv1.SourceReadyReque
 	if err != nil {
 		return nil, err
 	}
-	if err := checkRequestID(r.RequestId); err != nil {
-		return nil, err
-	}
-	if err := checkBlocks("block_ids", r.BlockIds); err != nil {
+	if err := checkRequest(r.RequestId, "block_ids", r.BlockIds); err != nil {
 		return nil, err
 	}
 	return ack(s.call(func() error { return s.sourceReady(r) }))
@@ -219,10 +217,7 @@ func (e *engineAPI) Pull(ctx context.Context, r *agentv1.PullRequest) (*agentv1.
 	if err != nil {
 		return nil, err
 	}
-	if err := checkRequestID(r.RequestId); err != nil {
-		return nil, err
-	}
-	if err := checkBlocks("source_block_ids", r.SourceBlockIds); err != nil {
+	if err := checkRequest(r.RequestId, "source_block_ids", r.SourceBlockIds); err != nil {
 		return nil, err
 	}
 	if len(r.DestinationBlockIds) != len(r.SourceBlockIds) {

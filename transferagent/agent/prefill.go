@@ -19,7 +19,7 @@ type pushAttempt struct {
 	token    uint32
 	decode   string
 	peer     *peer
-	paired   time.Time // when registration and every source block were both present
+	paired   time.Time // when the first writes were planned: both halves were present
 	lastPost time.Time
 	writes   int
 	bytes    uint64
@@ -27,9 +27,9 @@ type pushAttempt struct {
 
 // source is a push request's source side, for the blocks TTL and the rendezvous wait.
 type source struct {
+	first      time.Time // the first part arrived
 	final      time.Time // zero until the final part arrived
 	registered bool
-	blocks     int
 }
 
 // hold is a pull request's ready blocks, held for a decode agent to read.
@@ -42,10 +42,9 @@ type hold struct {
 }
 
 type acquisition struct {
-	attempt  uint64
-	peer     *peer
-	until    time.Time
-	peerLost bool
+	attempt uint64
+	peer    *peer
+	until   time.Time
 }
 
 // Signal data is token<<1 | fence: EFA carries 4 bytes of CQ data, so tokens stay below 2^31.
@@ -68,31 +67,14 @@ func (s *session) sourceReady(r *agentv1.SourceReadyRequest) error {
 	}
 	src := s.sources[r.RequestId]
 	if src == nil {
-		src = &source{}
+		src = &source{first: now}
 		s.sources[r.RequestId] = src
 	}
-	src.blocks += len(r.BlockIds)
 	if r.Final {
 		src.final = now
 	}
-	s.pairedAt(now, r.RequestId)
 	s.handle(acts)
 	return nil
-}
-
-// pairedAt stamps the moment the current attempt has both halves, and records how long
-// the source waited for its registration (zero in push, where decode registers first).
-func (s *session) pairedAt(now time.Time, req string) {
-	src := s.sources[req]
-	if src == nil || src.final.IsZero() {
-		return
-	}
-	for k, a := range s.attempts {
-		if k.req == req && a.paired.IsZero() {
-			a.paired = now
-			s.a.metrics.stage.WithLabelValues("push", "rendezvous_wait").Observe(now.Sub(src.final).Seconds())
-		}
-	}
 }
 
 func (s *session) holdBlocks(now time.Time, r *agentv1.SourceReadyRequest) error {
@@ -160,7 +142,6 @@ func (s *session) onRegister(p *peer, m *wire.Register) {
 	if src := s.sources[m.Request]; src != nil {
 		src.registered = true
 	}
-	s.pairedAt(now, m.Request)
 	s.handle(acts)
 }
 
@@ -208,7 +189,16 @@ func (s *session) handle(acts []rendezvous.Action) {
 				continue
 			}
 			if a != nil {
-				if a.writes == 0 && writes > 0 {
+				if a.paired.IsZero() {
+					// The table pairs at once: the first transfer is the moment both halves
+					// were present, and the source waited for the registration since its
+					// first part (zero in push, where decode registers first).
+					a.paired = time.Now()
+					var wait time.Duration
+					if src := s.sources[act.Request]; src != nil {
+						wait = a.paired.Sub(src.first)
+					}
+					s.a.metrics.stage.WithLabelValues("push", "rendezvous_wait").Observe(wait.Seconds())
 					a.peer.send(&wire.Writing{Request: act.Request, Attempt: act.Attempt, Engine: a.decode})
 				}
 				a.writes += writes
@@ -384,8 +374,8 @@ func (s *session) expirePrefill(now time.Time) {
 }
 
 // peerLost handles a lost agent connection. Prefill: the peer's registrations are failed
-// (nobody is left to tell); its pulls keep their blocks until the lease ends, since its
-// reads may still be in flight. Decode: see decode.go.
+// (nobody is left to tell); its pulls keep their blocks until their lease ends (the
+// watchdog releases them), since its reads may still be in flight. Decode: see decode.go.
 func (s *session) peerLost(p *peer) {
 	if s.role == roleD {
 		s.decodePeerLost(p)
@@ -396,9 +386,30 @@ func (s *session) peerLost(p *peer) {
 			s.handle(s.table.Fail(k.req, k.attempt, "peer_lost", "decode agent connection lost"))
 		}
 	}
-	for _, h := range s.holds {
-		if h.acquired != nil && h.acquired.peer == p {
-			h.acquired.peerLost = true
+}
+
+// cancelSource is a prefill engine giving up a request: its attempts are failed (after
+// draining), its source and any unacquired hold dropped. It reports whether anything was
+// outstanding.
+func (s *session) cancelSource(req string) bool {
+	if s.table == nil {
+		return false // nothing happens before the regions are frozen
+	}
+	found := s.sources[req] != nil
+	delete(s.sources, req)
+	for k := range s.attempts {
+		if k.req == req {
+			found = true
+			s.handle(s.table.Fail(k.req, k.attempt, "source_cancelled", "the prefill engine cancelled the request"))
 		}
 	}
+	s.table.Forget(req)
+	if h := s.holds[req]; h != nil && h.acquired == nil {
+		found = true
+		delete(s.holds, req)
+	}
+	if found {
+		s.a.metrics.cancels.Inc()
+	}
+	return found
 }

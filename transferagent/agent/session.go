@@ -51,6 +51,7 @@ type session struct {
 	regions   map[uint32]*localRegion
 	layout    []writer.Region
 	minBlocks uint32
+	blockLen  uint64 // bytes one block id spans across all regions
 	frozen    bool
 	buf       []fabric.Completion
 	waited    []fabric.Completion // read by a Wait, for stepDecode
@@ -215,12 +216,13 @@ func (s *session) run() {
 			continue
 		}
 		idle++
-		if (s.hot() || s.warm() || closing) && s.ep.Waitable() {
+		hot := s.hot()
+		if (hot || s.warm() || closing) && s.ep.Waitable() {
 			// Sleep in the provider until it has work (data to move, a completion) or a
 			// command wakes us: no spinning, and no sub-millisecond timers, which the Go
 			// runtime rounds up to a millisecond.
 			timeout := s.a.cfg.Tick
-			if s.hot() || closing {
+			if hot || closing {
 				timeout = time.Millisecond
 			}
 			s.sleeping.Store(true)
@@ -231,7 +233,7 @@ func (s *session) run() {
 			continue
 		}
 		switch {
-		case s.hot():
+		case hot:
 			// Data is moving: poll again at once a few times, then nap, so that many hot
 			// ranks sharing few cores leave the cores to the ones moving data.
 			if idle < hotSpins {
@@ -406,6 +408,7 @@ func (s *session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error 
 	if s.minBlocks == 0 || r.BlockCount < s.minBlocks {
 		s.minBlocks = r.BlockCount
 	}
+	s.blockLen += r.BlockLen
 	return nil
 }
 
@@ -441,13 +444,7 @@ func (s *session) checkBlocks(field string, ids []uint32) error {
 }
 
 // bytesFor is what a request of n blocks moves on this rank.
-func (s *session) bytesFor(n int) uint64 {
-	var per uint64
-	for _, r := range s.layout {
-		per += r.BlockLen
-	}
-	return per * uint64(n)
-}
+func (s *session) bytesFor(n int) uint64 { return s.blockLen * uint64(n) }
 
 // info describes the rank's memory to a peer.
 func (s *session) info() *wire.EngineInfo {

@@ -147,18 +147,28 @@ func (p *Proc) Get(path string) (int, string, error) {
 	return resp.StatusCode, string(b), err
 }
 
-// Metric reads one series' value from /metrics (0 when absent).
-func (p *Proc) Metric(series string) (float64, error) {
+// Metrics reads /metrics once: every sample's value by its series (name and labels).
+func (p *Proc) Metrics() (map[string]float64, error) {
 	_, body, err := p.Get("/metrics")
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
+	out := map[string]float64{}
 	for _, line := range strings.Split(body, "\n") {
-		if rest, ok := strings.CutPrefix(line, series+" "); ok {
-			var v float64
-			_, err := fmt.Sscan(rest, &v)
-			return v, err
+		series, value, ok := strings.Cut(line, " ")
+		if !ok || strings.HasPrefix(line, "#") {
+			continue
+		}
+		var v float64
+		if _, err := fmt.Sscan(value, &v); err == nil {
+			out[series] = v
 		}
 	}
-	return 0, nil
+	return out, nil
+}
+
+// Metric reads one series' value from /metrics (0 when absent).
+func (p *Proc) Metric(series string) (float64, error) {
+	m, err := p.Metrics()
+	return m[series], err
 }

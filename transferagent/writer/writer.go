@@ -20,8 +20,10 @@ type Destination struct {
 	Peer    fabric.Peer
 	Epoch   uint64
 	Regions []RemoteRegion
-	// byID indexes Regions by region ID, built by AddDestination.
-	byID map[int]RemoteRegion
+	// byID indexes Regions by region ID and layout lists them for the planner, both
+	// built once by AddDestination.
+	byID   map[int]RemoteRegion
+	layout []Region
 }
 
 // Writer is the background writer of one TP rank. One goroutine owns it: it calls Submit
@@ -69,8 +71,10 @@ func New(ep *fabric.Endpoint, table *rendezvous.Table, local map[int]*fabric.Reg
 // AddDestination records a decode engine's memory.
 func (w *Writer) AddDestination(engine string, d Destination) {
 	d.byID = make(map[int]RemoteRegion, len(d.Regions))
-	for _, r := range d.Regions {
+	d.layout = make([]Region, len(d.Regions))
+	for i, r := range d.Regions {
 		d.byID[r.ID] = r
+		d.layout[i] = r.Region
 	}
 	w.dests[engine] = d
 }
@@ -89,11 +93,7 @@ func (w *Writer) Submit(t rendezvous.Transfer) (writes int, bytes uint64, err er
 	if !ok {
 		return 0, 0, fmt.Errorf("writer: no memory known for decode engine %s", t.Decode.ID)
 	}
-	dst := make([]Region, len(d.Regions))
-	for i, r := range d.Regions {
-		dst[i] = r.Region
-	}
-	plan, err := Plan(t, w.layout, dst, w.MaxMessage)
+	plan, err := Plan(t, w.layout, d.layout, w.MaxMessage)
 	if err != nil {
 		return 0, 0, err
 	}
