@@ -89,3 +89,21 @@ func TestPushAndPullOverShm(t *testing.T) {
 		})
 	}
 }
+
+// Held blocks nobody pulls are released after the blocks TTL, and a pull after that is
+// refused: the prefill engine may already have reused them.
+func TestUnpulledBlocksExpireAfterTheBlocksTTL(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PULL, 1, 64, "--blocks-ttl", "300ms")
+	src, dst := alloc(t, p.P[0], 4), alloc(t, p.D[0], 4)
+	if err := p.P[0].SourceReady(bg, "unpulled", 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.P[0], "unpulled", 0), agentv1.Event_FAILED)
+	if err := p.D[0].Pull(bg, "unpulled", 1, p.P[0].Self, src, dst); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "unpulled", 1), agentv1.Event_FAILED)
+	if got := p.A.Metric(t, `kvhandoff_agent_lease_expiries_total{kind="hold"}`); got != 1 {
+		t.Errorf("hold expiries: %v, want 1", got)
+	}
+}

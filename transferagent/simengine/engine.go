@@ -222,7 +222,6 @@ func (e *Engine) AllocateWait(ctx context.Context, n int) ([]uint32, error) {
 	}
 }
 
-
 // Preempt gives up a registered attempt the way vLLM preempts a request to make room: it
 // cancels the attempt and frees its blocks once the agent says nothing more will land in
 // them (CANCEL_ACKED, or DELIVERED or FAILED when the attempt ended first), returning
