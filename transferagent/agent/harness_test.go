@@ -111,3 +111,18 @@ func expect(t *testing.T, ev *agentv1.Event, typ agentv1.Event_Type) {
 		t.Fatalf("%s attempt %d: got %s (%q), want %s", ev.RequestId, ev.Attempt, ev.Type, ev.Reason, typ)
 	}
 }
+
+// until polls cond (a condition on the agents' observable state, such as a metric) until
+// it holds, failing after 30 s instead of hanging.
+func until(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting until %s", what)
+		}
+		<-tick.C
+	}
+}

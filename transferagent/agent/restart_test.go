@@ -49,10 +49,19 @@ func TestPrefillAgentRestart(t *testing.T) {
 func TestDecodeAgentRestart(t *testing.T) {
 	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--lease", "500ms")
 	transfer(t, p.P[0], p.D[0], "before")
-	dst := alloc(t, p.D[0], 8)
+	src, dst := alloc(t, p.P[0], 8), alloc(t, p.D[0], 8)
 	if err := p.D[0].RegisterDestination(bg, "lost-decode", 1, dst, p.P[0].Self); err != nil {
 		t.Fatal(err)
 	}
+	// Make sure the registration reached the prefill agent before the decode node dies
+	// (RegisterDestination returns once the decode agent queued it): pair it with a first
+	// part of the source, which the prefill agent records as a rendezvous.
+	if err := p.P[0].SourceReady(bg, "lost-decode", 0, src[:4], false); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "the prefill agent paired the registration", func() bool {
+		return p.A.Metric(t, `kvhandoff_agent_handoff_stage_seconds_count{mode="push",stage="rendezvous_wait"}`) >= 2
+	})
 	p.B.Kill()
 	// The prefill agent learns its peer is gone and fails the attempt to prefill.
 	ev := wait(t, p.P[0], "lost-decode", 1)
