@@ -1,0 +1,82 @@
+// Package discovery tells the router which engines it may send legs to. A Source
+// delivers Sets: from a DecodePool and its PrefillPool in the cluster (cluster.go), or
+// from a JSON file shaped like their status outside one (file.go).
+package discovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+)
+
+// Engine is one engine the router may use, as the pools' status publishes it.
+type Engine struct {
+	// URL is the engine's OpenAI API (http://10.0.0.1:8000).
+	URL string `json:"url"`
+	// EngineID is the engine's vLLM engine_id.
+	EngineID string `json:"engineID"`
+	// Host and SideChannelPort are the engine's KV side channel.
+	Host            string `json:"host,omitempty"`
+	SideChannelPort int32  `json:"sideChannelPort,omitempty"`
+	// TensorParallelSize and PipelineParallelSize are what the engine runs with.
+	TensorParallelSize   int32 `json:"tensorParallelSize,omitempty"`
+	PipelineParallelSize int32 `json:"pipelineParallelSize,omitempty"`
+	// CompatHash is the engine's kvhandoff.io/compat-hash. A prefill and a decode engine
+	// are paired only when theirs are equal (both empty counts as equal).
+	CompatHash string `json:"compatHash,omitempty"`
+}
+
+// Set is everything the router routes over at one moment. Only eligible engines are in
+// it: those whose pods are Ready.
+type Set struct {
+	// Mode is the DecodePool's policy's mode: Push or Pull.
+	Mode kvv1.TransferMode `json:"mode"`
+	// Prefill and Decode are the eligible engines of each pool.
+	Prefill []Engine `json:"prefill"`
+	Decode  []Engine `json:"decode"`
+	// Source names where the set came from (file path, namespace/DecodePool), for
+	// errors and logs.
+	Source string `json:"-"`
+}
+
+// Validate reports the first field that a router cannot route with, naming it.
+func (s *Set) Validate() error {
+	if s.Mode != kvv1.TransferPush && s.Mode != kvv1.TransferPull {
+		return fmt.Errorf("mode is %q: must be Push or Pull", s.Mode)
+	}
+	var errs []error
+	check := func(role string, engines []Engine) {
+		seen := map[string]bool{}
+		for i, e := range engines {
+			field := fmt.Sprintf("%s[%d]", role, i)
+			if u, err := url.Parse(e.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+				errs = append(errs, fmt.Errorf("%s.url %q: must be an http:// or https:// URL with a host", field, e.URL))
+			}
+			if e.EngineID == "" {
+				errs = append(errs, fmt.Errorf("%s.engineID: must be set (the engine's vLLM engine_id)", field))
+			} else if seen[e.EngineID] {
+				errs = append(errs, fmt.Errorf("%s.engineID %q: appears twice", field, e.EngineID))
+			}
+			seen[e.EngineID] = true
+			if role == "prefill" && s.Mode == kvv1.TransferPush {
+				// A push decode leg names these before prefill has run: without them the
+				// decode engine cannot register its blocks.
+				if e.Host == "" || e.SideChannelPort <= 0 || e.TensorParallelSize <= 0 {
+					errs = append(errs, fmt.Errorf("%s: host, sideChannelPort and tensorParallelSize must be set in Push mode", field))
+				}
+			}
+		}
+	}
+	check("prefill", s.Prefill)
+	check("decode", s.Decode)
+	return errors.Join(errs...)
+}
+
+// Source delivers the current Set whenever it changes, starting with the first one.
+type Source interface {
+	// Run sends sets to out until ctx ends or the source fails for good.
+	Run(ctx context.Context, out chan<- *Set) error
+}

@@ -1,0 +1,93 @@
+package discovery
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+
+	"github.com/fsnotify/fsnotify"
+)
+
+// File is a Source that reads a Set from a JSON file and reads it again whenever it
+// changes, so a local two-engine setup needs no cluster. Every engine in the file counts
+// as ready. A file that does not parse or validate is reported and the last good set
+// stays in force.
+type File struct {
+	Path string
+	Log  *slog.Logger
+}
+
+// ReadFile reads and validates a Set from path.
+func ReadFile(path string) (*Set, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	s := &Set{}
+	if err := dec.Decode(s); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if err := s.Validate(); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	s.Source = path
+	return s, nil
+}
+
+// Run watches the file's folder (editors and ConfigMap mounts replace files rather than
+// write them in place, which a watch on the file itself would lose).
+func (f *File) Run(ctx context.Context, out chan<- *Set) error {
+	s, err := ReadFile(f.Path)
+	if err != nil {
+		return err
+	}
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return err
+	}
+	defer w.Close()
+	if err := w.Add(filepath.Dir(f.Path)); err != nil {
+		return err
+	}
+	send := func(s *Set) bool {
+		select {
+		case out <- s:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+	if !send(s) {
+		return nil
+	}
+	last, _ := os.ReadFile(f.Path)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-w.Errors:
+			f.Log.Error("watching the endpoints file", "path", f.Path, "err", err)
+		case <-w.Events:
+			data, err := os.ReadFile(f.Path)
+			if err != nil || bytes.Equal(data, last) {
+				continue // removed mid-replace, or an event that changed nothing
+			}
+			last = data
+			s, err := ReadFile(f.Path)
+			if err != nil {
+				f.Log.Error("the endpoints file is invalid; keeping the last good one", "path", f.Path, "err", err)
+				continue
+			}
+			f.Log.Info("endpoints changed", "path", f.Path, "prefill", len(s.Prefill), "decode", len(s.Decode))
+			if !send(s) {
+				return nil
+			}
+		}
+	}
+}

@@ -1,0 +1,262 @@
+package router_test
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/router"
+	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+)
+
+const small = `{"model":"tiny","prompt":"one two three","max_tokens":3}`
+
+func TestNoEligibleEngineAnswers503NamingWhatIsMissing(t *testing.T) {
+	kv := openai.NewLocalKV()
+	d := startEngine(t, "d-0", kv, 0)
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		r := startRouter(t, mode, nil, engines(d))
+		resp, body := post(t, r.URL, "/v1/completions", small)
+		if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "no ready prefill engine") {
+			t.Errorf("%s: %s %s, want 503 naming the missing prefill engine", mode, resp.Status, body)
+		}
+		if got := r.metric(t, "kvhandoff_router_requests_total", map[string]string{"outcome": router.OutcomeNoEngine}); got != 1 {
+			t.Errorf("%s: no_engine counted %v times", mode, got)
+		}
+	}
+	// Engines of different configurations are never paired.
+	p := startEngine(t, "p-0", kv, 0)
+	pe, de := p.Engine, d.Engine
+	pe.CompatHash, de.CompatHash = "aaa", "bbb"
+	r := startRouter(t, kvv1.TransferPush, []discovery.Engine{pe}, []discovery.Engine{de})
+	resp, body := post(t, r.URL, "/v1/completions", small)
+	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "compat-hash") {
+		t.Errorf("mismatched hashes: %s %s, want 503 naming the compat-hash", resp.Status, body)
+	}
+	if len(p.Seen())+len(d.Seen()) != 0 {
+		t.Error("a leg was sent to engines that cannot be paired")
+	}
+}
+
+func TestPullRetriesARefusedPrefillOnAnotherEngine(t *testing.T) {
+	kv := openai.NewLocalKV()
+	good, d := startEngine(t, "p-good", kv, 0), startEngine(t, "d-0", kv, 0)
+	// The dead engine is first: with equal load the router tries it first.
+	r := startRouter(t, kvv1.TransferPull, []discovery.Engine{deadEngine(t, "p-dead"), good.Engine}, engines(d))
+	resp, body := post(t, r.URL, "/v1/completions", small)
+	if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+		t.Fatalf("%s: %s", resp.Status, body)
+	}
+	if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": "prefill", "engine": "p-dead", "reason": "refused"}); got != 1 {
+		t.Errorf("refused prefill leg counted %v times", got)
+	}
+	if got := r.metric(t, "kvhandoff_router_retries_total", map[string]string{"mode": "pull"}); got != 1 {
+		t.Errorf("retries = %v, want 1", got)
+	}
+}
+
+func TestPushAbortsTheDecodeLegAndRetriesThePairWhenPrefillFails(t *testing.T) {
+	kv := openai.NewLocalKV()
+	bad, good := startEngine(t, "p-bad", kv, 0), startEngine(t, "p-good", kv, 0)
+	bad.Fail.Store(http.StatusInternalServerError)
+	d := startEngine(t, "d-0", kv, 0)
+	r := startRouter(t, kvv1.TransferPush, engines(bad, good), engines(d))
+
+	resp, body := post(t, r.URL, "/v1/completions", small)
+	if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+		t.Fatalf("%s: %s", resp.Status, body)
+	}
+	ds := d.Seen()
+	if len(ds) != 2 {
+		t.Fatalf("decode saw %d legs, want 2 (the aborted one and the retry)", len(ds))
+	}
+	// The first decode leg waited for KV that never came: the router closed it.
+	eventually(t, "the first decode leg is aborted", 5*time.Second, func() bool { return d.Seen()[0].Cancelled })
+	if params(t, ds[0].Body)["remote_engine_id"] != "p-bad" || params(t, ds[1].Body)["remote_engine_id"] != "p-good" {
+		t.Errorf("decode legs named %v then %v", params(t, ds[0].Body)["remote_engine_id"], params(t, ds[1].Body)["remote_engine_id"])
+	}
+	if params(t, ds[0].Body)["transfer_id"] == params(t, ds[1].Body)["transfer_id"] {
+		t.Error("the retried pair reused the transfer id of the aborted one")
+	}
+	if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"engine": "p-bad", "reason": "status_5xx"}); got != 1 {
+		t.Errorf("5xx prefill leg counted %v times", got)
+	}
+}
+
+func TestAPrefillLegPastItsTimeoutIsRetried(t *testing.T) {
+	kv := openai.NewLocalKV()
+	slow, fast := startEngine(t, "p-slow", kv, time.Hour), startEngine(t, "p-fast", kv, 0)
+	d := startEngine(t, "d-0", kv, 0)
+	r := startRouter(t, kvv1.TransferPull, engines(slow, fast), engines(d), func(c *router.Config) { c.PrefillTimeout = 300 * time.Millisecond })
+	resp, body := post(t, r.URL, "/v1/completions", small)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("%s: %s", resp.Status, body)
+	}
+	if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"engine": "p-slow", "reason": "timeout"}); got != 1 {
+		t.Errorf("timed-out prefill leg counted %v times", got)
+	}
+	eventually(t, "the timed-out leg is closed", 5*time.Second, func() bool { return slow.Seen()[0].Cancelled })
+}
+
+func TestEveryPrefillFailingAnswers502NamingTheEngine(t *testing.T) {
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		kv := openai.NewLocalKV()
+		a, b := startEngine(t, "p-a", kv, 0), startEngine(t, "p-b", kv, 0)
+		a.Fail.Store(http.StatusServiceUnavailable)
+		b.Fail.Store(http.StatusInternalServerError)
+		d := startEngine(t, "d-0", kv, 0)
+		r := startRouter(t, mode, engines(a, b), engines(d))
+		resp, body := post(t, r.URL, "/v1/completions", small)
+		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "prefill engine p-b") {
+			t.Errorf("%s: %s %s, want 502 naming the last prefill engine tried", mode, resp.Status, body)
+		}
+		if len(a.Seen()) != 1 || len(b.Seen()) != 1 {
+			t.Errorf("%s: prefill legs %d and %d, want one each (one retry)", mode, len(a.Seen()), len(b.Seen()))
+		}
+	}
+}
+
+func TestADecodeFailureAnswers502NamingTheEngine(t *testing.T) {
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		kv := openai.NewLocalKV()
+		p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-broken", kv, 0)
+		d.Fail.Store(http.StatusInternalServerError)
+		r := startRouter(t, mode, engines(p), engines(d))
+		resp, body := post(t, r.URL, "/v1/completions", small)
+		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "decode engine d-broken") {
+			t.Errorf("%s: %s %s, want 502 naming the decode engine", mode, resp.Status, body)
+		}
+		if got := r.metric(t, "kvhandoff_router_requests_total", map[string]string{"mode": strings.ToLower(string(mode)), "outcome": router.OutcomeDecodeFailed, "engine": "d-broken"}); got != 1 {
+			t.Errorf("%s: decode_failed counted %v times", mode, got)
+		}
+	}
+}
+
+func TestAnEngineRefusingTheRequestIsAnsweredAsItSaid(t *testing.T) {
+	kv := openai.NewLocalKV()
+	p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
+	r := startRouter(t, kvv1.TransferPull, engines(p), engines(d))
+	resp, body := post(t, r.URL, "/v1/completions", `{"model":"other","prompt":"x"}`)
+	if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(body), "does not exist") {
+		t.Errorf("%s %s, want the engine's 404", resp.Status, body)
+	}
+	if len(p.Seen()) != 1 {
+		t.Errorf("a refused request was retried: %d prefill legs", len(p.Seen()))
+	}
+	resp, body = post(t, r.URL, "/v1/completions", `{"model":"tiny",`)
+	if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(body), "JSON object") {
+		t.Errorf("malformed body: %s %s", resp.Status, body)
+	}
+}
+
+func TestAClientThatDisconnectsCancelsBothLegs(t *testing.T) {
+	kv := openai.NewLocalKV()
+	p, d := startEngine(t, "p-0", kv, time.Hour), startEngine(t, "d-0", kv, 0)
+	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.URL+"/v1/completions", strings.NewReader(small))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	eventually(t, "both legs reach their engines", 5*time.Second, func() bool { return len(p.Seen()) == 1 && len(d.Seen()) == 1 })
+	cancel()
+	<-done
+	eventually(t, "both legs are cancelled", 5*time.Second, func() bool { return p.Seen()[0].Cancelled && d.Seen()[0].Cancelled })
+	eventually(t, "the request is counted as the client's", 5*time.Second, func() bool {
+		return r.metric(t, "kvhandoff_router_requests_total", map[string]string{"outcome": router.OutcomeClientGone}) == 1
+	})
+	if n := r.metric(t, "kvhandoff_router_inflight", map[string]string{"engine": "d-0"}); n != 0 {
+		t.Errorf("%v decode legs still counted in flight", n)
+	}
+}
+
+func TestStreamsPassThroughByteForByteAndAsTheyCome(t *testing.T) {
+	kv := openai.NewLocalKV()
+	p := startEngine(t, "p-0", kv, 0)
+	// A decode engine that writes the stream in odd pieces and waits for the client to
+	// have each piece before writing the next: a router that buffered would hang.
+	pieces := []string{"data: {\"choices\":[{\"text\":\" a\"}]}\n", "\ndata: {\"choices\":[{\"text\":\" b\"", "}]}\n\ndata: [DONE]\n\n"}
+	gotPiece := make(chan struct{})
+	decode := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.Header().Set("X-Engine-Note", "kept")
+		for _, piece := range pieces {
+			_, _ = w.Write([]byte(piece))
+			w.(http.Flusher).Flush()
+			select {
+			case <-gotPiece:
+			case <-time.After(10 * time.Second):
+				return
+			}
+		}
+	}))
+	defer decode.Close()
+	d := discovery.Engine{URL: decode.URL, EngineID: "d-0"}
+	r := startRouter(t, kvv1.TransferPull, engines(p), []discovery.Engine{d})
+
+	resp, err := http.Post(r.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"tiny","prompt":"x y","stream":true,"stream_options":{"include_usage":true}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.Header.Get("Content-Type") != "text/event-stream" || resp.Header.Get("X-Engine-Note") != "kept" {
+		t.Errorf("headers not passed through: %v", resp.Header)
+	}
+	var got []byte
+	buf := make([]byte, 4096)
+	for _, piece := range pieces {
+		for len(got) < len(strings.Join(pieces[:indexOf(pieces, piece)+1], "")) {
+			n, err := resp.Body.Read(buf)
+			got = append(got, buf[:n]...)
+			if err != nil {
+				t.Fatalf("after %q: %v", got, err)
+			}
+		}
+		gotPiece <- struct{}{}
+	}
+	if string(got) != strings.Join(pieces, "") {
+		t.Errorf("client got %q, the engine sent %q", got, strings.Join(pieces, ""))
+	}
+	if string(field(t, p.Seen()[0].Body, "stream")) != "false" || field(t, p.Seen()[0].Body, "stream_options") != nil {
+		t.Errorf("the prefill leg must not stream: %s", p.Seen()[0].Body)
+	}
+}
+
+func indexOf(s []string, x string) int {
+	for i, v := range s {
+		if v == x {
+			return i
+		}
+	}
+	return -1
+}
+
+func TestStreamedCompletionsThroughBothModes(t *testing.T) {
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		kv := openai.NewLocalKV()
+		p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
+		r := startRouter(t, mode, engines(p), engines(d))
+		resp, body := post(t, r.URL, "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"a b c"}],"max_tokens":6,"stream":true}`)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: %s %s", mode, resp.Status, body)
+		}
+		if got, w := sseText(t, body), join(openai.Output([]string{"<user>", "a", "b", "c"}, 6)); got != w {
+			t.Errorf("%s: streamed %q, want %q", mode, got, w)
+		}
+		if r.metric(t, "kvhandoff_router_ttft_seconds", map[string]string{"mode": strings.ToLower(string(mode))}) != 1 ||
+			r.metric(t, "kvhandoff_router_added_seconds", map[string]string{"mode": strings.ToLower(string(mode))}) != 1 {
+			t.Errorf("%s: TTFT and router-added latency not observed", mode)
+		}
+	}
+}

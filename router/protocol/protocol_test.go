@@ -1,0 +1,169 @@
+package protocol
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+// client is a body with fields the router does not own, spelled in ways a re-encoding
+// would change (spacing, number formats, key order inside objects).
+const client = `{"model":"qwen","prompt":"hello world","max_tokens":64,"max_completion_tokens":64,` +
+	`"min_tokens":8,"min_completion_tokens":8,"stream":true,"stream_options":{"include_usage":true},` +
+	`"temperature":0.70,"logit_bias":{"b":1, "a":2},"seed":1e3,"kv_transfer_params":{"injected":true}}`
+
+func mustParse(t *testing.T, s string) Body {
+	t.Helper()
+	b, err := Parse([]byte(s))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// passthrough checks that every field of the client's body that the leg does not own
+// reaches the leg byte for byte.
+func passthrough(t *testing.T, leg Body, owned ...string) {
+	t.Helper()
+	c := mustParse(t, client)
+	for k, v := range c {
+		if contains(owned, k) {
+			continue
+		}
+		if string(leg[k]) != string(v) {
+			t.Errorf("field %s: leg has %s, client sent %s", k, leg[k], v)
+		}
+	}
+}
+
+func contains(s []string, k string) bool {
+	for _, x := range s {
+		if x == k {
+			return true
+		}
+	}
+	return false
+}
+
+func params(t *testing.T, b Body) map[string]any {
+	t.Helper()
+	var p map[string]any
+	if err := json.Unmarshal(b[KVTransferParams], &p); err != nil {
+		t.Fatalf("kv_transfer_params %s: %v", b[KVTransferParams], err)
+	}
+	return p
+}
+
+func TestPullPrefillLegIsVLLMsFirstLeg(t *testing.T) {
+	leg := PrefillLeg(mustParse(t, client), "")
+	want := map[string]string{
+		"stream": "false", "max_tokens": "1", "max_completion_tokens": "1",
+		KVTransferParams: `{"do_remote_decode":true,"do_remote_prefill":false,"remote_block_ids":null,"remote_engine_id":null,"remote_host":null,"remote_port":null}`,
+	}
+	for k, v := range want {
+		if string(leg[k]) != v {
+			t.Errorf("%s = %s, want %s", k, leg[k], v)
+		}
+	}
+	for _, k := range []string{"stream_options", "min_tokens", "min_completion_tokens"} {
+		if _, ok := leg[k]; ok {
+			t.Errorf("%s must be dropped from the prefill leg", k)
+		}
+	}
+	passthrough(t, leg, "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "min_completion_tokens", KVTransferParams)
+}
+
+func TestPrefillLegSetsMaxTokensEvenWhenTheClientDidNot(t *testing.T) {
+	leg := PrefillLeg(mustParse(t, `{"prompt":"x"}`), "")
+	if string(leg["max_tokens"]) != "1" {
+		t.Errorf("max_tokens = %s, want 1", leg["max_tokens"])
+	}
+	if _, ok := leg["max_completion_tokens"]; ok {
+		t.Error("max_completion_tokens added although the client did not send it")
+	}
+}
+
+func TestPushPrefillLegCarriesTheTransferID(t *testing.T) {
+	p := params(t, PrefillLeg(mustParse(t, client), "xfer-1"))
+	if p[TransferID] != "xfer-1" || p[DoRemoteDecode] != true || p[DoRemotePrefill] != false {
+		t.Errorf("push prefill params %v", p)
+	}
+}
+
+func TestPullDecodeLegCarriesExactlyWhatPrefillReturned(t *testing.T) {
+	returned := `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"p-0.ns","remote_request_id":"r1","remote_host":"10.0.0.1","remote_port":5600,"tp_size":8,"extra":{"x": 1}}`
+	p, err := PrefillParams([]byte(`{"id":"cmpl-1","kv_transfer_params":` + returned + `}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	leg := PullDecodeLeg(mustParse(t, client), p)
+	if string(leg[KVTransferParams]) != returned {
+		t.Errorf("decode params %s, want %s", leg[KVTransferParams], returned)
+	}
+	passthrough(t, leg, KVTransferParams)
+}
+
+func TestPushDecodeLegNamesThePrefillEngineButNoBlocks(t *testing.T) {
+	leg := PushDecodeLeg(mustParse(t, client), Prefill{EngineID: "p-0.ns", Host: "10.0.0.1", Port: 5600, TP: 8}, "req-1", "xfer-1")
+	p := params(t, leg)
+	want := map[string]any{
+		DoRemoteDecode: false, DoRemotePrefill: true, RemoteEngineID: "p-0.ns", RemoteHost: "10.0.0.1",
+		RemotePort: 5600.0, TPSize: 8.0, PPSize: 1.0, RemoteRequestID: "req-1", TransferID: "xfer-1",
+	}
+	if len(p) != len(want) {
+		t.Errorf("push decode params %v, want exactly %v", p, want)
+	}
+	for k, v := range want {
+		if p[k] != v {
+			t.Errorf("%s = %v, want %v", k, p[k], v)
+		}
+	}
+	if _, ok := p[RemoteBlockIDs]; ok {
+		t.Error("a push decode leg must not carry block ids: decode allocates and registers its own")
+	}
+	passthrough(t, leg, KVTransferParams)
+}
+
+func TestPrefillParamsRefusesResponsesWithoutThem(t *testing.T) {
+	for _, resp := range []string{`{"id":"x"}`, `{"kv_transfer_params":null}`, `{"kv_transfer_params":[1]}`, `not json`} {
+		if _, err := PrefillParams([]byte(resp)); err == nil {
+			t.Errorf("%s: accepted", resp)
+		}
+	}
+}
+
+func TestParseRefusesWhatIsNotOneObject(t *testing.T) {
+	for _, s := range []string{``, `null`, `[1]`, `"x"`, `{"a":1} {"b":2}`, `{"a":`} {
+		if _, err := Parse([]byte(s)); err == nil {
+			t.Errorf("%q: accepted", s)
+		}
+	}
+}
+
+func TestPromptTokens(t *testing.T) {
+	for _, c := range []struct {
+		body string
+		want int
+	}{
+		{`{"prompt":[1,2,3,4,5]}`, 5},
+		{`{"prompt":"` + strings.Repeat("abcd", 100) + `"}`, 100},
+		{`{"prompt":["abcdabcd","abcd"]}`, 3},
+		{`{"messages":[{"role":"user","content":"abcdabcd"}]}`, 6},
+		{`{"messages":[{"role":"user","content":[{"type":"text","text":"abcdabcd"}]}]}`, 6},
+		{`{"model":"x"}`, 0},
+	} {
+		if got := PromptTokens(mustParse(t, c.body)); got != c.want {
+			t.Errorf("%s: %d tokens, want %d", c.body, got, c.want)
+		}
+	}
+}
+
+func TestMarshalKeepsTheClientsBytes(t *testing.T) {
+	b := mustParse(t, `{"z": {"b":1, "a":[1, 2]},"n":1e3,"s":"\u00e9"}`)
+	if got, want := string(b.Marshal()), `{"n":1e3,"s":"\u00e9","z":{"b":1, "a":[1, 2]}}`; got != want {
+		t.Errorf("Marshal = %s, want %s", got, want)
+	}
+	if _, err := Parse(b.Marshal()); err != nil {
+		t.Error(err)
+	}
+}

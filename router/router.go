@@ -1,0 +1,314 @@
+// Package router is kvhandoff's request path: an OpenAI-compatible HTTP front end that
+// sends each request's prefill and decode legs to the engines of a DecodePool and its
+// PrefillPool, the way vLLM's NIXL connectors expect (package protocol). In push mode
+// the decode engine is chosen at arrival and both legs go out at once, so decode can
+// register its blocks while prefill runs; in pull mode decode is chosen and sent after
+// prefill returns its block ids. docs/router.md describes the protocol, selection,
+// failures and metrics.
+package router
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/router/balance"
+	"github.com/kvhandoff/kvhandoff/router/discovery"
+)
+
+// Config is the router's behaviour; Defaults has the values cmd/router starts with.
+type Config struct {
+	// PrefillTimeout bounds a prefill leg, from send to its whole response.
+	PrefillTimeout time.Duration
+	// DecodeTimeout bounds a decode leg from send to its first byte (in push mode that
+	// includes the prefill, which runs at the same time).
+	DecodeTimeout time.Duration
+	// MaxBodyBytes is the largest request body accepted.
+	MaxBodyBytes int64
+	// ScrapeInterval is how often engines' /metrics are read for their load; 0 never.
+	ScrapeInterval time.Duration
+	// Log gets one line per request and every change of endpoints.
+	Log *slog.Logger
+	// Registry gets the router's metrics; /metrics serves Gatherer.
+	Registry prometheus.Registerer
+	Gatherer prometheus.Gatherer
+}
+
+// Defaults are the router's defaults, the one place they are defined.
+func Defaults() Config {
+	return Config{
+		PrefillTimeout: 5 * time.Minute,
+		DecodeTimeout:  10 * time.Minute,
+		MaxBodyBytes:   32 << 20,
+		ScrapeInterval: time.Second,
+	}
+}
+
+// Server routes requests over the engines of the latest Set.
+type Server struct {
+	cfg    Config
+	set    atomic.Pointer[discovery.Set]
+	bal    *balance.Balancer
+	client *http.Client
+	m      *metrics
+	mux    *http.ServeMux
+
+	mu     sync.Mutex
+	gauged map[[2]string]bool // inflight series in use, to delete when engines go
+}
+
+// New returns a router with no engines: it answers 503 until the first Update.
+func New(cfg Config) *Server {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Registry == nil {
+		r := prometheus.NewRegistry()
+		cfg.Registry, cfg.Gatherer = r, r
+	}
+	s := &Server{
+		cfg: cfg,
+		bal: balance.New(5 * max(cfg.ScrapeInterval, time.Second)),
+		client: &http.Client{Transport: &http.Transport{
+			DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+			MaxIdleConns:        1024,
+			MaxIdleConnsPerHost: 256,
+			IdleConnTimeout:     90 * time.Second,
+			// Bytes pass through as the engine sent them: the router never asks for,
+			// nor undoes, compression.
+			DisableCompression: true,
+		}},
+		m:      newMetrics(cfg.Registry),
+		mux:    http.NewServeMux(),
+		gauged: map[[2]string]bool{},
+	}
+	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))
+	s.mux.HandleFunc("POST /v1/chat/completions", s.completions("/v1/chat/completions"))
+	s.mux.HandleFunc("GET /v1/models", s.models)
+	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	s.mux.HandleFunc("GET /readyz", s.readyz)
+	if cfg.Gatherer != nil {
+		s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{}))
+	}
+	return s
+}
+
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+// Update makes set the one new requests route over. Requests in flight finish on the
+// engines they were sent to.
+func (s *Server) Update(set *discovery.Set) {
+	if err := set.Validate(); err != nil {
+		s.cfg.Log.Error("refusing an invalid set of engines; keeping the last one", "source", set.Source, "err", err)
+		return
+	}
+	old := s.set.Swap(set)
+	s.bal.Forget(set)
+	s.m.endpoints.WithLabelValues(string(balance.Prefill)).Set(float64(len(set.Prefill)))
+	s.m.endpoints.WithLabelValues(string(balance.Decode)).Set(float64(len(set.Decode)))
+	s.forgetGauges(set)
+	if old == nil || old.Mode != set.Mode || len(old.Prefill) != len(set.Prefill) || len(old.Decode) != len(set.Decode) {
+		s.cfg.Log.Info("engines", "source", set.Source, "mode", set.Mode, "prefill", ids(set.Prefill), "decode", ids(set.Decode))
+	}
+}
+
+func ids(es []discovery.Engine) []string {
+	out := make([]string, len(es))
+	for i, e := range es {
+		out[i] = e.EngineID
+	}
+	return out
+}
+
+// Run follows src, and scrapes the engines' load, until ctx ends.
+func (s *Server) Run(ctx context.Context, src discovery.Source) error {
+	sets := make(chan *discovery.Set)
+	errc := make(chan error, 1)
+	go func() { errc <- src.Run(ctx, sets) }()
+	if s.cfg.ScrapeInterval > 0 {
+		go s.scrape(ctx)
+	}
+	for {
+		select {
+		case set := <-sets:
+			s.Update(set)
+		case err := <-errc:
+			if err != nil {
+				return fmt.Errorf("discovering engines: %w", err)
+			}
+			<-ctx.Done()
+			return nil
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+// scrape reads every engine's load once per interval, all engines at once.
+func (s *Server) scrape(ctx context.Context) {
+	t := time.NewTicker(s.cfg.ScrapeInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		set := s.set.Load()
+		if set == nil {
+			continue
+		}
+		sctx, cancel := context.WithTimeout(ctx, s.cfg.ScrapeInterval)
+		var wg sync.WaitGroup
+		for role, es := range map[balance.Role][]discovery.Engine{balance.Prefill: set.Prefill, balance.Decode: set.Decode} {
+			for _, e := range es {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if l, err := balance.Scrape(sctx, s.client, e.URL); err == nil {
+						s.bal.SetLoad(role, e.EngineID, l)
+					}
+				}()
+			}
+		}
+		wg.Wait()
+		cancel()
+	}
+}
+
+// acquire counts a leg on an engine, for selection and the inflight gauge.
+func (s *Server) acquire(role balance.Role, id string, tokens int) func() {
+	release := s.bal.Acquire(role, id, tokens)
+	g := s.m.inflight.WithLabelValues(string(role), id)
+	g.Inc()
+	s.mu.Lock()
+	s.gauged[[2]string{string(role), id}] = true
+	s.mu.Unlock()
+	var once sync.Once
+	return func() { once.Do(func() { release(); g.Dec() }) }
+}
+
+// forgetGauges deletes the inflight series of engines that left the set and have no leg
+// in flight, so a churning pool does not grow the exposition forever.
+func (s *Server) forgetGauges(set *discovery.Set) {
+	keep := map[[2]string]bool{}
+	for _, e := range set.Prefill {
+		keep[[2]string{string(balance.Prefill), e.EngineID}] = true
+	}
+	for _, e := range set.Decode {
+		keep[[2]string{string(balance.Decode), e.EngineID}] = true
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for k := range s.gauged {
+		if n, _ := s.bal.Outstanding(balance.Role(k[0]), k[1]); !keep[k] && n == 0 {
+			s.m.inflight.DeleteLabelValues(k[0], k[1])
+			delete(s.gauged, k)
+		}
+	}
+}
+
+// readyz is ready when at least one prefill and one decode engine can be paired.
+func (s *Server) readyz(w http.ResponseWriter, _ *http.Request) {
+	set := s.set.Load()
+	if set == nil {
+		http.Error(w, "no engines discovered yet", http.StatusServiceUnavailable)
+		return
+	}
+	if _, _, why := pairable(set, nil); why != "" {
+		http.Error(w, why, http.StatusServiceUnavailable)
+		return
+	}
+	fmt.Fprintf(w, "ok: %s mode, %d prefill and %d decode engines\n", set.Mode, len(set.Prefill), len(set.Decode))
+}
+
+// models answers from a decode engine: it serves the model the client will talk to.
+func (s *Server) models(w http.ResponseWriter, r *http.Request) {
+	set := s.set.Load()
+	if set == nil || len(set.Decode) == 0 {
+		writeError(w, http.StatusServiceUnavailable, "service_unavailable", "no ready decode engine to list models from")
+		return
+	}
+	d, _ := s.bal.Pick(balance.Decode, set.Decode, nil)
+	req, err := http.NewRequestWithContext(r.Context(), http.MethodGet, d.URL+"/v1/models", nil)
+	if err != nil {
+		writeError(w, http.StatusInternalServerError, "internal_error", err.Error())
+		return
+	}
+	copyClientHeaders(req.Header, r.Header)
+	resp, err := s.client.Do(req)
+	if err != nil {
+		writeError(w, http.StatusBadGateway, "bad_gateway", fmt.Sprintf("decode engine %s: %v", d.EngineID, err))
+		return
+	}
+	defer resp.Body.Close()
+	_, _ = relay(w, resp, nil)
+}
+
+// pairable returns the prefill and decode engines that share a compat-hash with an
+// engine of the other pool (prefill engines in exclude left out), or why there are none.
+func pairable(set *discovery.Set, exclude map[string]bool) (prefill, decode []discovery.Engine, why string) {
+	pHashes, dHashes := map[string]bool{}, map[string]bool{}
+	for _, p := range set.Prefill {
+		if !exclude[p.EngineID] {
+			pHashes[p.CompatHash] = true
+		}
+	}
+	for _, d := range set.Decode {
+		dHashes[d.CompatHash] = true
+	}
+	for _, p := range set.Prefill {
+		if !exclude[p.EngineID] && dHashes[p.CompatHash] {
+			prefill = append(prefill, p)
+		}
+	}
+	for _, d := range set.Decode {
+		if pHashes[d.CompatHash] {
+			decode = append(decode, d)
+		}
+	}
+	switch {
+	case len(set.Prefill) == 0:
+		why = fmt.Sprintf("no ready prefill engine (%s)", set.Source)
+	case len(set.Decode) == 0:
+		why = fmt.Sprintf("no ready decode engine (%s)", set.Source)
+	case len(pHashes) == 0:
+		why = fmt.Sprintf("no other ready prefill engine to retry on (%s: %d prefill engines, all failed this request)", set.Source, len(set.Prefill))
+	case len(decode) == 0:
+		why = fmt.Sprintf("no ready prefill and decode engines share a compat-hash (%s): the pools run different configurations; see the DecodePool's Paired condition", set.Source)
+	}
+	return prefill, decode, why
+}
+
+func newID(prefix string) string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return prefix + hex.EncodeToString(b[:])
+}
+
+// writeError answers with an OpenAI-style error object.
+func writeError(w http.ResponseWriter, status int, typ, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"error": map[string]any{"message": msg, "type": typ, "code": status}})
+}
+
+// modeLabel is the mode as a metric label.
+func modeLabel(m kvv1.TransferMode) string {
+	if m == kvv1.TransferPush {
+		return "push"
+	}
+	return "pull"
+}

@@ -1,0 +1,296 @@
+package openai
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+)
+
+// AgentKV moves KV through the node's transfer agent, one simulated engine rank per TP
+// rank, as the vLLM connector does: a prefill engine fills its blocks and reports them
+// ready; a push decode engine registers its destination blocks as soon as the request
+// arrives, a pull decode engine reads the blocks the prefill leg returned. Decode
+// verifies every byte before its first token. Block ids are shared by all ranks (one
+// scheduler allocates for every worker, as in vLLM), so rank 0's allocator serves all.
+type AgentKV struct {
+	Ranks []*simengine.Engine
+	// Client reaches prefill engines' side channels (nil: http.DefaultClient).
+	Client *http.Client
+
+	mu     sync.Mutex
+	agents map[string]string // side channel host:port → the prefill engine's agent
+}
+
+func (k *AgentKV) blocks(tokens int) int {
+	l := k.Ranks[0].Cache.Layout
+	return (tokens + l.BlockSize - 1) / l.BlockSize
+}
+
+// Produce fills the request's blocks on every rank and reports them ready; the blocks
+// are freed when the agent says they were sent or expired.
+func (k *AgentKV) Produce(ctx context.Context, key string, tokens int) ([]uint32, error) {
+	alloc := k.Ranks[0]
+	blocks, err := alloc.AllocateWait(ctx, k.blocks(tokens))
+	if err != nil {
+		return nil, err
+	}
+	err = parallel(len(k.Ranks), func(r int) error {
+		k.Ranks[r].Cache.Fill(key, blocks)
+		return k.Ranks[r].SourceReady(ctx, key, 0, blocks, true)
+	})
+	if err != nil {
+		alloc.Free(blocks)
+		return nil, err
+	}
+	go func() {
+		// The agent answers SOURCE_DONE (or FAILED) with the decode's attempt, or FAILED
+		// with attempt 0 when no decode came within the blocks TTL.
+		wctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+		defer cancel()
+		_ = parallel(len(k.Ranks), func(r int) error {
+			first := make(chan struct{}, 2)
+			for _, attempt := range []uint64{1, 0} {
+				go func() {
+					if _, err := k.Ranks[r].Wait(wctx, key, attempt); err == nil {
+						first <- struct{}{}
+					}
+				}()
+			}
+			select {
+			case <-first:
+			case <-wctx.Done():
+			}
+			return nil
+		})
+		cancel()
+		alloc.Free(blocks)
+	}()
+	return blocks, nil
+}
+
+// Receive takes the request's KV into this engine's cache and verifies it.
+func (k *AgentKV) Receive(ctx context.Context, key string, tokens int, src Source) error {
+	if src.TP != len(k.Ranks) {
+		return fmt.Errorf("prefill engine %s runs TP %d and this engine TP %d: the simulated engine transfers only between equal TP", src.EngineID, src.TP, len(k.Ranks))
+	}
+	n := k.blocks(tokens)
+	if src.Blocks != nil && len(src.Blocks) != n {
+		return fmt.Errorf("remote_block_ids has %d blocks, the prompt needs %d", len(src.Blocks), n)
+	}
+	agent, err := k.resolve(ctx, src.Host, src.Port)
+	if err != nil {
+		return err
+	}
+	alloc := k.Ranks[0]
+	dst, err := alloc.AllocateWait(ctx, n)
+	if err != nil {
+		return err
+	}
+	ref := func(r int) *agentv1.EngineRef {
+		return &agentv1.EngineRef{Agent: agent, EngineId: src.EngineID, TpRank: uint32(r)}
+	}
+	err = parallel(len(k.Ranks), func(r int) error {
+		if src.Blocks == nil {
+			return k.Ranks[r].RegisterDestination(ctx, key, 1, dst, ref(r))
+		}
+		return k.Ranks[r].Pull(ctx, key, 1, ref(r), src.Blocks, dst)
+	})
+	if err == nil {
+		err = parallel(len(k.Ranks), func(r int) error {
+			ev, err := k.Ranks[r].Wait(ctx, key, 1)
+			if err != nil {
+				return err
+			}
+			if ev.Type != agentv1.Event_DELIVERED {
+				return fmt.Errorf("rank %d: %s: %s", r, ev.Type, ev.Reason)
+			}
+			return k.Ranks[r].Cache.Verify(key, dst)
+		})
+	}
+	if err != nil && ctx.Err() != nil {
+		// The request was aborted (the router closed the connection): fence the attempt
+		// and free the blocks only once nothing can land in them any more.
+		go k.abandon(key, dst)
+		return err
+	}
+	alloc.Free(dst)
+	return err
+}
+
+// abandon cancels an aborted request on every rank and frees its blocks after the
+// agent's acknowledgement, as vLLM's scheduler must before it reuses them.
+func (k *AgentKV) abandon(key string, dst []uint32) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	_ = parallel(len(k.Ranks), func(r int) error {
+		if err := k.Ranks[r].Cancel(ctx, key, 1); err != nil {
+			return err
+		}
+		_, err := k.Ranks[r].Wait(ctx, key, 1)
+		return err
+	})
+	k.Ranks[0].Free(dst)
+}
+
+// resolve asks a prefill engine's side channel for its agent, once per side channel.
+func (k *AgentKV) resolve(ctx context.Context, host string, port int) (string, error) {
+	addr := host + ":" + strconv.Itoa(port)
+	k.mu.Lock()
+	agent, ok := k.agents[addr]
+	k.mu.Unlock()
+	if ok {
+		return agent, nil
+	}
+	c := k.Client
+	if c == nil {
+		c = http.DefaultClient
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/", nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return "", fmt.Errorf("side channel %s: %w", addr, err)
+	}
+	defer resp.Body.Close()
+	var sc SideChannelInfo
+	if err := json.NewDecoder(resp.Body).Decode(&sc); err != nil || sc.Agent == "" {
+		return "", fmt.Errorf("side channel %s: no agent address (%v)", addr, err)
+	}
+	k.mu.Lock()
+	if k.agents == nil {
+		k.agents = map[string]string{}
+	}
+	k.agents[addr] = sc.Agent
+	k.mu.Unlock()
+	return sc.Agent, nil
+}
+
+// SideChannelInfo is what a simulated prefill engine's side channel answers: where
+// its ranks' agent is, so a decode engine can address them (the metadata NIXL's side
+// channel exchanges before KV moves).
+type SideChannelInfo struct {
+	EngineID string `json:"engine_id"`
+	Agent    string `json:"agent"`
+	TP       int    `json:"tp_size"`
+}
+
+// SideChannel serves a prefill engine's SideChannelInfo.
+func SideChannel(info SideChannelInfo) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, info) })
+}
+
+// LocalKV is an in-process stand-in for the KV path, for router tests that need no
+// bytes moved: prefill marks a request's KV ready and a push decode leg waits for it
+// (as a real one waits for the agent's writes), so aborts and retries behave as with
+// agents. Engines of one test share one LocalKV.
+type LocalKV struct {
+	mu         sync.Mutex
+	ready      map[string]chan struct{}
+	Registered map[string]time.Time // push: when decode registered, by key
+	Produced   map[string]time.Time // when prefill produced, by key
+}
+
+// NewLocalKV returns an empty exchange.
+func NewLocalKV() *LocalKV {
+	return &LocalKV{ready: map[string]chan struct{}{}, Registered: map[string]time.Time{}, Produced: map[string]time.Time{}}
+}
+
+func (x *LocalKV) ch(key string) chan struct{} {
+	c, ok := x.ready[key]
+	if !ok {
+		c = make(chan struct{})
+		x.ready[key] = c
+	}
+	return c
+}
+
+// Times returns when key's decode registered and its prefill produced (zero if never).
+func (x *LocalKV) Times(key string) (registered, produced time.Time) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.Registered[key], x.Produced[key]
+}
+
+func (x *LocalKV) Produce(_ context.Context, key string, tokens int) ([]uint32, error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.Produced[key] = time.Now()
+	close(x.ch(key))
+	blocks := make([]uint32, (tokens+15)/16)
+	for i := range blocks {
+		blocks[i] = uint32(i)
+	}
+	return blocks, nil
+}
+
+func (x *LocalKV) Receive(ctx context.Context, key string, _ int, src Source) error {
+	x.mu.Lock()
+	c := x.ch(key)
+	_, produced := x.Produced[key]
+	if src.Blocks == nil {
+		x.Registered[key] = time.Now()
+	}
+	x.mu.Unlock()
+	if src.Blocks != nil {
+		if !produced {
+			return fmt.Errorf("no KV was produced for request %s", key)
+		}
+		return nil
+	}
+	select {
+	case <-c:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// parallel runs fn for 0..n-1 concurrently and returns every error.
+func parallel(n int, fn func(int) error) error {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = fn(i) }()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// StartAgentKV registers one simulated engine rank per TP rank of layout with the agent
+// at socket, keeping their KV caches in memoryDir.
+func StartAgentKV(ctx context.Context, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout, socket, memoryDir string) (*AgentKV, error) {
+	k := &AgentKV{Ranks: make([]*simengine.Engine, l.TP)}
+	err := parallel(l.TP, func(r int) error {
+		e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Rank: r, Layout: l, Socket: socket, MemoryDir: memoryDir})
+		k.Ranks[r] = e
+		return err
+	})
+	if err != nil {
+		k.Stop()
+		return nil, err
+	}
+	return k, nil
+}
+
+// Agent is the agent address peers reach this engine's ranks at.
+func (k *AgentKV) Agent() string { return k.Ranks[0].Self.Agent }
+
+// Stop ends every rank's session.
+func (k *AgentKV) Stop() {
+	for _, e := range k.Ranks {
+		if e != nil {
+			e.Stop()
+		}
+	}
+}
