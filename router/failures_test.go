@@ -62,7 +62,8 @@ func TestPullRetriesARefusedPrefillOnAnotherEngine(t *testing.T) {
 
 func TestPushAbortsTheDecodeLegAndRetriesThePairWhenPrefillFails(t *testing.T) {
 	kv := openai.NewLocalKV()
-	bad, good := startEngine(t, "p-bad", kv, 0), startEngine(t, "p-good", kv, 0)
+	// p-bad fails after 100 ms, when the decode leg is surely waiting for its KV.
+	bad, good := startEngine(t, "p-bad", kv, 100*time.Millisecond), startEngine(t, "p-good", kv, 0)
 	bad.Fail.Store(http.StatusInternalServerError)
 	d := startEngine(t, "d-0", kv, 0)
 	r := startRouter(t, kvv1.TransferPush, engines(bad, good), engines(d))

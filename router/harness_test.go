@@ -212,3 +212,19 @@ func eventually(t *testing.T, what string, within time.Duration, cond func() boo
 		}
 	}
 }
+
+func startHTTP(t *testing.T, h http.Handler) string {
+	t.Helper()
+	hs := httptest.NewServer(h)
+	t.Cleanup(hs.Close)
+	return hs.URL
+}
+
+func get(url string) int {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}

@@ -43,6 +43,10 @@ func ReadFile(path string) (*Set, error) {
 // Run watches the file's folder (editors and ConfigMap mounts replace files rather than
 // write them in place, which a watch on the file itself would lose).
 func (f *File) Run(ctx context.Context, out chan<- *Set) error {
+	log := f.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	s, err := ReadFile(f.Path)
 	if err != nil {
 		return err
@@ -72,7 +76,7 @@ func (f *File) Run(ctx context.Context, out chan<- *Set) error {
 		case <-ctx.Done():
 			return nil
 		case err := <-w.Errors:
-			f.Log.Error("watching the endpoints file", "path", f.Path, "err", err)
+			log.Error("watching the endpoints file", "path", f.Path, "err", err)
 		case <-w.Events:
 			data, err := os.ReadFile(f.Path)
 			if err != nil || bytes.Equal(data, last) {
@@ -81,10 +85,10 @@ func (f *File) Run(ctx context.Context, out chan<- *Set) error {
 			last = data
 			s, err := ReadFile(f.Path)
 			if err != nil {
-				f.Log.Error("the endpoints file is invalid; keeping the last good one", "path", f.Path, "err", err)
+				log.Error("the endpoints file is invalid; keeping the last good one", "path", f.Path, "err", err)
 				continue
 			}
-			f.Log.Info("endpoints changed", "path", f.Path, "prefill", len(s.Prefill), "decode", len(s.Decode))
+			log.Info("endpoints changed", "path", f.Path, "prefill", len(s.Prefill), "decode", len(s.Decode))
 			if !send(s) {
 				return nil
 			}

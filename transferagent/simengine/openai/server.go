@@ -291,6 +291,14 @@ func (s *Server) complete(chat bool) http.HandlerFunc {
 			s.mu.Unlock()
 		}
 		if st := s.Fail.Load(); st != 0 {
+			// An engine that fails does so after its prefill time, as one that crashes
+			// mid-prefill would.
+			if s.cfg.PrefillTime != nil {
+				select {
+				case <-time.After(s.cfg.PrefillTime(0)):
+				case <-r.Context().Done():
+				}
+			}
 			apiError(w, int(st), "InternalServerError", "injected failure")
 			return
 		}

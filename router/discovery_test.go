@@ -1,0 +1,178 @@
+package router_test
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/router"
+	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+)
+
+func writeEndpoints(t *testing.T, path string, s discovery.Set) {
+	t.Helper()
+	data, err := json.Marshal(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Replace, as editors and ConfigMap mounts do.
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestTheRouterFollowsItsEndpointsFile(t *testing.T) {
+	kv := openai.NewLocalKV()
+	p, d1, d2 := startEngine(t, "p-0", kv, 0), startEngine(t, "d-1", kv, 0), startEngine(t, "d-2", kv, 0)
+	path := filepath.Join(t.TempDir(), "endpoints.json")
+	writeEndpoints(t, path, discovery.Set{Mode: kvv1.TransferPush, Prefill: engines(p), Decode: engines(d1)})
+
+	cfg := router.Defaults()
+	cfg.ScrapeInterval = 0
+	cfg.Registry = prometheus.NewRegistry()
+	s := router.New(cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = s.Run(ctx, &discovery.File{Path: path}) }()
+	hs := startHTTP(t, s)
+
+	eventually(t, "the router reads the file", 2*time.Second, func() bool { return get(hs+"/readyz") == http.StatusOK })
+	if resp, body := post(t, hs, "/v1/completions", small); resp.StatusCode != http.StatusOK || len(d1.Seen()) != 1 {
+		t.Fatalf("%s %s; d-1 saw %d legs", resp.Status, body, len(d1.Seen()))
+	}
+
+	// The pool changes: d-1 leaves, d-2 joins, and the mode becomes Pull.
+	writeEndpoints(t, path, discovery.Set{Mode: kvv1.TransferPull, Prefill: engines(p), Decode: engines(d2)})
+	eventually(t, "requests reach the new decode engine", 2*time.Second, func() bool {
+		resp, _ := post(t, hs, "/v1/completions", small)
+		return resp.StatusCode == http.StatusOK && len(d2.Seen()) > 0
+	})
+	n := len(d1.Seen())
+	for range 3 {
+		post(t, hs, "/v1/completions", small)
+	}
+	if len(d1.Seen()) != n {
+		t.Error("a request went to a decode engine that left the file")
+	}
+	if params(t, d2.Seen()[len(d2.Seen())-1].Body)["remote_block_ids"] == nil {
+		t.Error("the mode change did not take: the decode leg carries no block ids")
+	}
+
+	// A broken file is refused; the last good set stays.
+	if err := os.WriteFile(path, []byte(`{"mode":"Sideways","prefill":[],"decode":[]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	resp, _ := post(t, hs, "/v1/completions", small)
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("after an invalid file: %s; the last good endpoints must stay", resp.Status)
+	}
+}
+
+func TestReadFileNamesTheFieldThatIsWrong(t *testing.T) {
+	dir := t.TempDir()
+	for body, wantErr := range map[string]string{
+		`{"mode":"Push","prefill":[{"url":"http://a:1","engineID":"p"}],"decode":[]}`:                                     "prefill[0]: host, sideChannelPort and tensorParallelSize must be set in Push mode",
+		`{"mode":"Pull","prefill":[{"url":"a:1","engineID":"p"}],"decode":[]}`:                                            `prefill[0].url "a:1"`,
+		`{"mode":"Pull","prefill":[],"decode":[{"url":"http://a:1"}]}`:                                                    "decode[0].engineID: must be set",
+		`{"mode":"Pull","prefill":[],"decode":[{"url":"http://a:1","engineID":"d"},{"url":"http://b:1","engineID":"d"}]}`: `decode[1].engineID "d": appears twice`,
+		`{"mode":"Pull","prefill":[],"decode":[],"extra":1}`:                                                              `unknown field "extra"`,
+		`{"mode":"pull","prefill":[],"decode":[]}`:                                                                        `mode is "pull": must be Push or Pull`,
+	} {
+		path := filepath.Join(dir, "e.json")
+		if err := os.WriteFile(path, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		_, err := discovery.ReadFile(path)
+		if err == nil || !contains(err.Error(), wantErr) {
+			t.Errorf("%s: error %v, want one containing %q", body, err, wantErr)
+		}
+	}
+}
+
+func contains(s, sub string) bool {
+	return len(sub) == 0 || (len(s) >= len(sub) && (s[:len(sub)] == sub || contains(s[1:], sub)))
+}
+
+func TestLoadSpreadsOverEngines(t *testing.T) {
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		t.Run(string(mode), func(t *testing.T) {
+			kv := openai.NewLocalKV()
+			// Prefill takes long enough that all requests are outstanding at once.
+			p1, p2 := startEngine(t, "p-1", kv, 300*time.Millisecond), startEngine(t, "p-2", kv, 300*time.Millisecond)
+			d1, d2 := startEngine(t, "d-1", kv, 0), startEngine(t, "d-2", kv, 0)
+			r := startRouter(t, mode, engines(p1, p2), engines(d1, d2))
+			var wg sync.WaitGroup
+			for range 8 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if resp, body := post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK {
+						t.Errorf("%s: %s", resp.Status, body)
+					}
+				}()
+			}
+			wg.Wait()
+			for _, e := range []*engine{p1, p2, d1, d2} {
+				if n := len(e.Seen()); n < 3 || n > 5 {
+					t.Errorf("%s got %d of 8 requests; equal engines must share the load", e.EngineID, n)
+				}
+			}
+		})
+	}
+}
+
+func TestDecodeSelectionAvoidsAnEngineItsMetricsSayIsBusy(t *testing.T) {
+	kv := openai.NewLocalKV()
+	p := startEngine(t, "p-0", kv, 0)
+	busy, idle := startEngine(t, "d-busy", kv, 0), startEngine(t, "d-idle", kv, 0)
+	// d-busy exports a long queue (requests from other routers, say).
+	busyMetrics := startHTTP(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			_, _ = w.Write([]byte("vllm:num_requests_running{engine=\"0\"} 40\nvllm:num_requests_waiting{engine=\"0\"} 12\nvllm:kv_cache_usage_perc 0.5\n"))
+			return
+		}
+		busy.ServeHTTP(w, r)
+	}))
+	be := busy.Engine
+	be.URL = busyMetrics
+	r := startRouter(t, kvv1.TransferPull, engines(p), []discovery.Engine{be, idle.Engine}, func(c *router.Config) { c.ScrapeInterval = 20 * time.Millisecond })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		_ = r.Run(ctx, staticSource{&discovery.Set{Mode: kvv1.TransferPull, Prefill: engines(p), Decode: []discovery.Engine{be, idle.Engine}, Source: "test"}})
+	}()
+	eventually(t, "the router scraped both engines", 2*time.Second, func() bool {
+		post(t, r.URL, "/v1/completions", small)
+		return len(idle.Seen()) >= 3
+	})
+	before := len(busy.Seen())
+	for range 5 {
+		post(t, r.URL, "/v1/completions", small)
+	}
+	if len(busy.Seen()) != before {
+		t.Errorf("the router sent %d requests to an engine exporting 52 queued while another was idle", len(busy.Seen())-before)
+	}
+}
+
+type staticSource struct{ s *discovery.Set }
+
+func (s staticSource) Run(ctx context.Context, out chan<- *discovery.Set) error {
+	select {
+	case out <- s.s:
+	case <-ctx.Done():
+	}
+	return nil
+}
