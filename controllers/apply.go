@@ -75,7 +75,16 @@ func unchanged(desired, live client.Object) bool {
 		return false
 	}
 	// DeepDerivative ignores what desired leaves unset (server defaults) but catches
-	// any field desired sets that the live object holds differently.
-	return equality.Semantic.DeepDerivative(d["spec"], l["spec"]) &&
-		equality.Semantic.DeepDerivative(desired.GetLabels(), live.GetLabels())
+	// any field desired sets that the live object holds differently: spec, or a Role's
+	// rules and a RoleBinding's roleRef and subjects, which have no spec.
+	for k, v := range d {
+		switch k {
+		case "apiVersion", "kind", "metadata", "status":
+			continue
+		}
+		if !equality.Semantic.DeepDerivative(v, l[k]) {
+			return false
+		}
+	}
+	return equality.Semantic.DeepDerivative(desired.GetLabels(), live.GetLabels())
 }

@@ -42,11 +42,11 @@ var _ = Describe("Status", func() {
 		Expect(p.Status.ReadyReplicas).To(BeEquivalentTo(1))
 		Expect(p.Status.Mode).To(Equal(kvv1.TransferPush))
 		Expect(p.Status.Selector).To(Equal("kvhandoff.io/pool=p,kvhandoff.io/role=prefill"))
+		Expect(p.Status.CompatHash).NotTo(BeEmpty())
 		Expect(p.Status.Engines).To(Equal([]kvv1.EngineStatus{{
 			PodName: "p-0", EngineID: "p-0." + ns, Host: "10.0.0.1", SideChannelPort: 5600,
-			TensorParallelSize: 8, PipelineParallelSize: 1, NodeName: "node-a",
+			TensorParallelSize: 8, PipelineParallelSize: 1, NodeName: "node-a", CompatHash: p.Status.CompatHash, Ready: true,
 		}}))
-		Expect(p.Status.CompatHash).NotTo(BeEmpty())
 		Expect(d.Status.CompatHash).To(Equal(p.Status.CompatHash))
 		Expect(condition(d, kvv1.ConditionPaired).Reason).To(Equal(kvv1.ReasonCompatible))
 	})

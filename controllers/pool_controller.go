@@ -26,6 +26,9 @@ type PoolReconciler struct {
 	client.Client
 	Recorder events.EventRecorder
 	Role     kvv1.Role
+	// RouterImage is the router image of the manager's version, for DecodePools that
+	// name none.
+	RouterImage string
 }
 
 // +kubebuilder:rbac:groups=kvhandoff.io,resources=prefillpools;decodepools,verbs=get;list;watch
@@ -35,8 +38,14 @@ type PoolReconciler struct {
 // +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
+// +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups="",resources=services;serviceaccounts,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups=rbac.authorization.k8s.io,resources=roles;rolebindings,verbs=get;list;watch;create;patch;delete
 // Owned objects are applied server-side (create and patch, never update) and removed by
-// the garbage collector through their owner references, so the manager needs no delete.
+// the garbage collector through their owner references. The manager deletes only a
+// DecodePool's router objects, when the pool disables its router; the Role it gives
+// routers grants only what the manager itself holds (reading pools and pods).
 
 // Reconcile makes one pool's engines match the pool and its policy:
 //  1. fetch the pool;
@@ -120,7 +129,13 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 	if err := r.apply(ctx, p, w.Service, &corev1.Service{}); err != nil {
 		return err
 	}
-	return r.apply(ctx, p, w.StatefulSet, &appsv1.StatefulSet{})
+	if err := r.apply(ctx, p, w.StatefulSet, &appsv1.StatefulSet{}); err != nil {
+		return err
+	}
+	if p.role() == kvv1.RoleDecode {
+		return r.applyRouter(ctx, p)
+	}
+	return nil
 }
 
 // SetupWithManager registers the reconciler: it follows the StatefulSet and Service of
@@ -139,7 +154,10 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&corev1.Pod{}, enqueuePoolOfPod(r.Role)).
 		Watches(&kvv1.KVTransferPolicy{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPolicy))
 	if r.Role == kvv1.RoleDecode {
-		b = b.Watches(&kvv1.PrefillPool{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPrefillPool))
+		b = b.Watches(&kvv1.PrefillPool{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPrefillPool)).
+			// A hand edit of the router's Deployment or Service is undone.
+			Owns(&appsv1.Deployment{}).
+			Owns(&corev1.Service{})
 	}
 	return b.Complete(r)
 }

@@ -1,7 +1,10 @@
 package controllers
 
 import (
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/selection"
@@ -26,10 +29,11 @@ func NewScheme() *runtime.Scheme {
 	return s
 }
 
-// Setup registers the PrefillPool and DecodePool reconcilers with mgr.
-func Setup(mgr ctrl.Manager) error {
+// Setup registers the PrefillPool and DecodePool reconcilers with mgr. routerImage is
+// the router image DecodePools get when they name none ("" for DefaultRouterImage).
+func Setup(mgr ctrl.Manager, routerImage string) error {
 	for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
-		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role}
+		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role, RouterImage: routerImage}
 		if err := r.SetupWithManager(mgr); err != nil {
 			return err
 		}
@@ -40,12 +44,25 @@ func Setup(mgr ctrl.Manager) error {
 // CacheOptions keep the manager's memory proportional to its engines: of all pods it
 // caches only those that carry a pool label. StatefulSets and Services are cached whole,
 // so that a foreign object with a pool's name is seen and reported, never taken over.
+//
+// Of Deployments, PodDisruptionBudgets, ServiceAccounts, Roles and RoleBindings it caches
+// only routers' (labelled kvhandoff.io/router): those kinds are numerous in a cluster and
+// the manager owns no others.
 func CacheOptions() cache.Options {
-	enginePods, err := labels.NewRequirement(kvv1.LabelPool, selection.Exists, nil)
-	if err != nil {
-		panic(err) // a constant label key always makes a valid requirement
+	has := func(key string) cache.ByObject {
+		r, err := labels.NewRequirement(key, selection.Exists, nil)
+		if err != nil {
+			panic(err) // a constant label key always makes a valid requirement
+		}
+		return cache.ByObject{Label: labels.NewSelector().Add(*r)}
 	}
+	router := has(kvv1.LabelRouter)
 	return cache.Options{ByObject: map[client.Object]cache.ByObject{
-		&corev1.Pod{}: {Label: labels.NewSelector().Add(*enginePods)},
+		&corev1.Pod{}:                   has(kvv1.LabelPool),
+		&appsv1.Deployment{}:            router,
+		&policyv1.PodDisruptionBudget{}: router,
+		&corev1.ServiceAccount{}:        router,
+		&rbacv1.Role{}:                  router,
+		&rbacv1.RoleBinding{}:           router,
 	}}
 }

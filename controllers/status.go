@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -29,6 +30,10 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 	st.Selector = labels.SelectorFromSet(render.SelectorLabels(p.role(), p.object().GetName())).String()
 	if v.policy != nil {
 		st.Mode = v.policy.Spec.Mode
+	}
+	st.RouterService = ""
+	if routerEnabled(p) && v.problem == nil {
+		st.RouterService = render.RouterName(p.object().GetName())
 	}
 
 	sts := &appsv1.StatefulSet{}
@@ -171,7 +176,6 @@ func (r *PoolReconciler) engines(ctx context.Context, p pool) (engines []kvv1.En
 	if err := r.List(ctx, pods, client.InNamespace(p.object().GetNamespace()), client.MatchingLabels(render.SelectorLabels(p.role(), p.object().GetName()))); err != nil {
 		return nil, nil, "", err
 	}
-	spec := p.engine()
 	for _, pod := range pods.Items {
 		if pod.DeletionTimestamp != nil {
 			continue
@@ -185,17 +189,40 @@ func (r *PoolReconciler) engines(ctx context.Context, p pool) (engines []kvv1.En
 		if pod.Status.PodIP == "" {
 			continue
 		}
+		// What the pod runs, from the labels it was rendered with: mid-rollout an old pod
+		// keeps its old sizes and hash.
 		engines = append(engines, kvv1.EngineStatus{
 			PodName:              pod.Name,
 			EngineID:             render.EngineID(pod.Name, pod.Namespace),
 			Host:                 pod.Status.PodIP,
 			SideChannelPort:      render.SideChannelPort,
-			TensorParallelSize:   spec.TensorParallelSize,
-			PipelineParallelSize: spec.PipelineParallelSize,
+			TensorParallelSize:   labelInt(pod.Labels, kvv1.LabelTensorParallelSize),
+			PipelineParallelSize: labelInt(pod.Labels, kvv1.LabelPipelineParallelSize),
 			NodeName:             pod.Spec.NodeName,
+			CompatHash:           pod.Labels[kvv1.LabelCompatHash],
+			Ready:                podReady(&pod),
 		})
 	}
 	slices.SortFunc(engines, func(a, b kvv1.EngineStatus) int { return strings.Compare(a.PodName, b.PodName) })
 	slices.Sort(pending)
 	return engines, pending, schedulerSays, nil
+}
+
+// labelInt reads a numeric label; 0 when it is missing or not a number (a pod rendered
+// before the label existed), which no engine runs with, so nothing reads it as real.
+func labelInt(labels map[string]string, key string) int32 {
+	n, err := strconv.ParseInt(labels[key], 10, 32)
+	if err != nil {
+		return 0
+	}
+	return int32(n)
+}
+
+func podReady(pod *corev1.Pod) bool {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }

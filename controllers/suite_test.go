@@ -59,7 +59,7 @@ var _ = BeforeSuite(func() {
 		Cache:                  CacheOptions(),
 	})
 	Expect(err).NotTo(HaveOccurred())
-	Expect(Setup(mgr)).To(Succeed())
+	Expect(Setup(mgr, "")).To(Succeed())
 	go func() {
 		defer GinkgoRecover()
 		Expect(mgr.Start(ctx)).To(Succeed())
@@ -122,6 +122,7 @@ func addEnginePod(sts *appsv1.StatefulSet, i int, node, ip string) {
 	pod.Status.PodIP = ip
 	pod.Status.PodIPs = []corev1.PodIP{{IP: ip}}
 	pod.Status.Phase = corev1.PodRunning
+	pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
 	Expect(k8s.Status().Update(ctx, pod)).To(Succeed())
 }
 

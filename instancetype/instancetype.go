@@ -43,14 +43,7 @@ func Lookup(name string) (Info, bool) {
 }
 
 // Names lists the known instance types, sorted, for messages.
-func Names() string {
-	names := make([]string, 0, len(known))
-	for n := range known {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	return strings.Join(names, ", ")
-}
+func Names() string { return strings.Join(Accelerated(), ", ") }
 
 // EFACount is the number of vpc.amazonaws.com/efa an engine pod with the given
 // accelerators requests: the policy's efaPerAccelerator when set, else the instance
@@ -67,4 +60,15 @@ func EFACount(accelerators int32, instanceType string, efaPerAccelerator int32) 
 		return 0, fmt.Errorf("instanceType %q is not in kvhandoff's table (%s), so the number of EFA interfaces is unknown; set the policy's spec.fabric.efaPerAccelerator", instanceType, Names())
 	}
 	return info.EFAFor(accelerators), nil
+}
+
+// Accelerated lists every instance type of the table, sorted: all of them carry
+// accelerators, and programs that need none (the router) keep off them.
+func Accelerated() []string {
+	names := make([]string, 0, len(known))
+	for n := range known {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
 }

@@ -36,6 +36,8 @@ const (
 func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 	labels := objectMeta(in).Labels
 	labels[kvv1.LabelCompatHash] = compat.Hash(in.Spec, in.Policy)
+	labels[kvv1.LabelTensorParallelSize] = strconv.Itoa(int(in.Spec.TensorParallelSize))
+	labels[kvv1.LabelPipelineParallelSize] = strconv.Itoa(int(in.Spec.PipelineParallelSize))
 	policyHash, err := hashJSON(in.Policy)
 	if err != nil {
 		return nil, err

@@ -83,20 +83,26 @@ func TestGolden(t *testing.T) {
 				out.WriteString("---\n")
 				out.Write(data)
 			}
-			golden := filepath.Join("testdata", c.name+".golden.yaml")
-			if *update {
-				if err := os.WriteFile(golden, out.Bytes(), 0o644); err != nil {
-					t.Fatal(err)
-				}
-			}
-			want, err := os.ReadFile(golden)
-			if err != nil {
-				t.Fatalf("%v (run go test ./render -update to create it)", err)
-			}
-			if !bytes.Equal(out.Bytes(), want) {
-				t.Errorf("rendered objects differ from %s; if the change is intended, run go test ./render -update and review the diff.\n%s", golden, lineDiff(string(want), out.String()))
-			}
+			checkGolden(t, c.name, out.Bytes())
 		})
+	}
+}
+
+// checkGolden compares rendered YAML with testdata/<name>.golden.yaml.
+func checkGolden(t *testing.T, name string, got []byte) {
+	t.Helper()
+	golden := filepath.Join("testdata", name+".golden.yaml")
+	if *update {
+		if err := os.WriteFile(golden, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(golden)
+	if err != nil {
+		t.Fatalf("%v (run go test ./render -update to create it)", err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("rendered objects differ from %s; if the change is intended, run go test ./render -update and review the diff.\n%s", golden, lineDiff(string(want), string(got)))
 	}
 }
 

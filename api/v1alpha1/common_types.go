@@ -172,6 +172,15 @@ type EngineStatus struct {
 	// nodeName is the node the engine's pod runs on.
 	// +optional
 	NodeName string `json:"nodeName,omitempty"`
+
+	// compatHash is the kvhandoff.io/compat-hash the engine's pod runs with. A router pairs
+	// a prefill and a decode engine only when theirs are equal.
+	// +optional
+	CompatHash string `json:"compatHash,omitempty"`
+
+	// ready is true when the engine's pod is Ready: its OpenAI API answers.
+	// +optional
+	Ready bool `json:"ready,omitempty"`
 }
 
 // PoolStatus is the observed state of a PrefillPool or DecodePool.
@@ -202,6 +211,11 @@ type PoolStatus struct {
 	// A DecodePool is Paired when its compatHash equals its PrefillPool's.
 	// +optional
 	CompatHash string `json:"compatHash,omitempty"`
+
+	// routerService is, on a DecodePool whose router is enabled, the name of the Service
+	// clients send requests to (port 8000, named http).
+	// +optional
+	RouterService string `json:"routerService,omitempty"`
 
 	// engines lists the identity of every engine pod that has one.
 	// +listType=map

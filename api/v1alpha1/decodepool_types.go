@@ -1,6 +1,7 @@
 package v1alpha1
 
 import (
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -11,6 +12,40 @@ type DecodePoolSpec struct {
 	// prefillPoolRef names the PrefillPool whose KV this pool's engines receive.
 	// +required
 	PrefillPoolRef PoolReference `json:"prefillPoolRef"`
+
+	// router is the request router clients reach this pool through: it sends each
+	// request's prefill leg to the PrefillPool and its decode leg here, in the policy's mode.
+	// +kubebuilder:default={}
+	// +optional
+	Router RouterSpec `json:"router,omitempty"`
+}
+
+// RouterSpec is the Deployment that routes requests to a DecodePool and its PrefillPool.
+type RouterSpec struct {
+	// enabled renders the router: a Deployment, a Service <pool>-router (port 8000, named
+	// http), a PodDisruptionBudget and a ServiceAccount with a Role that can only read the
+	// namespace's pools and pods. false removes them.
+	// +kubebuilder:default=true
+	// +optional
+	Enabled *bool `json:"enabled,omitempty"`
+
+	// replicas is the number of router pods. Routers keep no state across requests, so any
+	// replica serves any request; two survive a node drain.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=64
+	// +kubebuilder:default=2
+	// +optional
+	Replicas *int32 `json:"replicas,omitempty"`
+
+	// image is the router's container image; empty means the router image of the
+	// manager's own version (the manager's --router-image).
+	// +kubebuilder:validation:MaxLength=1024
+	// +optional
+	Image string `json:"image,omitempty"`
+
+	// resources of the router container; empty means a request of 100m CPU and 128Mi memory.
+	// +optional
+	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
 }
 
 // DecodePool is a set of vLLM engines that generate tokens from KV caches built by the
@@ -25,6 +60,7 @@ type DecodePoolSpec struct {
 // +kubebuilder:printcolumn:name="Replicas",type=integer,JSONPath=`.spec.replicas`
 // +kubebuilder:printcolumn:name="Ready",type=integer,JSONPath=`.status.readyReplicas`
 // +kubebuilder:printcolumn:name="Mode",type=string,JSONPath=`.status.mode`
+// +kubebuilder:printcolumn:name="Router",type=string,JSONPath=`.status.routerService`
 // +kubebuilder:printcolumn:name="Prefill",type=string,JSONPath=`.spec.prefillPoolRef.name`,priority=1
 // +kubebuilder:printcolumn:name="Policy",type=string,JSONPath=`.spec.transferPolicyRef.name`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`

@@ -11,9 +11,17 @@ const (
 	// KV-cache dtype, transfer mode, connector and image. A router pairs prefill and decode
 	// pods whose values are equal.
 	LabelCompatHash = "kvhandoff.io/compat-hash"
+	// LabelTensorParallelSize and LabelPipelineParallelSize on an engine pod are the
+	// parallelism it runs with; status reads them from the pod, so a rollout never
+	// advertises an old pod with a new pool's sizes.
+	LabelTensorParallelSize   = "kvhandoff.io/tensor-parallel-size"
+	LabelPipelineParallelSize = "kvhandoff.io/pipeline-parallel-size"
 	// LabelAgentReady marks a node whose transfer agent is serving. Engines of a policy with
 	// executor Agent are scheduled only onto such nodes.
 	LabelAgentReady = "kvhandoff.io/agent-ready"
+	// LabelRouter on a router's objects and pods names the DecodePool it routes to. Router
+	// pods carry neither the pool nor the role label, so they are never taken for engines.
+	LabelRouter = "kvhandoff.io/router"
 
 	// AnnotationPolicyHash on an engine pod template is the hash of the policy spec the pod
 	// was rendered from, so that any policy change rolls both pools.

@@ -20,6 +20,7 @@ func main() {
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address the Prometheus metrics endpoint binds to; 0 disables it")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader, so that only one of several manager replicas reconciles")
+	routerImage := flag.String("router-image", controllers.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the router of this manager's version")
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
 	flag.Parse()
@@ -38,7 +39,7 @@ func main() {
 		log.Error(err, "creating the manager")
 		os.Exit(1)
 	}
-	if err := controllers.Setup(mgr); err != nil {
+	if err := controllers.Setup(mgr, *routerImage); err != nil {
 		log.Error(err, "setting up the controllers")
 		os.Exit(1)
 	}

@@ -1,0 +1,89 @@
+package controllers
+
+import (
+	"context"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/render"
+)
+
+// DefaultRouterImage is the router image the manager renders when a DecodePool names
+// none: the one built with the manager (cmd/manager sets the tag at build time).
+var DefaultRouterImage = "ghcr.io/kvhandoff/router:latest"
+
+func routerEnabled(p pool) bool {
+	d, ok := p.object().(*kvv1.DecodePool)
+	return ok && ptr.Deref(d.Spec.Router.Enabled, true)
+}
+
+// applyRouter applies a DecodePool's router, or removes it when the pool disables it.
+func (r *PoolReconciler) applyRouter(ctx context.Context, p pool) error {
+	d := p.object().(*kvv1.DecodePool)
+	if !routerEnabled(p) {
+		return r.deleteRouter(ctx, p)
+	}
+	image := r.RouterImage
+	if image == "" {
+		image = DefaultRouterImage
+	}
+	w, err := render.Router(render.RouterInput{Pool: d.Name, Namespace: d.Namespace, Spec: &d.Spec.Router, DefaultImage: image})
+	if err != nil {
+		return err
+	}
+	for _, obj := range w.Objects() {
+		if err := r.apply(ctx, p, obj.(client.Object), emptyLike(obj)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// emptyLike returns an empty object of obj's type, to read the live one into.
+func emptyLike(obj metav1.Object) client.Object {
+	switch obj.(type) {
+	case *corev1.ServiceAccount:
+		return &corev1.ServiceAccount{}
+	case *rbacv1.Role:
+		return &rbacv1.Role{}
+	case *rbacv1.RoleBinding:
+		return &rbacv1.RoleBinding{}
+	case *appsv1.Deployment:
+		return &appsv1.Deployment{}
+	case *corev1.Service:
+		return &corev1.Service{}
+	case *policyv1.PodDisruptionBudget:
+		return &policyv1.PodDisruptionBudget{}
+	}
+	panic("controllers: no empty object for a rendered router object") // every rendered kind is listed above
+}
+
+// deleteRouter deletes the router objects the pool controls; objects of those names that
+// belong to something else are left alone.
+func (r *PoolReconciler) deleteRouter(ctx context.Context, p pool) error {
+	name := render.RouterName(p.object().GetName())
+	for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}, &rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}} {
+		err := r.Get(ctx, client.ObjectKey{Namespace: p.object().GetNamespace(), Name: name}, obj)
+		if apierrors.IsNotFound(err) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if !metav1.IsControlledBy(obj, p.object()) {
+			continue
+		}
+		if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); client.IgnoreNotFound(err) != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,180 @@
+package render
+
+import (
+	"maps"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/instancetype"
+)
+
+// RouterPort is where the router serves the OpenAI API, /metrics and its probes.
+const RouterPort = 8000
+
+// RouterInput is what a DecodePool's router renders from.
+type RouterInput struct {
+	// Pool and Namespace are the DecodePool's.
+	Pool, Namespace string
+	Spec            *kvv1.RouterSpec
+	// DefaultImage is the router image of the manager's version, used when the spec
+	// names none.
+	DefaultImage string
+}
+
+// RouterWorkload is what a DecodePool's router renders to.
+type RouterWorkload struct {
+	ServiceAccount *corev1.ServiceAccount
+	Role           *rbacv1.Role
+	RoleBinding    *rbacv1.RoleBinding
+	Deployment     *appsv1.Deployment
+	Service        *corev1.Service
+	PDB            *policyv1.PodDisruptionBudget
+}
+
+// Objects lists the workload's objects in the order they are applied: identity and
+// permissions before the pods that use them.
+func (w *RouterWorkload) Objects() []metav1.Object {
+	return []metav1.Object{w.ServiceAccount, w.Role, w.RoleBinding, w.Deployment, w.Service, w.PDB}
+}
+
+// RouterName is the name of a DecodePool's router objects and of its Service.
+func RouterName(pool string) string { return pool + "-router" }
+
+// RouterSelectorLabels select the router pods of one DecodePool.
+func RouterSelectorLabels(pool string) map[string]string {
+	return map[string]string{kvv1.LabelRouter: pool}
+}
+
+// Router renders a DecodePool's router: a Deployment of stateless replicas off the
+// accelerator nodes, its Service, a PodDisruptionBudget, and a ServiceAccount whose
+// Role reads only the namespace's pools and pods.
+func Router(in RouterInput) (*RouterWorkload, error) {
+	name := RouterName(in.Pool)
+	labels := RouterSelectorLabels(in.Pool)
+	maps.Copy(labels, map[string]string{
+		"app.kubernetes.io/name":       "kvhandoff-router",
+		"app.kubernetes.io/instance":   in.Pool,
+		"app.kubernetes.io/component":  "router",
+		"app.kubernetes.io/managed-by": "kvhandoff",
+	})
+	meta := func(kind, apiVersion string) (metav1.TypeMeta, metav1.ObjectMeta) {
+		return metav1.TypeMeta{Kind: kind, APIVersion: apiVersion}, metav1.ObjectMeta{Name: name, Namespace: in.Namespace, Labels: maps.Clone(labels)}
+	}
+	image := in.Spec.Image
+	if image == "" {
+		image = in.DefaultImage
+	}
+	resources := corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("128Mi")},
+		Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
+	}
+	if in.Spec.Resources != nil {
+		resources = *in.Spec.Resources
+	}
+
+	w := &RouterWorkload{}
+	w.ServiceAccount = &corev1.ServiceAccount{}
+	w.ServiceAccount.TypeMeta, w.ServiceAccount.ObjectMeta = meta("ServiceAccount", "v1")
+	w.Role = &rbacv1.Role{Rules: []rbacv1.PolicyRule{
+		{APIGroups: []string{kvv1.GroupVersion.Group}, Resources: []string{"decodepools", "prefillpools"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
+	}}
+	w.Role.TypeMeta, w.Role.ObjectMeta = meta("Role", "rbac.authorization.k8s.io/v1")
+	w.RoleBinding = &rbacv1.RoleBinding{
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: name},
+		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: name, Namespace: in.Namespace}},
+	}
+	w.RoleBinding.TypeMeta, w.RoleBinding.ObjectMeta = meta("RoleBinding", "rbac.authorization.k8s.io/v1")
+
+	container := corev1.Container{
+		Name:  "router",
+		Image: image,
+		Args:  []string{"--decode-pool=" + in.Pool, "--namespace=$(POD_NAMESPACE)", "--listen=:8000"},
+		Env:   []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace")},
+		Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP}},
+		// Ready once it has found an engine pair: a router without engines would only
+		// answer 503s, so the Service should not send clients there.
+		ReadinessProbe: routerProbe("/readyz", 5, 2),
+		LivenessProbe:  routerProbe("/healthz", 10, 3),
+		Resources:      resources,
+		SecurityContext: &corev1.SecurityContext{
+			RunAsNonRoot:             ptr.To(true),
+			ReadOnlyRootFilesystem:   ptr.To(true),
+			AllowPrivilegeEscalation: ptr.To(false),
+			Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+			SeccompProfile:           &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
+		},
+	}
+	pod := corev1.PodTemplateSpec{
+		ObjectMeta: metav1.ObjectMeta{Labels: maps.Clone(labels)},
+		Spec: corev1.PodSpec{
+			ServiceAccountName: name,
+			Containers:         []corev1.Container{container},
+			Affinity:           routerAffinity(in.Pool),
+			// In-flight requests get this long to finish after the router stops taking new ones.
+			TerminationGracePeriodSeconds: ptr.To[int64](60),
+			EnableServiceLinks:            ptr.To(false),
+		},
+	}
+	w.Deployment = &appsv1.Deployment{Spec: appsv1.DeploymentSpec{
+		Replicas: ptr.To(ptr.Deref(in.Spec.Replicas, 2)),
+		Selector: &metav1.LabelSelector{MatchLabels: RouterSelectorLabels(in.Pool)},
+		// Keep every replica serving while a new one starts: a rollout never lowers capacity.
+		Strategy: appsv1.DeploymentStrategy{Type: appsv1.RollingUpdateDeploymentStrategyType, RollingUpdate: &appsv1.RollingUpdateDeployment{
+			MaxUnavailable: ptr.To(intstr.FromInt32(0)), MaxSurge: ptr.To(intstr.FromInt32(1)),
+		}},
+		Template: pod,
+	}}
+	w.Deployment.TypeMeta, w.Deployment.ObjectMeta = meta("Deployment", "apps/v1")
+	w.Service = &corev1.Service{Spec: corev1.ServiceSpec{
+		Type:     corev1.ServiceTypeClusterIP,
+		Selector: RouterSelectorLabels(in.Pool),
+		Ports:    []corev1.ServicePort{{Name: "http", Port: RouterPort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}},
+	}}
+	w.Service.TypeMeta, w.Service.ObjectMeta = meta("Service", "v1")
+	// maxUnavailable rather than minAvailable: with one replica a drain still proceeds.
+	w.PDB = &policyv1.PodDisruptionBudget{Spec: policyv1.PodDisruptionBudgetSpec{
+		MaxUnavailable: ptr.To(intstr.FromInt32(1)),
+		Selector:       &metav1.LabelSelector{MatchLabels: RouterSelectorLabels(in.Pool)},
+	}}
+	w.PDB.TypeMeta, w.PDB.ObjectMeta = meta("PodDisruptionBudget", "policy/v1")
+
+	for _, obj := range w.Objects() {
+		if err := stamp(obj); err != nil {
+			return nil, err
+		}
+	}
+	return w, nil
+}
+
+// routerAffinity keeps routers off accelerator nodes (every instance type kvhandoff
+// knows carries accelerators, and nodes with a transfer agent are accelerator nodes:
+// the router needs neither) and spreads replicas over nodes.
+func routerAffinity(pool string) *corev1.Affinity {
+	return &corev1.Affinity{
+		NodeAffinity: &corev1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
+			NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{
+				{Key: labelInstanceType, Operator: corev1.NodeSelectorOpNotIn, Values: instancetype.Accelerated()},
+				{Key: kvv1.LabelAgentReady, Operator: corev1.NodeSelectorOpDoesNotExist},
+			}}},
+		}},
+		PodAntiAffinity: &corev1.PodAntiAffinity{PreferredDuringSchedulingIgnoredDuringExecution: []corev1.WeightedPodAffinityTerm{{
+			Weight:          100,
+			PodAffinityTerm: corev1.PodAffinityTerm{LabelSelector: &metav1.LabelSelector{MatchLabels: RouterSelectorLabels(pool)}, TopologyKey: labelHostname},
+		}}},
+	}
+}
+
+func routerProbe(path string, period, failures int32) *corev1.Probe {
+	p := httpProbe(path, period, failures)
+	p.TimeoutSeconds = 2
+	return p
+}

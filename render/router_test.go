@@ -1,0 +1,74 @@
+package render
+
+import (
+	"bytes"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/instancetype"
+)
+
+func TestRouterGolden(t *testing.T) {
+	for name, spec := range map[string]kvv1.RouterSpec{
+		"router-defaults": {},
+		"router-custom": {Replicas: ptr.To[int32](3), Image: "registry.example/router:v1", Resources: &corev1.ResourceRequirements{
+			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("2")},
+		}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			w, err := Router(RouterInput{Pool: "qwen3-32b-decode", Namespace: "inference", Spec: &spec, DefaultImage: "ghcr.io/kvhandoff/router:v0.1.0"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out bytes.Buffer
+			for _, obj := range w.Objects() {
+				data, err := yaml.Marshal(obj)
+				if err != nil {
+					t.Fatal(err)
+				}
+				out.WriteString("---\n")
+				out.Write(data)
+			}
+			checkGolden(t, name, out.Bytes())
+		})
+	}
+}
+
+func TestTheRouterKeepsOffEveryAcceleratorNode(t *testing.T) {
+	w, err := Router(RouterInput{Pool: "d", Namespace: "ns", Spec: &kvv1.RouterSpec{}, DefaultImage: "x"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	terms := w.Deployment.Spec.Template.Spec.Affinity.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms
+	if len(terms) != 1 {
+		t.Fatalf("%d node selector terms, want 1 (terms are ORed)", len(terms))
+	}
+	excluded := map[string]bool{}
+	agent := false
+	for _, e := range terms[0].MatchExpressions {
+		switch {
+		case e.Key == "node.kubernetes.io/instance-type" && e.Operator == corev1.NodeSelectorOpNotIn:
+			for _, v := range e.Values {
+				excluded[v] = true
+			}
+		case e.Key == kvv1.LabelAgentReady && e.Operator == corev1.NodeSelectorOpDoesNotExist:
+			agent = true
+		}
+	}
+	for _, it := range instancetype.Accelerated() {
+		if !excluded[it] {
+			t.Errorf("the router may land on %s nodes", it)
+		}
+	}
+	if !agent {
+		t.Error("the router may land on nodes that run a transfer agent")
+	}
+	if l := w.Deployment.Spec.Template.Labels; l[kvv1.LabelPool] != "" || l[kvv1.LabelRole] != "" {
+		t.Errorf("router pods carry engine labels %v: the manager would take them for engines", l)
+	}
+}
