@@ -85,7 +85,9 @@ func engines(es ...*engine) []discovery.Engine {
 // post sends a body to the router and returns the response and its whole body.
 func post(t *testing.T, url, path, body string) (*http.Response, []byte) {
 	t.Helper()
-	resp, err := http.Post(url+path, "application/json", strings.NewReader(body))
+	// Bounded, so a request that can never finish fails the test instead of hanging it.
+	c := &http.Client{Timeout: 30 * time.Second}
+	resp, err := c.Post(url+path, "application/json", strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,11 @@
+// Command router is kvhandoff's request router: an OpenAI-compatible front end that
+// sends each request's prefill and decode legs to a DecodePool and its PrefillPool.
+package main
+
+import (
+	"os"
+
+	"github.com/kvhandoff/kvhandoff/router/cli"
+)
+
+func main() { os.Exit(cli.Run(os.Args[1:], os.Stderr, nil)) }

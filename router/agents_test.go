@@ -1,0 +1,158 @@
+package router_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+)
+
+// These tests send requests through the router to simulated engines whose KV moves
+// through two real transfer agents over real libfabric (tcp;ofi_rxm on loopback), every
+// byte verified by the decode engine before its first token.
+
+var agentBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "kvhandoff-router-test")
+	if err != nil {
+		panic(err)
+	}
+	if agentBin, err = agentproc.Build(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func startAgent(t *testing.T, name string) *agentproc.Proc {
+	t.Helper()
+	p, err := agentproc.Start(agentBin, name, t.TempDir(), "tcp;ofi_rxm", "--lease", "5s", "--registration-timeout", "10s", "--blocks-ttl", "5s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Stop()
+		if t.Failed() {
+			t.Logf("agent %s log:\n%s", name, p.Log())
+		}
+	})
+	return p
+}
+
+// agentEngine is a simulated engine of TP ranks whose KV moves through agent a.
+func agentEngine(t *testing.T, a *agentproc.Proc, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout) *engine {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	kv, err := openai.StartAgentKV(ctx, id, role, mode, l, a.Socket, a.MemoryDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(kv.Stop)
+	// The side channel tells decode engines where this engine's agent is.
+	sc := httptest.NewServer(openai.SideChannel(openai.SideChannelInfo{EngineID: id, Agent: kv.Agent(), TP: l.TP}))
+	t.Cleanup(sc.Close)
+	port, _ := strconv.Atoi(sc.URL[strings.LastIndexByte(sc.URL, ':')+1:])
+	s := openai.New(openai.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: port, TP: l.TP, KV: kv,
+		PrefillTime: func(tokens int) time.Duration {
+			if tokens > 1000 {
+				return time.Hour // a prompt this engine hangs on, for abort tests
+			}
+			return 20 * time.Millisecond
+		}})
+	hs := httptest.NewServer(s)
+	t.Cleanup(hs.Close)
+	return &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: int32(port), TensorParallelSize: int32(l.TP)}}
+}
+
+func TestKVMovesThroughTheAgentsInBothModes(t *testing.T) {
+	l := simengine.Layout{Layers: 2, BlockSize: 16, KVHeads: 8, HeadDim: 16, DTypeBytes: 2, TP: 2, Blocks: 256}
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		t.Run(string(mode), func(t *testing.T) {
+			am := map[kvv1.TransferMode]agentv1.Mode{kvv1.TransferPush: agentv1.Mode_MODE_PUSH, kvv1.TransferPull: agentv1.Mode_MODE_PULL}[mode]
+			pa, da := startAgent(t, "prefill-node"), startAgent(t, "decode-node")
+			p := agentEngine(t, pa, "p-0.ns", agentv1.Role_ROLE_PREFILL, am, l)
+			d := agentEngine(t, da, "d-0.ns", agentv1.Role_ROLE_DECODE, am, l)
+			r := startRouter(t, mode, engines(p), engines(d))
+
+			// 600 words: 38 blocks per rank, streamed and not.
+			prompt := strings.TrimSpace(strings.Repeat("kv moves through agents ", 150))
+			for i, stream := range []bool{false, true} {
+				body := fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":%q}],"max_tokens":8,"stream":%t}`, prompt, stream)
+				resp, out := post(t, r.URL, "/v1/chat/completions", body)
+				if resp.StatusCode != http.StatusOK {
+					t.Fatalf("%s: %s", resp.Status, out)
+				}
+				got := ""
+				if stream {
+					got = sseText(t, out)
+				} else {
+					got = completionText(t, out)
+				}
+				if w := join(openai.Output(append([]string{"<user>"}, strings.Fields(prompt)...), 8)); got != w {
+					t.Errorf("request %d: got %q, want %q", i, got, w)
+				}
+			}
+			// Two requests' KV landed in the decode engine's memory, verified there.
+			tokens := 1 + 600
+			blocks := (tokens + l.BlockSize - 1) / l.BlockSize
+			want := float64(2 * blocks * l.BlockBytes() * l.Regions() * l.TP)
+			// Push counts on the writing (prefill) agent, pull on the reading (decode) one.
+			counting := map[kvv1.TransferMode]*agentproc.Proc{kvv1.TransferPush: pa, kvv1.TransferPull: da}[mode]
+			series := fmt.Sprintf("kvhandoff_agent_transferred_bytes_total{mode=%q}", strings.ToLower(string(mode)))
+			if got, err := counting.Metric(series); err != nil || got != want {
+				t.Errorf("%s = %v (%v), want %v", series, got, err, want)
+			}
+		})
+	}
+}
+
+func TestADisconnectedPushRequestFreesItsDecodeBlocksAfterTheAgentsAcknowledgement(t *testing.T) {
+	// The decode cache holds one long request: if the aborted one's blocks leaked, the
+	// next request could never allocate.
+	l := simengine.Layout{Layers: 2, BlockSize: 16, KVHeads: 8, HeadDim: 16, DTypeBytes: 2, TP: 2, Blocks: 80}
+	pa, da := startAgent(t, "prefill-node"), startAgent(t, "decode-node")
+	p := agentEngine(t, pa, "p-0.ns", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PUSH, l)
+	d := agentEngine(t, da, "d-0.ns", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, l)
+	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d))
+
+	long := strings.TrimSpace(strings.Repeat("w ", 1200)) // 76 blocks
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// The prefill of a hung engine never ends; the client gives up.
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.URL+"/v1/completions", strings.NewReader(fmt.Sprintf(`{"model":"tiny","prompt":%q,"max_tokens":2}`, long)))
+		req.Header.Set("Content-Type", "application/json")
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	// Both legs are in their engines (decode registering its blocks); hang up.
+	eventually(t, "both legs reach their engines", 10*time.Second, func() bool { return len(p.Seen()) == 1 && len(d.Seen()) == 1 })
+	cancel()
+	<-done
+	eventually(t, "the decode agent fences the aborted attempt on both ranks", 10*time.Second, func() bool {
+		n, _ := da.Metric("kvhandoff_agent_cancels_total")
+		return n >= 2
+	})
+	resp, out := post(t, r.URL, "/v1/completions", `{"model":"tiny","prompt":"short prompt after the abort","max_tokens":3}`)
+	if resp.StatusCode != http.StatusOK || completionText(t, out) != want("short prompt after the abort", 3) {
+		t.Fatalf("after the abort: %s %s", resp.Status, out)
+	}
+}

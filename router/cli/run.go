@@ -1,0 +1,119 @@
+// Package cli is the router's command line: flags, logging, discovery and graceful
+// shutdown around package router.
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/kvhandoff/kvhandoff/router"
+	"github.com/kvhandoff/kvhandoff/router/discovery"
+)
+
+// Run runs the router until SIGINT or SIGTERM and returns the exit status. ready, when
+// not nil, receives the address it listens on once it serves.
+func Run(args []string, stderr io.Writer, ready chan<- string) int {
+	fs := flag.NewFlagSet("router", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	cfg := router.Defaults()
+	listen := fs.String("listen", ":8000", "address of the OpenAI API, /metrics, /healthz and /readyz")
+	endpoints := fs.String("endpoints", "", "JSON file of engines (outside a cluster); re-read when it changes")
+	pool := fs.String("decode-pool", "", "DecodePool to route to (in a cluster)")
+	namespace := fs.String("namespace", "", "namespace of the DecodePool")
+	kubeconfig := fs.String("kubeconfig", "", "kubeconfig (default: in-cluster)")
+	fs.DurationVar(&cfg.PrefillTimeout, "prefill-timeout", cfg.PrefillTimeout, "limit of a prefill leg, from send to its whole response")
+	fs.DurationVar(&cfg.DecodeTimeout, "decode-timeout", cfg.DecodeTimeout, "limit of a decode leg from send to its first byte (push: includes the prefill)")
+	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", cfg.ScrapeInterval, "how often engines' /metrics are read for their load; 0 never")
+	fs.Int64Var(&cfg.MaxBodyBytes, "max-body-bytes", cfg.MaxBodyBytes, "largest request body accepted")
+	drain := fs.Duration("drain", 50*time.Second, "on SIGTERM, how long requests in flight may take to finish")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	log := slog.New(slog.NewJSONHandler(stderr, nil))
+	fail := func(err error) int { log.Error("router", "err", err); return 1 }
+
+	var src discovery.Source
+	switch {
+	case *endpoints != "" && *pool != "":
+		return fail(errors.New("--endpoints and --decode-pool exclude each other: one source of engines"))
+	case *endpoints != "":
+		if _, err := discovery.ReadFile(*endpoints); err != nil {
+			return fail(fmt.Errorf("--endpoints: %w", err))
+		}
+		src = &discovery.File{Path: *endpoints, Log: log}
+	case *pool != "":
+		if *namespace == "" {
+			return fail(errors.New("--namespace is required with --decode-pool"))
+		}
+		rc, err := restConfig(*kubeconfig)
+		if err != nil {
+			return fail(err)
+		}
+		src = &discovery.Cluster{Config: rc, Namespace: *namespace, DecodePool: *pool, Log: log}
+	default:
+		return fail(errors.New("name the engines: --decode-pool and --namespace in a cluster, or --endpoints FILE"))
+	}
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	cfg.Registry, cfg.Gatherer, cfg.Log = reg, reg, log
+	s := router.New(cfg)
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	l, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return fail(err)
+	}
+	hs := &http.Server{Handler: s, ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan error, 1)
+	go func() { served <- hs.Serve(l) }()
+	discovered := make(chan error, 1)
+	runCtx, stopRun := context.WithCancel(context.Background())
+	defer stopRun()
+	go func() { discovered <- s.Run(runCtx, src) }()
+	log.Info("router serving", "listen", l.Addr().String())
+	if ready != nil {
+		ready <- l.Addr().String()
+	}
+
+	select {
+	case err := <-served:
+		return fail(err)
+	case err := <-discovered:
+		if err != nil {
+			return fail(err)
+		}
+	case <-ctx.Done():
+	}
+	// Requests in flight finish (a decode stream can be long); new connections are
+	// refused, and the Service has stopped sending them once the pod is terminating.
+	log.Info("shutting down: draining requests in flight", "drain", drain.String())
+	sctx, cancel := context.WithTimeout(context.Background(), *drain)
+	defer cancel()
+	if err := hs.Shutdown(sctx); err != nil {
+		return fail(fmt.Errorf("draining: %w", err))
+	}
+	return 0
+}
+
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig != "" {
+		return clientcmd.BuildConfigFromFlags("", kubeconfig)
+	}
+	return rest.InClusterConfig()
+}
