@@ -43,7 +43,10 @@ var _ = Describe("Router", func() {
 		Expect(k8s.Get(ctx, key(ns, "d-router"), rb)).To(Succeed())
 		Expect(rb.Subjects).To(ConsistOf(rbacv1.Subject{Kind: "ServiceAccount", Name: "d-router", Namespace: ns}))
 
-		Eventually(func() string { Expect(k8s.Get(ctx, client.ObjectKeyFromObject(d), d)).To(Succeed()); return d.Status.RouterService }).Should(Equal("d-router"))
+		Eventually(func() string {
+			Expect(k8s.Get(ctx, client.ObjectKeyFromObject(d), d)).To(Succeed())
+			return d.Status.RouterService
+		}).Should(Equal("d-router"))
 	})
 
 	It("undoes a hand edit of the router and removes the router when the pool disables it", func() {
@@ -58,7 +61,10 @@ var _ = Describe("Router", func() {
 		for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}, &rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}} {
 			Eventually(func() bool { return apierrors.IsNotFound(k8s.Get(ctx, key(ns, "d-router"), obj)) }).Should(BeTrue(), "%T is removed", obj)
 		}
-		Eventually(func() string { Expect(k8s.Get(ctx, client.ObjectKeyFromObject(d), d)).To(Succeed()); return d.Status.RouterService }).Should(BeEmpty())
+		Eventually(func() string {
+			Expect(k8s.Get(ctx, client.ObjectKeyFromObject(d), d)).To(Succeed())
+			return d.Status.RouterService
+		}).Should(BeEmpty())
 		// The engines stay.
 		Expect(k8s.Get(ctx, key(ns, "d"), &appsv1.StatefulSet{})).To(Succeed())
 	})

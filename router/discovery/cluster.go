@@ -183,4 +183,3 @@ func ready(pod *corev1.Pod) bool {
 	}
 	return false
 }
-

@@ -43,7 +43,7 @@ type Config struct {
 	// TPOT is the time per output token.
 	TPOT time.Duration
 	// KV moves the KV between engines; nil serves requests without P/D (no KV moves).
-	KV KV
+	KV  KV
 	Log *slog.Logger
 }
 
