@@ -33,6 +33,7 @@ type request struct {
 	added           time.Duration // the router's own share of the time to first byte
 	firstByte       time.Time
 	prefillTime     time.Duration
+	decodeTime      time.Duration // decode leg: send to first byte
 }
 
 // result is how a request ended.
@@ -145,7 +146,8 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 				}
 			}()
 		}
-		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(time.Since(sent).Seconds())
+		rq.decodeTime = time.Since(sent)
+		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(rq.decodeTime.Seconds())
 		res := s.finishDecode(rq, d, ds)
 		cancel()
 		return res
@@ -200,7 +202,8 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 		rq.added += time.Since(got)
 		sent := time.Now()
 		ds := s.decodeLeg(ctx, rq, d, body)
-		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(time.Since(sent).Seconds())
+		rq.decodeTime = time.Since(sent)
+		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(rq.decodeTime.Seconds())
 		res := s.finishDecode(rq, d, ds)
 		cancel()
 		return res
@@ -481,7 +484,7 @@ func (s *Server) record(rq *request, res result) {
 		s.m.added.WithLabelValues(mode).Observe(rq.added.Seconds())
 	}
 	attrs := []any{"request_id", rq.id, "mode", mode, "outcome", res.outcome, "prefill", rq.prefill, "decode", rq.decode,
-		"prompt_tokens", rq.tokens, "retries", rq.retries, "prefill_ms", ms(rq.prefillTime), "duration_ms", ms(time.Since(rq.start))}
+		"prompt_tokens", rq.tokens, "retries", rq.retries, "prefill_ms", ms(rq.prefillTime), "decode_ms", ms(rq.decodeTime), "duration_ms", ms(time.Since(rq.start))}
 	if cid := rq.r.Header.Get("X-Request-Id"); cid != "" {
 		attrs = append(attrs, "client_request_id", cid)
 	}

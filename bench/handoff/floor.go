@@ -139,9 +139,9 @@ func (w *wirePair) reap() (int, error) {
 	return d, nil
 }
 
-// measureBandwidth is the provider's bandwidth in bytes/s: the median of several writes
+// MeasureBandwidth is the provider's bandwidth in bytes/s: the median of several writes
 // of size bytes.
-func measureBandwidth(provider string, size int) (float64, error) {
+func MeasureBandwidth(provider string, size int) (float64, error) {
 	w, err := newWirePair(provider, size)
 	if err != nil {
 		return 0, err

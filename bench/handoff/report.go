@@ -4,27 +4,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"math"
 	"os"
 	"path/filepath"
-	"slices"
+
+	"github.com/kvhandoff/kvhandoff/bench/report"
 )
-
-// percentiles are nearest-rank percentiles of ms values.
-func percentiles(v []float64) Percentiles {
-	if len(v) == 0 {
-		return Percentiles{}
-	}
-	s := slices.Clone(v)
-	slices.Sort(s)
-	at := func(p float64) float64 {
-		i := int(math.Ceil(p*float64(len(s)))) - 1
-		return round(s[max(i, 0)])
-	}
-	return Percentiles{P50: at(0.50), P90: at(0.90), P99: at(0.99)}
-}
-
-func round(v float64) float64 { return math.Round(v*100) / 100 }
 
 // Markdown writes the report's table.
 func (r *Report) Markdown(w io.Writer) {
@@ -54,5 +38,11 @@ func (r *Report) Write(dir string) error {
 	if err := os.WriteFile(filepath.Join(dir, "handoff.json"), append(b, '\n'), 0o644); err != nil {
 		return err
 	}
-	return r.plot(filepath.Join(dir, "handoff.png"))
+	series := make([]report.Series, len(r.Results))
+	for i, m := range r.Results {
+		series[i] = report.Series{Name: m.Mode, Values: m.handoffs, P50: m.Handoff.P50}
+	}
+	return report.CDF(filepath.Join(dir, "handoff.png"),
+		fmt.Sprintf("Handoff latency CDF, %s, %.0f QPS, %d-token prompts, TP %d", r.Provider, r.Results[0].QPS, r.Results[0].PromptTokens, r.TP),
+		"handoff overhead: prefill end -> decode ready (ms)", series, report.Marker{Name: "wire floor", X: r.Results[0].WireFloorMs})
 }

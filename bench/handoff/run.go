@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/bench/report"
 	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
@@ -44,11 +45,7 @@ func Default() Scenario {
 }
 
 // Percentiles are in milliseconds.
-type Percentiles struct {
-	P50 float64 `json:"p50"`
-	P90 float64 `json:"p90"`
-	P99 float64 `json:"p99"`
-}
+type Percentiles = report.Percentiles
 
 // Result is one mode's outcome.
 type Result struct {
@@ -93,7 +90,7 @@ func (sc Scenario) logf(format string, args ...any) {
 
 // Run measures the wire, sizes the model to the offered load, and runs push then pull.
 func Run(ctx context.Context, sc Scenario) (*Report, error) {
-	bw, err := measureBandwidth(sc.Provider, 64<<20)
+	bw, err := MeasureBandwidth(sc.Provider, 64<<20)
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth: %w", err)
 	}
@@ -163,17 +160,22 @@ func stageMeans(mode string, agents ...*agentproc.Proc) map[string]float64 {
 			count += m["kvhandoff_agent_handoff_stage_seconds_count"+labels]
 		}
 		if count > 0 {
-			out[stage] = round(sum / count * 1000)
+			out[stage] = report.Round(sum / count * 1000)
 		}
 	}
 	return out
 }
 
-// sizeLayout keeps Qwen3-32B's shape (64 layers, 8 KV heads, 16-token blocks) and scales
-// the head dimension so that the offered load is LoadFraction of the measured bandwidth.
 func sizeLayout(sc Scenario, bw float64) simengine.Layout {
-	l := simengine.Qwen3_32B(sc.TP, 1)
-	perToken := sc.LoadFraction * bw / (sc.QPS * float64(sc.PromptTokens))
+	return SizeLayout(sc.TP, sc.QPS, sc.PromptTokens, sc.LoadFraction, bw)
+}
+
+// SizeLayout keeps Qwen3-32B's shape (64 layers, 8 KV heads, 16-token blocks) and scales
+// the head dimension so that qps requests of tokens offer load (a fraction) of the
+// bandwidth bw (bytes/s).
+func SizeLayout(tp int, qps float64, tokens int, load, bw float64) simengine.Layout {
+	l := simengine.Qwen3_32B(tp, 1)
+	perToken := load * bw / (qps * float64(tokens))
 	perHeadDim := float64(2 * l.Layers * l.KVHeads * l.DTypeBytes)
 	l.HeadDim = max(1, int(math.Round(perToken/perHeadDim)))
 	for l.BlockBytes()%8 != 0 {
@@ -285,7 +287,7 @@ func runMode(ctx context.Context, sc Scenario, mode agentv1.Mode, l simengine.La
 		res.handoffs = append(res.handoffs, ms(o.handoff))
 		desc += o.descriptors
 	}
-	res.TTFT, res.Handoff = percentiles(ttfts), percentiles(res.handoffs)
+	res.TTFT, res.Handoff = report.Of(ttfts), report.Of(res.handoffs)
 	if res.VerifiedRequests > 0 {
 		res.DescriptorsPerRequest = float64(desc) / float64(res.VerifiedRequests)
 	}

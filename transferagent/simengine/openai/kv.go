@@ -34,18 +34,19 @@ func (k *AgentKV) blocks(tokens int) int {
 	return (tokens + l.BlockSize - 1) / l.BlockSize
 }
 
-// Produce fills the request's blocks on every rank and reports them ready; the blocks
-// are freed when the agent says they were sent or expired.
-func (k *AgentKV) Produce(ctx context.Context, key string, tokens int) ([]uint32, error) {
+// Produce fills the request's blocks on every rank during the prefill and reports them
+// ready when it ends; the blocks are freed when the agent says they were sent or expired.
+func (k *AgentKV) Produce(ctx context.Context, key string, tokens int, done time.Time) ([]uint32, error) {
 	alloc := k.Ranks[0]
 	blocks, err := alloc.AllocateWait(ctx, k.blocks(tokens))
 	if err != nil {
 		return nil, err
 	}
-	err = parallel(len(k.Ranks), func(r int) error {
-		k.Ranks[r].Cache.Fill(key, blocks)
-		return k.Ranks[r].SourceReady(ctx, key, 0, blocks, true)
-	})
+	_ = parallel(len(k.Ranks), func(r int) error { k.Ranks[r].Cache.Fill(key, blocks); return nil })
+	err = sleepUntil(ctx, done)
+	if err == nil {
+		err = parallel(len(k.Ranks), func(r int) error { return k.Ranks[r].SourceReady(ctx, key, 0, blocks, true) })
+	}
 	if err != nil {
 		alloc.Free(blocks)
 		return nil, err
@@ -221,7 +222,10 @@ func (x *LocalKV) Times(key string) (registered, produced time.Time) {
 	return x.Registered[key], x.Produced[key]
 }
 
-func (x *LocalKV) Produce(_ context.Context, key string, tokens int) ([]uint32, error) {
+func (x *LocalKV) Produce(ctx context.Context, key string, tokens int, done time.Time) ([]uint32, error) {
+	if err := sleepUntil(ctx, done); err != nil {
+		return nil, err
+	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	x.Produced[key] = time.Now()

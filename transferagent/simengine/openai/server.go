@@ -49,9 +49,10 @@ type Config struct {
 
 // KV is how a simulated engine hands a request's KV to another.
 type KV interface {
-	// Produce runs on a prefill engine when prefill ends: it makes the request's KV
-	// under key and offers it for transfer. It returns the block ids the KV is in.
-	Produce(ctx context.Context, key string, tokens int) ([]uint32, error)
+	// Produce runs on a prefill engine as prefill starts: it makes the request's KV under
+	// key while the prefill computes, and offers it for transfer when the prefill ends, at
+	// done. It returns the block ids the KV is in.
+	Produce(ctx context.Context, key string, tokens int, done time.Time) ([]uint32, error)
 	// Receive runs on a decode engine and returns once the request's KV is in its cache
 	// and verified. Push (src.Blocks nil): it registers its blocks with the prefill
 	// engine at once and waits for the writes. Pull: it reads src.Blocks.
@@ -376,23 +377,30 @@ func (s *Server) failRequest(w http.ResponseWriter, ctx context.Context, err err
 	apiError(w, http.StatusInternalServerError, "InternalServerError", err.Error())
 }
 
-// runPrefill waits for the engine, takes the modelled time and produces the KV.
+// runPrefill waits for the engine, then takes the modelled time, producing the KV meanwhile.
 func (s *Server) runPrefill(ctx context.Context, key string, tokens int) ([]uint32, error) {
 	s.prefill.Lock()
 	defer s.prefill.Unlock()
+	done := time.Now()
 	if s.cfg.PrefillTime != nil {
-		t := time.NewTimer(s.cfg.PrefillTime(tokens))
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return nil, ctx.Err()
-		}
+		done = done.Add(s.cfg.PrefillTime(tokens))
 	}
-	if key == "" || s.cfg.KV == nil {
-		return nil, ctx.Err()
+	if key != "" && s.cfg.KV != nil {
+		return s.cfg.KV.Produce(ctx, key, tokens, done)
 	}
-	return s.cfg.KV.Produce(ctx, key, tokens)
+	return nil, sleepUntil(ctx, done)
+}
+
+// sleepUntil waits until t or until ctx ends.
+func sleepUntil(ctx context.Context, t time.Time) error {
+	timer := time.NewTimer(time.Until(t))
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // sourceOf reads a decode leg's params the way vLLM's schedulers do.

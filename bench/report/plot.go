@@ -1,4 +1,6 @@
-package handoff
+// Package report holds what the benchmarks share in their reports: nearest-rank
+// percentiles and cumulative-distribution charts drawn to PNG.
+package report
 
 import (
 	"fmt"
@@ -14,19 +16,34 @@ import (
 	"golang.org/x/image/math/fixed"
 )
 
-// plot draws the cumulative distributions of the handoff latency of every mode, with the
-// wire floor as a dashed line.
-func (r *Report) plot(path string) error {
+// Series is one curve of a chart: its name in the legend and its values (ms).
+type Series struct {
+	Name   string
+	Values []float64
+	// P50 is shown beside the name.
+	P50 float64
+}
+
+// Marker is a dashed vertical line, a floor or a target.
+type Marker struct {
+	Name string
+	X    float64
+}
+
+// CDF draws the cumulative distribution of every series into a PNG at path.
+func CDF(path, title, xlabel string, series []Series, markers ...Marker) error {
 	const W, H = 960, 600
 	const left, right, top, bottom = 80, 30, 50, 70
 	img := image.NewRGBA(image.Rect(0, 0, W, H))
 	fill(img, img.Bounds(), color.White)
 	xmax := 0.0
-	for _, m := range r.Results {
-		for _, v := range m.handoffs {
+	for _, s := range series {
+		for _, v := range s.Values {
 			xmax = max(xmax, v)
 		}
-		xmax = max(xmax, m.WireFloorMs)
+	}
+	for _, m := range markers {
+		xmax = max(xmax, m.X)
 	}
 	xmax = niceCeil(xmax * 1.05)
 	px := func(ms float64) int { return left + int(ms/xmax*float64(W-left-right)) }
@@ -45,25 +62,26 @@ func (r *Report) plot(path string) error {
 	}
 	line(img, px(0), py(0), px(xmax), py(0), black, 0)
 	line(img, px(0), py(0), px(0), py(1), black, 0)
-	text(img, W/2-150, H-25, "handoff overhead: prefill end -> decode ready (ms)", black)
-	text(img, 10, top-20, fmt.Sprintf("Handoff latency CDF, %s, %.0f QPS, %d-token prompts, TP %d", r.Provider, r.Results[0].QPS, r.Results[0].PromptTokens, r.TP), black)
-	colors := []color.RGBA{{31, 119, 180, 255}, {255, 127, 14, 255}}
-	for i, m := range r.Results {
+	text(img, W/2-150, H-25, xlabel, black)
+	text(img, 10, top-20, title, black)
+	colors := []color.RGBA{{31, 119, 180, 255}, {255, 127, 14, 255}, {44, 160, 44, 255}}
+	for i, s := range series {
 		c := colors[i%len(colors)]
-		s := slices.Clone(m.handoffs)
-		slices.Sort(s)
+		v := slices.Clone(s.Values)
+		slices.Sort(v)
 		prevX, prevY := px(0), py(0)
-		for j, v := range s {
-			x, y := px(v), py(float64(j+1)/float64(len(s)))
+		for j, x := range v {
+			x, y := px(x), py(float64(j+1)/float64(len(v)))
 			line(img, prevX, prevY, x, prevY, c, 0)
 			line(img, x, prevY, x, y, c, 0)
 			prevX, prevY = x, y
 		}
-		text(img, W-right-260, top+20+18*i, fmt.Sprintf("%s (p50 %.1f ms)", m.Mode, m.Handoff.P50), c)
+		text(img, W-right-260, top+20+18*i, fmt.Sprintf("%s (p50 %.1f ms)", s.Name, s.P50), c)
 	}
-	floor := r.Results[0].WireFloorMs
-	line(img, px(floor), py(0), px(floor), py(1), grey, 6)
-	text(img, W-right-260, top+20+18*len(r.Results), fmt.Sprintf("wire floor (%.1f ms)", floor), grey)
+	for i, m := range markers {
+		line(img, px(m.X), py(0), px(m.X), py(1), grey, 6)
+		text(img, W-right-260, top+20+18*(len(series)+i), fmt.Sprintf("%s (%.1f ms)", m.Name, m.X), grey)
+	}
 	f, err := os.Create(path)
 	if err != nil {
 		return err

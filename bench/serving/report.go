@@ -1,0 +1,45 @@
+package serving
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"github.com/kvhandoff/kvhandoff/bench/report"
+)
+
+// Markdown writes the report's table.
+func (r *Report) Markdown(w io.Writer) {
+	fmt.Fprintf(w, "Router + simulated engines + two transfer agents (`%s`, %.2f GB/s measured), %s; %.0f QPS Poisson, %d-token prompts, TP %d, %.1f MB of KV per request, prefill %.1f ms; %d arrivals per mode, the same for both.\n\n",
+		r.Provider, r.BandwidthGBps, r.Machine, r.QPS, r.PromptTokens, r.TP, float64(r.BytesPerRequest)/1e6, r.PrefillMs, r.ArrivalsPerMode)
+	fmt.Fprintln(w, "| mode | TTFT p50 / p90 / p99 (ms) | router-added p50 / p99 (ms) | prefill leg p50 (ms) | decode leg to first byte p50 (ms) | outcomes |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|")
+	for _, m := range r.Results {
+		fmt.Fprintf(w, "| %s | %.1f / %.1f / %.1f | %.3f / %.3f | %.1f | %.1f | %v |\n", m.Mode, m.TTFT.P50, m.TTFT.P90, m.TTFT.P99,
+			m.RouterAdded.P50, m.RouterAdded.P99, m.PrefillLeg.P50, m.DecodeLeg.P50, m.Outcomes)
+	}
+	fmt.Fprintf(w, "\nPull's TTFT p50 is %+.1f ms from push's on the same arrivals. Targets: router-added p50 ≤ 1 ms, p99 ≤ 5 ms.\n", r.PullMinusPushTTFTP50)
+}
+
+// Write saves serving.json and serving.png into dir.
+func (r *Report) Write(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "serving.json"), append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	series := make([]report.Series, len(r.Results))
+	for i, m := range r.Results {
+		series[i] = report.Series{Name: m.Mode, Values: m.ttfts, P50: m.TTFT.P50}
+	}
+	return report.CDF(filepath.Join(dir, "serving.png"),
+		fmt.Sprintf("TTFT through the router, %s, %.0f QPS, %d-token prompts, TP %d, %s", r.Provider, r.QPS, r.PromptTokens, r.TP, r.Machine),
+		"time to first token at the client (ms)", series)
+}

@@ -1,0 +1,226 @@
+// Package serving is the serving benchmark (make bench-serving) and the router part of
+// make demo: requests over HTTP through the router binary to simulated engines whose KV
+// moves through two real transfer agents, push and pull on the same seeded arrivals.
+package serving
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+)
+
+// Model is the name the simulated engines serve.
+const Model = "Qwen/Qwen3-32B"
+
+// BuildRouter builds cmd/router into dir and returns the binary's path.
+func BuildRouter(dir string) (string, error) {
+	bin := filepath.Join(dir, "router")
+	cmd := exec.Command("go", "build", "-o", bin, "github.com/kvhandoff/kvhandoff/cmd/router")
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("building the router: %w", err)
+	}
+	return bin, nil
+}
+
+// stack is one mode's prefill and decode engine on two agents, and a router process
+// in front of them.
+type stack struct {
+	URL     string
+	router  *exec.Cmd
+	exited  chan struct{}
+	log     *os.File
+	servers []*http.Server
+	kvs     []*openai.AgentKV
+}
+
+// engineOpts are the simulated engines' timing.
+type engineOpts struct {
+	prefill func(tokens int) time.Duration
+	tpot    time.Duration
+}
+
+func listen() (net.Listener, int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, 0, err
+	}
+	return l, l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func (s *stack) serve(h http.Handler) (int, error) {
+	l, port, err := listen()
+	if err != nil {
+		return 0, err
+	}
+	hs := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	s.servers = append(s.servers, hs)
+	go func() { _ = hs.Serve(l) }()
+	return port, nil
+}
+
+// startStack starts, for mode, a prefill engine on agent a and a decode engine on agent
+// b (one simulated rank per TP rank of l), and the router binary on an endpoints file.
+func startStack(ctx context.Context, mode kvv1.TransferMode, l simengine.Layout, a, b *agentproc.Proc, routerBin, dir string, o engineOpts) (*stack, error) {
+	s := &stack{}
+	am := map[kvv1.TransferMode]agentv1.Mode{kvv1.TransferPush: agentv1.Mode_MODE_PUSH, kvv1.TransferPull: agentv1.Mode_MODE_PULL}[mode]
+	name := strings.ToLower(string(mode))
+	set := discovery.Set{Mode: mode}
+	for _, side := range []struct {
+		role  agentv1.Role
+		agent *agentproc.Proc
+		id    string
+	}{
+		{agentv1.Role_ROLE_PREFILL, a, "qwen3-32b-prefill-0." + name},
+		{agentv1.Role_ROLE_DECODE, b, "qwen3-32b-decode-0." + name},
+	} {
+		kv, err := openai.StartAgentKV(ctx, side.id, side.role, am, l, side.agent.Socket, side.agent.MemoryDir)
+		if err != nil {
+			s.stop()
+			return nil, err
+		}
+		s.kvs = append(s.kvs, kv)
+		sc, err := s.serve(openai.SideChannel(openai.SideChannelInfo{EngineID: side.id, Agent: kv.Agent(), TP: l.TP}))
+		if err != nil {
+			s.stop()
+			return nil, err
+		}
+		cfg := openai.Config{EngineID: side.id, Model: Model, SideChannelHost: "127.0.0.1", SideChannelPort: sc, TP: l.TP, KV: kv, TPOT: o.tpot}
+		if side.role == agentv1.Role_ROLE_PREFILL {
+			cfg.PrefillTime = o.prefill
+		}
+		port, err := s.serve(openai.New(cfg))
+		if err != nil {
+			s.stop()
+			return nil, err
+		}
+		e := discovery.Engine{URL: "http://127.0.0.1:" + strconv.Itoa(port), EngineID: side.id, Host: "127.0.0.1", SideChannelPort: int32(sc), TensorParallelSize: int32(l.TP)}
+		if side.role == agentv1.Role_ROLE_PREFILL {
+			set.Prefill = append(set.Prefill, e)
+		} else {
+			set.Decode = append(set.Decode, e)
+		}
+	}
+	endpoints := filepath.Join(dir, "endpoints-"+name+".json")
+	data, _ := json.MarshalIndent(set, "", "  ")
+	if err := os.WriteFile(endpoints, data, 0o644); err != nil {
+		s.stop()
+		return nil, err
+	}
+	if err := s.startRouter(routerBin, endpoints, filepath.Join(dir, "router-"+name+".log")); err != nil {
+		s.stop()
+		return nil, err
+	}
+	return s, nil
+}
+
+// startRouter runs the router binary and waits until it is ready to route.
+func (s *stack) startRouter(bin, endpoints, logPath string) error {
+	l, port, err := listen()
+	if err != nil {
+		return err
+	}
+	l.Close()
+	if s.log, err = os.Create(logPath); err != nil {
+		return err
+	}
+	s.URL = "http://127.0.0.1:" + strconv.Itoa(port)
+	s.router = exec.Command(bin, "--endpoints", endpoints, "--listen", "127.0.0.1:"+strconv.Itoa(port), "--drain", "5s")
+	s.router.Stderr = s.log
+	if err := s.router.Start(); err != nil {
+		return err
+	}
+	s.exited = make(chan struct{})
+	go func() { _ = s.router.Wait(); close(s.exited) }()
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		select {
+		case <-s.exited:
+			return fmt.Errorf("the router exited at start; its log is %s", logPath)
+		default:
+		}
+		if resp, err := http.Get(s.URL + "/readyz"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		time.Sleep(20 * time.Millisecond) // polling a starting process: nothing to wait on
+	}
+	return fmt.Errorf("the router did not become ready in 30 s; its log is %s", logPath)
+}
+
+// stop ends the router (SIGTERM: it drains), the engines' HTTP servers and their ranks.
+func (s *stack) stop() {
+	if s.router != nil && s.router.Process != nil {
+		_ = s.router.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-s.exited:
+		case <-time.After(10 * time.Second):
+			_ = s.router.Process.Kill()
+			<-s.exited
+		}
+	}
+	if s.log != nil {
+		s.log.Close()
+	}
+	var wg sync.WaitGroup
+	for _, hs := range s.servers {
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = hs.Close() }()
+	}
+	wg.Wait()
+	for _, kv := range s.kvs {
+		kv.Stop()
+	}
+}
+
+// routerLine is one request as the router logged it.
+type routerLine struct {
+	Msg         string  `json:"msg"`
+	ClientID    string  `json:"client_request_id"`
+	Outcome     string  `json:"outcome"`
+	TTFTMs      float64 `json:"ttft_ms"`
+	AddedMs     float64 `json:"router_added_ms"`
+	PrefillMs   float64 `json:"prefill_ms"`
+	DecodeMs    float64 `json:"decode_ms"`
+	Err         string  `json:"err"`
+	RetriesDone int     `json:"retries"`
+}
+
+// requests reads the router's log: one line per request, by the client's request id.
+func (s *stack) requests() (map[string]routerLine, error) {
+	f, err := os.Open(s.log.Name())
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	out := map[string]routerLine{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var l routerLine
+		if json.Unmarshal(sc.Bytes(), &l) == nil && l.Msg == "request" && l.ClientID != "" {
+			out[l.ClientID] = l
+		}
+	}
+	return out, sc.Err()
+}

@@ -1,0 +1,73 @@
+// Command bench-serving runs the serving benchmark (make bench-serving): requests through
+// the router to simulated engines and two transfer agents, push and pull on the same
+// seeded arrivals; it prints a markdown table and writes bench/results/serving.json and
+// serving.png. With --demo it sends one chat request per mode instead (make demo).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/kvhandoff/kvhandoff/bench/serving"
+	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+)
+
+func main() {
+	sc := serving.Default()
+	flag.StringVar(&sc.Provider, "provider", sc.Provider, "libfabric provider")
+	flag.Float64Var(&sc.QPS, "qps", sc.QPS, "Poisson arrival rate")
+	flag.IntVar(&sc.PromptTokens, "prompt-tokens", sc.PromptTokens, "tokens per prompt")
+	flag.IntVar(&sc.TP, "tp", sc.TP, "tensor-parallel size (engine ranks per side)")
+	flag.DurationVar(&sc.Duration, "duration", sc.Duration, "how long requests arrive, per mode")
+	flag.Float64Var(&sc.LoadFraction, "load", sc.LoadFraction, "offered KV load as a fraction of the measured bandwidth")
+	flag.Float64Var(&sc.Utilisation, "prefill-utilisation", sc.Utilisation, "how busy the prefill engine is")
+	flag.Uint64Var(&sc.Seed, "seed", sc.Seed, "seed of the arrivals and prompts both modes replay")
+	out := flag.String("out", "bench/results", "folder for serving.json and serving.png")
+	demo := flag.Bool("demo", false, "instead of the benchmark, send one chat request per mode through the router (make demo)")
+	flag.Parse()
+	if err := run(sc, *out, *demo); err != nil {
+		fmt.Fprintln(os.Stderr, "bench-serving:", err)
+		os.Exit(1)
+	}
+}
+
+func run(sc serving.Scenario, out string, demo bool) error {
+	work, err := os.MkdirTemp(shm(), "kvhandoff-serving")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+	if sc.AgentBin, err = agentproc.Build(work); err != nil {
+		return err
+	}
+	if sc.RouterBin, err = serving.BuildRouter(work); err != nil {
+		return err
+	}
+	ctx := context.Background()
+	if demo {
+		return serving.Demo(ctx, sc.AgentBin, sc.RouterBin, work, sc.Provider, os.Stdout)
+	}
+	sc.WorkDir, sc.Log = work, os.Stderr
+	rep, err := serving.Run(ctx, sc)
+	if err != nil {
+		return err
+	}
+	rep.Markdown(os.Stdout)
+	if err := rep.Write(out); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "wrote %s and %s\n", filepath.Join(out, "serving.json"), filepath.Join(out, "serving.png"))
+	return nil
+}
+
+// shm is where the agents' sockets and the engines' KV files go: shared memory when the
+// machine has it, so the simulated caches live in RAM as real ones do.
+func shm() string {
+	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
+		return "/dev/shm"
+	}
+	return ""
+}
