@@ -1,5 +1,6 @@
-# Images: `docker build --target manager .` (default), `--target device-plugin .` and
-# `--target transfer-agent .`.
+# Images: `docker build --target manager .` (default), `--target device-plugin .`,
+# `--target transfer-agent .` and `--target router .`. Build the manager with
+# --build-arg VERSION=<tag> so that it renders the router of its own version.
 FROM golang:1.26 AS build
 WORKDIR /src
 COPY go.mod go.sum ./
@@ -11,8 +12,11 @@ COPY controllers/ controllers/
 COPY deviceplugin/ deviceplugin/
 COPY instancetype/ instancetype/
 COPY render/ render/
+COPY router/ router/
 COPY transferagent/ transferagent/
-RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/manager ./cmd/manager
+ARG VERSION=latest
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X github.com/kvhandoff/kvhandoff/controllers.DefaultRouterImage=ghcr.io/kvhandoff/router:${VERSION}" -o /out/manager ./cmd/manager
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/router ./cmd/router
 # go-nvml needs cgo; it loads libnvidia-ml.so.1 from the host's driver at run time.
 RUN CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ldflags "-s -w" -o /out/device-plugin ./cmd/device-plugin
 
@@ -30,6 +34,11 @@ ENTRYPOINT ["/transfer-agent"]
 FROM gcr.io/distroless/base-debian12 AS device-plugin
 COPY --from=build /out/device-plugin /device-plugin
 ENTRYPOINT ["/device-plugin"]
+
+FROM gcr.io/distroless/static-debian12:nonroot AS router
+COPY --from=build /out/router /router
+USER 65532:65532
+ENTRYPOINT ["/router"]
 
 FROM gcr.io/distroless/static-debian12:nonroot AS manager
 COPY --from=build /out/manager /manager

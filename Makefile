@@ -84,6 +84,10 @@ build: ## Build the binaries into bin/.
 bench-handoff: deps ## Push-vs-pull handoff benchmark: markdown table, bench/results/handoff.json and handoff.png.
 	go run ./cmd/bench-handoff --out bench/results
 
+.PHONY: bench-serving
+bench-serving: deps ## Router under load, push vs pull on the same arrivals: table, bench/results/serving.json and serving.png.
+	go run ./cmd/bench-serving --out bench/results
+
 .PHONY: demo
 demo: deps ## Start a local control plane, install the CRDs, apply the samples and show them.
 	hack/demo.sh

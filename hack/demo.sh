@@ -2,7 +2,8 @@
 # make demo: the whole operator on a simulated cluster. A real kube-apiserver, etcd,
 # kube-controller-manager and kube-scheduler on loopback, KWOK playing the kubelets of
 # fake p5en and trn2 nodes, kvhandoff installed from config/default, its manager running,
-# the samples applied; then two transfer agents on loopback pushing one verified request.
+# the samples applied; then two transfer agents on loopback pushing one verified request,
+# and one chat request per mode through the router binary.
 # Everything it starts is stopped on exit.
 #
 #   DEMO_KEEP=1 make demo   keeps the cluster up until Ctrl-C, for kubectl by hand.
@@ -61,8 +62,13 @@ bold "kubectl apply --server-side -k config/samples   (a P5en push pair and a tr
 "$kubectl" apply --server-side -k config/samples | sed 's/^/  /'
 
 bold "the engines the scheduler placed (decode never on a node of its prefill pool, both in one zone)"
-until_ok 'test "$("$kubectl" get pods --field-selector=status.phase=Running -o name | wc -l)" -ge 4'
-"$kubectl" get pods -o custom-columns='POD:.metadata.name,ROLE:.metadata.labels.kvhandoff\.io/role,NODE:.spec.nodeName,POD-IP:.status.podIP,PHASE:.status.phase,COMPAT-HASH:.metadata.labels.kvhandoff\.io/compat-hash'
+until_ok 'test "$("$kubectl" get pods -l kvhandoff.io/role --field-selector=status.phase=Running -o name | wc -l)" -ge 4'
+"$kubectl" get pods -l kvhandoff.io/role -o custom-columns='POD:.metadata.name,ROLE:.metadata.labels.kvhandoff\.io/role,NODE:.spec.nodeName,POD-IP:.status.podIP,PHASE:.status.phase,COMPAT-HASH:.metadata.labels.kvhandoff\.io/compat-hash'
+
+bold "each DecodePool's router: a Deployment off the accelerator nodes, and the Service clients use"
+until_ok 'test "$("$kubectl" get pods -l kvhandoff.io/router --field-selector=status.phase=Running -o name | wc -l)" -ge 4'
+"$kubectl" get pods -l kvhandoff.io/router -o custom-columns='POD:.metadata.name,ROUTES-TO:.metadata.labels.kvhandoff\.io/router,NODE:.spec.nodeName,PHASE:.status.phase'
+"$kubectl" get svc -l kvhandoff.io/router | sed 's/^/  /'
 
 bold "kubectl get kvtp,pfp,dcp -o wide"
 until_ok 'test "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.status.conditions[?(@.type=="Paired")].status}'\'')" = True'
@@ -120,6 +126,9 @@ until_ok 'test -n "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.statu
 
 bold "transfer agents: two agents as processes on loopback push one request's KV (real libfabric, tcp;ofi_rxm)"
 (cd "$root" && go run ./cmd/bench-handoff --demo)
+
+bold "the router: one chat request in push mode and one in pull mode, through the router binary to engines whose KV moves through two agents"
+(cd "$root" && go run ./cmd/bench-serving --demo)
 
 if [ "${DEMO_KEEP:-}" = 1 ]; then
   bold "cluster kept up: export KUBECONFIG=$KUBECONFIG   (Ctrl-C stops it)"

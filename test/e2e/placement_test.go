@@ -8,8 +8,10 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/instancetype"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
@@ -48,12 +50,41 @@ var _ = Describe("Placement", func() {
 				g.Expect(st.Engines).To(ConsistOf(kvv1.EngineStatus{
 					PodName: c.pod.Name, EngineID: c.pod.Name + "." + ns, Host: c.pod.Status.PodIP, SideChannelPort: 5600,
 					TensorParallelSize: 8, PipelineParallelSize: 1, NodeName: c.pod.Spec.NodeName,
+					CompatHash: c.pod.Labels[kvv1.LabelCompatHash], Ready: true,
 				}))
 			}).Should(Succeed())
 		}
 		Eventually(func() metav1.ConditionStatus {
 			return conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionPaired).Status
 		}).Should(Equal(metav1.ConditionTrue))
+	})
+
+	It("runs the DecodePool's router off every accelerator node and names its Service", Label("p5en"), func() {
+		ns := namespace()
+		applySample(ns, "p5en-push.yaml")
+		var routers []corev1.Pod
+		Eventually(func(g Gomega) {
+			routers = nil
+			for _, p := range pods(ns, map[string]string{kvv1.LabelRouter: "qwen3-32b-decode"}) {
+				if p.Status.Phase == corev1.PodRunning {
+					routers = append(routers, p)
+				}
+			}
+			g.Expect(routers).To(HaveLen(2), "two router replicas by default")
+		}).Should(Succeed())
+		accelerated := map[string]bool{}
+		for _, it := range instancetype.Accelerated() {
+			accelerated[it] = true
+		}
+		for _, p := range routers {
+			n := node(p.Spec.NodeName)
+			Expect(accelerated[n.Labels["node.kubernetes.io/instance-type"]]).To(BeFalse(), "router %s landed on %s (%s)", p.Name, n.Name, n.Labels["node.kubernetes.io/instance-type"])
+			Expect(n.Labels).NotTo(HaveKey(kvv1.LabelAgentReady))
+		}
+		Eventually(func() string { return poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode).RouterService }).Should(Equal("qwen3-32b-decode-router"))
+		svc := &corev1.Service{}
+		Expect(k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "qwen3-32b-decode-router"}, svc)).To(Succeed())
+		Expect(svc.Spec.Ports[0].Port).To(BeEquivalentTo(8000))
 	})
 
 	It("keeps a decode engine Pending rather than on its prefill engine's node, even where it would fit", Label("p5en"), func() {
