@@ -28,4 +28,3 @@ func Of(v []float64) Percentiles {
 
 // Round keeps two decimals.
 func Round(v float64) float64 { return math.Round(v*100) / 100 }
-

@@ -37,7 +37,9 @@ func TestTheRouterServesFromAnEndpointsFileAndStopsOnASignal(t *testing.T) {
 	ready := make(chan string, 1)
 	exit := make(chan int, 1)
 	var stderr bytes.Buffer
-	go func() { exit <- Run([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--drain", "1s"}, &stderr, ready) }()
+	go func() {
+		exit <- Run([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--drain", "1s"}, &stderr, ready)
+	}()
 	var addr string
 	select {
 	case addr = <-ready:
