@@ -19,19 +19,105 @@ import (
 type Body map[string]json.RawMessage
 
 // Parse decodes a request body; it must be one JSON object.
+//
+// It checks the whole body once (json.Valid) and then splits the object's members with
+// a walk that only tracks nesting and strings, instead of decoding every value: a
+// 16k-token prompt of ids is 100 KB of JSON, and decoding it is most of a request's cost
+// in the router. Of duplicate keys the last wins, as in encoding/json and in vLLM.
 func Parse(data []byte) (Body, error) {
-	var b Body
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&b); err != nil {
-		return nil, fmt.Errorf("the request body must be a JSON object: %w", err)
+	if !json.Valid(data) {
+		var v any
+		err := json.Unmarshal(data, &v) // for the error's position and cause
+		return nil, fmt.Errorf("the request body must be one JSON object: %w", err)
 	}
-	if b == nil {
-		return nil, errors.New("the request body must be a JSON object, not null")
+	obj := bytes.TrimSpace(data)
+	if obj[0] != '{' {
+		return nil, errors.New("the request body must be a JSON object")
 	}
-	if dec.More() {
-		return nil, errors.New("the request body must hold one JSON object and nothing after it")
+	b := Body{}
+	err := eachMember(obj, func(key, value []byte) error {
+		var k string
+		if err := json.Unmarshal(key, &k); err != nil {
+			return err
+		}
+		b[k] = value
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("the request body must be one JSON object: %w", err)
 	}
 	return b, nil
+}
+
+// eachMember calls fn with each member's raw key and value of a valid JSON object.
+func eachMember(obj []byte, fn func(key, value []byte) error) error {
+	i := 1
+	for {
+		i = skipSpace(obj, i)
+		if obj[i] == '}' {
+			return nil
+		}
+		keyEnd := endOfString(obj, i)
+		key := obj[i:keyEnd]
+		i = skipSpace(obj, keyEnd) + 1 // the colon
+		i = skipSpace(obj, i)
+		valueEnd := endOfValue(obj, i)
+		if err := fn(key, obj[i:valueEnd]); err != nil {
+			return err
+		}
+		i = skipSpace(obj, valueEnd)
+		if obj[i] == ',' {
+			i++
+		}
+	}
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// endOfString returns the index after the string starting at b[i] (a quote).
+func endOfString(b []byte, i int) int {
+	for i++; i < len(b); i++ {
+		switch b[i] {
+		case '\\':
+			i++
+		case '"':
+			return i + 1
+		}
+	}
+	return len(b)
+}
+
+// endOfValue returns the index after the value starting at b[i].
+func endOfValue(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		return endOfString(b, i)
+	case '{', '[':
+		depth := 0
+		for ; i < len(b); i++ {
+			switch b[i] {
+			case '"':
+				i = endOfString(b, i) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return i + 1
+				}
+			}
+		}
+		return len(b)
+	default: // number, true, false, null
+		for i < len(b) && b[i] != ',' && b[i] != '}' && b[i] != ']' && b[i] != ' ' && b[i] != '\t' && b[i] != '\n' && b[i] != '\r' {
+			i++
+		}
+		return i
+	}
 }
 
 // Clone copies the field map (values are immutable raw bytes and are shared).
@@ -181,50 +267,71 @@ func PrefillParams(response []byte) (json.RawMessage, error) {
 
 // PromptTokens estimates a request's prompt length in tokens for load balancing. The
 // router has no tokenizer: a prompt given as token ids counts exactly, text counts at
-// about four bytes per token (the usual ratio of BPE vocabularies on English text).
+// about four bytes per token (the usual ratio of BPE vocabularies on English text). It
+// walks the raw JSON (valid: Parse checked it) instead of decoding it: a 16k-token prompt
+// would otherwise cost the router more than the rest of its work on the request.
 func PromptTokens(b Body) int {
 	if raw, ok := b["prompt"]; ok {
-		return promptTokens(raw)
-	}
-	var msgs []struct {
-		Content json.RawMessage `json:"content"`
-	}
-	if json.Unmarshal(b["messages"], &msgs) != nil {
-		return 0
+		return valueTokens(raw)
 	}
 	n := 0
-	for _, m := range msgs {
-		n += promptTokens(m.Content) + 4 // role and separators
-	}
+	eachElement(b["messages"], func(msg []byte) {
+		var m struct {
+			Content json.RawMessage `json:"content"`
+		}
+		if json.Unmarshal(msg, &m) == nil {
+			n += valueTokens(m.Content) + 4 // role and separators
+		}
+	})
 	return n
 }
 
-func promptTokens(raw json.RawMessage) int {
-	var s string
-	if json.Unmarshal(raw, &s) == nil {
-		return textTokens(s)
+// valueTokens counts a prompt value: text, token ids, a batch of either, or chat
+// content parts ({"type":"text","text":…}).
+func valueTokens(raw []byte) int {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 {
+		return 0
 	}
-	var ids []int64
-	if json.Unmarshal(raw, &ids) == nil {
-		return len(ids)
-	}
-	// A batch of prompts, or chat content parts: sum their parts.
-	var parts []json.RawMessage
-	if json.Unmarshal(raw, &parts) == nil {
+	switch c := raw[0]; {
+	case c == '"':
+		return (len(raw) - 2 + 3) / 4
+	case c == '-' || (c >= '0' && c <= '9'):
+		return 1
+	case c == '[':
 		n := 0
-		for _, p := range parts {
-			var part struct {
-				Text *string `json:"text"`
+		eachElement(raw, func(e []byte) {
+			if c := e[0]; c == '-' || (c >= '0' && c <= '9') {
+				n++ // a token id: the common case, 16k times for a long prompt
+				return
 			}
-			if json.Unmarshal(p, &part) == nil && part.Text != nil {
-				n += textTokens(*part.Text)
-				continue
-			}
-			n += promptTokens(p)
-		}
+			n += valueTokens(e)
+		})
 		return n
+	case c == '{':
+		var part struct {
+			Text json.RawMessage `json:"text"`
+		}
+		if json.Unmarshal(raw, &part) == nil {
+			return valueTokens(part.Text)
+		}
 	}
 	return 0
 }
 
-func textTokens(s string) int { return (len(s) + 3) / 4 }
+// eachElement calls fn with each element of a JSON array (nothing for other values).
+// The input is valid JSON (Parse checked it).
+func eachElement(raw []byte, fn func([]byte)) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) < 2 || raw[0] != '[' {
+		return
+	}
+	for i := skipSpace(raw, 1); i < len(raw) && raw[i] != ']'; {
+		end := endOfValue(raw, i)
+		fn(raw[i:end])
+		i = skipSpace(raw, end)
+		if i < len(raw) && raw[i] == ',' {
+			i = skipSpace(raw, i+1)
+		}
+	}
+}

@@ -2,6 +2,7 @@ package protocol
 
 import (
 	"encoding/json"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -166,4 +167,46 @@ func TestMarshalKeepsTheClientsBytes(t *testing.T) {
 	if _, err := Parse(b.Marshal()); err != nil {
 		t.Error(err)
 	}
+}
+
+// FuzzParseAgreesWithEncodingJSON: the hand walk over members must see exactly the
+// object encoding/json sees, or a client could smuggle a field past the router.
+func FuzzParseAgreesWithEncodingJSON(f *testing.F) {
+	for _, s := range []string{
+		client, `{}`, ` { "a" : [ 1 , { "b" : "]}" } ] , "c":"\"}" , "d" : -1.5e3 }`,
+		`{"kv_transfer_params":{"x":1},"kv_transfer_params":null}`, `{"a":"\\","b":[[],{}]}`,
+		`{"prompt":[1,2,3]}`, `[1]`, `{"a":1}x`, `{"a":tru}`, "{\"\\u0061\":1,\"a\":2}",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		got, err := Parse(data)
+		var want map[string]any
+		werr := json.Unmarshal(data, &want)
+		if werr != nil || want == nil {
+			if err == nil {
+				t.Fatalf("Parse accepted %q, which encoding/json refuses as an object (%v)", data, werr)
+			}
+			return
+		}
+		if err != nil {
+			t.Fatalf("Parse refused %q: %v", data, err)
+		}
+		if len(got) != len(want) {
+			t.Fatalf("%q: Parse saw %d members, encoding/json %d", data, len(got), len(want))
+		}
+		for k, v := range want {
+			var g any
+			if err := json.Unmarshal(got[k], &g); err != nil {
+				t.Fatalf("%q: member %q is %q: %v", data, k, got[k], err)
+			}
+			if !reflect.DeepEqual(g, v) {
+				t.Fatalf("%q: member %q is %v, encoding/json says %v", data, k, g, v)
+			}
+		}
+		var round map[string]any
+		if err := json.Unmarshal(got.Marshal(), &round); err != nil || !reflect.DeepEqual(round, want) {
+			t.Fatalf("%q: Marshal gave %q (%v)", data, got.Marshal(), err)
+		}
+	})
 }

@@ -250,7 +250,7 @@ func Output(prompt []string, n int) []string {
 	h := fnv64(prompt...)
 	out := make([]string, n)
 	for i := range out {
-		out[i] = " " + vocabulary[(h^uint64(i)*0x9E3779B97F4A7C15)>>58]
+		out[i] = " " + vocabulary[(h^uint64(i)*0x9E3779B97F4A7C15)%uint64(len(vocabulary))]
 	}
 	return out
 }
