@@ -27,6 +27,8 @@ func main() {
 	flag.Uint64Var(&sc.Seed, "seed", sc.Seed, "seed of the arrivals and prompts both modes replay")
 	out := flag.String("out", "bench/results", "folder for serving.json and serving.png")
 	demo := flag.Bool("demo", false, "instead of the benchmark, send one chat request per mode through the router (make demo)")
+	flag.StringVar(&sc.AgentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")
+	flag.StringVar(&sc.RouterBin, "router-bin", "", "a prebuilt router binary (default: build one)")
 	flag.Parse()
 	if err := run(sc, *out, *demo); err != nil {
 		fmt.Fprintln(os.Stderr, "bench-serving:", err)
@@ -40,11 +42,15 @@ func run(sc serving.Scenario, out string, demo bool) error {
 		return err
 	}
 	defer os.RemoveAll(work)
-	if sc.AgentBin, err = agentproc.Build(work); err != nil {
-		return err
+	if sc.AgentBin == "" {
+		if sc.AgentBin, err = agentproc.Build(work); err != nil {
+			return err
+		}
 	}
-	if sc.RouterBin, err = serving.BuildRouter(work); err != nil {
-		return err
+	if sc.RouterBin == "" {
+		if sc.RouterBin, err = serving.BuildRouter(work); err != nil {
+			return err
+		}
 	}
 	ctx := context.Background()
 	if demo {

@@ -176,6 +176,8 @@ func FuzzParseAgreesWithEncodingJSON(f *testing.F) {
 		client, `{}`, ` { "a" : [ 1 , { "b" : "]}" } ] , "c":"\"}" , "d" : -1.5e3 }`,
 		`{"kv_transfer_params":{"x":1},"kv_transfer_params":null}`, `{"a":"\\","b":[[],{}]}`,
 		`{"prompt":[1,2,3]}`, `[1]`, `{"a":1}x`, `{"a":tru}`, "{\"\\u0061\":1,\"a\":2}",
+		`{"a":01}`, `{"a":-}`, `{"a":1.}`, `{"a":1e}`, `{"a":"\x"}`, "{\"a\":\"\x01\"}", `{"a":"\u12G4"}`,
+		`{"a":[1,]}`, `{"a":1,}`, `{,}`, ` {"a" :1 } `, "{\"a\":\"\xff\xfe\"}", `{"a":[[[[]]]]}`, `{"a":-0.0e+5}`,
 	} {
 		f.Add([]byte(s))
 	}
@@ -209,4 +211,15 @@ func FuzzParseAgreesWithEncodingJSON(f *testing.F) {
 			t.Fatalf("%q: Marshal gave %q (%v)", data, got.Marshal(), err)
 		}
 	})
+}
+
+func TestParseRefusesNestingDeeperThanEncodingJSONAllows(t *testing.T) {
+	deep := `{"a":` + strings.Repeat("[", 20000) + strings.Repeat("]", 20000) + `}`
+	if _, err := Parse([]byte(deep)); err == nil {
+		t.Error("a body nested 20000 deep was accepted")
+	}
+	ok := `{"a":` + strings.Repeat("[", 9000) + strings.Repeat("]", 9000) + `}`
+	if _, err := Parse([]byte(ok)); err != nil {
+		t.Errorf("nesting 9000 deep, which encoding/json accepts, refused: %v", err)
+	}
 }
