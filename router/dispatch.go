@@ -57,7 +57,7 @@ func (s *Server) completions(path string) http.HandlerFunc {
 }
 
 func (s *Server) dispatch(rq *request) result {
-	data, err := io.ReadAll(http.MaxBytesReader(rq.w, rq.r.Body, s.cfg.MaxBodyBytes))
+	data, err := readBody(rq, s.cfg.MaxBodyBytes)
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
@@ -209,6 +209,20 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 		return res
 	}
 	return failed
+}
+
+// readBody reads the client's body, in one buffer of its announced length when it has
+// one (a 100 KB prompt would otherwise be copied through a growing buffer).
+func readBody(rq *request, limit int64) ([]byte, error) {
+	r := http.MaxBytesReader(rq.w, rq.r.Body, limit)
+	if n := rq.r.ContentLength; n > 0 && n <= limit {
+		buf := make([]byte, n)
+		if _, err := io.ReadFull(r, buf); err != nil {
+			return nil, err
+		}
+		return buf, nil
+	}
+	return io.ReadAll(r)
 }
 
 func sameHash(es []discovery.Engine, hash string) []discovery.Engine {
