@@ -34,47 +34,55 @@ func (k *AgentKV) blocks(tokens int) int {
 	return (tokens + l.BlockSize - 1) / l.BlockSize
 }
 
-// Produce fills the request's blocks on every rank during the prefill and reports them
-// ready when it ends; the blocks are freed when the agent says they were sent or expired.
-func (k *AgentKV) Produce(ctx context.Context, key string, tokens int, done time.Time) ([]uint32, error) {
+// Produce fills the request's blocks on every rank during the prefill; publish reports
+// them ready. The blocks are freed when the agent says they were sent or expired, or at
+// once if they were never published.
+func (k *AgentKV) Produce(ctx context.Context, key string, tokens int, done time.Time) ([]uint32, func(context.Context) error, error) {
 	alloc := k.Ranks[0]
 	blocks, err := alloc.AllocateWait(ctx, k.blocks(tokens))
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	_ = parallel(len(k.Ranks), func(r int) error { k.Ranks[r].Cache.Fill(key, blocks); return nil })
-	err = sleepUntil(ctx, done)
-	if err == nil {
-		err = parallel(len(k.Ranks), func(r int) error { return k.Ranks[r].SourceReady(ctx, key, 0, blocks, true) })
-	}
-	if err != nil {
+	if err := sleepUntil(ctx, done); err != nil {
 		alloc.Free(blocks)
-		return nil, err
+		return nil, nil, err
 	}
-	go func() {
-		// The agent answers SOURCE_DONE (or FAILED) with the decode's attempt, or FAILED
-		// with attempt 0 when no decode came within the blocks TTL.
-		wctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-		defer cancel()
-		_ = parallel(len(k.Ranks), func(r int) error {
-			first := make(chan struct{}, 2)
-			for _, attempt := range []uint64{1, 0} {
-				go func() {
-					if _, err := k.Ranks[r].Wait(wctx, key, attempt); err == nil {
-						first <- struct{}{}
-					}
-				}()
-			}
-			select {
-			case <-first:
-			case <-wctx.Done():
-			}
-			return nil
-		})
-		cancel()
-		alloc.Free(blocks)
-	}()
-	return blocks, nil
+	publish := func(ctx context.Context) error {
+		err := parallel(len(k.Ranks), func(r int) error { return k.Ranks[r].SourceReady(ctx, key, 0, blocks, true) })
+		if err != nil {
+			alloc.Free(blocks)
+			return err
+		}
+		go k.freeWhenSent(key, blocks)
+		return nil
+	}
+	return blocks, publish, nil
+}
+
+// freeWhenSent frees a published request's blocks once the agent is done with them. The
+// agent answers SOURCE_DONE (or FAILED) with the decode's attempt, or FAILED with attempt
+// 0 when no decode came within the blocks TTL.
+func (k *AgentKV) freeWhenSent(key string, blocks []uint32) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	_ = parallel(len(k.Ranks), func(r int) error {
+		first := make(chan struct{}, 2)
+		for _, attempt := range []uint64{1, 0} {
+			go func() {
+				if _, err := k.Ranks[r].Wait(ctx, key, attempt); err == nil {
+					first <- struct{}{}
+				}
+			}()
+		}
+		select {
+		case <-first:
+		case <-ctx.Done():
+		}
+		return nil
+	})
+	cancel()
+	k.Ranks[0].Free(blocks)
 }
 
 // Receive takes the request's KV into this engine's cache and verifies it.
@@ -222,19 +230,21 @@ func (x *LocalKV) Times(key string) (registered, produced time.Time) {
 	return x.Registered[key], x.Produced[key]
 }
 
-func (x *LocalKV) Produce(ctx context.Context, key string, tokens int, done time.Time) ([]uint32, error) {
+func (x *LocalKV) Produce(ctx context.Context, key string, tokens int, done time.Time) ([]uint32, func(context.Context) error, error) {
 	if err := sleepUntil(ctx, done); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	x.Produced[key] = time.Now()
-	close(x.ch(key))
 	blocks := make([]uint32, (tokens+15)/16)
 	for i := range blocks {
 		blocks[i] = uint32(i)
 	}
-	return blocks, nil
+	return blocks, func(context.Context) error {
+		x.mu.Lock()
+		defer x.mu.Unlock()
+		x.Produced[key] = time.Now()
+		close(x.ch(key))
+		return nil
+	}, nil
 }
 
 func (x *LocalKV) Receive(ctx context.Context, key string, _ int, src Source) error {

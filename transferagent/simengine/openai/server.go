@@ -49,10 +49,12 @@ type Config struct {
 
 // KV is how a simulated engine hands a request's KV to another.
 type KV interface {
-	// Produce runs on a prefill engine as prefill starts: it makes the request's KV under
-	// key while the prefill computes, and offers it for transfer when the prefill ends, at
-	// done. It returns the block ids the KV is in.
-	Produce(ctx context.Context, key string, tokens int, done time.Time) ([]uint32, error)
+	// Produce runs in a prefill engine's loop as prefill starts: it makes the request's KV
+	// under key while the prefill computes, until done, and returns the block ids the KV is
+	// in and publish, which offers the KV for transfer. The engine calls publish off its
+	// loop, as vLLM's connector reports blocks from its own thread: the next prefill never
+	// waits for the agent.
+	Produce(ctx context.Context, key string, tokens int, done time.Time) (blocks []uint32, publish func(context.Context) error, err error)
 	// Receive runs on a decode engine and returns once the request's KV is in its cache
 	// and verified. Push (src.Blocks nil): it registers its blocks with the prefill
 	// engine at once and waits for the writes. Pull: it reads src.Blocks.
@@ -377,18 +379,24 @@ func (s *Server) failRequest(w http.ResponseWriter, ctx context.Context, err err
 	apiError(w, http.StatusInternalServerError, "InternalServerError", err.Error())
 }
 
-// runPrefill waits for the engine, then takes the modelled time, producing the KV meanwhile.
+// runPrefill waits for the engine, then takes the modelled time, producing the KV
+// meanwhile, and publishes the KV once the engine has moved on to the next prefill.
 func (s *Server) runPrefill(ctx context.Context, key string, tokens int) ([]uint32, error) {
 	s.prefill.Lock()
-	defer s.prefill.Unlock()
 	done := time.Now()
 	if s.cfg.PrefillTime != nil {
 		done = done.Add(s.cfg.PrefillTime(tokens))
 	}
-	if key != "" && s.cfg.KV != nil {
-		return s.cfg.KV.Produce(ctx, key, tokens, done)
+	if key == "" || s.cfg.KV == nil {
+		defer s.prefill.Unlock()
+		return nil, sleepUntil(ctx, done)
 	}
-	return nil, sleepUntil(ctx, done)
+	blocks, publish, err := s.cfg.KV.Produce(ctx, key, tokens, done)
+	s.prefill.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	return blocks, publish(ctx)
 }
 
 // sleepUntil waits until t or until ctx ends.
