@@ -26,11 +26,14 @@ type request struct {
 	w      http.ResponseWriter
 	r      *http.Request
 	start  time.Time
+	// received is when the body was read; the router's own time counts from there.
+	received time.Time
 
 	// What the request log and the metrics report.
 	prefill, decode string
 	retries         int
 	added           time.Duration // the router's own share of the time to first byte
+	relay           time.Duration // of which relaying the decode leg's first byte
 	firstByte       time.Time
 	prefillTime     time.Duration
 	decodeTime      time.Duration // decode leg: send to first byte
@@ -65,6 +68,9 @@ func (s *Server) dispatch(rq *request) result {
 		}
 		return result{outcome: OutcomeClientGone, msg: err.Error()}
 	}
+	// The router's own time starts once it holds the body: receiving it is the client's
+	// upload, which an engine reached directly would wait for as well.
+	rq.received = time.Now()
 	if rq.body, err = protocol.Parse(data); err != nil {
 		return result{outcome: OutcomeBadRequest, status: http.StatusBadRequest, msg: err.Error()}
 	}
@@ -88,7 +94,7 @@ func (s *Server) dispatch(rq *request) result {
 func (s *Server) push(rq *request, set *discovery.Set) result {
 	exclude := map[string]bool{}
 	var failed result
-	mark := rq.start
+	mark := rq.received
 	for attempt := 0; attempt < 2; attempt++ {
 		prefills, decodes, why := pairable(set, exclude)
 		if why != "" {
@@ -161,7 +167,7 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 func (s *Server) pull(rq *request, set *discovery.Set) result {
 	exclude := map[string]bool{}
 	var failed result
-	mark := rq.start
+	mark := rq.received
 	for attempt := 0; attempt < 2; attempt++ {
 		prefills, _, why := pairable(set, exclude)
 		if why != "" {
@@ -363,7 +369,8 @@ func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) 
 	}
 	written, err := relay(rq.w, ds.resp, ds.first, func() {
 		rq.firstByte = time.Now()
-		rq.added += rq.firstByte.Sub(ds.at)
+		rq.relay = rq.firstByte.Sub(ds.at)
+		rq.added += rq.relay
 	})
 	if err != nil {
 		if rq.r.Context().Err() != nil {
@@ -503,7 +510,7 @@ func (s *Server) record(rq *request, res result) {
 		attrs = append(attrs, "client_request_id", cid)
 	}
 	if !rq.firstByte.IsZero() {
-		attrs = append(attrs, "ttft_ms", ms(rq.firstByte.Sub(rq.start)), "router_added_ms", ms(rq.added))
+		attrs = append(attrs, "ttft_ms", ms(rq.firstByte.Sub(rq.start)), "router_added_ms", ms(rq.added), "router_relay_ms", ms(rq.relay))
 	}
 	if res.outcome == OutcomeOK || res.outcome == OutcomeEngineRefused {
 		s.cfg.Log.Info("request", attrs...)

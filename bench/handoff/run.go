@@ -166,16 +166,11 @@ func stageMeans(mode string, agents ...*agentproc.Proc) map[string]float64 {
 	return out
 }
 
+// sizeLayout keeps Qwen3-32B's shape (64 layers, 8 KV heads, 16-token blocks) and scales
+// the head dimension so that the offered load is LoadFraction of the measured bandwidth.
 func sizeLayout(sc Scenario, bw float64) simengine.Layout {
-	return SizeLayout(sc.TP, sc.QPS, sc.PromptTokens, sc.LoadFraction, bw)
-}
-
-// SizeLayout keeps Qwen3-32B's shape (64 layers, 8 KV heads, 16-token blocks) and scales
-// the head dimension so that qps requests of tokens offer load (a fraction) of the
-// bandwidth bw (bytes/s).
-func SizeLayout(tp int, qps float64, tokens int, load, bw float64) simengine.Layout {
-	l := simengine.Qwen3_32B(tp, 1)
-	perToken := load * bw / (qps * float64(tokens))
+	l := simengine.Qwen3_32B(sc.TP, 1)
+	perToken := sc.LoadFraction * bw / (sc.QPS * float64(sc.PromptTokens))
 	perHeadDim := float64(2 * l.Layers * l.KVHeads * l.DTypeBytes)
 	l.HeadDim = max(1, int(math.Round(perToken/perHeadDim)))
 	for l.BlockBytes()%8 != 0 {

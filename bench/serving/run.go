@@ -32,9 +32,11 @@ type Scenario struct {
 	TP           int
 	// Duration is how long requests arrive, per mode.
 	Duration time.Duration
-	// LoadFraction scales KV per token so the offered load is this fraction of the
-	// provider bandwidth measured in the same run (as make bench-handoff does).
-	LoadFraction float64
+	// KVBytesPerToken is the KV one token takes over all ranks: Qwen3-32B's shape with
+	// the head dimension scaled down (the real model's is 256 KiB). Fixed rather than
+	// derived from a bandwidth measurement, so every run and machine serves the same
+	// workload; the report gives the offered load as a share of the measured bandwidth.
+	KVBytesPerToken int
 	// Utilisation sets prefill speed so the prefill engine is this busy (DESIGN.md §2).
 	Utilisation float64
 	// CacheRequests sizes each engine's KV cache, in requests.
@@ -55,7 +57,7 @@ type Scenario struct {
 // Default is the issue's scenario: 8 QPS of 16k-token prompts at TP 8.
 func Default() Scenario {
 	return Scenario{Provider: "tcp;ofi_rxm", QPS: 8, PromptTokens: 16384, TP: 8, Duration: 20 * time.Second,
-		LoadFraction: 0.30, Utilisation: 0.65, CacheRequests: 8, MaxTokens: 4, TPOT: 7 * time.Millisecond,
+		KVBytesPerToken: 4096, Utilisation: 0.65, CacheRequests: 8, MaxTokens: 4, TPOT: 7 * time.Millisecond,
 		Timeout: 60 * time.Second, Seed: 1}
 }
 
@@ -66,8 +68,10 @@ type Result struct {
 	Outcomes map[string]int `json:"outcomes"`
 	// TTFT is the client's: from the request's scheduled arrival to its first byte.
 	TTFT report.Percentiles `json:"ttft_ms"`
-	// RouterAdded is the router's own share of TTFT (its log, per request).
+	// RouterAdded is the router's own share of TTFT (its log, per request); RouterRelay
+	// the part of it spent relaying the decode leg's first byte to the client.
 	RouterAdded report.Percentiles `json:"router_added_ms"`
+	RouterRelay report.Percentiles `json:"router_relay_ms"`
 	// PrefillLeg is send to whole response; DecodeLeg is send to first byte.
 	PrefillLeg report.Percentiles `json:"prefill_leg_ms"`
 	DecodeLeg  report.Percentiles `json:"decode_leg_ms"`
@@ -84,6 +88,8 @@ type Report struct {
 	PromptTokens    int      `json:"prompt_tokens"`
 	TP              int      `json:"tp"`
 	BytesPerRequest int      `json:"kv_bytes_per_request"`
+	// OfferedLoad is QPS × bytes per request as a share of the measured bandwidth.
+	OfferedLoad float64 `json:"offered_load_fraction"`
 	PrefillMs       float64  `json:"prefill_ms"`
 	ArrivalsPerMode int      `json:"arrivals_per_mode"`
 	Results         []Result `json:"results"`
@@ -127,7 +133,11 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth: %w", err)
 	}
-	l := handoff.SizeLayout(sc.TP, sc.QPS, sc.PromptTokens, sc.LoadFraction, bw)
+	l := simengine.Qwen3_32B(sc.TP, 1)
+	l.HeadDim = max(1, sc.KVBytesPerToken/(2*l.Layers*l.KVHeads*l.DTypeBytes))
+	if err := l.Validate(); err != nil {
+		return nil, fmt.Errorf("--kv-bytes-per-token %d: %w", sc.KVBytesPerToken, err)
+	}
 	blocks := (sc.PromptTokens + l.BlockSize - 1) / l.BlockSize
 	l.Blocks = blocks * sc.CacheRequests
 	prefill := simengine.Prefill{TP: sc.TP, Speedup: simengine.SpeedupFor(sc.TP, 1, sc.QPS, sc.PromptTokens, sc.Utilisation)}
@@ -138,6 +148,7 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 		BytesPerRequest: blocks * l.BlockSize * l.BytesPerToken(), PrefillMs: report.Round(float64(prefill.Time(sc.PromptTokens).Microseconds()) / 1e3),
 		ArrivalsPerMode: len(arr),
 	}
+	rep.OfferedLoad = report.Round(sc.QPS * float64(rep.BytesPerRequest) / bw)
 	sc.logf("provider %s: %.2f GB/s; %d KV bytes per request; prefill %.1f ms; %d arrivals per mode", sc.Provider, bw/1e9, rep.BytesPerRequest, rep.PrefillMs, len(arr))
 
 	a, err := agentproc.Start(sc.AgentBin, "prefill-node", mkdir(sc.WorkDir, "prefill-node"), sc.Provider)
@@ -164,14 +175,15 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 		if err != nil {
 			return nil, err
 		}
-		var added, pre, dec []float64
+		var added, relay, pre, dec []float64
 		for _, x := range arr {
 			if line, ok := lines[x.id]; ok && line.Outcome == "ok" {
-				added, pre, dec = append(added, line.AddedMs), append(pre, line.PrefillMs), append(dec, line.DecodeMs)
+				added, relay = append(added, line.AddedMs), append(relay, line.RelayMs)
+				pre, dec = append(pre, line.PrefillMs), append(dec, line.DecodeMs)
 			}
 		}
-		r.RouterAdded, r.PrefillLeg, r.DecodeLeg = report.Of(added), report.Of(pre), report.Of(dec)
-		sc.logf("%s: %v; TTFT p50 %.1f ms; router-added p50 %.3f ms, p99 %.3f ms", r.Mode, r.Outcomes, r.TTFT.P50, r.RouterAdded.P50, r.RouterAdded.P99)
+		r.RouterAdded, r.RouterRelay, r.PrefillLeg, r.DecodeLeg = report.Of(added), report.Of(relay), report.Of(pre), report.Of(dec)
+		sc.logf("%s: %v; TTFT p50 %.1f ms; router-added p50 %.3f ms, p99 %.3f ms (relaying the first byte: p50 %.3f, p99 %.3f)", r.Mode, r.Outcomes, r.TTFT.P50, r.RouterAdded.P50, r.RouterAdded.P99, r.RouterRelay.P50, r.RouterRelay.P99)
 		rep.Results = append(rep.Results, *r)
 	}
 	rep.PullMinusPushTTFTP50 = report.Round(rep.Results[1].TTFT.P50 - rep.Results[0].TTFT.P50)

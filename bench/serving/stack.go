@@ -200,6 +200,7 @@ type routerLine struct {
 	Outcome     string  `json:"outcome"`
 	TTFTMs      float64 `json:"ttft_ms"`
 	AddedMs     float64 `json:"router_added_ms"`
+	RelayMs     float64 `json:"router_relay_ms"`
 	PrefillMs   float64 `json:"prefill_ms"`
 	DecodeMs    float64 `json:"decode_ms"`
 	Err         string  `json:"err"`

@@ -22,7 +22,7 @@ func main() {
 	flag.IntVar(&sc.PromptTokens, "prompt-tokens", sc.PromptTokens, "tokens per prompt")
 	flag.IntVar(&sc.TP, "tp", sc.TP, "tensor-parallel size (engine ranks per side)")
 	flag.DurationVar(&sc.Duration, "duration", sc.Duration, "how long requests arrive, per mode")
-	flag.Float64Var(&sc.LoadFraction, "load", sc.LoadFraction, "offered KV load as a fraction of the measured bandwidth")
+	flag.IntVar(&sc.KVBytesPerToken, "kv-bytes-per-token", sc.KVBytesPerToken, "KV bytes per token over all ranks (Qwen3-32B's shape, head dimension scaled; the real model's is 262144)")
 	flag.Float64Var(&sc.Utilisation, "prefill-utilisation", sc.Utilisation, "how busy the prefill engine is")
 	flag.Uint64Var(&sc.Seed, "seed", sc.Seed, "seed of the arrivals and prompts both modes replay")
 	out := flag.String("out", "bench/results", "folder for serving.json and serving.png")
