@@ -86,16 +86,19 @@ func (s *Server) dispatch(rq *request) result {
 	return s.pull(rq, set)
 }
 
-// push chooses the decode engine at arrival and sends both legs at once: decode
-// registers its blocks with the prefill engine while prefill runs. A prefill leg that
-// fails before decode has answered aborts the decode leg (closing its connection aborts
-// the request in vLLM, which frees its blocks) and the pair is tried once more with
-// another prefill engine.
-func (s *Server) push(rq *request, set *discovery.Set) result {
+// attempts is how often a request's legs are sent: once, and once more on another
+// prefill engine when the prefill leg fails.
+const attempts = 2
+
+// withRetry runs try (one attempt of a mode's legs) over the engines that can be paired,
+// and once more without the prefill engine a failed attempt names. try reports whether
+// its result is a prefill failure worth retrying; mark is where the router's own time of
+// the attempt starts: the body's receipt, or the failure before a retry.
+func (s *Server) withRetry(rq *request, set *discovery.Set, try func(prefills, decodes []discovery.Engine, mark time.Time) (res result, retry bool)) result {
 	exclude := map[string]bool{}
 	var failed result
 	mark := rq.received
-	for attempt := 0; attempt < 2; attempt++ {
+	for attempt := range attempts {
 		prefills, decodes, why := pairable(set, exclude)
 		if why != "" {
 			if attempt > 0 {
@@ -103,9 +106,32 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 			}
 			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: why}
 		}
+		rq.retries = attempt
+		res, retry := try(prefills, decodes, mark)
+		if !retry {
+			return res
+		}
+		if rq.r.Context().Err() != nil {
+			return s.clientGoneOr(rq, res) // the leg failed because the client left
+		}
+		failed, mark = res, time.Now()
+		exclude[res.engine] = true
+		s.m.retries.WithLabelValues(rq.mode).Inc()
+		s.cfg.Log.Warn("prefill leg failed; retrying on another prefill engine", "request_id", rq.id, "mode", rq.mode, "prefill", res.engine, "err", res.msg)
+	}
+	return failed
+}
+
+// push chooses the decode engine at arrival and sends both legs at once: decode
+// registers its blocks with the prefill engine while prefill runs. A prefill leg that
+// fails before decode has answered aborts the decode leg (closing its connection aborts
+// the request in vLLM, which frees its blocks) before the pair is tried again.
+func (s *Server) push(rq *request, set *discovery.Set) result {
+	return s.withRetry(rq, set, func(prefills, decodes []discovery.Engine, mark time.Time) (result, bool) {
 		d, _ := s.bal.Pick(balance.Decode, decodes, nil)
 		p, _ := s.bal.Pick(balance.Prefill, sameHash(prefills, d.CompatHash), nil)
-		rq.prefill, rq.decode, rq.retries = p.EngineID, d.EngineID, attempt
+		rq.prefill, rq.decode = p.EngineID, d.EngineID
+		// A new transfer id for every attempt: a retried pair never matches the aborted one.
 		transferID := newID("xfer-")
 		prefillBody := protocol.PrefillLeg(rq.body, transferID).Marshal()
 		decodeBody := protocol.PushDecodeLeg(rq.body, protocol.Prefill{
@@ -114,8 +140,7 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 		}, rq.id, transferID).Marshal()
 
 		ctx, cancel := context.WithCancel(rq.r.Context())
-		// The router's own time before the legs go out, counted from the arrival or,
-		// after a failed attempt, from the failure.
+		defer cancel()
 		rq.added = time.Since(mark)
 		sent := time.Now()
 		prefillDone := make(chan legResult, 1)
@@ -132,65 +157,38 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 				if ds := <-decodeStarted; ds.resp != nil {
 					ds.resp.Body.Close()
 				}
-				if pr.res.outcome != OutcomePrefillFailed || rq.r.Context().Err() != nil {
-					return s.clientGoneOr(rq, pr.res)
-				}
-				failed, mark = pr.res, time.Now()
-				exclude[p.EngineID] = true
-				s.m.retries.WithLabelValues(rq.mode).Inc()
-				s.cfg.Log.Warn("prefill leg failed; aborted the decode leg, retrying the pair", "request_id", rq.id, "prefill", p.EngineID, "decode", d.EngineID, "err", pr.res.msg)
-				continue
+				return pr.res, pr.res.outcome == OutcomePrefillFailed
 			}
+			s.m.leg.WithLabelValues(rq.mode, "prefill").Observe(pr.took.Seconds())
 			ds = <-decodeStarted
 		case ds = <-decodeStarted:
 			// Decode answered first: its bytes are the client's, whatever prefill's
 			// response says later. The prefill leg finishes on its own.
 			go func() {
-				pr := <-prefillDone
-				if pr.res.outcome == "" {
+				if pr := <-prefillDone; pr.res.outcome == "" {
 					s.m.leg.WithLabelValues(rq.mode, "prefill").Observe(pr.took.Seconds())
 				}
 			}()
 		}
 		rq.decodeTime = time.Since(sent)
 		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(rq.decodeTime.Seconds())
-		res := s.finishDecode(rq, d, ds)
-		cancel()
-		return res
-	}
-	return failed
+		return s.finishDecode(rq, d, ds), false
+	})
 }
 
 // pull sends the prefill leg first and chooses the decode engine when it returns; the
 // decode leg carries the prefill engine's kv_transfer_params, and decode reads the
-// blocks. A failed prefill leg is tried once more on another prefill engine.
+// blocks.
 func (s *Server) pull(rq *request, set *discovery.Set) result {
-	exclude := map[string]bool{}
-	var failed result
-	mark := rq.received
-	for attempt := 0; attempt < 2; attempt++ {
-		prefills, _, why := pairable(set, exclude)
-		if why != "" {
-			if attempt > 0 {
-				return failed
-			}
-			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: why}
-		}
+	return s.withRetry(rq, set, func(prefills, _ []discovery.Engine, mark time.Time) (result, bool) {
 		p, _ := s.bal.Pick(balance.Prefill, prefills, nil)
-		rq.prefill, rq.retries = p.EngineID, attempt
+		rq.prefill = p.EngineID
 		rq.added = time.Since(mark)
 		pr := s.prefillLeg(rq.r.Context(), rq, p, protocol.PrefillLeg(rq.body, "").Marshal(), true)
 		got := time.Now()
 		rq.prefillTime = pr.took
 		if pr.res.outcome != "" {
-			if pr.res.outcome != OutcomePrefillFailed || rq.r.Context().Err() != nil {
-				return s.clientGoneOr(rq, pr.res)
-			}
-			failed, mark = pr.res, got
-			exclude[p.EngineID] = true
-			s.m.retries.WithLabelValues(rq.mode).Inc()
-			s.cfg.Log.Warn("prefill leg failed; retrying on another prefill engine", "request_id", rq.id, "prefill", p.EngineID, "err", pr.res.msg)
-			continue
+			return pr.res, pr.res.outcome == OutcomePrefillFailed
 		}
 		s.m.leg.WithLabelValues(rq.mode, "prefill").Observe(pr.took.Seconds())
 
@@ -199,22 +197,20 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 		_, decodes, _ := pairable(cur, nil)
 		decodes = sameHash(decodes, p.CompatHash)
 		if len(decodes) == 0 {
-			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: fmt.Sprintf("no ready decode engine with prefill engine %s's compat-hash %q (%s)", p.EngineID, p.CompatHash, cur.Source)}
+			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: fmt.Sprintf("no ready decode engine with prefill engine %s's compat-hash %q (%s)", p.EngineID, p.CompatHash, cur.Source)}, false
 		}
 		d, _ := s.bal.Pick(balance.Decode, decodes, nil)
 		rq.decode = d.EngineID
 		body := protocol.PullDecodeLeg(rq.body, pr.params).Marshal()
 		ctx, cancel := context.WithCancel(rq.r.Context())
+		defer cancel()
 		rq.added += time.Since(got)
 		sent := time.Now()
 		ds := s.decodeLeg(ctx, rq, d, body)
 		rq.decodeTime = time.Since(sent)
 		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(rq.decodeTime.Seconds())
-		res := s.finishDecode(rq, d, ds)
-		cancel()
-		return res
-	}
-	return failed
+		return s.finishDecode(rq, d, ds), false
+	})
 }
 
 // readBody reads the client's body, in one buffer of its announced length when it has

@@ -15,15 +15,11 @@ import (
 // one request's KV (Qwen3-32B's layout at TP 8, one rank, 1k tokens) through them,
 // verifying every byte. It narrates what happens to w.
 func Demo(ctx context.Context, bin, dir, provider string, w io.Writer) error {
-	a, err := agentproc.Start(bin, "prefill-node", mkdir(dir, "prefill-node"), provider)
+	a, b, err := agentproc.StartPair(bin, dir, provider)
 	if err != nil {
 		return err
 	}
 	defer a.Stop()
-	b, err := agentproc.Start(bin, "decode-node", mkdir(dir, "decode-node"), provider)
-	if err != nil {
-		return err
-	}
 	defer b.Stop()
 	fmt.Fprintf(w, "  agents: prefill node %s, decode node %s, provider %s\n", a.Peer, b.Peer, provider)
 	l := simengine.Qwen3_32B(8, 256)

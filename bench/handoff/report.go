@@ -1,10 +1,8 @@
 package handoff
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
-	"os"
 	"path/filepath"
 
 	"github.com/kvhandoff/kvhandoff/bench/report"
@@ -28,14 +26,7 @@ func (r *Report) Markdown(w io.Writer) {
 
 // Write saves handoff.json and handoff.png into dir.
 func (r *Report) Write(dir string) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	b, err := json.MarshalIndent(r, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(dir, "handoff.json"), append(b, '\n'), 0o644); err != nil {
+	if err := report.SaveJSON(dir, "handoff.json", r); err != nil {
 		return err
 	}
 	series := make([]report.Series, len(r.Results))

@@ -6,8 +6,6 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
-	"os"
-	"path/filepath"
 	"sync"
 	"time"
 
@@ -118,15 +116,11 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	sc.logf("provider %s: %.2f GB/s; %d bytes per request (%.0f%% of the wire at %.0f QPS); wire floor %.1f ms; prefill %.1f ms per request",
 		sc.Provider, bw/1e9, bytesPerRequest, rep.OfferedLoad*100, sc.QPS, ms(floor), ms(prefill))
 
-	a, err := agentproc.Start(sc.AgentBin, "prefill-node", mkdir(sc.WorkDir, "prefill-node"), sc.Provider)
+	a, b, err := agentproc.StartPair(sc.AgentBin, sc.WorkDir, sc.Provider)
 	if err != nil {
 		return nil, err
 	}
 	defer a.Stop()
-	b, err := agentproc.Start(sc.AgentBin, "decode-node", mkdir(sc.WorkDir, "decode-node"), sc.Provider)
-	if err != nil {
-		return nil, err
-	}
 	defer b.Stop()
 	for _, mode := range []agentv1.Mode{agentv1.Mode_MODE_PUSH, agentv1.Mode_MODE_PULL} {
 		r, err := runMode(ctx, sc, mode, l, a, b, prefill)
@@ -177,12 +171,6 @@ func sizeLayout(sc Scenario, bw float64) simengine.Layout {
 		l.HeadDim++
 	}
 	return l
-}
-
-func mkdir(parts ...string) string {
-	d := filepath.Join(parts...)
-	_ = os.MkdirAll(d, 0o755)
-	return d
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

@@ -20,15 +20,11 @@ import (
 // agents, the KV verified byte for byte by the decode engine. It prints each answer and
 // the router's account of the request to w.
 func Demo(ctx context.Context, agentBin, routerBin, dir, provider string, w io.Writer) error {
-	a, err := agentproc.Start(agentBin, "prefill-node", mkdir(dir, "prefill-node"), provider)
+	a, b, err := agentproc.StartPair(agentBin, dir, provider)
 	if err != nil {
 		return err
 	}
 	defer a.Stop()
-	b, err := agentproc.Start(agentBin, "decode-node", mkdir(dir, "decode-node"), provider)
-	if err != nil {
-		return err
-	}
 	defer b.Stop()
 	l := simengine.Qwen3_32B(2, 64)
 	prompt := "Why does push mode cut time to first token? Answer in one line."

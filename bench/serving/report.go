@@ -1,11 +1,9 @@
 package serving
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"maps"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -28,14 +26,7 @@ func (r *Report) Markdown(w io.Writer) {
 
 // Write saves serving.json and serving.png into dir.
 func (r *Report) Write(dir string) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	b, err := json.MarshalIndent(r, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(dir, "serving.json"), append(b, '\n'), 0o644); err != nil {
+	if err := report.SaveJSON(dir, "serving.json", r); err != nil {
 		return err
 	}
 	series := make([]report.Series, len(r.Results))

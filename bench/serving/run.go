@@ -8,8 +8,6 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
-	"os"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -81,15 +79,15 @@ type Result struct {
 
 // Report is the whole run.
 type Report struct {
-	Machine         string   `json:"machine"`
-	Provider        string   `json:"provider"`
-	BandwidthGBps   float64  `json:"bandwidth_gb_per_s"`
-	QPS             float64  `json:"qps"`
-	PromptTokens    int      `json:"prompt_tokens"`
-	TP              int      `json:"tp"`
-	BytesPerRequest int      `json:"kv_bytes_per_request"`
+	Machine         string  `json:"machine"`
+	Provider        string  `json:"provider"`
+	BandwidthGBps   float64 `json:"bandwidth_gb_per_s"`
+	QPS             float64 `json:"qps"`
+	PromptTokens    int     `json:"prompt_tokens"`
+	TP              int     `json:"tp"`
+	BytesPerRequest int     `json:"kv_bytes_per_request"`
 	// OfferedLoad is QPS × bytes per request as a share of the measured bandwidth.
-	OfferedLoad float64 `json:"offered_load_fraction"`
+	OfferedLoad     float64  `json:"offered_load_fraction"`
 	PrefillMs       float64  `json:"prefill_ms"`
 	ArrivalsPerMode int      `json:"arrivals_per_mode"`
 	Results         []Result `json:"results"`
@@ -151,15 +149,11 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	rep.OfferedLoad = report.Round(sc.QPS * float64(rep.BytesPerRequest) / bw)
 	sc.logf("provider %s: %.2f GB/s; %d KV bytes per request; prefill %.1f ms; %d arrivals per mode", sc.Provider, bw/1e9, rep.BytesPerRequest, rep.PrefillMs, len(arr))
 
-	a, err := agentproc.Start(sc.AgentBin, "prefill-node", mkdir(sc.WorkDir, "prefill-node"), sc.Provider)
+	a, b, err := agentproc.StartPair(sc.AgentBin, sc.WorkDir, sc.Provider)
 	if err != nil {
 		return nil, err
 	}
 	defer a.Stop()
-	b, err := agentproc.Start(sc.AgentBin, "decode-node", mkdir(sc.WorkDir, "decode-node"), sc.Provider)
-	if err != nil {
-		return nil, err
-	}
 	defer b.Stop()
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		st, err := startStack(ctx, mode, l, a, b, sc.RouterBin, sc.WorkDir, engineOpts{prefill: prefill.Time, tpot: sc.TPOT})
@@ -281,10 +275,4 @@ func streamText(stream []byte) string {
 		}
 	}
 	return out.String()
-}
-
-func mkdir(parts ...string) string {
-	d := filepath.Join(parts...)
-	_ = os.MkdirAll(d, 0o755)
-	return d
 }

@@ -172,3 +172,23 @@ func (p *Proc) Metric(series string) (float64, error) {
 	m, err := p.Metrics()
 	return m[series], err
 }
+
+// StartPair starts the two agents of a prefill node and a decode node, each in its own
+// folder under dir, as the benchmarks and demos run them. Stop both when done.
+func StartPair(bin, dir, provider string) (prefill, decode *Proc, err error) {
+	start := func(name string) (*Proc, error) {
+		d := filepath.Join(dir, name)
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
+		return Start(bin, name, d, provider)
+	}
+	if prefill, err = start("prefill-node"); err != nil {
+		return nil, nil, err
+	}
+	if decode, err = start("decode-node"); err != nil {
+		prefill.Stop()
+		return nil, nil, err
+	}
+	return prefill, decode, nil
+}
