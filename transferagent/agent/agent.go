@@ -36,7 +36,7 @@ type Config struct {
 	PeerListen, Advertise string
 	// MemoryDir is the only folder engines may name host-memory files in.
 	MemoryDir string
-	// Token authenticates peers: both sides prove they hold it (HMAC of a nonce).
+	// Token authenticates peers: both sides prove they hold it (see peer.handshake).
 	Token []byte
 	// Lease, RegistrationTimeout and BlocksTTL come from the KVTransferPolicy.
 	Lease, RegistrationTimeout, BlocksTTL time.Duration

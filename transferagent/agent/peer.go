@@ -5,9 +5,12 @@ import (
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
+	"strconv"
 	"sync"
 	"time"
 
@@ -113,44 +116,96 @@ func (p *peer) serve() {
 	}
 }
 
+// handshake authenticates a connection both ways with the cluster token.
+//
+// Both sides send a Hello (agent, epoch, fresh nonce). Each proof is an HMAC over the
+// prover's role and both Hellos, dialer's first, so a proof is good for one direction of
+// one connection only: it cannot be reflected back to its signer or replayed on another
+// connection. The dialer proves first; the acceptor checks that proof before it signs
+// anything, so a party that has not proved it holds the token never gets a signature.
+// A Hello that carries this agent's own identity or nonce is refused: mirroring an
+// agent's Hello back at it is how a reflection would start.
 func (p *peer) handshake() error {
 	p.conn.SetDeadline(time.Now().Add(handshakeTimeout))
 	defer p.conn.SetDeadline(time.Time{})
 	var nonce [16]byte
 	_, _ = rand.Read(nonce[:])
-	mine := hex.EncodeToString(nonce[:])
-	if err := p.write(&wire.Hello{Agent: p.a.self, Epoch: p.a.epoch, Nonce: mine}); err != nil {
+	mine := &wire.Hello{Agent: p.a.self, Epoch: p.a.epoch, Nonce: hex.EncodeToString(nonce[:])}
+	if err := p.write(mine); err != nil {
 		return err
 	}
 	m, err := wire.Read(p.conn)
 	if err != nil {
 		return err
 	}
-	hello, ok := m.(*wire.Hello)
-	if !ok || len(hello.Nonce) < 16 {
+	theirs, ok := m.(*wire.Hello)
+	switch {
+	case !ok || len(theirs.Nonce) < 16:
 		return fmt.Errorf("expected a Hello with a nonce, got %T", m)
+	case theirs.Nonce == mine.Nonce || (theirs.Agent == mine.Agent && theirs.Epoch == mine.Epoch):
+		return errors.New("the peer's Hello is this agent's own")
 	}
-	if err := p.write(&wire.Auth{MAC: p.a.mac(hello.Nonce)}); err != nil {
-		return err
+	dialer, acceptor := mine, theirs
+	if !p.outbound {
+		dialer, acceptor = theirs, mine
 	}
-	if m, err = wire.Read(p.conn); err != nil {
-		return err
+	expect := func(role string) error {
+		m, err := wire.Read(p.conn)
+		if err != nil {
+			return err
+		}
+		auth, ok := m.(*wire.Auth)
+		if !ok || !hmac.Equal([]byte(auth.MAC), []byte(p.a.proof(role, dialer, acceptor))) {
+			return errors.New("peer did not prove it holds the agents' token")
+		}
+		return nil
 	}
-	auth, ok := m.(*wire.Auth)
-	if !ok || !hmac.Equal([]byte(auth.MAC), []byte(p.a.mac(mine))) {
-		return fmt.Errorf("peer did not prove it holds the agents' token")
+	if p.outbound {
+		if err := p.write(&wire.Auth{MAC: p.a.proof(roleDialer, dialer, acceptor)}); err != nil {
+			return err
+		}
+		if err := expect(roleAcceptor); err != nil {
+			return err
+		}
+	} else {
+		if err := expect(roleDialer); err != nil {
+			return err
+		}
+		if err := p.write(&wire.Auth{MAC: p.a.proof(roleAcceptor, dialer, acceptor)}); err != nil {
+			return err
+		}
 	}
 	if !p.outbound {
-		p.addr = hello.Agent
+		p.addr = theirs.Agent
 	}
-	p.epoch = hello.Epoch
+	p.epoch = theirs.Epoch
 	p.a.log.Info("peer connected", "peer", p.addr, "epoch", p.epoch, "outbound", p.outbound)
 	return nil
 }
 
-func (a *Agent) mac(nonce string) string {
+// The roles a handshake proof is made for.
+const (
+	roleDialer   = "dialer"
+	roleAcceptor = "acceptor"
+)
+
+// proof is the HMAC-SHA256 under the cluster token of a role and the connection's two
+// Hellos, each field length-prefixed so no two transcripts encode alike.
+func (a *Agent) proof(role string, dialer, acceptor *wire.Hello) string {
 	h := hmac.New(sha256.New, a.cfg.Token)
-	h.Write([]byte(nonce))
+	field := func(s string) {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
+		h.Write(n[:])
+		h.Write([]byte(s))
+	}
+	field("kvhandoff-peer-auth-v2")
+	field(role)
+	for _, hello := range []*wire.Hello{dialer, acceptor} {
+		field(hello.Agent)
+		field(strconv.FormatUint(hello.Epoch, 10))
+		field(hello.Nonce)
+	}
 	return string(h.Sum(nil))
 }
 

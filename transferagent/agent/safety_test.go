@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"bufio"
 	"net"
 	"os"
 	"path/filepath"
@@ -196,4 +197,58 @@ func TestAnUnavailableProviderFailsReadinessWithoutFallingBack(t *testing.T) {
 	_, err = cl.API.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "e", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
 		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
 	refused(t, "an engine on an agent without its provider", err, codes.Unavailable, "efa")
+}
+
+// A client without the token tries to make the agent sign its own challenge: on a second
+// connection it hands the agent the first connection's nonce as its own, hoping for an
+// Auth it can replay on the first. The agent must sign nothing for a party that has not
+// proved itself, and accept neither connection.
+func TestAHandshakeCannotBeReflected(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	dial := func() (net.Conn, *bufio.Reader, *wire.Hello) {
+		c, err := net.Dial("tcp", p.A.Peer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		r := bufio.NewReader(c)
+		m, err := wire.Read(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c, r, m.(*wire.Hello)
+	}
+	write := func(c net.Conn, m wire.Message) {
+		b, _ := wire.Encode(nil, m)
+		c.Write(b)
+	}
+	peersBefore := p.A.Metric(t, "kvhandoff_agent_peer_connections")
+	c1, r1, h1 := dial()
+	c2, r2, _ := dial()
+	// On the second connection: the first connection's challenge as ours, then an Auth we
+	// cannot make. The old handshake answered the Hello with the agent's MAC of that nonce
+	// at once, before checking anything.
+	write(c2, &wire.Hello{Agent: "intruder", Epoch: 1, Nonce: h1.Nonce})
+	write(c2, &wire.Auth{MAC: "cannot make this"})
+	var stolen string
+	if m, err := wire.Read(r2); err == nil {
+		if a, ok := m.(*wire.Auth); ok {
+			stolen = a.MAC
+			t.Errorf("the agent signed a challenge for a party that had not proved itself")
+		}
+	}
+	// Replay whatever came back on the first connection.
+	write(c1, &wire.Hello{Agent: "intruder", Epoch: 1, Nonce: "fedcba9876543210fedcba9876543210"})
+	write(c1, &wire.Auth{MAC: stolen})
+	if m, err := wire.Read(r1); err == nil {
+		t.Errorf("the agent answered the replayed proof with %T: the reflection got through", m)
+	}
+	if got := p.A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="Unauthenticated"}`); got != 2 {
+		t.Errorf("refused handshakes: %v, want 2", got)
+	}
+	if got := p.A.Metric(t, "kvhandoff_agent_peer_connections"); got > peersBefore {
+		t.Errorf("peer connections went from %v to %v", peersBefore, got)
+	}
+	transfer(t, p.P[0], p.D[0], "after-reflection")
 }

@@ -65,7 +65,8 @@ type Hello struct {
 	Nonce string
 }
 
-// Auth answers the peer's Hello: HMAC-SHA256 of the peer's nonce under the shared token.
+// Auth proves the sender holds the shared token: HMAC-SHA256 of its role and both Hellos
+// of the connection (the agent package defines the transcript).
 type Auth struct{ MAC string }
 
 // RegionInfo is one registered region as a peer may address it.
