@@ -236,11 +236,18 @@ func (a *Agent) Ready() error {
 func (a *Agent) Provider() string { return a.limits.Provider }
 
 func newEpoch() uint64 {
-	// Time keeps epochs increasing across restarts; the random low bits keep two agents
-	// started in the same microsecond apart.
 	var b [2]byte
 	_, _ = rand.Read(b[:])
-	return uint64(time.Now().UnixMicro())<<16 | uint64(binary.BigEndian.Uint16(b[:]))
+	return epochAt(time.Now(), binary.BigEndian.Uint16(b[:]))
+}
+
+// epochAt is the epoch of an agent started at t: milliseconds since 1970 above 16 random
+// bits. Time keeps epochs increasing across restarts (engine sessions count up from the
+// agent's epoch, and a restart a second later is 65 million ahead); the random bits keep
+// two agents started in the same millisecond apart. 48 bits of milliseconds last until the
+// year 10889 (microseconds, as before, no longer fit beside 16 bits: 2^48 µs ran out in 1978).
+func epochAt(t time.Time, random uint16) uint64 {
+	return uint64(t.UnixMilli())<<16 | uint64(random)
 }
 
 // session returns the session with id, or an error naming it.
