@@ -101,8 +101,10 @@ type Agent struct {
 	memory    memoryIndex
 	peers     map[string]*peer // outbound, by address
 	inbound   map[*peer]struct{}
-	closed    bool
-	wg        sync.WaitGroup
+	// handshaking counts inbound connections not yet authenticated.
+	handshaking int
+	closed      bool
+	wg          sync.WaitGroup
 }
 
 // New checks the configuration and the provider, and binds both listeners. A provider

@@ -20,6 +20,15 @@ import (
 // handshakeTimeout bounds connecting and authenticating a peer.
 const handshakeTimeout = 10 * time.Second
 
+// Caps on inbound connections, so that connections nobody authenticates cannot exhaust
+// the agent: maxHandshakes may be mid-handshake at once (each holds at most a handshake
+// frame and a goroutine for at most handshakeTimeout); maxInbound may be open in all, one
+// per decode agent of the cluster that talks to this one.
+const (
+	maxHandshakes = 64
+	maxInbound    = 4096
+)
+
 // peer is one TCP connection to another agent. A decode agent dials the prefill agents
 // its engines name; the prefill agent answers on the same connection. Messages to a peer
 // are queued and written by one goroutine, so a slow peer never blocks an engine's pump.
@@ -79,13 +88,20 @@ func (a *Agent) acceptPeers() {
 		if err != nil {
 			return
 		}
-		p := newPeer(a, conn, false, conn.RemoteAddr().String())
 		a.mu.Lock()
 		if a.closed {
 			a.mu.Unlock()
 			conn.Close()
 			return
 		}
+		if a.handshaking >= maxHandshakes || len(a.inbound) >= maxInbound {
+			a.mu.Unlock()
+			a.metrics.refused.WithLabelValues("peer", "ResourceExhausted").Inc()
+			conn.Close()
+			continue
+		}
+		p := newPeer(a, conn, false, conn.RemoteAddr().String())
+		a.handshaking++
 		a.inbound[p] = struct{}{}
 		a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
 		a.mu.Unlock()
@@ -96,7 +112,13 @@ func (a *Agent) acceptPeers() {
 
 // serve authenticates the connection, then reads and dispatches frames until it fails.
 func (p *peer) serve() {
-	if err := p.handshake(); err != nil {
+	err := p.handshake()
+	if !p.outbound {
+		p.a.mu.Lock()
+		p.a.handshaking--
+		p.a.mu.Unlock()
+	}
+	if err != nil {
 		p.a.metrics.refused.WithLabelValues("peer", "Unauthenticated").Inc()
 		p.fail(fmt.Errorf("handshake with %s: %w", p.conn.RemoteAddr(), err))
 		return
@@ -134,7 +156,7 @@ func (p *peer) handshake() error {
 	if err := p.write(mine); err != nil {
 		return err
 	}
-	m, err := wire.Read(p.conn)
+	m, err := wire.ReadLimit(p.conn, wire.MaxHandshakeFrame)
 	if err != nil {
 		return err
 	}
@@ -150,7 +172,7 @@ func (p *peer) handshake() error {
 		dialer, acceptor = theirs, mine
 	}
 	expect := func(role string) error {
-		m, err := wire.Read(p.conn)
+		m, err := wire.ReadLimit(p.conn, wire.MaxHandshakeFrame)
 		if err != nil {
 			return err
 		}

@@ -2,6 +2,9 @@ package agent_test
 
 import (
 	"bufio"
+	"encoding/binary"
+	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -251,4 +254,44 @@ func TestAHandshakeCannotBeReflected(t *testing.T) {
 		t.Errorf("peer connections went from %v to %v", peersBefore, got)
 	}
 	transfer(t, p.P[0], p.D[0], "after-reflection")
+}
+
+// Before a peer has proved itself the agent spends little on it: handshake frames are
+// small, and connections mid-handshake are capped.
+func TestUnauthenticatedPeersCannotExhaustTheAgent(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	// A frame announced at 1 MiB before authentication is refused on its length alone:
+	// the agent closes the connection without waiting for (or allocating) the body.
+	c, err := net.Dial("tcp", p.A.Peer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Write(binary.BigEndian.AppendUint32(nil, 1<<20))
+	c.SetReadDeadline(time.Now().Add(5 * time.Second)) // well inside the 10 s handshake timeout
+	r := bufio.NewReader(c)
+	if _, err := wire.Read(r); err != nil { // the agent's own Hello
+		t.Fatal(err)
+	}
+	if _, err := wire.Read(r); !errors.Is(err, io.EOF) {
+		t.Errorf("after a 1 MiB frame header the agent did not close the connection at once (%v): it waits to read the body", err)
+	}
+	c.Close()
+
+	// Connections that never finish a handshake: beyond the cap they are closed at once.
+	const flood = 100
+	var conns []net.Conn
+	for range flood {
+		c, err := net.Dial("tcp", p.A.Peer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	until(t, "the connections past the cap are refused", func() bool {
+		return p.A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="ResourceExhausted"}`) == flood-64
+	})
+	for _, c := range conns {
+		c.Close()
+	}
+	transfer(t, p.P[0], p.D[0], "after-the-flood")
 }

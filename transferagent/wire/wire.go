@@ -342,14 +342,21 @@ func (e *encoder) count(n *uint64, limit uint64, _ int) {
 
 // Read reads one frame from r and decodes it. It reads no more than the frame's length,
 // after checking that length against MaxFrame.
-func Read(r io.Reader) (Message, error) {
+func Read(r io.Reader) (Message, error) { return ReadLimit(r, MaxFrame) }
+
+// MaxHandshakeFrame bounds the frames of a handshake (Hello, Auth): before a peer has
+// proved itself, the agent allocates no more than this for it.
+const MaxHandshakeFrame = 4 << 10
+
+// ReadLimit is Read with a smaller bound on the frame's length.
+func ReadLimit(r io.Reader, limit uint32) (Message, error) {
 	var hdr [4]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
 		return nil, err
 	}
 	n := binary.BigEndian.Uint32(hdr[:])
-	if n > MaxFrame {
-		return nil, fmt.Errorf("%w: length %d exceeds %d", ErrMalformed, n, MaxFrame)
+	if n > min(limit, MaxFrame) {
+		return nil, fmt.Errorf("%w: length %d exceeds %d", ErrMalformed, n, min(limit, MaxFrame))
 	}
 	body := make([]byte, n)
 	if _, err := io.ReadFull(r, body); err != nil {
