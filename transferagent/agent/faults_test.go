@@ -181,3 +181,37 @@ func TestLeaseExpiresOnBothSides(t *testing.T) {
 		t.Errorf("source TTL expiries: %v, want 1", got)
 	}
 }
+
+// After a push attempt fails, the prefill engine frees the request's blocks and may reuse
+// them at once. A retried attempt must then fail cleanly, never be delivered what those
+// blocks hold by then — even when a late part of the request still arrives.
+func TestARetryAfterAFailureNeverDeliversFreedBlocks(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--lease", "300ms", "--registration-timeout", "2s", "--blocks-ttl", "5s")
+	src := alloc(t, p.P[0], 4)
+	p.P[0].Cache.Fill("stale", src)
+	dst := alloc(t, p.D[0], 4)
+	// Attempt 1 goes silent (no heartbeat) after half of the request was written.
+	if err := p.D[0].RegisterDestination(bg, "stale", 1, dst, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.P[0].SourceReady(bg, "stale", 0, src[:2], false); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "stale", 1), agentv1.Event_FAILED)
+	expect(t, wait(t, p.P[0], "stale", 1), agentv1.Event_FAILED)
+	// The prefill engine freed the blocks; another request has them now.
+	p.P[0].Cache.Fill("someone-else", src)
+	// Decode retries into fresh blocks, and a late final part of the request arrives.
+	dst2 := alloc(t, p.D[0], 4)
+	if err := p.D[0].RegisterDestination(bg, "stale", 2, dst2, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	_ = p.P[0].SourceReady(bg, "stale", 2, src[2:], true) // refused or not: it must not complete the old source
+	ev := wait(t, p.D[0], "stale", 2)
+	if ev.Type == agentv1.Event_DELIVERED {
+		if err := p.D[0].Cache.Verify("stale", dst2); err != nil {
+			t.Fatalf("the retry was delivered blocks the prefill engine had freed: %v", err)
+		}
+	}
+	expect(t, ev, agentv1.Event_FAILED)
+}

@@ -62,6 +62,9 @@ func (s *session) sourceReady(r *agentv1.SourceReadyRequest) error {
 		return s.holdBlocks(now, r)
 	}
 	acts, err := s.table.SourceReady(rendezvous.Part{Request: r.RequestId, Offset: int(r.Offset), Blocks: r.BlockIds, Final: r.Final})
+	if errors.Is(err, rendezvous.ErrSourceGone) {
+		return status.Errorf(codes.FailedPrecondition, "request_id: %s: %v", r.RequestId, err)
+	}
 	if err != nil {
 		return status.Errorf(codes.InvalidArgument, "block_ids: %v", err)
 	}
@@ -251,6 +254,10 @@ func (s *session) finish(req string, attempt uint64, decode, code, reason string
 	a := s.attempts[k]
 	delete(s.attempts, k)
 	if code != "" {
+		// The prefill engine hears of the failure and frees the request's blocks; the table
+		// already dropped them (rendezvous: fence), and so does the session.
+		delete(s.sources, req)
+		s.table.Forget(req)
 		s.a.metrics.failures.WithLabelValues(code).Inc()
 		if code == rendezvous.CodeLeaseExpired || code == rendezvous.CodeRegistrationTimeout {
 			s.a.metrics.expiries.WithLabelValues("push").Inc()

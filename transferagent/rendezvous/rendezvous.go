@@ -29,6 +29,7 @@ var (
 	ErrFenced       = errors.New("rendezvous: attempt is fenced (cancelled, superseded or expired); do not write")
 	ErrUnknown      = errors.New("rendezvous: no such request and attempt")
 	ErrBadBlocks    = errors.New("rendezvous: blocks do not fit the registration")
+	ErrSourceGone   = errors.New("rendezvous: the request failed and its prefill blocks are being released; send it anew")
 )
 
 // Engine identifies a decode engine incarnation: a restarted engine gets a higher Epoch,
@@ -137,6 +138,9 @@ type request struct {
 	final   int            // number of positions, once the final part arrived; -1 before
 	current *attempt
 	old     []*attempt // fenced attempts still draining
+	// failed is set when an attempt failed: the prefill engine is told and frees the
+	// request's blocks, so nothing more of the request is paired until the agent forgets it.
+	failed bool
 }
 
 // Table is the prefill agent's rendezvous table.
@@ -182,6 +186,9 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 		return nil, ErrStaleEpoch
 	}
 	r := t.request(reg.Request)
+	if r.failed {
+		return nil, ErrSourceGone
+	}
 	var acts []Action
 	if cur := r.current; cur != nil {
 		switch {
@@ -206,6 +213,9 @@ func (t *Table) SourceReady(p Part) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.request(p.Request)
+	if r.failed {
+		return nil, ErrSourceGone
+	}
 	end := p.Offset + len(p.Blocks)
 	if p.Offset < 0 || (r.final >= 0 && end > r.final) || (r.current != nil && end > len(r.current.reg.Blocks)) {
 		return nil, fmt.Errorf("%w: positions %d..%d", ErrBadBlocks, p.Offset, end)
@@ -418,10 +428,19 @@ func (t *Table) Forget(req string) {
 }
 
 // fence stops an attempt from writing and queues its outcome for when it has drained.
+//
+// A Failed outcome also drops the request's source: the agent tells the prefill engine as
+// well, which then frees those blocks, so no later attempt may be paired with them, and
+// later parts and registrations of the request are refused (ErrSourceGone) until the agent
+// forgets it. A cancel keeps the source: the prefill engine was not told, and a retried
+// attempt takes the same blocks.
 func (t *Table) fence(r *request, a *attempt, outcome Action) []Action {
 	a.fenced, a.outcome = true, outcome
 	if r.current == a {
 		r.current = nil
+	}
+	if _, failed := outcome.(Failed); failed {
+		r.src, r.final, r.failed = map[int]uint32{}, -1, true
 	}
 	r.old = append(r.old, a)
 	return t.drained(r)

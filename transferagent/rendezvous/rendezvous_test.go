@@ -170,6 +170,50 @@ func TestLeaseExpiresWithoutHeartbeatAndFailsAfterDrain(t *testing.T) {
 	}
 }
 
+// After a Failed the prefill engine frees the request's blocks: a retried attempt must
+// not be paired with them (it would be delivered whatever they hold by then).
+func TestARetryAfterAFailureIsNotPairedWithTheFreedSource(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(1, 10, 11)))
+	acts := must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	if len(acts) != 1 {
+		t.Fatalf("pairing: %#v", acts)
+	}
+	if err := tb.Posted("r1", 1, 2); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, tb.Expire(t0.Add(30*time.Second))) // the lease ends with both writes in flight
+	acts = must(t)(tb.Completed("r1", 1, 2))
+	if _, ok := acts[0].(Failed); len(acts) != 1 || !ok {
+		t.Fatalf("after drain: %#v", acts)
+	}
+	// Decode retries; the prefill engine has freed blocks 1 and 2: the retry is refused
+	// rather than paired with them, and so is a late part of the failed request.
+	if _, err := tb.Register(t0.Add(31*time.Second), reg(2, 20, 21)); !errors.Is(err, ErrSourceGone) {
+		t.Fatalf("a retry after the failure: %v, want ErrSourceGone", err)
+	}
+	if _, err := tb.SourceReady(Part{Request: "r1", Offset: 2, Blocks: []uint32{3}}); !errors.Is(err, ErrSourceGone) {
+		t.Fatalf("a late part of the failed request: %v, want ErrSourceGone", err)
+	}
+	// Once the agent has forgotten the request, it starts afresh: only blocks reported
+	// again are written.
+	tb.Forget("r1")
+	expect(t, must(t)(tb.Register(t0.Add(32*time.Second), reg(2, 20, 21))))
+	expect(t, must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{7, 8}, Final: true})),
+		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{7, 8}, Dst: []uint32{20, 21}})
+}
+
+// A cancel (decode preempted the request) keeps the source: the prefill engine was not
+// told, and the retry takes the same blocks.
+func TestARetryAfterACancelIsPairedWithTheSameSource(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	must(t)(tb.Register(t0, reg(1, 10, 11)))
+	must(t)(tb.Cancel("r1", 1))
+	expect(t, must(t)(tb.Register(t0, reg(2, 20, 21))),
+		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
+}
+
 func TestRegistrationTimesOutWhenPrefillNeverFinishes(t *testing.T) {
 	tb := New(Config{Lease: time.Hour, RegistrationTimeout: 480 * time.Second})
 	must(t)(tb.Register(t0, reg(1, 10, 11)))
@@ -234,10 +278,19 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 		written := map[uint64]map[uint32]bool{}
 		attempt := uint64(0)
 		nextPos := 0
+		// gen counts the prefill engine's sources of the request: after a Failed it frees
+		// its blocks and, once the agent forgot the request, reports new ones (ids
+		// gen*1000+position). A transfer from any other generation reads freed blocks.
+		gen := uint32(1)
 		check := func(acts []Action) {
 			for _, a := range acts {
 				switch a := a.(type) {
 				case Transfer:
+					for _, src := range a.Src {
+						if src/1000 != gen {
+							t.Fatalf("seed %d: attempt %d written from block %d of source %d; the prefill engine freed it (now at source %d)", seed, a.Attempt, src, src/1000, gen)
+						}
+					}
 					for _, d := range a.Dst {
 						if written[a.Attempt][d] {
 							t.Fatalf("seed %d: block %d of attempt %d handed out twice", seed, d, a.Attempt)
@@ -259,6 +312,13 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 						t.Fatalf("seed %d: attempt %d ended twice", seed, att)
 					}
 					ended[att], fencedAt[att] = true, true
+					if _, failed := a.(Failed); failed {
+						// The prefill engine frees its blocks; the agent forgets the request
+						// (as the session does on finish) and the engine may report anew.
+						tb.Forget("r")
+						gen++
+						nextPos = 0
+					}
 				case Delivered:
 					if ended[a.Attempt] || len(written[a.Attempt]) != n || inFlight[a.Attempt] != 0 {
 						t.Fatalf("seed %d: delivered attempt %d with %d of %d blocks, %d in flight", seed, a.Attempt, len(written[a.Attempt]), n, inFlight[a.Attempt])
@@ -277,6 +337,10 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					blocks[i] = uint32(100*attempt) + uint32(i)
 				}
 				acts, err := tb.Register(now, Registration{Request: "r", Attempt: attempt, Decode: dec, Blocks: blocks})
+				if errors.Is(err, ErrSourceGone) {
+					attempt-- // refused: the failed attempt is still draining
+					continue
+				}
 				if err != nil {
 					t.Fatalf("seed %d: %v", seed, err)
 				}
@@ -292,9 +356,13 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					k := 1 + rng.IntN(n-nextPos)
 					blocks := make([]uint32, k)
 					for i := range blocks {
-						blocks[i] = uint32(nextPos + i)
+						blocks[i] = gen*1000 + uint32(nextPos+i)
 					}
-					check(must(t)(tb.SourceReady(Part{Request: "r", Offset: nextPos, Blocks: blocks, Final: nextPos+k == n})))
+					acts, err := tb.SourceReady(Part{Request: "r", Offset: nextPos, Blocks: blocks, Final: nextPos+k == n})
+					if errors.Is(err, ErrSourceGone) {
+						continue // the request failed and is draining; the engine hears of it
+					}
+					check(must(t)(acts, err))
 					nextPos += k
 				}
 			case 2, 3: // the writer posts what it was handed
