@@ -211,8 +211,10 @@ func (s *session) handle(acts []rendezvous.Action) {
 			s.delivered(act)
 		case rendezvous.CancelAcked:
 			s.a.metrics.cancels.Inc()
+			s.w.Discard(act.Request, act.Attempt)
 			s.finish(act.Request, act.Attempt, act.Decode.ID, "", "")
 		case rendezvous.Failed:
+			s.w.Discard(act.Request, act.Attempt)
 			s.finish(act.Request, act.Attempt, act.Decode.ID, act.Code, act.Reason)
 		}
 	}

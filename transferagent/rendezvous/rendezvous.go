@@ -141,6 +141,10 @@ type request struct {
 	// failed is set when an attempt failed: the prefill engine is told and frees the
 	// request's blocks, so nothing more of the request is paired until the agent forgets it.
 	failed bool
+	// latest is the highest attempt ever registered: a registration must be above it, even
+	// once older attempts have drained and gone, since a writer may still hold their
+	// queued writes, which an attempt of the same number would admit.
+	latest uint64
 }
 
 // Table is the prefill agent's rendezvous table.
@@ -189,14 +193,14 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 	if r.failed {
 		return nil, ErrSourceGone
 	}
+	switch {
+	case r.current != nil && reg.Attempt == r.current.reg.Attempt:
+		return nil, ErrDuplicate
+	case reg.Attempt <= r.latest:
+		return nil, ErrStaleAttempt
+	}
 	var acts []Action
 	if cur := r.current; cur != nil {
-		switch {
-		case reg.Attempt < cur.reg.Attempt:
-			return nil, ErrStaleAttempt
-		case reg.Attempt == cur.reg.Attempt:
-			return nil, ErrDuplicate
-		}
 		if !cur.done { // a delivered attempt has nothing left to stop or acknowledge
 			acts = append(acts, t.fence(r, cur, CancelAcked{Request: reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode})...)
 		}
@@ -205,6 +209,7 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 		return nil, fmt.Errorf("%w: %d destination blocks for %d source blocks", ErrBadBlocks, len(reg.Blocks), need)
 	}
 	r.current = &attempt{reg: reg, registered: now, leaseEnd: now.Add(t.cfg.Lease), sent: make([]bool, len(reg.Blocks))}
+	r.latest = reg.Attempt
 	return append(acts, t.progress(r)...), nil
 }
 

@@ -214,6 +214,24 @@ func TestARetryAfterACancelIsPairedWithTheSameSource(t *testing.T) {
 		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
 }
 
+// Once a cancelled attempt has drained, its number must not come back: the writer may
+// still hold its queued writes, and Posted would admit them under the new registration.
+func TestAnAttemptNumberIsNeverReusedAfterItDrained(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	must(t)(tb.Register(t0, reg(2, 10, 11)))
+	expect(t, must(t)(tb.Cancel("r1", 2)), CancelAcked{Request: "r1", Attempt: 2, Decode: dec})
+	for _, att := range []uint64{1, 2} {
+		if _, err := tb.Register(t0, reg(att, 20, 21)); !errors.Is(err, ErrStaleAttempt) {
+			t.Errorf("attempt %d after attempt 2 drained: %v, want ErrStaleAttempt", att, err)
+		}
+	}
+	if err := tb.Posted("r1", 2, 1); err == nil {
+		t.Error("a queued write of the cancelled attempt was admitted")
+	}
+	expect(t, must(t)(tb.Register(t0, reg(3, 20, 21))), Transfer{Request: "r1", Attempt: 3, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
+}
+
 func TestRegistrationTimesOutWhenPrefillNeverFinishes(t *testing.T) {
 	tb := New(Config{Lease: time.Hour, RegistrationTimeout: 480 * time.Second})
 	must(t)(tb.Register(t0, reg(1, 10, 11)))

@@ -203,6 +203,10 @@ func (w *Writer) Signal(engine string, data uint64) error {
 	}
 }
 
+// Discard removes an attempt's queued writes once the table has reported its outcome, so
+// none is left behind for a later registration of the same request to admit.
+func (w *Writer) Discard(req string, attempt uint64) { w.drop(req, attempt) }
+
 // drop removes an attempt's queued writes.
 func (w *Writer) drop(req string, attempt uint64) {
 	keep := w.queue[:0]
