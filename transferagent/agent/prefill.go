@@ -17,7 +17,7 @@ import (
 // pushAttempt is the prefill agent's record of one decode registration.
 type pushAttempt struct {
 	token    uint32
-	decode   string
+	decode   rendezvous.Engine // the incarnation the attempt writes into and signals
 	peer     *peer
 	paired   time.Time // when the first writes were planned: both halves were present
 	lastPost time.Time
@@ -125,7 +125,7 @@ func (s *session) onRegister(p *peer, m *wire.Register) {
 		refuse("token %d is outside 1..%d", m.Token, tokenMask)
 		return
 	}
-	if !s.w.HasDestination(m.Engine, m.EngineEpoch) {
+	if !s.w.HasDestination(rendezvous.Engine{ID: m.Engine, Epoch: m.EngineEpoch}) {
 		if err := s.addDestination(info); err != nil {
 			refuse("decode engine %s: %v", m.Engine, err)
 			return
@@ -141,7 +141,7 @@ func (s *session) onRegister(p *peer, m *wire.Register) {
 		refuse("%v", err)
 		return
 	}
-	s.attempts[attemptKey{m.Request, m.Attempt}] = &pushAttempt{token: uint32(m.Token), decode: m.Engine, peer: p}
+	s.attempts[attemptKey{m.Request, m.Attempt}] = &pushAttempt{token: uint32(m.Token), decode: rendezvous.Engine{ID: m.Engine, Epoch: m.EngineEpoch}, peer: p}
 	if src := s.sources[m.Request]; src != nil {
 		src.registered = true
 	}
@@ -162,12 +162,12 @@ func (s *session) addDestination(info *wire.EngineInfo) error {
 	if err != nil {
 		return err
 	}
-	d := writer.Destination{Peer: fp, Epoch: info.Epoch}
+	d := writer.Destination{Peer: fp}
 	for _, r := range regions {
 		ri := byID[r.ID]
 		d.Regions = append(d.Regions, writer.RemoteRegion{Region: r, Addr: ri.Addr, Key: ri.Key})
 	}
-	s.w.AddDestination(info.Engine, d)
+	s.w.AddDestination(rendezvous.Engine{ID: info.Engine, Epoch: info.Epoch}, d)
 	return nil
 }
 
@@ -202,7 +202,7 @@ func (s *session) handle(acts []rendezvous.Action) {
 						wait = a.paired.Sub(src.first)
 					}
 					s.a.metrics.stage.WithLabelValues("push", "rendezvous_wait").Observe(wait.Seconds())
-					a.peer.send(&wire.Writing{Request: act.Request, Attempt: act.Attempt, Engine: a.decode})
+					a.peer.send(&wire.Writing{Request: act.Request, Attempt: act.Attempt, Engine: a.decode.ID})
 				}
 				a.writes += writes
 				a.bytes += bytes
@@ -212,10 +212,10 @@ func (s *session) handle(acts []rendezvous.Action) {
 		case rendezvous.CancelAcked:
 			s.a.metrics.cancels.Inc()
 			s.w.Discard(act.Request, act.Attempt)
-			s.finish(act.Request, act.Attempt, act.Decode.ID, "", "")
+			s.finish(act.Request, act.Attempt, act.Decode, "", "")
 		case rendezvous.Failed:
 			s.w.Discard(act.Request, act.Attempt)
-			s.finish(act.Request, act.Attempt, act.Decode.ID, act.Code, act.Reason)
+			s.finish(act.Request, act.Attempt, act.Decode, act.Code, act.Reason)
 		}
 	}
 }
@@ -234,7 +234,7 @@ func (s *session) delivered(d rendezvous.Delivered) {
 	now := time.Now()
 	if err := s.w.Signal(a.decode, uint64(a.token)<<1); err != nil {
 		s.a.metrics.failures.WithLabelValues("signal_error").Inc()
-		a.peer.send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
+		a.peer.send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
 		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: d.Request, Attempt: d.Attempt, Reason: "signalling delivery failed"})
 		return
 	}
@@ -251,7 +251,7 @@ func (s *session) delivered(d rendezvous.Delivered) {
 // finish reports a fenced attempt that has drained. When any of its writes was posted, a
 // fence signal goes first, through the fabric: the decode agent acknowledges only once
 // it arrives, which is after the data of every earlier write. code is empty for a cancel.
-func (s *session) finish(req string, attempt uint64, decode, code, reason string) {
+func (s *session) finish(req string, attempt uint64, decode rendezvous.Engine, code, reason string) {
 	k := attemptKey{req, attempt}
 	a := s.attempts[k]
 	delete(s.attempts, k)
@@ -278,9 +278,9 @@ func (s *session) finish(req string, attempt uint64, decode, code, reason string
 		}
 	}
 	if code == "" {
-		a.peer.send(&wire.CancelAcked{Request: req, Attempt: attempt, Engine: decode, Signalled: signalled})
+		a.peer.send(&wire.CancelAcked{Request: req, Attempt: attempt, Engine: decode.ID, Signalled: signalled})
 	} else {
-		a.peer.send(&wire.Failed{Request: req, Attempt: attempt, Engine: decode, Reason: reason, Signalled: signalled})
+		a.peer.send(&wire.Failed{Request: req, Attempt: attempt, Engine: decode.ID, Reason: reason, Signalled: signalled})
 	}
 }
 

@@ -18,7 +18,6 @@ type RemoteRegion struct {
 // Destination is one decode engine's memory, exchanged once per peer and engine epoch.
 type Destination struct {
 	Peer    fabric.Peer
-	Epoch   uint64
 	Regions []RemoteRegion
 	// byID indexes Regions by region ID and layout lists them for the planner, both
 	// built once by AddDestination.
@@ -41,7 +40,7 @@ type Writer struct {
 
 	src     map[int]*fabric.Region
 	layout  []Region
-	dests   map[string]Destination
+	dests   map[rendezvous.Engine]Destination
 	queue   []queued
 	pending map[uint64]queued
 	nextID  uint64
@@ -63,35 +62,44 @@ type queued struct {
 func New(ep *fabric.Endpoint, table *rendezvous.Table, local map[int]*fabric.Region, layout []Region) *Writer {
 	return &Writer{
 		ep: ep, table: table, MaxInFlight: 64, MaxMessage: ep.Limits().MaxMsgSize,
-		src: local, layout: layout, dests: map[string]Destination{},
+		src: local, layout: layout, dests: map[rendezvous.Engine]Destination{},
 		pending: map[uint64]queued{}, buf: make([]fabric.Completion, 64),
 	}
 }
 
-// AddDestination records a decode engine's memory.
-func (w *Writer) AddDestination(engine string, d Destination) {
+// AddDestination records the memory of one incarnation of a decode engine. Destinations
+// are keyed by engine id *and* epoch: an engine id survives a pod restart, and a write or
+// signal meant for the old incarnation must never reach the new one's memory or
+// completion queue. A newer epoch drops the older ones: what is still queued for them
+// keeps its own copy, and their signals fail instead of reaching the newcomer.
+func (w *Writer) AddDestination(engine rendezvous.Engine, d Destination) {
 	d.byID = make(map[int]RemoteRegion, len(d.Regions))
 	d.layout = make([]Region, len(d.Regions))
 	for i, r := range d.Regions {
 		d.byID[r.ID] = r
 		d.layout[i] = r.Region
 	}
+	for e := range w.dests {
+		if e.ID == engine.ID && e.Epoch < engine.Epoch {
+			delete(w.dests, e)
+		}
+	}
 	w.dests[engine] = d
 }
 
-// HasDestination reports whether engine's memory is known at this epoch.
-func (w *Writer) HasDestination(engine string, epoch uint64) bool {
-	d, ok := w.dests[engine]
-	return ok && d.Epoch == epoch
+// HasDestination reports whether this incarnation's memory is known.
+func (w *Writer) HasDestination(engine rendezvous.Engine) bool {
+	_, ok := w.dests[engine]
+	return ok
 }
 
 // Submit plans a transfer and queues its writes, returning how many writes (descriptors
 // after merging) and bytes it queued. A transfer that does not fit the regions is refused
 // whole.
 func (w *Writer) Submit(t rendezvous.Transfer) (writes int, bytes uint64, err error) {
-	d, ok := w.dests[t.Decode.ID]
+	d, ok := w.dests[t.Decode]
 	if !ok {
-		return 0, 0, fmt.Errorf("writer: no memory known for decode engine %s", t.Decode.ID)
+		return 0, 0, fmt.Errorf("writer: no memory known for decode engine %s epoch %d", t.Decode.ID, t.Decode.Epoch)
 	}
 	plan, err := Plan(t, w.layout, d.layout, w.MaxMessage)
 	if err != nil {
@@ -187,10 +195,10 @@ func (w *Writer) Poll() ([]rendezvous.Action, []Failure, error) {
 // zero-length write carrying data (the request's token) into its completion queue.
 // Posted after the request's writes completed, it arrives after their data; the local
 // completion of a write alone does not mean the data is there.
-func (w *Writer) Signal(engine string, data uint64) error {
+func (w *Writer) Signal(engine rendezvous.Engine, data uint64) error {
 	d, ok := w.dests[engine]
 	if !ok || len(d.Regions) == 0 {
-		return fmt.Errorf("writer: no memory known for decode engine %s", engine)
+		return fmt.Errorf("writer: no memory known for decode engine %s epoch %d", engine.ID, engine.Epoch)
 	}
 	for {
 		w.nextID++

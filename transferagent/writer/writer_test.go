@@ -75,7 +75,7 @@ func newRig(t *testing.T) *rig {
 	}
 	t.Cleanup(func() { r.src.Close(); r.dst.Close() })
 	r.w = New(r.src, r.table, local, layout)
-	r.w.AddDestination(decode.ID, dest)
+	r.w.AddDestination(decode, dest)
 	return r
 }
 
@@ -150,7 +150,7 @@ func TestDeliversEveryBlockInMergedWrites(t *testing.T) {
 	r.until("delivery", nil, func(a rendezvous.Action) bool { _, ok := a.(rendezvous.Delivered); return ok })
 	// Delivered is the source's local completion; decode trusts the data once the
 	// signal, posted after it, arrives.
-	if err := r.w.Signal(decode.ID, 77); err != nil {
+	if err := r.w.Signal(decode, 77); err != nil {
 		t.Fatal(err)
 	}
 	if got := r.signalled(); got != 77 {
@@ -254,5 +254,33 @@ func mustActs(t *testing.T) func([]rendezvous.Action, error) []rendezvous.Action
 			t.Fatal(err)
 		}
 		return a
+	}
+}
+
+// An engine id survives a pod restart; its epoch does not. Nothing planned or signalled
+// for the old incarnation may reach the new one's memory or completion queue.
+func TestWritesAndSignalsReachOnlyTheIncarnationTheyWereFor(t *testing.T) {
+	r := newRig(t)
+	restarted := rendezvous.Engine{ID: decode.ID, Epoch: decode.Epoch + 1}
+	r.w.AddDestination(restarted, r.w.dests[decode])
+	// The new incarnation is served: a request is written there.
+	r.submit(mustActs(t)(r.table.Register(time.Now(), rendezvous.Registration{Request: "new", Attempt: 1, Decode: restarted, Blocks: seq(10, 4)})))
+	r.submit(mustActs(t)(r.table.SourceReady(rendezvous.Part{Request: "new", Blocks: seq(0, 4), Final: true})))
+	r.until("delivery", nil, func(a rendezvous.Action) bool { _, ok := a.(rendezvous.Delivered); return ok })
+	// Nothing meant for the old incarnation goes anywhere.
+	if r.w.HasDestination(decode) {
+		t.Error("the old incarnation's memory is still a destination after the restart")
+	}
+	if err := r.w.Signal(decode, 77); err == nil {
+		t.Error("a signal for the old incarnation was sent (to the new one's address)")
+	}
+	if _, _, err := r.w.Submit(rendezvous.Transfer{Request: "old", Attempt: 1, Decode: decode, Src: []uint32{0}, Dst: []uint32{0}}); err == nil {
+		t.Error("a transfer for the old incarnation was planned into the new one's memory")
+	}
+	if err := r.w.Signal(restarted, 78); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.signalled(); got != 78 {
+		t.Fatalf("signal carried %d, want 78 (the new incarnation's own)", got)
 	}
 }
