@@ -239,6 +239,28 @@ func TestTemplateWithUnknownFieldsIsRefusedNamingThem(t *testing.T) {
 	}
 }
 
+func TestTemplateCannotReplaceWhatWiresTheEngine(t *testing.T) {
+	pol := builder.Policy("push").Obj()
+	for _, c := range []struct{ template, want string }{
+		{`{"spec": {"containers": [{"name": "engine", "args": ["Qwen/Qwen3-32B"]}]}}`, "must not change the engine container's args"},
+		{`{"spec": {"containers": [{"name": "engine", "command": ["python3", "-m", "my.server"]}]}}`, "must not change the engine container's command"},
+		{`{"spec": {"containers": [{"name": "engine", "env": [{"name": "POD_NAME", "value": "someone-else"}]}]}}`, "must not set the engine container's POD_NAME"},
+		{`{"spec": {"containers": [{"name": "engine", "env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "1"}]}]}}`, "VLLM_NIXL_SIDE_CHANNEL_PORT"},
+	} {
+		p := builder.PrefillPool("p").Template(c.template).Obj()
+		_, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+		var prob *compat.Problem
+		if !errors.As(err, &prob) || prob.Reason != kvv1.ReasonInvalidTemplate || !strings.Contains(prob.Message, c.want) {
+			t.Errorf("%s: err = %v, want InvalidTemplate saying %q", c.template, err, c.want)
+		}
+	}
+	// Other changes to the engine container are the template's to make.
+	p := builder.PrefillPool("p").Template(`{"spec": {"containers": [{"name": "engine", "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}], "imagePullPolicy": "Always"}]}}`).Obj()
+	if _, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec}); err != nil {
+		t.Errorf("a template adding env and a pull policy: %v", err)
+	}
+}
+
 func TestRenderRefusesWhatCompatRefuses(t *testing.T) {
 	p := builder.PrefillPool("p").InstanceType("").Obj()
 	pol := builder.Policy("push").Obj()

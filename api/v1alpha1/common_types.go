@@ -114,16 +114,23 @@ type EngineSpec struct {
 
 	// engineArgs are extra vLLM arguments, appended after the ones kvhandoff renders. Flags
 	// that kvhandoff owns (--kv-transfer-config, --tensor-parallel-size, --pipeline-parallel-size,
-	// --block-size, --port) are rejected: set them through the pool's fields and its policy.
+	// --block-size, --port) are rejected in every spelling vLLM would read as them:
+	// underscores for dashes, the dotted form that sets one key of a JSON flag
+	// (--kv-transfer-config.engine_id=x), and abbreviations argparse expands (--tensor-par).
+	// Set them through the pool's fields and its policy.
 	// +kubebuilder:validation:MaxItems=128
-	// +kubebuilder:validation:items:MaxLength=4096
-	// +kubebuilder:validation:XValidation:rule="self.all(a, !a.matches('^(--(kv[-_]transfer[-_]config|tensor[-_]parallel[-_]size|pipeline[-_]parallel[-_]size|block[-_]size|port)|-tp|-pp)(=.*)?$'))",message="engineArgs must not set --kv-transfer-config, --tensor-parallel-size (-tp), --pipeline-parallel-size (-pp), --block-size or --port: kvhandoff renders them from the pool's fields and its KVTransferPolicy"
+	// +kubebuilder:validation:items:MaxLength=2048
+	// +kubebuilder:validation:items:XValidation:rule="!self.matches('^(-tp|-pp|--(k(v([-_](t(r(a(n(s(f(e(r([-_](c(o(n(f(i(g)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?|t(e(n(s(o(r([-_](p(a(r(a(l(l(e(l([-_](s(i(z(e)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?|p(i(p(e(l(i(n(e([-_](p(a(r(a(l(l(e(l([-_](s(i(z(e)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?|b(l(o(c(k([-_](s(i(z(e)?)?)?)?)?)?)?)?)?|p(o(r(t)?)?)?)|--kv[-_]transfer[-_]config[.].*)(=.*)?$')",message="engineArgs must not set --kv-transfer-config, --tensor-parallel-size (-tp), --pipeline-parallel-size (-pp), --block-size or --port, in any spelling (underscores, --kv-transfer-config.<key>, or an abbreviation argparse expands): kvhandoff renders them from the pool's fields and its KVTransferPolicy"
 	// +listType=atomic
 	// +optional
 	EngineArgs []string `json:"engineArgs,omitempty"`
 
-	// env is extra environment for the engine container, applied after what kvhandoff renders.
+	// env is extra environment for the engine container, applied after what kvhandoff
+	// renders. It may not set the variables the engine's identity and KV side channel come
+	// from (POD_NAME, POD_NAMESPACE, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT,
+	// KVHANDOFF_AGENT_SOCKET): an engine_id taken from elsewhere could impersonate another.
 	// +kubebuilder:validation:MaxItems=256
+	// +kubebuilder:validation:XValidation:rule="self.all(e, !(e.name in ['POD_NAME', 'POD_NAMESPACE', 'VLLM_NIXL_SIDE_CHANNEL_HOST', 'VLLM_NIXL_SIDE_CHANNEL_PORT', 'KVHANDOFF_AGENT_SOCKET']))",message="env must not set POD_NAME, POD_NAMESPACE, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT or KVHANDOFF_AGENT_SOCKET: the engine's identity and side channel are rendered from its pod"
 	// +listType=map
 	// +listMapKey=name
 	// +optional

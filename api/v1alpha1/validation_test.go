@@ -100,6 +100,17 @@ var _ = Describe("PrefillPool and DecodePool validation", func() {
 			"engineArgs must not set"),
 		Entry("rejects the underscore spelling vLLM also accepts", builder.PrefillPool("p").EngineArgs("--block_size=32"),
 			"engineArgs must not set"),
+		Entry("rejects one key of --kv-transfer-config in vLLM's dotted form", builder.PrefillPool("p").EngineArgs("--kv-transfer-config.engine_id=someone-else"),
+			"engineArgs must not set"),
+		Entry("rejects the dotted form with underscores", builder.PrefillPool("p").EngineArgs("--kv_transfer_config.kv_connector", "X"),
+			"engineArgs must not set"),
+		Entry("rejects an abbreviation argparse would expand to an owned flag", builder.PrefillPool("p").EngineArgs("--tensor-par", "4"),
+			"engineArgs must not set"),
+		Entry("rejects an abbreviation with a value", builder.PrefillPool("p").EngineArgs("--kv-transfer={}"),
+			"engineArgs must not set"),
+		Entry("accepts flags that merely share a prefix with owned ones", builder.PrefillPool("p").EngineArgs("--kv-cache-dtype=fp8", "--block-allocator", "x", "--", "--port-range"), ""),
+		Entry("rejects env that would change the engine's identity", builder.PrefillPool("p").Env("POD_NAME", "prefill-0"),
+			"env must not set POD_NAME, POD_NAMESPACE"),
 	)
 
 	DescribeTable("the API server's answer to a DecodePool",

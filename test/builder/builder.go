@@ -7,6 +7,7 @@
 package builder
 
 import (
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -165,6 +166,12 @@ func (b *PoolBuilder[P]) Policy(name string) *PoolBuilder[P] {
 }
 func (b *PoolBuilder[P]) EngineArgs(args ...string) *PoolBuilder[P] {
 	b.spec.EngineArgs = args
+	return b
+}
+
+// Env adds a plain environment variable to the engine container.
+func (b *PoolBuilder[P]) Env(name, value string) *PoolBuilder[P] {
+	b.spec.Env = append(b.spec.Env, corev1.EnvVar{Name: name, Value: value})
 	return b
 }
 
