@@ -52,7 +52,7 @@ func Serve(args []string, stderr io.Writer) int {
 		if err != nil {
 			log.Warn("NVML events unavailable; GPU health from device nodes only", "err", err)
 		}
-		mon.Events = events
+		mon.Events, mon.NVML = events, o.NVML
 	}
 	go mon.Run(ctx, inv)
 	if err := server.Serve(ctx, server.Config{PluginDir: *pluginDir, Resources: server.Resources(*bundles), State: state, Log: log}); err != nil {

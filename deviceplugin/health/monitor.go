@@ -20,7 +20,10 @@ type Monitor struct {
 	Interval      time.Duration
 	Tracker       *Tracker
 	Events        <-chan nvml.Event
-	Report        func(map[string]bool)
+	// NVML says when a GPU latched by a critical XID is usable again; without it such a
+	// GPU stays unhealthy until the plugin restarts (after the node's reboot or a reset).
+	NVML   nvml.Interface
+	Report func(map[string]bool)
 }
 
 // Run monitors inv until ctx ends.
@@ -44,10 +47,15 @@ func (m *Monitor) Run(ctx context.Context, inv inventory.Inventory) {
 				m.Events = nil
 				continue
 			}
-			if id, known := byUUID[e.UUID]; known && !nvml.ApplicationXIDs[e.XID] {
-				m.Tracker.Fail(id)
-			}
+			m.event(e, byUUID)
 		}
+	}
+}
+
+// event latches a GPU that had a critical XID; the application's own XIDs are ignored.
+func (m *Monitor) event(e nvml.Event, byUUID map[string]string) {
+	if id, known := byUUID[e.UUID]; known && !nvml.ApplicationXIDs[e.XID] {
+		m.Tracker.Latch(id)
 	}
 }
 
@@ -68,6 +76,11 @@ func (m *Monitor) check(inv inventory.Inventory) {
 		}
 		if !ok {
 			m.Tracker.Fail(d.ID)
+		}
+		if d.UUID != "" && m.NVML != nil && m.Tracker.Latched(d.ID) {
+			if usable, _ := m.NVML.Usable(d.UUID); usable {
+				m.Tracker.Unlatch(d.ID)
+			}
 		}
 		out[d.ID] = m.Tracker.Healthy(d.ID)
 	}

@@ -135,6 +135,7 @@ type fakeNVML struct{ gpus []nvml.GPU }
 
 func (f fakeNVML) GPUs() ([]nvml.GPU, error)                         { return f.gpus, nil }
 func (f fakeNVML) Events(context.Context) (<-chan nvml.Event, error) { return nil, nil }
+func (f fakeNVML) Usable(string) (bool, string)                      { return true, "" }
 func (f fakeNVML) Shutdown()                                         {}
 
 func TestNVMLGivesUUIDsAndIsCrossCheckedInSysfs(t *testing.T) {

@@ -34,6 +34,10 @@ type Interface interface {
 	GPUs() ([]GPU, error)
 	// Events streams XID events until ctx ends.
 	Events(ctx context.Context) (<-chan Event, error)
+	// Usable asks the driver whether a GPU can run work again after a critical error: it
+	// answers queries, and has no row remapping or page retirement waiting for a reset.
+	// When not, reason says why.
+	Usable(uuid string) (ok bool, reason string)
 	Shutdown()
 }
 

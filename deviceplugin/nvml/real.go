@@ -104,3 +104,23 @@ func (r *real) Events(ctx context.Context) (<-chan Event, error) {
 	}()
 	return out, nil
 }
+
+func (r *real) Usable(uuid string) (bool, string) {
+	d, ret := r.lib.DeviceGetHandleByUUID(uuid)
+	if ret != gonvml.SUCCESS {
+		return false, "NVML cannot open it: " + r.lib.ErrorString(ret)
+	}
+	// A GPU that fell off the bus (XID 79) fails every query with GPU_IS_LOST.
+	if _, ret := d.GetMemoryInfo(); ret != gonvml.SUCCESS {
+		return false, "NVML memory query: " + r.lib.ErrorString(ret)
+	}
+	// Uncorrectable ECC errors are contained by remapping rows or retiring pages, which
+	// take effect only after a GPU reset; until then the GPU must not be handed out.
+	if _, _, pending, failed, ret := d.GetRemappedRows(); ret == gonvml.SUCCESS && (pending || failed) {
+		return false, "row remapping pending or failed: the GPU needs a reset"
+	}
+	if st, ret := d.GetRetiredPagesPendingStatus(); ret == gonvml.SUCCESS && st == gonvml.FEATURE_ENABLED {
+		return false, "retired pages pending: the GPU needs a reset"
+	}
+	return true, ""
+}

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -211,9 +212,16 @@ func By(t *testing.T, step string) { t.Log(step) }
 type fakeNVML struct {
 	gpus   []nvml.GPU
 	events chan nvml.Event
+	lost   atomic.Bool // the driver says no GPU is usable
 }
 
 func (f *fakeNVML) GPUs() ([]nvml.GPU, error) { return f.gpus, nil }
+func (f *fakeNVML) Usable(string) (bool, string) {
+	if f.lost.Load() {
+		return false, "GPU is lost"
+	}
+	return true, ""
+}
 func (f *fakeNVML) Events(context.Context) (<-chan nvml.Event, error) {
 	return f.events, nil
 }
@@ -337,8 +345,11 @@ func TestHealthFollowsDeviceNodesPortsAndXIDsAndRecovers(t *testing.T) {
 	if !tracker.Healthy(gpu) {
 		t.Fatal("XID 13 (an application's error) made the GPU unhealthy")
 	}
-	n.events <- nvml.Event{UUID: gpu, XID: 79} // fell off the bus
+	// Fell off the bus: its device node stays, so only the driver can say it is back.
+	n.lost.Store(true)
+	n.events <- nvml.Event{UUID: gpu, XID: 79}
 	health(gpuStream, gpu, pluginapi.Unhealthy)
+	n.lost.Store(false) // the GPU was reset (health's unit tests cover staying down meanwhile)
 	health(gpuStream, gpu, pluginapi.Healthy)
 }
 
