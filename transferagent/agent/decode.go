@@ -244,6 +244,15 @@ func (s *session) report(d *destination, t agentv1.Event_Type, reason string) {
 	}
 }
 
+// QuarantineFor is how long decode blocks stay untouched after their prefill agent was
+// lost. The prefill agent may notice the loss up to a lease later (its registrations
+// expire then), its watchdog runs once a tick, and writes it posted before fencing still
+// drain after that: a lease alone would end exactly when the last write may still be
+// landing. The margin covers two ticks (one on each side) and a second of drain.
+func QuarantineFor(lease, tick time.Duration) time.Duration {
+	return lease + 2*tick + time.Second
+}
+
 // decodePeerLost: the prefill agent is gone, but what it already sent may still be on
 // its way into this engine's memory (the fabric has its own connections). The attempts
 // are failed after a lease-long quarantine, never at once; pulls fail once their reads
@@ -252,7 +261,7 @@ func (s *session) decodePeerLost(p *peer) {
 	now := time.Now()
 	for _, d := range s.regs {
 		if d.peer == p && d.quarantine.IsZero() {
-			d.quarantine = now.Add(s.a.cfg.Lease)
+			d.quarantine = now.Add(QuarantineFor(s.a.cfg.Lease, s.a.cfg.Tick))
 		}
 	}
 	for _, pl := range s.pulls {
@@ -268,7 +277,7 @@ func (s *session) expireDecode(now time.Time) {
 	for _, d := range s.regs {
 		if !d.quarantine.IsZero() && !now.Before(d.quarantine) {
 			s.a.metrics.failures.WithLabelValues("peer_lost").Inc()
-			s.report(d, agentv1.Event_FAILED, fmt.Sprintf("prefill agent %s connection lost; blocks were quarantined for the lease (%s) so no late write can land", d.peer.addr, s.a.cfg.Lease))
+			s.report(d, agentv1.Event_FAILED, fmt.Sprintf("prefill agent %s connection lost; blocks were quarantined for the lease (%s) and a margin so no late write can land", d.peer.addr, s.a.cfg.Lease))
 		}
 	}
 	for _, pl := range s.pulls {

@@ -2,7 +2,9 @@ package agent_test
 
 import (
 	"testing"
+	"time"
 
+	"github.com/kvhandoff/kvhandoff/transferagent/agent"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
@@ -34,11 +36,15 @@ func TestPrefillAgentRestart(t *testing.T) {
 	if err := p.D[0].RegisterDestination(bg, "orphaned", 1, dst, p.P[0].Self); err != nil {
 		t.Fatal(err)
 	}
+	killed := time.Now()
 	p.A.Kill()
-	// The decode agent fails the attempt only after a lease of quarantine: whatever the
-	// dead agent had sent can no longer land.
+	// The decode agent fails the attempt only after a lease of quarantine and a margin for
+	// the watchdog and the drain: whatever the dead agent had sent can no longer land.
 	ev := wait(t, p.D[0], "orphaned", 1)
 	expect(t, ev, agentv1.Event_FAILED)
+	if quarantined, want := time.Since(killed), agent.QuarantineFor(500*time.Millisecond, 100*time.Millisecond); quarantined < want {
+		t.Errorf("the blocks were released %s after the prefill agent died, before the quarantine of %s", quarantined, want)
+	}
 	t.Logf("decode was told: %s", ev.Reason)
 	// A new agent on the same node (new epoch) and a re-registered prefill engine.
 	a2 := startAgent(t, "prefill-node-2", p.dirA, p.agentArgs...)
