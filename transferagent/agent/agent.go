@@ -42,7 +42,11 @@ type Config struct {
 	Lease, RegistrationTimeout, BlocksTTL time.Duration
 	// Tick is the watchdog's period.
 	Tick time.Duration
-	Log  *slog.Logger
+	// EventsDeadline is how long a registered engine rank has to open its event stream
+	// (the stream is its liveness); a session that never opens one is closed, so it cannot
+	// hold an endpoint and memory forever.
+	EventsDeadline time.Duration
+	Log            *slog.Logger
 	// Registry receives the agent's metrics.
 	Registry prometheus.Registerer
 }
@@ -68,6 +72,9 @@ func (c *Config) defaults() error {
 	}
 	if c.Tick <= 0 {
 		c.Tick = min(c.Lease/4, 100*time.Millisecond)
+	}
+	if c.EventsDeadline <= 0 {
+		c.EventsDeadline = 30 * time.Second
 	}
 	if c.Log == nil {
 		c.Log = slog.Default()

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -96,6 +97,10 @@ func checkSource(field string, ref *agentv1.EngineRef, rank uint32) error {
 	return nil
 }
 
+// maxSessions bounds the engine ranks one agent serves: a p5en node runs at most 16 (two
+// TP8 engines), and each session holds a fabric endpoint and mapped memory.
+const maxSessions = 256
+
 func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngineRequest) (*agentv1.RegisterEngineResponse, error) {
 	a := e.a
 	l := r.GetLayout()
@@ -125,14 +130,25 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 	key := engineKey(r.EngineId, r.TpRank)
 
 	a.mu.Lock()
-	if a.closed {
+	refuse := func(err error) (*agentv1.RegisterEngineResponse, error) {
 		a.mu.Unlock()
 		ep.Close()
-		return nil, status.Error(codes.Unavailable, "agent is shutting down")
+		return nil, err
+	}
+	if a.closed {
+		return refuse(status.Error(codes.Unavailable, "agent is shutting down"))
+	}
+	old := a.engines[key]
+	if old != nil && !old.ended() && old.id != r.ReplacesSession {
+		// Only the live incarnation itself, which alone knows its session id, may hand its
+		// rank over; a restarted engine finds the rank free once its old stream closed.
+		return refuse(status.Errorf(codes.AlreadyExists, "engine_id: %s rank %d has a live session; register again once its event stream has ended, or name it in replaces_session", r.EngineId, r.TpRank))
+	}
+	if old == nil && len(a.sessions) >= maxSessions {
+		return refuse(status.Errorf(codes.ResourceExhausted, "the agent serves %d engine ranks, its limit", maxSessions))
 	}
 	a.nextEpoch++
 	s := newSession(a, hex.EncodeToString(id[:]), key, a.nextEpoch, r, ep)
-	old := a.engines[key]
 	a.sessions[s.id], a.engines[key] = s, s
 	a.metrics.sessions.Set(float64(len(a.sessions)))
 	a.mu.Unlock()
@@ -140,6 +156,11 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		// A new incarnation of the same rank: the old one's memory is gone.
 		old.close("replaced by a new incarnation of the engine")
 	}
+	time.AfterFunc(a.cfg.EventsDeadline, func() {
+		if !s.attached.Load() {
+			s.close(fmt.Sprintf("no event stream within %s of registering", a.cfg.EventsDeadline))
+		}
+	})
 	go s.run()
 	a.log.Info("engine registered", "engine", key, "role", r.Role.String(), "mode", r.Mode.String(), "epoch", s.epoch)
 	return &agentv1.RegisterEngineResponse{

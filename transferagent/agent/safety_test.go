@@ -295,3 +295,42 @@ func TestUnauthenticatedPeersCannotExhaustTheAgent(t *testing.T) {
 	}
 	transfer(t, p.P[0], p.D[0], "after-the-flood")
 }
+
+// A socket user may not take over another engine's rank by registering its id, and a
+// session that never opens its event stream does not hold the agent's resources forever.
+func TestSessionsCannotBeEvictedOrLeftDangling(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--events-deadline", "500ms")
+	cl, err := client.Dial(p.A.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	layout := &agentv1.KVLayout{Layers: 2, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}
+	sessions := func() float64 { return p.A.Metric(t, "kvhandoff_agent_engine_sessions") }
+	live := sessions()
+
+	// The prefill engine's rank is live: registering its id again is refused, and it serves on.
+	victim := &agentv1.RegisterEngineRequest{EngineId: p.P[0].Self.EngineId, Role: agentv1.Role_ROLE_PREFILL, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout}
+	_, err = cl.API.RegisterEngine(bg, victim)
+	refused(t, "registering a live engine's id", err, codes.AlreadyExists, "live session")
+	transfer(t, p.P[0], p.D[0], "after-the-eviction-attempt")
+
+	// A registration that never opens its event stream is closed after the deadline.
+	if _, err := cl.API.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "never-listens", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout}); err != nil {
+		t.Fatal(err)
+	}
+	if got := sessions(); got != live+1 {
+		t.Fatalf("sessions: %v, want %v", got, live+1)
+	}
+	until(t, "the session without an event stream is closed", func() bool { return sessions() == live })
+
+	// The live incarnation itself may hand its rank over, naming its session.
+	victim.ReplacesSession = p.P[0].Session
+	resp, err := cl.API.RegisterEngine(bg, victim)
+	if err != nil {
+		t.Fatalf("the live incarnation replacing itself: %v", err)
+	}
+	if resp.Epoch <= p.P[0].Epoch {
+		t.Errorf("the replacement's epoch %d is not above the replaced one's %d", resp.Epoch, p.P[0].Epoch)
+	}
+}

@@ -143,6 +143,16 @@ func (s *session) call(fn func() error) error {
 
 func (s *session) attach() bool { return s.attached.CompareAndSwap(false, true) }
 
+// ended reports whether the session is closing or closed.
+func (s *session) ended() bool {
+	select {
+	case <-s.closing:
+		return true
+	default:
+		return false
+	}
+}
+
 // close ends the session: the pump fences what is outstanding, drains, and releases the
 // endpoint and memory.
 func (s *session) close(reason string) {

@@ -43,6 +43,7 @@ func Run(args []string, stderr io.Writer) int {
 	fs.StringVar(&cfg.Advertise, "advertise", "", "host:port peers use to reach this agent (default: the listener's address; in a pod: $(NODE_IP):7470)")
 	tokenFile := fs.String("peer-token-file", "", "file holding the secret every agent of the cluster shares; peers prove they hold it")
 	fs.DurationVar(&cfg.Lease, "lease", 30*time.Second, "registration and pull lease (KVTransferPolicy spec.lease)")
+	fs.DurationVar(&cfg.EventsDeadline, "events-deadline", 30*time.Second, "how long a registered engine rank has to open its event stream before its session is closed")
 	fs.DurationVar(&cfg.RegistrationTimeout, "registration-timeout", 60*time.Second, "how long a push registration waits for its source (spec.registrationTimeout)")
 	fs.DurationVar(&cfg.BlocksTTL, "blocks-ttl", 30*time.Second, "how long ready source blocks wait for a registration or pull (spec.blocksTTL)")
 	httpAddr := fs.String("http", ":9470", "address of /metrics, /healthz and /readyz")

@@ -382,15 +382,20 @@ func (x *EngineRef) GetTpRank() uint32 {
 }
 
 type RegisterEngineRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	EngineId      string                 `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"` // unique in the cluster, e.g. pod name.namespace
-	Role          Role                   `protobuf:"varint,2,opt,name=role,proto3,enum=kvhandoff.agent.v1.Role" json:"role,omitempty"`
-	Mode          Mode                   `protobuf:"varint,3,opt,name=mode,proto3,enum=kvhandoff.agent.v1.Mode" json:"mode,omitempty"`
-	TpRank        uint32                 `protobuf:"varint,4,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
-	TpSize        uint32                 `protobuf:"varint,5,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
-	Layout        *KVLayout              `protobuf:"bytes,6,opt,name=layout,proto3" json:"layout,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	EngineId string                 `protobuf:"bytes,1,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"` // unique in the cluster, e.g. pod name.namespace
+	Role     Role                   `protobuf:"varint,2,opt,name=role,proto3,enum=kvhandoff.agent.v1.Role" json:"role,omitempty"`
+	Mode     Mode                   `protobuf:"varint,3,opt,name=mode,proto3,enum=kvhandoff.agent.v1.Mode" json:"mode,omitempty"`
+	TpRank   uint32                 `protobuf:"varint,4,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	TpSize   uint32                 `protobuf:"varint,5,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
+	Layout   *KVLayout              `protobuf:"bytes,6,opt,name=layout,proto3" json:"layout,omitempty"`
+	// replaces_session names the live session of this rank that this registration replaces
+	// (its session id, which only that incarnation was told). Without it, a rank whose
+	// session is alive (its event stream open) is refused: no socket user can evict another
+	// engine by registering its id. A restarted engine needs none: its old stream closed.
+	ReplacesSession string `protobuf:"bytes,7,opt,name=replaces_session,json=replacesSession,proto3" json:"replaces_session,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *RegisterEngineRequest) Reset() {
@@ -463,6 +468,13 @@ func (x *RegisterEngineRequest) GetLayout() *KVLayout {
 		return x.Layout
 	}
 	return nil
+}
+
+func (x *RegisterEngineRequest) GetReplacesSession() string {
+	if x != nil {
+		return x.ReplacesSession
+	}
+	return ""
 }
 
 type RegisterEngineResponse struct {
@@ -1206,14 +1218,15 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\tEngineRef\x12\x14\n" +
 	"\x05agent\x18\x01 \x01(\tR\x05agent\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +
-	"\atp_rank\x18\x03 \x01(\rR\x06tpRank\"\xf8\x01\n" +
+	"\atp_rank\x18\x03 \x01(\rR\x06tpRank\"\xa3\x02\n" +
 	"\x15RegisterEngineRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12,\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x18.kvhandoff.agent.v1.RoleR\x04role\x12,\n" +
 	"\x04mode\x18\x03 \x01(\x0e2\x18.kvhandoff.agent.v1.ModeR\x04mode\x12\x17\n" +
 	"\atp_rank\x18\x04 \x01(\rR\x06tpRank\x12\x17\n" +
 	"\atp_size\x18\x05 \x01(\rR\x06tpSize\x124\n" +
-	"\x06layout\x18\x06 \x01(\v2\x1c.kvhandoff.agent.v1.KVLayoutR\x06layout\"\x97\x01\n" +
+	"\x06layout\x18\x06 \x01(\v2\x1c.kvhandoff.agent.v1.KVLayoutR\x06layout\x12)\n" +
+	"\x10replaces_session\x18\a \x01(\tR\x0freplacesSession\"\x97\x01\n" +
 	"\x16RegisterEngineResponse\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x121\n" +
