@@ -108,6 +108,9 @@ func TestPushSendsBothLegsAtOnceAndDecodeRegistersBeforePrefillEnds(t *testing.T
 	if got := completionText(t, body); got != want("the quick brown fox", 5) {
 		t.Errorf("client got %q", got)
 	}
+	// The client's answer is decode's, which can come before the prefill leg's response
+	// has been written: wait for that too.
+	eventually(t, "the prefill leg is answered", 5*time.Second, func() bool { return !p.Seen()[0].Answered.IsZero() })
 	pl, dl := p.Seen()[0], d.Seen()[0]
 	pp, dp := params(t, pl.Body), params(t, dl.Body)
 	tid, _ := pp["transfer_id"].(string)
