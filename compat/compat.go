@@ -89,7 +89,8 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 }
 
 // CheckPair checks what a prefill pool and a decode pool must agree on to exchange KV.
-func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.EngineSpec) *Problem {
+func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) *Problem {
+	agent := policy.Executor == kvv1.ExecutorAgent
 	switch {
 	case prefill.TransferPolicyRef.Name != decode.TransferPolicyRef.Name:
 		return problem(kvv1.ReasonPolicyMismatch, "PrefillPool %s uses KVTransferPolicy %s but this pool uses %s; both pools of a pair must reference the same policy", prefillName, prefill.TransferPolicyRef.Name, decode.TransferPolicyRef.Name)
@@ -101,6 +102,12 @@ func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.Engine
 		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d, more than this pool's %d; vLLM transfers KV only when prefill's tensor-parallel size is at most decode's", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
 	case prefill.BlockSize > decode.BlockSize:
 		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d, more than this pool's %d; set the prefill block size at most the decode block size", prefillName, prefill.BlockSize, decode.BlockSize)
+	// The transfer agent moves rank r's blocks into rank r's blocks of equal length: it
+	// serves only pairs of equal TP and block size (vLLM's own connectors reshape).
+	case agent && prefill.TensorParallelSize != decode.TensorParallelSize:
+		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d and this pool %d; with executor Agent both pools must have the same tensorParallelSize", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
+	case agent && prefill.BlockSize != decode.BlockSize:
+		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d and this pool %d; with executor Agent both pools must have the same blockSize", prefillName, prefill.BlockSize, decode.BlockSize)
 	}
 	return nil
 }

@@ -140,10 +140,20 @@ func TestCheckPair(t *testing.T) {
 		{"different models", builder.PrefillPool("p").Model("a"), builder.DecodePool("d", "p").Model("b"), kvv1.ReasonModelMismatch},
 		{"different policies", builder.PrefillPool("p").Policy("x"), builder.DecodePool("d", "p").Policy("y"), kvv1.ReasonPolicyMismatch},
 		{"different KV dtypes", builder.PrefillPool("p").EngineArgs("--kv-cache-dtype=fp8"), builder.DecodePool("d", "p"), kvv1.ReasonKVCacheDtypeMismatch},
+		{"TP4 into TP8 with the agent", builder.PrefillPool("p").TP(4).Policy("agent"), builder.DecodePool("d", "p").TP(8).Policy("agent"), kvv1.ReasonTensorParallelMismatch},
+		{"block 16 into 32 with the agent", builder.PrefillPool("p").BlockSize(16).Policy("agent"), builder.DecodePool("d", "p").BlockSize(32).Policy("agent"), kvv1.ReasonBlockSizeMismatch},
+		{"equal pools with the agent", builder.PrefillPool("p").Policy("agent"), builder.DecodePool("d", "p").Policy("agent"), ""},
+	}
+	policies := map[string]*kvv1.KVTransferPolicySpec{
+		"agent": &builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj().Spec,
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			p := CheckPair("p", &c.prefill.Obj().Spec.EngineSpec, &c.decode.Obj().Spec.EngineSpec)
+			policy := policies[c.decode.Obj().Spec.TransferPolicyRef.Name]
+			if policy == nil {
+				policy = &builder.Policy("policy").Obj().Spec
+			}
+			p := CheckPair("p", &c.prefill.Obj().Spec.EngineSpec, &c.decode.Obj().Spec.EngineSpec, policy)
 			got := ""
 			if p != nil {
 				got = p.Reason

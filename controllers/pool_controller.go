@@ -113,7 +113,7 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 	case err != nil:
 		return nil, err
 	default:
-		v.problem = compat.CheckPair(v.prefill.Name, &v.prefill.Spec.EngineSpec, spec)
+		v.problem = compat.CheckPair(v.prefill.Name, &v.prefill.Spec.EngineSpec, spec, &v.policy.Spec)
 	}
 	return v, nil
 }
