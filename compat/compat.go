@@ -35,22 +35,44 @@ func Connector(mode kvv1.TransferMode) string {
 	return "NixlConnector"
 }
 
-// KVCacheDtype is the KV-cache dtype the engine arguments select (vLLM --kv-cache-dtype),
-// "auto" when they select none.
+// KVCacheDtype is the dtype vLLM stores KV in, as the engine arguments select it: the
+// --kv-cache-dtype, or, when that is auto, the model's dtype (--dtype), each normalized
+// the way vLLM reads its aliases (fp8 is fp8_e4m3, half is float16, float is float32) and
+// in any spelling vLLM accepts (underscores, "=value" or a separate value; the last
+// occurrence wins). "auto" means the model's own dtype from its config.
 func KVCacheDtype(engineArgs []string) string {
-	dtype := "auto"
-	for i, a := range engineArgs {
-		flag, value, hasValue := strings.Cut(a, "=")
-		if strings.ReplaceAll(flag, "_", "-") != "--kv-cache-dtype" {
+	if kv := dtypeAlias(flagValue(engineArgs, "--kv-cache-dtype")); kv != "auto" {
+		return kv
+	}
+	return dtypeAlias(flagValue(engineArgs, "--dtype"))
+}
+
+var dtypeAliases = map[string]string{"": "auto", "fp8": "fp8_e4m3", "half": "float16", "float": "float32"}
+
+func dtypeAlias(v string) string {
+	v = strings.ToLower(v)
+	if a, ok := dtypeAliases[v]; ok {
+		return a
+	}
+	return v
+}
+
+// flagValue is the value of the last occurrence of flag in args ("" when absent).
+func flagValue(args []string, flag string) string {
+	value := ""
+	for i, a := range args {
+		name, v, hasValue := strings.Cut(a, "=")
+		if strings.ReplaceAll(name, "_", "-") != flag {
 			continue
 		}
-		if hasValue {
-			dtype = value
-		} else if i+1 < len(engineArgs) {
-			dtype = engineArgs[i+1]
+		switch {
+		case hasValue:
+			value = v
+		case i+1 < len(args):
+			value = args[i+1]
 		}
 	}
-	return dtype
+	return value
 }
 
 // Hash is the compat-hash of engines rendered from spec and policy: equal hashes mean
@@ -97,7 +119,7 @@ func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.Engine
 	case prefill.Model != decode.Model:
 		return problem(kvv1.ReasonModelMismatch, "PrefillPool %s serves model %s but this pool serves %s; KV of one model is meaningless to another", prefillName, prefill.Model, decode.Model)
 	case KVCacheDtype(prefill.EngineArgs) != KVCacheDtype(decode.EngineArgs):
-		return problem(kvv1.ReasonKVCacheDtypeMismatch, "PrefillPool %s stores KV as %s but this pool as %s; set the same --kv-cache-dtype in both pools' engineArgs", prefillName, KVCacheDtype(prefill.EngineArgs), KVCacheDtype(decode.EngineArgs))
+		return problem(kvv1.ReasonKVCacheDtypeMismatch, "PrefillPool %s stores KV as %s but this pool as %s (vLLM's effective KV-cache dtype: --kv-cache-dtype, or --dtype when that is auto); set the same in both pools' engineArgs", prefillName, KVCacheDtype(prefill.EngineArgs), KVCacheDtype(decode.EngineArgs))
 	case prefill.TensorParallelSize > decode.TensorParallelSize:
 		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d, more than this pool's %d; vLLM transfers KV only when prefill's tensor-parallel size is at most decode's", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
 	case prefill.BlockSize > decode.BlockSize:

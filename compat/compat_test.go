@@ -40,9 +40,12 @@ func TestKVCacheDtype(t *testing.T) {
 	}{
 		{nil, "auto"},
 		{[]string{"--max-model-len", "32768"}, "auto"},
-		{[]string{"--kv-cache-dtype", "fp8"}, "fp8"},
+		{[]string{"--kv-cache-dtype", "fp8"}, "fp8_e4m3"},
 		{[]string{"--kv_cache_dtype=fp8_e4m3"}, "fp8_e4m3"},
 		{[]string{"--kv-cache-dtype=fp8", "--kv-cache-dtype", "auto"}, "auto"},
+		{[]string{"--dtype", "bfloat16"}, "bfloat16"},
+		{[]string{"--dtype=half", "--kv-cache-dtype=auto"}, "float16"},
+		{[]string{"--dtype=float", "--kv-cache-dtype=fp8_e5m2"}, "fp8_e5m2"},
 	}
 	for _, c := range cases {
 		if got := KVCacheDtype(c.args); got != c.want {
@@ -140,6 +143,10 @@ func TestCheckPair(t *testing.T) {
 		{"different models", builder.PrefillPool("p").Model("a"), builder.DecodePool("d", "p").Model("b"), kvv1.ReasonModelMismatch},
 		{"different policies", builder.PrefillPool("p").Policy("x"), builder.DecodePool("d", "p").Policy("y"), kvv1.ReasonPolicyMismatch},
 		{"different KV dtypes", builder.PrefillPool("p").EngineArgs("--kv-cache-dtype=fp8"), builder.DecodePool("d", "p"), kvv1.ReasonKVCacheDtypeMismatch},
+		{"fp8 and its full name are one dtype", builder.PrefillPool("p").EngineArgs("--kv-cache-dtype=fp8"), builder.DecodePool("d", "p").EngineArgs("--kv_cache_dtype", "fp8_e4m3"), ""},
+		{"a model dtype that differs with auto KV", builder.PrefillPool("p").EngineArgs("--dtype=half"), builder.DecodePool("d", "p"), kvv1.ReasonKVCacheDtypeMismatch},
+		{"half and float16 are one dtype", builder.PrefillPool("p").EngineArgs("--dtype", "half"), builder.DecodePool("d", "p").EngineArgs("--dtype=float16"), ""},
+		{"an explicit KV dtype wins over the model's", builder.PrefillPool("p").EngineArgs("--dtype=half", "--kv-cache-dtype=fp8"), builder.DecodePool("d", "p").EngineArgs("--kv-cache-dtype", "fp8"), ""},
 		{"TP4 into TP8 with the agent", builder.PrefillPool("p").TP(4).Policy("agent"), builder.DecodePool("d", "p").TP(8).Policy("agent"), kvv1.ReasonTensorParallelMismatch},
 		{"block 16 into 32 with the agent", builder.PrefillPool("p").BlockSize(16).Policy("agent"), builder.DecodePool("d", "p").BlockSize(32).Policy("agent"), kvv1.ReasonBlockSizeMismatch},
 		{"equal pools with the agent", builder.PrefillPool("p").Policy("agent"), builder.DecodePool("d", "p").Policy("agent"), ""},
