@@ -1,12 +1,23 @@
 package nodelabel
 
 import (
+	"bytes"
 	"context"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/controllers"
@@ -47,5 +58,96 @@ func TestSetAddsAndRemovesOnlyTheReadyLabel(t *testing.T) {
 	}
 	if err := Set(ctx, c, "no-such-node", true); err == nil {
 		t.Fatal("labelled a node that does not exist")
+	}
+}
+
+// The agent's role may patch nodes; config/agent's admission policy narrows that to the
+// label on its own node. Against a real API server, as the agent's service account with
+// the node-name claim of its pod's token.
+func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
+	env, err := envtest.Start(controllers.NewScheme())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Stop() })
+	ctx := context.Background()
+	admin := kubernetes.NewForConfigOrDie(env.Config)
+	for _, name := range []string{"node-a", "node-b"} {
+		if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"team": "x"}}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The agent's own RBAC and policy, as config/agent installs them.
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-system"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"rbac.yaml", "own-node-policy.yaml"} {
+		applyFile(t, env, filepath.Join(envtest.RepoRoot(), "config", "agent", f))
+	}
+
+	as := func(node string) kubernetes.Interface {
+		cfg := rest.CopyConfig(env.Config)
+		cfg.Impersonate = rest.ImpersonationConfig{
+			UserName: "system:serviceaccount:kvhandoff-system:kvhandoff-transfer-agent",
+			Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:kvhandoff-system", "system:authenticated"},
+		}
+		if node != "" {
+			cfg.Impersonate.Extra = map[string][]string{"authentication.kubernetes.io/node-name": {node}}
+		}
+		return kubernetes.NewForConfigOrDie(cfg)
+	}
+	agentA := as("node-a")
+	// The policy takes effect once the API server has loaded it.
+	deadline := time.Now().Add(30 * time.Second)
+	for Set(ctx, agentA, "node-b", true) == nil {
+		if time.Now().After(deadline) {
+			t.Fatal("the agent of node-a labelled node-b: the policy never took effect")
+		}
+		_ = Set(ctx, admin, "node-b", false)
+		time.Sleep(50 * time.Millisecond) // polling the API server's policy informer
+	}
+	if err := Set(ctx, agentA, "node-b", true); err == nil || !strings.Contains(err.Error(), "only the node it runs on") {
+		t.Errorf("the agent of node-a labelling node-b: %v", err)
+	}
+	if err := Set(ctx, as(""), "node-a", true); err == nil {
+		t.Error("a token without a node claim labelled a node")
+	}
+	if err := Set(ctx, agentA, "node-a", true); err != nil {
+		t.Errorf("the agent labelling its own node: %v", err)
+	}
+	if err := Set(ctx, agentA, "node-a", false); err != nil {
+		t.Errorf("the agent removing its own label: %v", err)
+	}
+	patch := []byte(`{"metadata":{"labels":{"team":"mine"}}}`)
+	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, patch, metav1.PatchOptions{}); err == nil || !strings.Contains(err.Error(), "only its node's kvhandoff.io/agent-ready label") {
+		t.Errorf("the agent changing another label of its node: %v", err)
+	}
+	taint := []byte(`{"spec":{"unschedulable":true}}`)
+	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, taint, metav1.PatchOptions{}); err == nil {
+		t.Error("the agent cordoned its node")
+	}
+}
+
+// applyFile creates every object of a YAML file through the admin client.
+func applyFile(t *testing.T, env *envtest.Env, path string) {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
+	for {
+		u := &unstructured.Unstructured{}
+		if err := dec.Decode(&u.Object); errors.Is(err, io.EOF) {
+			return
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		if len(u.Object) == 0 {
+			continue
+		}
+		if err := env.Client.Create(context.Background(), u); err != nil {
+			t.Fatalf("%s %s: %v", u.GetKind(), u.GetName(), err)
+		}
 	}
 }
