@@ -27,6 +27,10 @@ const (
 	AgentSocketDir = "/var/run/kvhandoff"
 	// AgentSocket is the agent's socket inside AgentSocketDir.
 	AgentSocket = AgentSocketDir + "/agent.sock"
+	// AgentGroup owns the agent's socket and memory folder (config/agent passes it as
+	// --socket-gid); engine pods of executor Agent get it as a supplemental group, so they
+	// reach the agent without running as root.
+	AgentGroup = 7470
 
 	labelInstanceType = "node.kubernetes.io/instance-type"
 	labelZone         = "topology.kubernetes.io/zone"
@@ -76,9 +80,11 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "efa", MountPath: EFAHostDir, ReadOnly: true})
 		volumes = append(volumes, hostPathVolume("efa", EFAHostDir))
 	}
+	var podSecurity *corev1.PodSecurityContext
 	if in.Policy.Executor == kvv1.ExecutorAgent {
 		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "kvhandoff-agent", MountPath: AgentSocketDir})
 		volumes = append(volumes, hostPathVolume("kvhandoff-agent", AgentSocketDir))
+		podSecurity = &corev1.PodSecurityContext{SupplementalGroups: []int64{AgentGroup}}
 	}
 
 	pod := &corev1.PodTemplateSpec{
@@ -87,11 +93,12 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			Annotations: map[string]string{kvv1.AnnotationPolicyHash: policyHash},
 		},
 		Spec: corev1.PodSpec{
-			Containers:   []corev1.Container{engine},
-			Volumes:      volumes,
-			NodeSelector: nodeSelector(in),
-			Tolerations:  tolerations(in.Spec.Accelerator.Type),
-			Affinity:     affinity(in),
+			Containers:      []corev1.Container{engine},
+			Volumes:         volumes,
+			SecurityContext: podSecurity,
+			NodeSelector:    nodeSelector(in),
+			Tolerations:     tolerations(in.Spec.Accelerator.Type),
+			Affinity:        affinity(in),
 			// A Service named like vLLM's own variables (a "vllm" Service sets VLLM_PORT)
 			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
 			EnableServiceLinks: ptr.To(false),

@@ -7,6 +7,7 @@ import (
 	"flag"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -266,5 +267,21 @@ func TestRenderRefusesWhatCompatRefuses(t *testing.T) {
 	pol := builder.Policy("push").Obj()
 	if _, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec}); err == nil {
 		t.Fatal("rendered EFA engines without knowing how many EFA interfaces to request")
+	}
+}
+
+// The agent's DaemonSet and the engine pods must agree on the group that reaches the
+// agent's socket: one constant here, one flag in config/agent.
+func TestEnginesOfTheAgentExecutorJoinTheAgentsGroup(t *testing.T) {
+	_, dw := pair(t, builder.PrefillPool("p").Policy("agent"), builder.DecodePool("d", "p").Policy("agent"), builder.Policy("agent").Executor(kvv1.ExecutorAgent))
+	if sc := dw.StatefulSet.Spec.Template.Spec.SecurityContext; sc == nil || !slices.Contains(sc.SupplementalGroups, AgentGroup) {
+		t.Errorf("engine pod security context %+v lacks the agent's group %d", sc, AgentGroup)
+	}
+	ds, err := os.ReadFile(filepath.Join("..", "config", "agent", "daemonset.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if flag := "--socket-gid=" + strconv.Itoa(AgentGroup); !strings.Contains(string(ds), flag) {
+		t.Errorf("config/agent/daemonset.yaml does not pass %s", flag)
 	}
 }

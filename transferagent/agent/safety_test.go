@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -332,5 +333,23 @@ func TestSessionsCannotBeEvictedOrLeftDangling(t *testing.T) {
 	}
 	if resp.Epoch <= p.P[0].Epoch {
 		t.Errorf("the replacement's epoch %d is not above the replaced one's %d", resp.Epoch, p.P[0].Epoch)
+	}
+}
+
+// With --socket-gid, engines of that group (not root) can use the socket and create their
+// KV files in the memory folder, which keeps new files in the group.
+func TestTheSocketGroupReachesTheSocketAndTheMemoryFolder(t *testing.T) {
+	a := startAgent(t, "grouped", t.TempDir(), "--socket-gid", "7470")
+	for path, want := range map[string]os.FileMode{a.Socket: 0o660, a.MemoryDir: 0o770 | os.ModeSetgid} {
+		st, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if gid := st.Sys().(*syscall.Stat_t).Gid; gid != 7470 {
+			t.Errorf("%s belongs to group %d, want 7470", path, gid)
+		}
+		if mode := st.Mode() & (os.ModePerm | os.ModeSetgid); mode != want {
+			t.Errorf("%s has mode %v, want %v", path, mode, want)
+		}
 	}
 }

@@ -37,7 +37,7 @@ func Run(args []string, stderr io.Writer) int {
 	var cfg agent.Config
 	fs.StringVar(&cfg.Provider, "provider", "efa", `libfabric provider: "efa" on AWS; "tcp;ofi_rxm" or "shm" for development. Never falls back to another.`)
 	fs.StringVar(&cfg.Socket, "socket", client.DefaultSocket, "the engine API's Unix socket (created 0660)")
-	socketGID := fs.Int("socket-gid", -1, "group to own the socket (engines run in it); -1 keeps the agent's")
+	socketGID := fs.Int("socket-gid", -1, "group to own the socket and the memory folder; engines run in it (the manager adds it to engine pods' supplementalGroups); -1 keeps the agent's")
 	fs.StringVar(&cfg.MemoryDir, "memory-dir", "/var/run/kvhandoff/memory", "the only folder engines may name host-memory files in")
 	fs.StringVar(&cfg.PeerListen, "peer-listen", ":7470", "TCP address other agents connect to (the agent runs with hostNetwork)")
 	fs.StringVar(&cfg.Advertise, "advertise", "", "host:port peers use to reach this agent (default: the listener's address; in a pod: $(NODE_IP):7470)")
@@ -91,7 +91,15 @@ func Run(args []string, stderr io.Writer) int {
 		return fail(err)
 	}
 	if *socketGID >= 0 {
+		// Engines run as any non-root user in this group: they may use the socket and put
+		// their KV files in the memory folder (setgid, so the files stay in the group).
 		if err := os.Chown(cfg.Socket, -1, *socketGID); err != nil {
+			return fail(err)
+		}
+		if err := os.Chown(cfg.MemoryDir, -1, *socketGID); err != nil {
+			return fail(err)
+		}
+		if err := os.Chmod(cfg.MemoryDir, 0o2770|os.ModeSetgid); err != nil {
 			return fail(err)
 		}
 	}
