@@ -10,6 +10,8 @@ import (
 	"k8s.io/apimachinery/pkg/selection"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -65,4 +67,16 @@ func CacheOptions() cache.Options {
 		&rbacv1.Role{}:                  router,
 		&rbacv1.RoleBinding{}:           router,
 	}}
+}
+
+// MetricsOptions serves the manager's Prometheus metrics on addr ("0" disables them).
+// Secure serves HTTPS and lets only callers whom the API server authenticates (a bearer
+// token, checked by TokenReview) and authorizes to get the /metrics URL
+// (SubjectAccessReview; config/rbac's kvhandoff-metrics-reader grants it) read them.
+func MetricsOptions(addr string, secure bool) metricsserver.Options {
+	o := metricsserver.Options{BindAddress: addr, SecureServing: secure}
+	if secure {
+		o.FilterProvider = filters.WithAuthenticationAndAuthorization
+	}
+	return o
 }

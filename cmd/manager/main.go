@@ -9,7 +9,6 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
-	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/kvhandoff/kvhandoff/controllers"
 )
@@ -17,7 +16,8 @@ import (
 func main() {
 	var metricsAddr, probeAddr string
 	var leaderElect bool
-	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8080", "address the Prometheus metrics endpoint binds to; 0 disables it")
+	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8443", "address the Prometheus metrics endpoint binds to; 0 disables it")
+	metricsSecure := flag.Bool("metrics-secure", true, "serve metrics over HTTPS to callers the API server authenticates and authorizes for /metrics (false: plain HTTP to anyone)")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader, so that only one of several manager replicas reconciles")
 	routerImage := flag.String("router-image", controllers.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the router of this manager's version")
@@ -29,7 +29,7 @@ func main() {
 
 	mgr, err := ctrl.NewManager(ctrl.GetConfigOrDie(), ctrl.Options{
 		Scheme:                 controllers.NewScheme(),
-		Metrics:                metricsserver.Options{BindAddress: metricsAddr},
+		Metrics:                controllers.MetricsOptions(metricsAddr, *metricsSecure),
 		HealthProbeBindAddress: probeAddr,
 		LeaderElection:         leaderElect,
 		LeaderElectionID:       "kvhandoff-manager.kvhandoff.io",
