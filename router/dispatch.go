@@ -128,8 +128,8 @@ func (s *Server) withRetry(rq *request, set *discovery.Set, try func(prefills, d
 // the request in vLLM, which frees its blocks) before the pair is tried again.
 func (s *Server) push(rq *request, set *discovery.Set) result {
 	return s.withRetry(rq, set, func(prefills, decodes []discovery.Engine, mark time.Time) (result, bool) {
-		d, _ := s.bal.Pick(balance.Decode, decodes, nil)
-		p, _ := s.bal.Pick(balance.Prefill, sameHash(prefills, d.CompatHash), nil)
+		d, releaseD := s.take(balance.Decode, decodes, rq.tokens)
+		p, releaseP := s.take(balance.Prefill, sameHash(prefills, d.CompatHash), rq.tokens)
 		rq.prefill, rq.decode = p.EngineID, d.EngineID
 		// A new transfer id for every attempt: a retried pair never matches the aborted one.
 		transferID := newID("xfer-")
@@ -144,9 +144,9 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 		rq.added = time.Since(mark)
 		sent := time.Now()
 		prefillDone := make(chan legResult, 1)
-		go func() { prefillDone <- s.prefillLeg(ctx, rq, p, prefillBody, false) }()
+		go func() { prefillDone <- s.prefillLeg(ctx, rq, p, releaseP, prefillBody, false) }()
 		decodeStarted := make(chan *decodeStart, 1)
-		go func() { decodeStarted <- s.decodeLeg(ctx, rq, d, decodeBody) }()
+		go func() { decodeStarted <- s.decodeLeg(ctx, rq, d, releaseD, decodeBody) }()
 
 		var ds *decodeStart
 		select {
@@ -181,10 +181,10 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 // blocks.
 func (s *Server) pull(rq *request, set *discovery.Set) result {
 	return s.withRetry(rq, set, func(prefills, _ []discovery.Engine, mark time.Time) (result, bool) {
-		p, _ := s.bal.Pick(balance.Prefill, prefills, nil)
+		p, releaseP := s.take(balance.Prefill, prefills, rq.tokens)
 		rq.prefill = p.EngineID
 		rq.added = time.Since(mark)
-		pr := s.prefillLeg(rq.r.Context(), rq, p, protocol.PrefillLeg(rq.body, "").Marshal(), true)
+		pr := s.prefillLeg(rq.r.Context(), rq, p, releaseP, protocol.PrefillLeg(rq.body, "").Marshal(), true)
 		got := time.Now()
 		rq.prefillTime = pr.took
 		if pr.res.outcome != "" {
@@ -199,14 +199,14 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 		if len(decodes) == 0 {
 			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: fmt.Sprintf("no ready decode engine with prefill engine %s's compat-hash %q (%s)", p.EngineID, p.CompatHash, cur.Source)}, false
 		}
-		d, _ := s.bal.Pick(balance.Decode, decodes, nil)
+		d, releaseD := s.take(balance.Decode, decodes, rq.tokens)
 		rq.decode = d.EngineID
 		body := protocol.PullDecodeLeg(rq.body, pr.params).Marshal()
 		ctx, cancel := context.WithCancel(rq.r.Context())
 		defer cancel()
 		rq.added += time.Since(got)
 		sent := time.Now()
-		ds := s.decodeLeg(ctx, rq, d, body)
+		ds := s.decodeLeg(ctx, rq, d, releaseD, body)
 		rq.decodeTime = time.Since(sent)
 		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(rq.decodeTime.Seconds())
 		return s.finishDecode(rq, d, ds), false
@@ -251,13 +251,13 @@ type legResult struct {
 	took   time.Duration
 }
 
-// prefillLeg sends a prefill leg and reads its whole response. A refused connection, a
+// prefillLeg sends a prefill leg and reads its whole response, then calls release (the
+// engine's count from take). A refused connection, a
 // timeout, a 5xx or (pull) a response without kv_transfer_params is a failure to retry
 // elsewhere; a 4xx is the client's request refused, answered as the engine said.
-func (s *Server) prefillLeg(ctx context.Context, rq *request, e discovery.Engine, body []byte, needParams bool) legResult {
+func (s *Server) prefillLeg(ctx context.Context, rq *request, e discovery.Engine, release func(), body []byte, needParams bool) legResult {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.PrefillTimeout)
 	defer cancel()
-	release := s.acquire(balance.Prefill, e.EngineID, rq.tokens)
 	defer release()
 	start := time.Now()
 	fail := func(reason, msg string) legResult {
@@ -296,11 +296,11 @@ type decodeStart struct {
 	err   error
 }
 
-// decodeLeg sends a decode leg and waits for its first bytes, for at most DecodeTimeout.
-func (s *Server) decodeLeg(ctx context.Context, rq *request, e discovery.Engine, body []byte) *decodeStart {
+// decodeLeg sends a decode leg and waits for its first bytes, for at most DecodeTimeout;
+// release (the engine's count from take) runs when the leg ends.
+func (s *Server) decodeLeg(ctx context.Context, rq *request, e discovery.Engine, release func(), body []byte) *decodeStart {
 	ctx, cancel := context.WithCancel(ctx)
 	timer := time.AfterFunc(s.cfg.DecodeTimeout, cancel)
-	release := s.acquire(balance.Decode, e.EngineID, rq.tokens)
 	resp, err := s.send(ctx, rq, e, body)
 	if err != nil {
 		if !timer.Stop() {

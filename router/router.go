@@ -188,9 +188,15 @@ func (s *Server) scrape(ctx context.Context) {
 	}
 }
 
-// acquire counts a leg on an engine, for selection and the inflight gauge.
-func (s *Server) acquire(role balance.Role, id string, tokens int) func() {
-	release := s.bal.Acquire(role, id, tokens)
+// take picks an engine of role and counts a leg on it, for selection and the inflight
+// gauge, until the returned release.
+func (s *Server) take(role balance.Role, candidates []discovery.Engine, tokens int) (discovery.Engine, func()) {
+	e, release, _ := s.bal.Take(role, candidates, tokens)
+	return e, s.gauge(role, e.EngineID, release)
+}
+
+// gauge adds a leg to the inflight gauge of an engine until release.
+func (s *Server) gauge(role balance.Role, id string, release func()) func() {
 	g := s.m.inflight.WithLabelValues(string(role), id)
 	g.Inc()
 	s.mu.Lock()
@@ -241,7 +247,7 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusServiceUnavailable, "service_unavailable", "no ready decode engine to list models from")
 		return
 	}
-	d, _ := s.bal.Pick(balance.Decode, set.Decode, nil)
+	d, _ := s.bal.Pick(balance.Decode, set.Decode)
 	req, err := http.NewRequestWithContext(r.Context(), http.MethodGet, d.URL+"/v1/models", nil)
 	if err != nil {
 		writeError(w, http.StatusInternalServerError, "internal_error", err.Error())

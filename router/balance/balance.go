@@ -108,10 +108,14 @@ func (b *Balancer) Outstanding(r Role, id string) (requests, tokens int) {
 // Acquire counts a leg on an engine until the returned release is called.
 func (b *Balancer) Acquire(r Role, id string, tokens int) (release func()) {
 	b.mu.Lock()
-	s := b.get(r, id)
+	defer b.mu.Unlock()
+	return b.count(b.get(r, id), tokens)
+}
+
+// count adds a leg to s; b.mu is held.
+func (b *Balancer) count(s *state, tokens int) (release func()) {
 	s.requests++
 	s.tokens += tokens
-	b.mu.Unlock()
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -123,18 +127,32 @@ func (b *Balancer) Acquire(r Role, id string, tokens int) (release func()) {
 	}
 }
 
-// Pick returns the best engine of role among candidates, skipping those in exclude
-// (engines that already failed this request), or false when none is left.
-func (b *Balancer) Pick(r Role, candidates []discovery.Engine, exclude map[string]bool) (discovery.Engine, bool) {
+// Take picks the best engine of role among candidates and counts a leg of tokens on it
+// in one step under the lock, so concurrent requests see each other's choices (picking
+// first and counting later sent a burst of requests to one engine); release ends the
+// count. ok is false when no candidate is left.
+func (b *Balancer) Take(r Role, candidates []discovery.Engine, tokens int) (e discovery.Engine, release func(), ok bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if e, ok = b.pick(r, candidates); !ok {
+		return e, func() {}, false
+	}
+	return e, b.count(b.get(r, e.EngineID), tokens), true
+}
+
+// Pick returns the best engine of role among candidates without counting a leg on it (for
+// calls that are not legs), or false when there is none.
+func (b *Balancer) Pick(r Role, candidates []discovery.Engine) (discovery.Engine, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.pick(r, candidates)
+}
+
+func (b *Balancer) pick(r Role, candidates []discovery.Engine) (discovery.Engine, bool) {
 	now := b.now()
 	best, bestScore := -1, math.Inf(1)
 	var bestPicks uint64
 	for i, e := range candidates {
-		if exclude[e.EngineID] {
-			continue
-		}
 		s := b.get(r, e.EngineID)
 		score := b.score(r, s, now)
 		if best < 0 || score < bestScore || (score == bestScore && s.picks < bestPicks) {

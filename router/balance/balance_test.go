@@ -19,17 +19,33 @@ func engines(ids ...string) []discovery.Engine {
 func TestPrefillGoesToTheFewestOutstandingPromptTokens(t *testing.T) {
 	b := New(time.Minute)
 	defer b.Acquire(Prefill, "a", 16000)()
-	release := b.Acquire(Prefill, "b", 2000)
+	b.Acquire(Prefill, "b", 2000)
 	b.Acquire(Prefill, "b", 2000) // b: two short prompts, fewer tokens than a's one long one
-	if e, _ := b.Pick(Prefill, engines("a", "b"), nil); e.EngineID != "b" {
+	if e, _ := b.Pick(Prefill, engines("a", "b")); e.EngineID != "b" {
 		t.Errorf("picked %s; b has 4000 tokens outstanding against a's 16000", e.EngineID)
 	}
-	release()
-	if e, _ := b.Pick(Prefill, engines("a", "b"), map[string]bool{"b": true}); e.EngineID != "a" {
-		t.Errorf("picked %s although b is excluded", e.EngineID)
+	if _, ok := b.Pick(Prefill, nil); ok {
+		t.Error("picked an engine among none")
 	}
-	if _, ok := b.Pick(Prefill, engines("a"), map[string]bool{"a": true}); ok {
-		t.Error("picked an excluded engine")
+}
+
+// Take counts the leg in the same step as it picks: a burst of requests that all pick
+// before any leg is counted would otherwise land on one engine.
+func TestABurstOfTakesSpreadsOverEqualEngines(t *testing.T) {
+	b := New(time.Minute)
+	got := map[string]int{}
+	for range 8 {
+		e, _, _ := b.Take(Prefill, engines("a", "b"), 1000)
+		got[e.EngineID]++
+	}
+	if got["a"] != 4 || got["b"] != 4 {
+		t.Errorf("8 takes went %v, want 4 each", got)
+	}
+	_, release, _ := b.Take(Decode, engines("a"), 0)
+	release()
+	release() // twice is once
+	if n, _ := b.Outstanding(Decode, "a"); n != 0 {
+		t.Errorf("%d decode legs outstanding after release", n)
 	}
 }
 
@@ -40,16 +56,16 @@ func TestDecodeCountsTheEnginesOwnLoadAndAvoidsAFullKVCache(t *testing.T) {
 	b.SetLoad(Decode, "busy", Load{Running: 30, Waiting: 5, At: now})
 	defer b.Acquire(Decode, "local", 0)()
 	defer b.Acquire(Decode, "local", 0)()
-	if e, _ := b.Pick(Decode, engines("busy", "local"), nil); e.EngineID != "local" {
+	if e, _ := b.Pick(Decode, engines("busy", "local")); e.EngineID != "local" {
 		t.Errorf("picked %s: 35 requests exported beat 2 of this router's", e.EngineID)
 	}
 	b.SetLoad(Decode, "local", Load{Running: 1, KVUsage: 0.99, At: now})
-	if e, _ := b.Pick(Decode, engines("busy", "local"), nil); e.EngineID != "busy" {
+	if e, _ := b.Pick(Decode, engines("busy", "local")); e.EngineID != "busy" {
 		t.Errorf("picked %s: an engine whose KV cache is 99%% full is avoided while another has room", e.EngineID)
 	}
 	// A load older than the staleness limit no longer counts.
 	b.now = func() time.Time { return now.Add(2 * time.Minute) }
-	if e, _ := b.Pick(Decode, engines("busy", "local"), nil); e.EngineID != "busy" {
+	if e, _ := b.Pick(Decode, engines("busy", "local")); e.EngineID != "busy" {
 		t.Errorf("picked %s: with stale loads only this router's counts (busy 0, local 2) remain", e.EngineID)
 	}
 }
@@ -58,7 +74,7 @@ func TestEqualEnginesTakeTurns(t *testing.T) {
 	b := New(time.Minute)
 	seen := map[string]int{}
 	for range 6 {
-		e, _ := b.Pick(Decode, engines("a", "b", "c"), nil)
+		e, _ := b.Pick(Decode, engines("a", "b", "c"))
 		seen[e.EngineID]++
 	}
 	for _, id := range []string{"a", "b", "c"} {
