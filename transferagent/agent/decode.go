@@ -29,6 +29,10 @@ type destination struct {
 	fenced     bool      // the fence signal arrived
 	outcome    *outcome  // the prefill agent's message, waiting for the fence signal
 	quarantine time.Time // peer lost: fail at this time
+	// deadline is when the decode agent gives up waiting for any outcome: the prefill
+	// agent fails a registration by its registration timeout, so one that has heard
+	// nothing a quarantine after that lost a message, and no write can still land.
+	deadline time.Time
 }
 
 type outcomeKind int
@@ -90,7 +94,8 @@ func (s *session) registerDestination(r *agentv1.RegisterDestinationRequest) err
 	}
 	d := &destination{
 		key: k, token: s.nextToken, source: engineKey(r.Source.EngineId, r.Source.TpRank),
-		blocks: len(r.BlockIds),
+		blocks:   len(r.BlockIds),
+		deadline: time.Now().Add(s.a.cfg.RegistrationTimeout + QuarantineFor(s.a.cfg.Lease, s.a.cfg.Tick)),
 	}
 	d.peer = s.a.dial(r.Source.Agent)
 	d.peer.describe(s)
@@ -275,9 +280,13 @@ func (s *session) decodePeerLost(p *peer) {
 
 func (s *session) expireDecode(now time.Time) {
 	for _, d := range s.regs {
-		if !d.quarantine.IsZero() && !now.Before(d.quarantine) {
+		switch {
+		case !d.quarantine.IsZero() && !now.Before(d.quarantine):
 			s.a.metrics.failures.WithLabelValues("peer_lost").Inc()
 			s.report(d, agentv1.Event_FAILED, fmt.Sprintf("prefill agent %s connection lost; blocks were quarantined for the lease (%s) and a margin so no late write can land", d.peer.addr, s.a.cfg.Lease))
+		case d.quarantine.IsZero() && !now.Before(d.deadline):
+			s.a.metrics.failures.WithLabelValues("no_outcome").Inc()
+			s.report(d, agentv1.Event_FAILED, fmt.Sprintf("no outcome from prefill agent %s within the registration timeout (%s) and a quarantine after it; a message was lost, and no write can still land", d.peer.addr, s.a.cfg.RegistrationTimeout))
 		}
 	}
 	for _, pl := range s.pulls {

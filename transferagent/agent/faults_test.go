@@ -1,11 +1,16 @@
 package agent_test
 
 import (
+	"bufio"
 	"bytes"
+	"net"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/wire"
 )
 
 func TestANewAttemptSupersedesTheOldOne(t *testing.T) {
@@ -214,4 +219,64 @@ func TestARetryAfterAFailureNeverDeliversFreedBlocks(t *testing.T) {
 		}
 	}
 	expect(t, ev, agentv1.Event_FAILED)
+}
+
+// A decode registration whose outcome never comes (a message lost while the connection
+// stays up) must fail on the decode agent's own deadline, not wait forever. The "prefill
+// agent" here authenticates properly and then swallows every message.
+func TestADecodeRegistrationWithoutAnOutcomeFailsOnItsOwn(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go swallow(c)
+		}
+	}()
+	b := startAgent(t, "decode-node", t.TempDir(), "--lease", "300ms", "--registration-timeout", "1s")
+	d := engine(t, b, "decode-0.default", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, 0, testLayout(1, 64))
+	dst := alloc(t, d, 4)
+	src := &agentv1.EngineRef{Agent: l.Addr().String(), EngineId: "prefill-0.default", TpRank: 0}
+	if err := d.RegisterDestination(bg, "lost", 1, dst, src); err != nil {
+		t.Fatal(err)
+	}
+	ev := wait(t, d, "lost", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	if !strings.Contains(ev.Reason, "no outcome") {
+		t.Errorf("reason %q", ev.Reason)
+	}
+}
+
+// swallow plays an agent that holds the token (acceptor side of the handshake), then
+// reads and drops everything.
+func swallow(c net.Conn) {
+	defer c.Close()
+	r := bufio.NewReader(c)
+	mine := &wire.Hello{Agent: c.LocalAddr().String(), Epoch: 1, Nonce: "0123456789abcdef0123456789abcdef"}
+	b, _ := wire.Encode(nil, mine)
+	c.Write(b)
+	m, err := wire.Read(r)
+	if err != nil {
+		return
+	}
+	theirs, ok := m.(*wire.Hello)
+	if !ok {
+		return
+	}
+	if _, err := wire.Read(r); err != nil { // the dialer's Auth
+		return
+	}
+	b, _ = wire.Encode(nil, &wire.Auth{MAC: wire.Proof([]byte(agentproc.Token), wire.RoleAcceptor, theirs, mine)})
+	c.Write(b)
+	for {
+		if _, err := wire.Read(r); err != nil {
+			return
+		}
+	}
 }

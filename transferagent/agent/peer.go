@@ -4,13 +4,10 @@ import (
 	"bufio"
 	"crypto/hmac"
 	"crypto/rand"
-	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
-	"strconv"
 	"sync"
 	"time"
 
@@ -177,23 +174,23 @@ func (p *peer) handshake() error {
 			return err
 		}
 		auth, ok := m.(*wire.Auth)
-		if !ok || !hmac.Equal([]byte(auth.MAC), []byte(p.a.proof(role, dialer, acceptor))) {
+		if !ok || !hmac.Equal([]byte(auth.MAC), []byte(wire.Proof(p.a.cfg.Token, role, dialer, acceptor))) {
 			return errors.New("peer did not prove it holds the agents' token")
 		}
 		return nil
 	}
 	if p.outbound {
-		if err := p.write(&wire.Auth{MAC: p.a.proof(roleDialer, dialer, acceptor)}); err != nil {
+		if err := p.write(&wire.Auth{MAC: wire.Proof(p.a.cfg.Token, wire.RoleDialer, dialer, acceptor)}); err != nil {
 			return err
 		}
-		if err := expect(roleAcceptor); err != nil {
+		if err := expect(wire.RoleAcceptor); err != nil {
 			return err
 		}
 	} else {
-		if err := expect(roleDialer); err != nil {
+		if err := expect(wire.RoleDialer); err != nil {
 			return err
 		}
-		if err := p.write(&wire.Auth{MAC: p.a.proof(roleAcceptor, dialer, acceptor)}); err != nil {
+		if err := p.write(&wire.Auth{MAC: wire.Proof(p.a.cfg.Token, wire.RoleAcceptor, dialer, acceptor)}); err != nil {
 			return err
 		}
 	}
@@ -203,32 +200,6 @@ func (p *peer) handshake() error {
 	p.epoch = theirs.Epoch
 	p.a.log.Info("peer connected", "peer", p.addr, "epoch", p.epoch, "outbound", p.outbound)
 	return nil
-}
-
-// The roles a handshake proof is made for.
-const (
-	roleDialer   = "dialer"
-	roleAcceptor = "acceptor"
-)
-
-// proof is the HMAC-SHA256 under the cluster token of a role and the connection's two
-// Hellos, each field length-prefixed so no two transcripts encode alike.
-func (a *Agent) proof(role string, dialer, acceptor *wire.Hello) string {
-	h := hmac.New(sha256.New, a.cfg.Token)
-	field := func(s string) {
-		var n [8]byte
-		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
-		h.Write(n[:])
-		h.Write([]byte(s))
-	}
-	field("kvhandoff-peer-auth-v2")
-	field(role)
-	for _, hello := range []*wire.Hello{dialer, acceptor} {
-		field(hello.Agent)
-		field(strconv.FormatUint(hello.Epoch, 10))
-		field(hello.Nonce)
-	}
-	return string(h.Sum(nil))
 }
 
 func (p *peer) write(m wire.Message) error {

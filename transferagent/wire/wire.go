@@ -11,10 +11,13 @@
 package wire
 
 import (
+	"crypto/hmac"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 )
 
 // Version is the framing version this package speaks.
@@ -65,9 +68,37 @@ type Hello struct {
 	Nonce string
 }
 
-// Auth proves the sender holds the shared token: HMAC-SHA256 of its role and both Hellos
-// of the connection (the agent package defines the transcript).
+// Auth proves the sender holds the shared token: Proof of its role and the connection's
+// two Hellos.
 type Auth struct{ MAC string }
+
+// The roles a handshake proof is made for: the side that dialled proves first.
+const (
+	RoleDialer   = "dialer"
+	RoleAcceptor = "acceptor"
+)
+
+// Proof is the MAC an Auth carries: HMAC-SHA256 under the cluster token of the prover's
+// role and both Hellos, dialer's first, every field length-prefixed so no two
+// transcripts encode alike. Bound to role and both nonces, a proof is good for one
+// direction of one connection only.
+func Proof(token []byte, role string, dialer, acceptor *Hello) string {
+	h := hmac.New(sha256.New, token)
+	field := func(s string) {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
+		h.Write(n[:])
+		h.Write([]byte(s))
+	}
+	field("kvhandoff-peer-auth-v2")
+	field(role)
+	for _, hello := range []*Hello{dialer, acceptor} {
+		field(hello.Agent)
+		field(strconv.FormatUint(hello.Epoch, 10))
+		field(hello.Nonce)
+	}
+	return string(h.Sum(nil))
+}
 
 // RegionInfo is one registered region as a peer may address it.
 type RegionInfo struct {
