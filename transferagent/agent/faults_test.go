@@ -280,3 +280,28 @@ func swallow(c net.Conn) {
 		}
 	}
 }
+
+// A decode engine that aborts a request for good (cancel, no retry) must not leave the
+// prefill engine's blocks held forever: they expire a blocks TTL later and the prefill
+// engine is told to free them.
+func TestAnAbortWithoutRetryReleasesThePrefillBlocks(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--blocks-ttl", "500ms")
+	src := alloc(t, p.P[0], 4)
+	dst := alloc(t, p.D[0], 4)
+	// Half the request is ready and paired with the registration; then decode aborts.
+	if err := p.P[0].SourceReady(bg, "aborted", 0, src[:2], false); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.D[0].RegisterDestination(bg, "aborted", 1, dst, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.D[0].Cancel(bg, "aborted", 1); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "aborted", 1), agentv1.Event_CANCEL_ACKED)
+	if err := p.P[0].SourceReady(bg, "aborted", 2, src[2:], true); err != nil {
+		t.Fatal(err)
+	}
+	// No retry comes: the prefill engine hears FAILED (attempt 0: the source's TTL).
+	expect(t, wait(t, p.P[0], "aborted", 0), agentv1.Event_FAILED)
+}

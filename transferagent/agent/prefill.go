@@ -255,7 +255,18 @@ func (s *session) finish(req string, attempt uint64, decode rendezvous.Engine, c
 	k := attemptKey{req, attempt}
 	a := s.attempts[k]
 	delete(s.attempts, k)
-	if code != "" {
+	if code == "" {
+		// A cancel keeps the source for a retry, but a decode engine that aborted the
+		// request for good never retries: the source waits for a new registration for
+		// one blocks TTL from now (or from its final part), then expires and the prefill
+		// engine is told to free its blocks.
+		if src := s.sources[req]; src != nil && s.table.Idle(req) {
+			src.registered = false
+			if !src.final.IsZero() {
+				src.final = time.Now()
+			}
+		}
+	} else {
 		// The prefill engine hears of the failure and frees the request's blocks; the table
 		// already dropped them (rendezvous: fence), and so does the session.
 		delete(s.sources, req)

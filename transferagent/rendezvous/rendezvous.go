@@ -423,6 +423,15 @@ func (t *Table) Current() []Registration {
 	return out
 }
 
+// Idle reports whether a request has no live attempt: none registered, or every one
+// fenced or delivered.
+func (t *Table) Idle(req string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.reqs[req]
+	return r == nil || r.current == nil || r.current.done
+}
+
 // Forget drops a finished request (delivered and acknowledged by the agent).
 func (t *Table) Forget(req string) {
 	t.mu.Lock()
