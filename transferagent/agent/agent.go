@@ -11,6 +11,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"log/slog"
 	"net"
 	"os"
@@ -99,7 +100,8 @@ type Agent struct {
 	grpc   *grpc.Server
 	engLn  net.Listener
 	peerLn net.Listener
-	self   string // the advertised peer address
+	memDir *os.File // the memory folder, opened once (O_PATH): files resolve beneath it
+	self   string   // the advertised peer address
 
 	mu        sync.Mutex
 	sessions  map[string]*session // by session id
@@ -129,6 +131,7 @@ func New(cfg Config) (*Agent, error) {
 	}
 	a.nextEpoch = a.epoch
 	a.metrics = newMetrics(cfg.Registry)
+	var err error
 	a.limits, a.providerErr = probe(cfg.Provider)
 	if a.providerErr != nil {
 		a.log.Error("libfabric provider unavailable; not ready", "provider", cfg.Provider, "err", a.providerErr)
@@ -139,6 +142,12 @@ func New(cfg Config) (*Agent, error) {
 		a.metrics.provider.WithLabelValues(a.limits.Provider).Set(1)
 	}
 
+	// The memory folder is opened once, here, and every engine file is resolved beneath
+	// this descriptor: an engine that later swaps the folder for a symlink (it can write
+	// the folder's parent) changes nothing the agent resolves.
+	if a.memDir, err = os.OpenFile(cfg.MemoryDir, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
+		return nil, fmt.Errorf("agent: opening the memory folder %s (it must be a directory, not a symlink): %w", cfg.MemoryDir, err)
+	}
 	if err := os.MkdirAll(filepath.Dir(cfg.Socket), 0o755); err != nil {
 		return nil, err
 	}
@@ -219,6 +228,7 @@ func (a *Agent) shutdown() {
 	a.mu.Unlock()
 	a.grpc.Stop()
 	a.peerLn.Close()
+	defer a.memDir.Close()
 	for _, s := range sessions {
 		s.close("agent shutting down")
 	}

@@ -192,7 +192,7 @@ func (e *engineAPI) RegisterRegion(ctx context.Context, r *agentv1.RegisterRegio
 	default:
 		return nil, invalid("kind", "must be MEMORY_KIND_HOST, _CUDA or _NEURON")
 	}
-	m, err := mapFile(e.a.cfg.MemoryDir, r.Path, r.Offset, r.Size)
+	m, err := mapFile(int(e.a.memDir.Fd()), e.a.cfg.MemoryDir, r.Path, r.Offset, r.Size)
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}

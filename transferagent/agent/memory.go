@@ -1,11 +1,14 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // mapping is an engine's host memory as the agent maps it: a shared mapping of a file
@@ -25,31 +28,35 @@ func (m *mapping) unmap() {
 	}
 }
 
-// mapFile maps size bytes at off of path, which must resolve (symlinks followed) to a
-// regular file inside dir: an engine may hand the agent its KV memory, never any other
-// file on the node.
-func mapFile(dir, path string, off, size uint64) (*mapping, error) {
+// mapFile maps size bytes at off of path, a regular file beneath the memory folder dir
+// (opened once as dirFD): an engine may hand the agent its KV memory, never any other file
+// on the node. The file is opened with openat2 resolving beneath the folder and through
+// no symlink at all, in one step: nothing can be swapped between a check and the open.
+func mapFile(dirFD int, dir, path string, off, size uint64) (*mapping, error) {
 	if path == "" {
 		return nil, fmt.Errorf("path: must name a file in the memory directory %s", dir)
 	}
-	if !filepath.IsAbs(path) {
-		path = filepath.Join(dir, path)
+	rel := path
+	if filepath.IsAbs(path) {
+		var err error
+		if rel, err = filepath.Rel(dir, path); err != nil {
+			return nil, fmt.Errorf("path: %s is outside the memory directory %s", path, dir)
+		}
 	}
-	root, err := filepath.EvalSymlinks(dir)
-	if err != nil {
-		return nil, fmt.Errorf("memory directory %s: %w", dir, err)
-	}
-	real, err := filepath.EvalSymlinks(path)
-	if err != nil {
-		return nil, fmt.Errorf("path: %w", err)
-	}
-	if !strings.HasPrefix(real, root+string(filepath.Separator)) {
+	if rel == "." || rel == ".." || strings.HasPrefix(rel, "../") {
 		return nil, fmt.Errorf("path: %s is outside the memory directory %s", path, dir)
 	}
-	f, err := os.OpenFile(real, os.O_RDWR, 0)
-	if err != nil {
-		return nil, fmt.Errorf("path: %w", err)
+	fd, err := unix.Openat2(dirFD, rel, &unix.OpenHow{
+		Flags:   unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+	})
+	switch {
+	case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV):
+		return nil, fmt.Errorf("path: %s is outside the memory directory %s or reached through a symlink", path, dir)
+	case err != nil:
+		return nil, fmt.Errorf("path: %s: %w", path, err)
 	}
+	f := os.NewFile(uintptr(fd), path)
 	defer f.Close()
 	var st syscall.Stat_t
 	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {

@@ -353,3 +353,35 @@ func TestTheSocketGroupReachesTheSocketAndTheMemoryFolder(t *testing.T) {
 		}
 	}
 }
+
+// Engines can write the memory folder's parent (/var/run/kvhandoff): one that swaps the
+// folder for a symlink to elsewhere must not make the privileged agent map files there.
+func TestSwappingTheMemoryFolderForASymlinkGainsNothing(t *testing.T) {
+	a := startAgent(t, "swapped", t.TempDir())
+	cl, err := client.Dial(a.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "swapper", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	// Elsewhere: a file the engine has no business handing to the agent.
+	elsewhere := t.TempDir()
+	secret := filepath.Join(elsewhere, "secret")
+	if err := os.WriteFile(secret, make([]byte, 1<<16), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(a.MemoryDir, a.MemoryDir+".old"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(elsewhere, a.MemoryDir); err != nil {
+		t.Fatal(err)
+	}
+	_, err = cl.API.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, RegionId: 0, Kind: agentv1.MemoryKind_MEMORY_KIND_HOST,
+		Path: filepath.Join(a.MemoryDir, "secret"), Size: 16 << 10, BlockLen: 1024, BlockCount: 16})
+	refused(t, "a file reached through a swapped memory folder", err, codes.InvalidArgument, "path")
+}
