@@ -39,10 +39,9 @@ type Config struct {
 	MemoryDir string
 	// Token authenticates peers: both sides prove they hold it (see peer.handshake).
 	Token []byte
-	// Lease, RegistrationTimeout and BlocksTTL come from the KVTransferPolicy.
-	Lease, RegistrationTimeout, BlocksTTL time.Duration
-	// Tick is the watchdog's period.
-	Tick time.Duration
+	// Timeouts are the fallbacks for engines that do not send their policy's in
+	// RegisterEngine.
+	Timeouts
 	// EventsDeadline is how long a registered engine rank has to open its event stream
 	// (the stream is its liveness); a session that never opens one is closed, so it cannot
 	// hold an endpoint and memory forever.
@@ -50,6 +49,41 @@ type Config struct {
 	Log            *slog.Logger
 	// Registry receives the agent's metrics.
 	Registry prometheus.Registerer
+}
+
+// Timeouts are a KVTransferPolicy's timeouts as an agent applies them to one engine's
+// registrations, sources and holds, and the watchdog's period that enforces them.
+type Timeouts struct {
+	// Lease is how long a push registration or a pull hold lives without a heartbeat
+	// (spec.lease; vLLM's kv_lease_duration).
+	Lease time.Duration
+	// RegistrationTimeout is how long a push registration waits for its source
+	// (spec.registrationTimeout; push_registration_timeout).
+	RegistrationTimeout time.Duration
+	// BlocksTTL is how long ready prefill blocks wait for a registration or a pull
+	// (spec.blocksTTL; decoder_kv_blocks_ttl).
+	BlocksTTL time.Duration
+	// Tick is the watchdog's period.
+	Tick time.Duration
+}
+
+// complete fills what t leaves zero from fallback, then derives what is still missing
+// from the lease: the one home of the agent's timeout defaults.
+func (t Timeouts) complete(fallback Timeouts) Timeouts {
+	pick := func(v, f time.Duration) time.Duration {
+		if v > 0 {
+			return v
+		}
+		return f
+	}
+	t.Lease = pick(t.Lease, fallback.Lease)
+	t.RegistrationTimeout = pick(pick(t.RegistrationTimeout, fallback.RegistrationTimeout), 2*t.Lease)
+	t.BlocksTTL = pick(pick(t.BlocksTTL, fallback.BlocksTTL), t.Lease)
+	t.Tick = min(pick(t.Tick, fallback.Tick), t.Lease/4, 100*time.Millisecond)
+	if t.Tick <= 0 {
+		t.Tick = min(t.Lease/4, 100*time.Millisecond)
+	}
+	return t
 }
 
 func (c *Config) defaults() error {
@@ -62,18 +96,7 @@ func (c *Config) defaults() error {
 	if c.MemoryDir == "" {
 		return errors.New("agent: no memory directory configured")
 	}
-	if c.Lease <= 0 {
-		c.Lease = 30 * time.Second
-	}
-	if c.RegistrationTimeout <= 0 {
-		c.RegistrationTimeout = 2 * c.Lease
-	}
-	if c.BlocksTTL <= 0 {
-		c.BlocksTTL = c.Lease
-	}
-	if c.Tick <= 0 {
-		c.Tick = min(c.Lease/4, 100*time.Millisecond)
-	}
+	c.Timeouts = c.Timeouts.complete(Timeouts{Lease: 30 * time.Second})
 	if c.EventsDeadline <= 0 {
 		c.EventsDeadline = 30 * time.Second
 	}

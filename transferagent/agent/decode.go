@@ -95,7 +95,7 @@ func (s *session) registerDestination(r *agentv1.RegisterDestinationRequest) err
 	d := &destination{
 		key: k, token: s.nextToken, source: engineKey(r.Source.EngineId, r.Source.TpRank),
 		blocks:   len(r.BlockIds),
-		deadline: time.Now().Add(s.a.cfg.RegistrationTimeout + QuarantineFor(s.a.cfg.Lease, s.a.cfg.Tick)),
+		deadline: time.Now().Add(s.pol.RegistrationTimeout + QuarantineFor(s.pol.Lease, s.pol.Tick)),
 	}
 	d.peer = s.a.dial(r.Source.Agent)
 	d.peer.describe(s)
@@ -266,7 +266,7 @@ func (s *session) decodePeerLost(p *peer) {
 	now := time.Now()
 	for _, d := range s.regs {
 		if d.peer == p && d.quarantine.IsZero() {
-			d.quarantine = now.Add(QuarantineFor(s.a.cfg.Lease, s.a.cfg.Tick))
+			d.quarantine = now.Add(QuarantineFor(s.pol.Lease, s.pol.Tick))
 		}
 	}
 	for _, pl := range s.pulls {
@@ -283,10 +283,10 @@ func (s *session) expireDecode(now time.Time) {
 		switch {
 		case !d.quarantine.IsZero() && !now.Before(d.quarantine):
 			s.a.metrics.failures.WithLabelValues("peer_lost").Inc()
-			s.report(d, agentv1.Event_FAILED, fmt.Sprintf("prefill agent %s connection lost; blocks were quarantined for the lease (%s) and a margin so no late write can land", d.peer.addr, s.a.cfg.Lease))
+			s.report(d, agentv1.Event_FAILED, fmt.Sprintf("prefill agent %s connection lost; blocks were quarantined for the lease (%s) and a margin so no late write can land", d.peer.addr, s.pol.Lease))
 		case d.quarantine.IsZero() && !now.Before(d.deadline):
 			s.a.metrics.failures.WithLabelValues("no_outcome").Inc()
-			s.report(d, agentv1.Event_FAILED, fmt.Sprintf("no outcome from prefill agent %s within the registration timeout (%s) and a quarantine after it; a message was lost, and no write can still land", d.peer.addr, s.a.cfg.RegistrationTimeout))
+			s.report(d, agentv1.Event_FAILED, fmt.Sprintf("no outcome from prefill agent %s within the registration timeout (%s) and a quarantine after it; a message was lost, and no write can still land", d.peer.addr, s.pol.RegistrationTimeout))
 		}
 	}
 	for _, pl := range s.pulls {

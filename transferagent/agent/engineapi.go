@@ -97,6 +97,9 @@ func checkSource(field string, ref *agentv1.EngineRef, rank uint32) error {
 	return nil
 }
 
+// maxTimeoutMillis bounds the timeouts an engine may ask for: a day, as the policy's API does.
+const maxTimeoutMillis = 24 * 3600 * 1000
+
 // maxSessions bounds the engine ranks one agent serves: a p5en node runs at most 16 (two
 // TP8 engines), and each session holds a fabric endpoint and mapped memory.
 const maxSessions = 256
@@ -117,6 +120,11 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		return nil, invalid("layout", "every field must be positive")
 	case l.KvHeads%r.TpSize != 0:
 		return nil, invalid("layout.kv_heads", "%d do not split over tp_size %d", l.KvHeads, r.TpSize)
+	case r.LeaseMillis > maxTimeoutMillis || r.RegistrationTimeoutMillis > maxTimeoutMillis || r.BlocksTtlMillis > maxTimeoutMillis:
+		return nil, invalid("lease_millis", "and registration_timeout_millis and blocks_ttl_millis must be at most a day")
+	}
+	if t := requestTimeouts(r).complete(a.cfg.Timeouts); t.RegistrationTimeout < t.Lease {
+		return nil, invalid("registration_timeout_millis", "%s is shorter than the lease %s (the policy's rule: registrationTimeout ≥ lease)", t.RegistrationTimeout, t.Lease)
 	}
 	if err := a.Ready(); err != nil {
 		return nil, status.Error(codes.Unavailable, err.Error())

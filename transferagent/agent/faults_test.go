@@ -3,13 +3,18 @@ package agent_test
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"net"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+
 	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/client"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 	"github.com/kvhandoff/kvhandoff/transferagent/wire"
 )
 
@@ -304,4 +309,47 @@ func TestAnAbortWithoutRetryReleasesThePrefillBlocks(t *testing.T) {
 	}
 	// No retry comes: the prefill engine hears FAILED (attempt 0: the source's TTL).
 	expect(t, wait(t, p.P[0], "aborted", 0), agentv1.Event_FAILED)
+}
+
+// The policy reaches the agent through RegisterEngine: an engine's own timeouts govern
+// its requests, whatever the agent's flags say, so one DaemonSet serves namespaces with
+// different policies.
+func TestAnEnginesPolicyTimeoutsGovernItsRequests(t *testing.T) {
+	flags := []string{"--lease", "60s", "--registration-timeout", "120s", "--blocks-ttl", "60s"}
+	a, b := startAgent(t, "prefill-node", t.TempDir(), flags...), startAgent(t, "decode-node", t.TempDir(), flags...)
+	l := testLayout(1, 64)
+	start := func(ag *agentProc, id string, role agentv1.Role) *simengine.Engine {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: ag.Socket, MemoryDir: ag.MemoryDir,
+			Lease: 300 * time.Millisecond, RegistrationTimeout: time.Second, BlocksTTL: 300 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Stop)
+		return e
+	}
+	P, D := start(a, "prefill-0.default", agentv1.Role_ROLE_PREFILL), start(b, "decode-0.default", agentv1.Role_ROLE_DECODE)
+	began := time.Now()
+	dst := alloc(t, D, 4)
+	if err := D.RegisterDestination(bg, "silent", 1, dst, P.Self); err != nil {
+		t.Fatal(err)
+	}
+	ev := wait(t, D, "silent", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	if !strings.Contains(ev.Reason, "300ms") {
+		t.Errorf("failed for %q: the engine's 300 ms lease should have applied, not the agents' 60 s", ev.Reason)
+	}
+	if took := time.Since(began); took > 10*time.Second {
+		t.Errorf("the registration failed after %s: the agents' lease applied, not the engine's", took)
+	}
+	// An engine asking for a registration timeout below its lease is refused, by name.
+	cl, err := client.Dial(a.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	_, err = cl.API.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "odd", Role: agentv1.Role_ROLE_PREFILL, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}, LeaseMillis: 5000, RegistrationTimeoutMillis: 1000})
+	refused(t, "a registration timeout below the lease", err, codes.InvalidArgument, "registration_timeout_millis")
 }

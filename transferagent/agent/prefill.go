@@ -83,7 +83,7 @@ func (s *session) sourceReady(r *agentv1.SourceReadyRequest) error {
 func (s *session) holdBlocks(now time.Time, r *agentv1.SourceReadyRequest) error {
 	h := s.holds[r.RequestId]
 	if h == nil {
-		h = &hold{positions: map[uint32]bool{}, blocks: map[uint32]bool{}, ttlEnd: now.Add(s.a.cfg.BlocksTTL)}
+		h = &hold{positions: map[uint32]bool{}, blocks: map[uint32]bool{}, ttlEnd: now.Add(s.pol.BlocksTTL)}
 		s.holds[r.RequestId] = h
 	}
 	if h.final {
@@ -339,9 +339,9 @@ func (s *session) onAcquire(p *peer, m *wire.Acquire) {
 			return
 		}
 	}
-	h.acquired = &acquisition{attempt: m.Attempt, peer: p, until: time.Now().Add(s.a.cfg.Lease)}
+	h.acquired = &acquisition{attempt: m.Attempt, peer: p, until: time.Now().Add(s.pol.Lease)}
 	p.describe(s)
-	p.send(&wire.Acquired{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, LeaseMillis: uint64(s.a.cfg.Lease.Milliseconds())})
+	p.send(&wire.Acquired{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, LeaseMillis: uint64(s.pol.Lease.Milliseconds())})
 }
 
 func (s *session) onRelease(p *peer, m *wire.Release) {
@@ -368,21 +368,21 @@ func (s *session) expirePrefill(now time.Time) {
 	}
 	s.handle(s.table.Expire(now))
 	for req, src := range s.sources {
-		if !src.registered && !src.final.IsZero() && now.Sub(src.final) >= s.a.cfg.BlocksTTL {
+		if !src.registered && !src.final.IsZero() && now.Sub(src.final) >= s.pol.BlocksTTL {
 			delete(s.sources, req)
 			s.table.Forget(req)
 			s.a.metrics.expiries.WithLabelValues("source").Inc()
 			s.a.metrics.failures.WithLabelValues("blocks_ttl").Inc()
-			s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: req, Reason: fmt.Sprintf("no decode registration within the blocks TTL of %s", s.a.cfg.BlocksTTL)})
+			s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: req, Reason: fmt.Sprintf("no decode registration within the blocks TTL of %s", s.pol.BlocksTTL)})
 		}
 	}
 	for req, h := range s.holds {
 		var reason string
 		switch {
 		case h.acquired != nil && !now.Before(h.acquired.until):
-			reason = fmt.Sprintf("pull lease of %s ended before the decode agent released the blocks", s.a.cfg.Lease)
+			reason = fmt.Sprintf("pull lease of %s ended before the decode agent released the blocks", s.pol.Lease)
 		case h.acquired == nil && !now.Before(h.ttlEnd):
-			reason = fmt.Sprintf("no pull within the blocks TTL of %s", s.a.cfg.BlocksTTL)
+			reason = fmt.Sprintf("no pull within the blocks TTL of %s", s.pol.BlocksTTL)
 		default:
 			continue
 		}

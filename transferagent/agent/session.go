@@ -36,6 +36,9 @@ type session struct {
 	mode  agentv1.Mode
 	rank  uint32
 	ep    *fabric.Endpoint
+	// pol is the engine's policy's timeouts (RegisterEngine), the agent's flags where
+	// it sent none.
+	pol Timeouts
 
 	cmds     chan func()
 	sleeping atomic.Bool // the pump is (about to be) blocked in the endpoint's Wait
@@ -94,9 +97,16 @@ type remoteEngine struct {
 	peer  fabric.Peer
 }
 
+// requestTimeouts are the timeouts an engine sent (zero where it sent none).
+func requestTimeouts(r *agentv1.RegisterEngineRequest) Timeouts {
+	ms := func(v uint32) time.Duration { return time.Duration(v) * time.Millisecond }
+	return Timeouts{Lease: ms(r.LeaseMillis), RegistrationTimeout: ms(r.RegistrationTimeoutMillis), BlocksTTL: ms(r.BlocksTtlMillis)}
+}
+
 func newSession(a *Agent, id, key string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *session {
 	s := &session{
 		a: a, id: id, key: key, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
+		pol:  requestTimeouts(r).complete(a.cfg.Timeouts),
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
 		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64),
@@ -203,7 +213,7 @@ func (s *session) run() {
 			worked = true
 		}
 		now := time.Now()
-		if now.Sub(s.lastTick) >= s.a.cfg.Tick {
+		if now.Sub(s.lastTick) >= s.pol.Tick {
 			s.lastTick = now
 			s.watchdog(now)
 		}
@@ -211,7 +221,7 @@ func (s *session) run() {
 			select {
 			case <-s.closing:
 				closing = true
-				closeDeadline = now.Add(s.a.cfg.Lease)
+				closeDeadline = now.Add(s.pol.Lease)
 				s.fenceAll(s.closeReason())
 				continue
 			default:
@@ -231,7 +241,7 @@ func (s *session) run() {
 			// Sleep in the provider until it has work (data to move, a completion) or a
 			// command wakes us: no spinning, and no sub-millisecond timers, which the Go
 			// runtime rounds up to a millisecond.
-			timeout := s.a.cfg.Tick
+			timeout := s.pol.Tick
 			if hot || closing {
 				timeout = time.Millisecond
 			}
@@ -255,7 +265,7 @@ func (s *session) run() {
 			// Something may arrive: poll, backing off to a millisecond.
 			timer.Reset(min(time.Duration(idle)*10*time.Microsecond, time.Millisecond))
 		default:
-			timer.Reset(s.a.cfg.Tick)
+			timer.Reset(s.pol.Tick)
 		}
 		select {
 		case fn := <-s.cmds:
@@ -428,7 +438,7 @@ func (s *session) freeze() error {
 		return status.Error(codes.FailedPrecondition, "session: register the engine's KV regions before its first transfer")
 	}
 	if !s.frozen && s.role == roleP {
-		s.table = rendezvous.New(rendezvous.Config{Lease: s.a.cfg.Lease, RegistrationTimeout: s.a.cfg.RegistrationTimeout, Regions: len(s.regions)})
+		s.table = rendezvous.New(rendezvous.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout, Regions: len(s.regions)})
 		local := make(map[int]*fabric.Region, len(s.regions))
 		for id, r := range s.regions {
 			local[int(id)] = r.reg

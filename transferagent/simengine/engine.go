@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"sync"
 	"syscall"
+	"time"
 
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
@@ -23,6 +24,9 @@ type Config struct {
 	// Socket is the agent's socket; MemoryDir the agent's memory directory, where the
 	// engine puts the file holding its KV cache.
 	Socket, MemoryDir string
+	// Lease, RegistrationTimeout and BlocksTTL are the engine's policy's timeouts, sent in
+	// RegisterEngine as a vLLM connector sends its kv_transfer_config's (0: the agent's).
+	Lease, RegistrationTimeout, BlocksTTL time.Duration
 }
 
 // Engine is a simulated engine rank: its KV cache lives in a shared file the agent maps,
@@ -87,7 +91,9 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.Engine, err = e.cl.RegisterEngine(ctx, &agentv1.RegisterEngineRequest{
 		EngineId: cfg.ID, Role: cfg.Role, Mode: cfg.Mode, TpRank: uint32(cfg.Rank), TpSize: uint32(l.TP),
-		Layout: &agentv1.KVLayout{Layers: uint32(l.Layers), BlockSize: uint32(l.BlockSize), KvHeads: uint32(l.KVHeads), HeadDim: uint32(l.HeadDim), DtypeBytes: uint32(l.DTypeBytes)},
+		LeaseMillis: uint32(cfg.Lease.Milliseconds()), RegistrationTimeoutMillis: uint32(cfg.RegistrationTimeout.Milliseconds()),
+		BlocksTtlMillis: uint32(cfg.BlocksTTL.Milliseconds()),
+		Layout:          &agentv1.KVLayout{Layers: uint32(l.Layers), BlockSize: uint32(l.BlockSize), KvHeads: uint32(l.KVHeads), HeadDim: uint32(l.HeadDim), DtypeBytes: uint32(l.DTypeBytes)},
 	})
 	if err != nil {
 		return fail(err)

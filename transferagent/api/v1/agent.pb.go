@@ -394,8 +394,16 @@ type RegisterEngineRequest struct {
 	// session is alive (its event stream open) is refused: no socket user can evict another
 	// engine by registering its id. A restarted engine needs none: its old stream closed.
 	ReplacesSession string `protobuf:"bytes,7,opt,name=replaces_session,json=replacesSession,proto3" json:"replaces_session,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The KVTransferPolicy's timeouts, which the engine knows from its --kv-transfer-config
+	// (kv_lease_duration, push_registration_timeout, decoder_kv_blocks_ttl): they govern
+	// this session's registrations, sources and holds, so one agent serves engines of
+	// different policies. 0 takes the agent's flag (--lease, --registration-timeout,
+	// --blocks-ttl), which is only a fallback.
+	LeaseMillis               uint32 `protobuf:"varint,8,opt,name=lease_millis,json=leaseMillis,proto3" json:"lease_millis,omitempty"`
+	RegistrationTimeoutMillis uint32 `protobuf:"varint,9,opt,name=registration_timeout_millis,json=registrationTimeoutMillis,proto3" json:"registration_timeout_millis,omitempty"`
+	BlocksTtlMillis           uint32 `protobuf:"varint,10,opt,name=blocks_ttl_millis,json=blocksTtlMillis,proto3" json:"blocks_ttl_millis,omitempty"`
+	unknownFields             protoimpl.UnknownFields
+	sizeCache                 protoimpl.SizeCache
 }
 
 func (x *RegisterEngineRequest) Reset() {
@@ -475,6 +483,27 @@ func (x *RegisterEngineRequest) GetReplacesSession() string {
 		return x.ReplacesSession
 	}
 	return ""
+}
+
+func (x *RegisterEngineRequest) GetLeaseMillis() uint32 {
+	if x != nil {
+		return x.LeaseMillis
+	}
+	return 0
+}
+
+func (x *RegisterEngineRequest) GetRegistrationTimeoutMillis() uint32 {
+	if x != nil {
+		return x.RegistrationTimeoutMillis
+	}
+	return 0
+}
+
+func (x *RegisterEngineRequest) GetBlocksTtlMillis() uint32 {
+	if x != nil {
+		return x.BlocksTtlMillis
+	}
+	return 0
 }
 
 type RegisterEngineResponse struct {
@@ -1218,7 +1247,7 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\tEngineRef\x12\x14\n" +
 	"\x05agent\x18\x01 \x01(\tR\x05agent\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +
-	"\atp_rank\x18\x03 \x01(\rR\x06tpRank\"\xa3\x02\n" +
+	"\atp_rank\x18\x03 \x01(\rR\x06tpRank\"\xb2\x03\n" +
 	"\x15RegisterEngineRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12,\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x18.kvhandoff.agent.v1.RoleR\x04role\x12,\n" +
@@ -1226,7 +1255,11 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\atp_rank\x18\x04 \x01(\rR\x06tpRank\x12\x17\n" +
 	"\atp_size\x18\x05 \x01(\rR\x06tpSize\x124\n" +
 	"\x06layout\x18\x06 \x01(\v2\x1c.kvhandoff.agent.v1.KVLayoutR\x06layout\x12)\n" +
-	"\x10replaces_session\x18\a \x01(\tR\x0freplacesSession\"\x97\x01\n" +
+	"\x10replaces_session\x18\a \x01(\tR\x0freplacesSession\x12!\n" +
+	"\flease_millis\x18\b \x01(\rR\vleaseMillis\x12>\n" +
+	"\x1bregistration_timeout_millis\x18\t \x01(\rR\x19registrationTimeoutMillis\x12*\n" +
+	"\x11blocks_ttl_millis\x18\n" +
+	" \x01(\rR\x0fblocksTtlMillis\"\x97\x01\n" +
 	"\x16RegisterEngineResponse\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x121\n" +
