@@ -97,22 +97,32 @@ func Samples() (map[string][]*unstructured.Unstructured, error) {
 		if filepath.Base(f) == "kustomization.yaml" {
 			continue
 		}
-		data, err := os.ReadFile(f)
+		objs, err := ReadObjects(f)
 		if err != nil {
 			return nil, err
 		}
-		dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
-		for {
-			u := &unstructured.Unstructured{}
-			if err := dec.Decode(&u.Object); errors.Is(err, io.EOF) {
-				break
-			} else if err != nil {
-				return nil, fmt.Errorf("%s: %w", f, err)
-			}
-			if len(u.Object) > 0 {
-				out[filepath.Base(f)] = append(out[filepath.Base(f)], u)
-			}
-		}
+		out[filepath.Base(f)] = objs
 	}
 	return out, nil
+}
+
+// ReadObjects reads every object of a YAML (or JSON) file of one or more documents.
+func ReadObjects(path string) ([]*unstructured.Unstructured, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var out []*unstructured.Unstructured
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
+	for {
+		u := &unstructured.Unstructured{}
+		if err := dec.Decode(&u.Object); errors.Is(err, io.EOF) {
+			return out, nil
+		} else if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		if len(u.Object) > 0 {
+			out = append(out, u)
+		}
+	}
 }
