@@ -112,7 +112,8 @@ func (s *Server) withRetry(rq *request, set *discovery.Set, try func(prefills, d
 			return res
 		}
 		if rq.r.Context().Err() != nil {
-			return s.clientGoneOr(rq, res) // the leg failed because the client left
+			// The leg failed because the client left.
+			return result{outcome: OutcomeClientGone, msg: "the client disconnected; both legs were cancelled"}
 		}
 		failed, mark = res, time.Now()
 		exclude[res.engine] = true
@@ -235,14 +236,6 @@ func sameHash(es []discovery.Engine, hash string) []discovery.Engine {
 		}
 	}
 	return out
-}
-
-// clientGoneOr reports a request whose client left as such, whatever its legs said.
-func (s *Server) clientGoneOr(rq *request, res result) result {
-	if rq.r.Context().Err() != nil {
-		return result{outcome: OutcomeClientGone, msg: "the client disconnected; both legs were cancelled"}
-	}
-	return res
 }
 
 type legResult struct {
