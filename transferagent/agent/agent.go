@@ -55,13 +55,13 @@ type Config struct {
 // registrations, sources and holds, and the watchdog's period that enforces them.
 type Timeouts struct {
 	// Lease is how long a push registration or a pull hold lives without a heartbeat
-	// (spec.lease; vLLM's kv_lease_duration).
+	// (spec.leaseSeconds; vLLM's kv_lease_duration).
 	Lease time.Duration
 	// RegistrationTimeout is how long a push registration waits for its source
-	// (spec.registrationTimeout; push_registration_timeout).
+	// (spec.registrationTimeoutSeconds; push_registration_timeout).
 	RegistrationTimeout time.Duration
 	// BlocksTTL is how long ready prefill blocks wait for a registration or a pull
-	// (spec.blocksTTL; decoder_kv_blocks_ttl).
+	// (spec.blocksTTLSeconds; decoder_kv_blocks_ttl).
 	BlocksTTL time.Duration
 	// Tick is the watchdog's period.
 	Tick time.Duration
