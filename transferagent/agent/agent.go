@@ -67,6 +67,11 @@ type Timeouts struct {
 	Tick time.Duration
 }
 
+// DefaultTimeouts are the agent's fallbacks when neither an engine nor a flag sets them.
+func DefaultTimeouts() Timeouts {
+	return Timeouts{Lease: 30 * time.Second}.complete(Timeouts{})
+}
+
 // complete fills what t leaves zero from fallback, then derives what is still missing
 // from the lease: the one home of the agent's timeout defaults.
 func (t Timeouts) complete(fallback Timeouts) Timeouts {
@@ -96,7 +101,7 @@ func (c *Config) defaults() error {
 	if c.MemoryDir == "" {
 		return errors.New("agent: no memory directory configured")
 	}
-	c.Timeouts = c.Timeouts.complete(Timeouts{Lease: 30 * time.Second})
+	c.Timeouts = c.Timeouts.complete(DefaultTimeouts())
 	if c.EventsDeadline <= 0 {
 		c.EventsDeadline = 30 * time.Second
 	}
