@@ -9,8 +9,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"runtime"
@@ -20,13 +18,13 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kvhandoff/kvhandoff/transferagent/agent"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
+	"github.com/kvhandoff/kvhandoff/transferagent/monitoring"
 	"github.com/kvhandoff/kvhandoff/transferagent/nodelabel"
 )
 
@@ -48,6 +46,9 @@ func Run(args []string, stderr io.Writer) int {
 	fs.DurationVar(&cfg.RegistrationTimeout, "registration-timeout", def.RegistrationTimeout, "how long a push registration waits for its source (spec.registrationTimeoutSeconds), for engines that send none")
 	fs.DurationVar(&cfg.BlocksTTL, "blocks-ttl", def.BlocksTTL, "how long ready source blocks wait for a registration or pull (spec.blocksTTLSeconds), for engines that send none")
 	httpAddr := fs.String("http", ":9470", "address of /metrics, /healthz and /readyz")
+	mon := monitoring.Options{}
+	fs.BoolVar(&mon.Secure, "metrics-secure", false, "serve --http over HTTPS and /metrics only to callers the API server authenticates and authorizes for it (config/rbac's kvhandoff-metrics-reader); the probes stay open")
+	fs.StringVar(&mon.CertDir, "metrics-cert-dir", "", "folder with tls.crt and tls.key for --metrics-secure, reloaded on change (empty: self-signed)")
 	node := fs.String("node-name", os.Getenv("NODE_NAME"), "node to label "+`kvhandoff.io/agent-ready=true`+" while ready (empty: no label)")
 	kubeconfig := fs.String("kubeconfig", "", "kubeconfig for labelling the node (default: in-cluster)")
 	if err := fs.Parse(args); err != nil {
@@ -105,31 +106,27 @@ func Run(args []string, stderr io.Writer) int {
 		}
 	}
 
-	ln, err := net.Listen("tcp", *httpAddr)
-	if err != nil {
-		return fail(err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if err := a.Ready(); err != nil {
-			http.Error(w, err.Error(), http.StatusServiceUnavailable)
-			return
+	var kube *rest.Config
+	if *node != "" || mon.Secure {
+		if kube, err = kubeConfig(*kubeconfig); err != nil {
+			return fail(err)
 		}
-		fmt.Fprintf(w, "ok: provider %s\n", a.Provider())
-	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
-	log.Info("http", "addr", ln.Addr().String())
+	}
+	mon.Addr, mon.Gatherer, mon.Kube = *httpAddr, reg, kube
+	mon.Ready = func() (string, error) { return "provider " + a.Provider(), a.Ready() }
+	addr, err := monitoring.Start(ctx, mon, log)
+	if err != nil {
+		return fail(fmt.Errorf("--http %s: %w", *httpAddr, err))
+	}
+	log.Info("http", "addr", addr, "secure", mon.Secure)
 
-	var kube kubernetes.Interface
+	var nodes kubernetes.Interface
 	if *node != "" {
-		if kube, err = kubeClient(*kubeconfig); err != nil {
+		if nodes, err = kubernetes.NewForConfig(kube); err != nil {
 			return fail(err)
 		}
 		if a.Ready() == nil {
-			if err := nodelabel.Set(ctx, kube, *node, true); err != nil {
+			if err := nodelabel.Set(ctx, nodes, *node, true); err != nil {
 				return fail(err)
 			}
 			log.Info("node labelled ready", "node", *node)
@@ -137,22 +134,21 @@ func Run(args []string, stderr io.Writer) int {
 	}
 
 	err = a.Serve(ctx)
-	if kube != nil {
+	if nodes != nil {
 		// Clear the label even though ctx has ended: engines must not be placed here.
 		cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		if err := nodelabel.Set(cctx, kube, *node, false); err != nil {
+		if err := nodelabel.Set(cctx, nodes, *node, false); err != nil {
 			log.Error("clearing the node label", "err", err)
 		}
 		cancel()
 	}
-	_ = srv.Close()
 	if err != nil {
 		return fail(err)
 	}
 	return 0
 }
 
-func kubeClient(kubeconfig string) (kubernetes.Interface, error) {
+func kubeConfig(kubeconfig string) (*rest.Config, error) {
 	var cfg *rest.Config
 	var err error
 	if kubeconfig != "" {
@@ -161,7 +157,7 @@ func kubeClient(kubeconfig string) (kubernetes.Interface, error) {
 		cfg, err = rest.InClusterConfig()
 	}
 	if err != nil {
-		return nil, fmt.Errorf("kubernetes client for the node label: %w", err)
+		return nil, fmt.Errorf("kubernetes client for the node label and secure metrics: %w", err)
 	}
-	return kubernetes.NewForConfig(cfg)
+	return cfg, nil
 }
