@@ -77,7 +77,7 @@ func agentEngine(t *testing.T, a *agentproc.Proc, id string, role agentv1.Role, 
 		}})
 	hs := httptest.NewServer(s)
 	t.Cleanup(hs.Close)
-	return &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: int32(port), TensorParallelSize: int32(l.TP)}}
+	return &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: int32(port), TensorParallelSize: int32(l.TP)}, kv: kv}
 }
 
 func TestKVMovesThroughTheAgentsInBothModes(t *testing.T) {
@@ -143,8 +143,9 @@ func TestADisconnectedPushRequestFreesItsDecodeBlocksAfterTheAgentsAcknowledgeme
 			resp.Body.Close()
 		}
 	}()
-	// Both legs are in their engines (decode registering its blocks); hang up.
-	eventually(t, "both legs reach their engines", 10*time.Second, func() bool { return len(p.Seen()) == 1 && len(d.Seen()) == 1 })
+	// Both legs are in their engines and both decode ranks' agents hold the registration
+	// (before that, an abort fences nothing in the agents); hang up.
+	eventually(t, "both legs reach their engines", 10*time.Second, func() bool { return len(p.Seen()) == 1 && d.kv.Accepted.Load() == 1 })
 	cancel()
 	<-done
 	eventually(t, "the decode agent fences the aborted attempt on both ranks", 10*time.Second, func() bool {

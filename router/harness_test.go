@@ -26,6 +26,7 @@ const model = "tiny"
 type engine struct {
 	*openai.Server
 	discovery.Engine
+	kv *openai.AgentKV // nil for engines without agents
 }
 
 func startEngine(t *testing.T, id string, kv openai.KV, prefill time.Duration) *engine {

@@ -5,6 +5,7 @@ package server
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -33,14 +34,30 @@ type Resource struct {
 	env func(members [][]inventory.Device) map[string]string
 }
 
-// Resources returns the resources to serve: EFA always, bundles when asked for.
-func Resources(bundles bool) []Resource {
+// Resources returns the resources to serve on a node with inv: EFA, and with bundles the
+// accelerator+EFA bundles; only those with devices on the node.
+//
+// Invariant: no device is advertised under two resources. The kubelet accounts for each
+// resource apart, so an EFA advertised both alone and inside a bundle could be handed to
+// two pods at once (one asking for vpc.amazonaws.com/efa, one for bundles). With bundles,
+// vpc.amazonaws.com/efa therefore advertises only EFAs that belong to no bundle.
+func Resources(inv inventory.Inventory, bundles bool) []Resource {
+	bundled := map[string]bool{}
+	if bundles {
+		for _, b := range inv.Bundles {
+			for _, e := range b.EFAs {
+				bundled[e] = true
+			}
+		}
+	}
 	rs := []Resource{{
 		Name: ResourceEFA,
 		members: func(inv inventory.Inventory) map[string][]inventory.Device {
 			out := map[string][]inventory.Device{}
 			for _, d := range inv.OfKind(inventory.EFA) {
-				out[d.ID] = []inventory.Device{d}
+				if !bundled[d.ID] {
+					out[d.ID] = []inventory.Device{d}
+				}
 			}
 			return out
 		},
@@ -64,7 +81,9 @@ func Resources(bundles bool) []Resource {
 			return map[string]string{"AWS_NEURON_VISIBLE_DEVICES": strings.Join(ids, ",")}
 		}))
 	}
-	return rs
+	// Advertise only what exists: a GPU node has no Neuron bundles, and with bundles a p5en
+	// has no EFA outside them.
+	return slices.DeleteFunc(rs, func(r Resource) bool { return len(r.members(inv)) == 0 })
 }
 
 // bundle is a resource whose devices are an accelerator of kind with its local EFAs.
@@ -169,7 +188,8 @@ func (r Resource) preferred(inv inventory.Inventory, available, mustInclude []st
 // Prefer is the allocation the plugin would prefer for resource, as the discover
 // command prints it. available defaults to every device of the resource.
 func Prefer(inv inventory.Inventory, resource string, available, mustInclude []string, size int) ([]string, error) {
-	for _, r := range Resources(true) {
+	// EFA from the view without bundles: every EFA of the node.
+	for _, r := range append(Resources(inv, false), Resources(inv, true)...) {
 		if r.Name != resource {
 			continue
 		}
@@ -185,5 +205,5 @@ func Prefer(inv inventory.Inventory, resource string, available, mustInclude []s
 		}
 		return ids, nil
 	}
-	return nil, fmt.Errorf("unknown resource %q (want %s, %s or %s)", resource, ResourceEFA, ResourceGPUEFA, ResourceNeuronEFA)
+	return nil, fmt.Errorf("resource %q: none on this node, or unknown (want %s, %s or %s)", resource, ResourceEFA, ResourceGPUEFA, ResourceNeuronEFA)
 }

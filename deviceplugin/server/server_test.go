@@ -135,7 +135,7 @@ func (fx *fixture) client(t *testing.T, resource string) pluginapi.DevicePluginC
 func TestEFAPluginOverTheKubeletAPI(t *testing.T) {
 	fx := newFixture(t, sysfstest.P5en(), nil)
 	k := startKubelet(t, fx.dir)
-	fx.serve(t, Resources(false))
+	fx.serve(t, Resources(fx.inv, false))
 	k.expectRegistered(t, ResourceEFA)
 	c := fx.client(t, ResourceEFA)
 	ctx := context.Background()
@@ -241,8 +241,9 @@ func p5enNVML() *fakeNVML {
 func TestGPUBundlesAllocateAGPUWithItsLocalEFAs(t *testing.T) {
 	fx := newFixture(t, sysfstest.P5en(), p5enNVML())
 	k := startKubelet(t, fx.dir)
-	fx.serve(t, Resources(true))
-	k.expectRegistered(t, ResourceEFA, ResourceGPUEFA, ResourceNeuronEFA)
+	fx.serve(t, Resources(fx.inv, true))
+	// Every EFA of a p5en belongs to a GPU's bundle, and there is no Neuron device.
+	k.expectRegistered(t, ResourceGPUEFA)
 	c := fx.client(t, ResourceGPUEFA)
 	ctx := context.Background()
 	stream, err := c.ListAndWatch(ctx, &pluginapi.Empty{})
@@ -283,25 +284,28 @@ func TestHealthFollowsDeviceNodesPortsAndXIDsAndRecovers(t *testing.T) {
 	n := p5enNVML()
 	fx := newFixture(t, sysfstest.P5en(), n)
 	k := startKubelet(t, fx.dir)
-	fx.serve(t, Resources(true))
-	k.expectRegistered(t, ResourceEFA, ResourceGPUEFA, ResourceNeuronEFA)
+	fx.serve(t, Resources(fx.inv, true))
+	k.expectRegistered(t, ResourceGPUEFA)
 
 	tracker := health.NewTracker(300 * time.Millisecond)
 	// Every wait below ends in a failure, not a hang, if the transition never comes.
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	mon := &health.Monitor{Root: fx.root, DevRoot: fx.dev, Interval: 20 * time.Millisecond, Tracker: tracker, Events: n.events, Report: fx.state.SetHealth}
+	mon := &health.Monitor{Root: fx.root, DevRoot: fx.dev, Interval: 20 * time.Millisecond, Tracker: tracker, Events: n.events, NVML: n, Report: fx.state.SetHealth}
 	go mon.Run(ctx, fx.inv)
 
-	stream, err := fx.client(t, ResourceEFA).ListAndWatch(ctx, &pluginapi.Empty{})
-	if err != nil {
-		t.Fatal(err)
-	}
 	gpuStream, err := fx.client(t, ResourceGPUEFA).ListAndWatch(ctx, &pluginapi.Empty{})
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The EFA's health shows in its GPU's bundle, the only resource it is advertised under.
 	efa := fx.inv.OfKind(inventory.EFA)[0]
+	var bundle string
+	for _, b := range fx.inv.Bundles {
+		if slices.Contains(b.EFAs, efa.ID) {
+			bundle = b.ID
+		}
+	}
 	health := func(s pluginapi.DevicePlugin_ListAndWatchClient, id string, want string) {
 		t.Helper()
 		for {
@@ -317,27 +321,27 @@ func TestHealthFollowsDeviceNodesPortsAndXIDsAndRecovers(t *testing.T) {
 		}
 	}
 
-	By(t, "a vanished uverbs node makes its EFA unhealthy, and it recovers once back")
+	By(t, "a vanished uverbs node makes its EFA's bundle unhealthy, and it recovers once back")
 	node := filepath.Join(fx.dev, strings.TrimPrefix(efa.DeviceNodes[0], "/dev/"))
 	if err := os.Remove(node); err != nil {
 		t.Fatal(err)
 	}
-	health(stream, efa.ID, pluginapi.Unhealthy)
+	health(gpuStream, bundle, pluginapi.Unhealthy)
 	if err := os.WriteFile(node, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	health(stream, efa.ID, pluginapi.Healthy)
+	health(gpuStream, bundle, pluginapi.Healthy)
 
-	By(t, "a port going down makes its EFA unhealthy")
+	By(t, "a port going down makes its EFA's bundle unhealthy")
 	state := filepath.Join(fx.root, "sys", "class", "infiniband", efa.RDMA, "ports", "1", "state")
 	if err := os.WriteFile(state, []byte("1: DOWN\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	health(stream, efa.ID, pluginapi.Unhealthy)
+	health(gpuStream, bundle, pluginapi.Unhealthy)
 	if err := os.WriteFile(state, []byte("4: ACTIVE\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	health(stream, efa.ID, pluginapi.Healthy)
+	health(gpuStream, bundle, pluginapi.Healthy)
 
 	By(t, "a critical XID makes the GPU's bundle unhealthy; application XIDs do not")
 	gpu := n.gpus[0].UUID
@@ -355,9 +359,46 @@ func TestHealthFollowsDeviceNodesPortsAndXIDsAndRecovers(t *testing.T) {
 
 func TestVMDevicesCarryNoTopology(t *testing.T) {
 	fx := newFixture(t, sysfstest.VM(), nil)
-	for _, d := range Resources(false)[0].devices(fx.inv, func(inventory.Device) bool { return true }) {
+	for _, d := range Resources(fx.inv, false)[0].devices(fx.inv, func(inventory.Device) bool { return true }) {
 		if d.Topology != nil {
 			t.Fatalf("device %s has topology %v on a machine without NUMA", d.ID, d.Topology)
+		}
+	}
+}
+
+// The kubelet accounts for each resource apart: a device advertised under two resources
+// can be handed to two pods at once (the old plugin gave a pod asking for 16 EFAs and one
+// asking for 8 GPU+EFA bundles all 16 EFAs each). With or without bundles, on every
+// machine, no device is advertised twice and no resource is advertised without devices.
+func TestNoDeviceIsAdvertisedUnderTwoResources(t *testing.T) {
+	for name, f := range map[string]sysfstest.Fixture{"p5en": sysfstest.P5en(), "p5": sysfstest.P5(), "trn2": sysfstest.Trn2(), "vm": sysfstest.VM()} {
+		var n nvml.Interface
+		if name == "p5en" {
+			n = p5enNVML()
+		}
+		fx := newFixture(t, f, n)
+		for _, bundles := range []bool{false, true} {
+			owner := map[string]string{}
+			var names []string
+			for _, r := range Resources(fx.inv, bundles) {
+				names = append(names, r.Name)
+				ds := r.devices(fx.inv, func(inventory.Device) bool { return true })
+				if len(ds) == 0 {
+					t.Errorf("%s, bundles %v: %s advertised with no devices", name, bundles, r.Name)
+				}
+				for _, m := range r.members(fx.inv) {
+					for _, d := range m {
+						if o, ok := owner[d.ID]; ok {
+							t.Errorf("%s, bundles %v: %s advertised under %s and %s", name, bundles, d.ID, o, r.Name)
+						}
+						owner[d.ID] = r.Name
+					}
+				}
+			}
+			if efas := len(fx.inv.OfKind(inventory.EFA)); efas > 0 && !bundles && !slices.Equal(names, []string{ResourceEFA}) {
+				t.Errorf("%s without bundles serves %v, want only %s", name, names, ResourceEFA)
+			}
+			t.Logf("%s, bundles %v: %v", name, bundles, names)
 		}
 	}
 }

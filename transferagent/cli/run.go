@@ -1,5 +1,5 @@
-// Package cli is the transfer agent's command line: flags, logging, the health and
-// metrics endpoint, the node label, and signal handling around package agent.
+// Package cli is the transfer agent's command line: flags, logging, the node label,
+// and signal handling around package agent (endpoints: package monitoring).
 package cli
 
 import (

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -24,6 +25,10 @@ type AgentKV struct {
 	Ranks []*simengine.Engine
 	// Client reaches prefill engines' side channels (nil: http.DefaultClient).
 	Client *http.Client
+	// Accepted counts decode legs whose registration (push) or pull every rank's agent
+	// accepted: from then on an abort fences them through the agents, so tests that
+	// abort wait for it.
+	Accepted atomic.Int64
 
 	mu     sync.Mutex
 	agents map[string]string // side channel host:port → the prefill engine's agent
@@ -113,6 +118,7 @@ func (k *AgentKV) Receive(ctx context.Context, key string, tokens int, src Sourc
 		return k.Ranks[r].Pull(ctx, key, 1, ref(r), src.Blocks, dst)
 	})
 	if err == nil {
+		k.Accepted.Add(1)
 		err = parallel(len(k.Ranks), func(r int) error {
 			ev, err := k.Ranks[r].Wait(ctx, key, 1)
 			if err != nil {
