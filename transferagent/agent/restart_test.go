@@ -1,6 +1,8 @@
 package agent_test
 
 import (
+	"bytes"
+	"context"
 	"testing"
 	"time"
 
@@ -80,4 +82,88 @@ func TestDecodeAgentRestart(t *testing.T) {
 		t.Fatalf("the restarted engine's epoch %d is not newer than %d", D2.Epoch, p.D[0].Epoch)
 	}
 	transfer(t, p.P[0], D2, "after-decode-restart")
+}
+
+// A decode engine restarts (same engine id, same memory file name, new epoch) while 32 MiB
+// writes to its predecessor are in flight, and reuses the same block ids at once. Nothing
+// meant for the predecessor may reach the new incarnation: its requests verify byte for
+// byte, and after one of them is cancelled mid-write and acknowledged, nothing lands in
+// its blocks (the sentinel written after CANCEL_ACKED survives a later request).
+func TestARestartedDecodeEngineGetsNothingMeantForItsPredecessor(t *testing.T) {
+	l := testLayout(1, 2048)
+	l.Layers = 8 // a 512-block request is 16 MiB
+	p := &pair{layout: l, dirA: t.TempDir(), dirB: t.TempDir()}
+	p.A, p.B = startAgent(t, "prefill-node", p.dirA), startAgent(t, "decode-node", p.dirB)
+	P := engine(t, p.A, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PUSH, 0, l)
+	D1 := engine(t, p.B, "decode-0.default", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, 0, l)
+	bb := l.BlockBytes()
+
+	for _, req := range []string{"old-a", "old-b"} {
+		src, dst := alloc(t, P, 512), alloc(t, D1, 512)
+		P.Cache.Fill(req, src)
+		if err := D1.RegisterDestination(bg, req, 1, dst, P.Self); err != nil {
+			t.Fatal(err)
+		}
+		if err := P.SourceReady(bg, req, 0, src, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	D1.Stop() // the pod restarts with both writes in flight
+
+	// The new incarnation registers as soon as the agent lets it (the old session drains
+	// first) and gets the same block ids from its fresh allocator.
+	var D2 *simengine.Engine
+	until(t, "the restarted engine registers", func() bool {
+		ctx, cancel := context.WithTimeout(bg, 5*time.Second)
+		defer cancel()
+		e, err := simengine.Start(ctx, simengine.Config{ID: "decode-0.default", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: p.B.Socket, MemoryDir: p.B.MemoryDir})
+		if err != nil {
+			return false
+		}
+		D2 = e
+		return true
+	})
+	t.Cleanup(D2.Stop)
+	if D2.Epoch <= D1.Epoch {
+		t.Fatalf("the restarted engine's epoch %d is not newer than %d", D2.Epoch, D1.Epoch)
+	}
+	// The old sources stay with prefill (they wait for a retry until the blocks TTL).
+	// The new request gets the same block ids as old-a and old-b, and is cancelled mid-write.
+	src, dst := alloc(t, P, 1000), alloc(t, D2, 1000)
+	P.Cache.Fill("new-cancelled", src)
+	if err := D2.RegisterDestination(bg, "new-cancelled", 1, dst, P.Self); err != nil {
+		t.Fatal(err)
+	}
+	if err := P.SourceReady(bg, "new-cancelled", 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := D2.Cancel(bg, "new-cancelled", 1); err != nil {
+		t.Fatal(err)
+	}
+	ev := wait(t, D2, "new-cancelled", 1)
+	sentinel := bytes.Repeat([]byte{0xEE}, bb)
+	if ev.Type == agentv1.Event_DELIVERED {
+		if err := D2.Cache.Verify("new-cancelled", dst); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		expect(t, ev, agentv1.Event_CANCEL_ACKED)
+		for _, region := range D2.Cache.Regions {
+			for _, b := range dst {
+				copy(region[int(b)*bb:int(b+1)*bb], sentinel)
+			}
+		}
+	}
+	// Another request into the other half, verified; then the sentinel must be intact.
+	transfer(t, P, D2, "new-after")
+	if ev.Type == agentv1.Event_CANCEL_ACKED {
+		for r, region := range D2.Cache.Regions {
+			for _, b := range dst {
+				if !bytes.Equal(region[int(b)*bb:int(b+1)*bb], sentinel) {
+					t.Fatalf("region %d block %d changed after the cancel was acknowledged", r, b)
+				}
+			}
+		}
+	}
+	t.Logf("the cancel of the new incarnation's request: %s", ev.Type)
 }
