@@ -61,6 +61,11 @@ deps: ## Install what the tests need: apt packages, control-plane binaries (cach
 .PHONY: test
 test: deps verify-generated vet ## Run every test tier: unit, envtest, and e2e on the simulated cluster.
 	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./... -count=1 -timeout 30m
+	$(MAKE) test-kubelet
+
+.PHONY: test-kubelet
+test-kubelet: ## The device plugin against the kubelet's own device manager (its own module; needs root for a private mount namespace).
+	cd test/kubelet && go vet ./... && go test ./... -count=1 -timeout 10m
 
 .PHONY: e2e
 e2e: deps ## Run the end-to-end suite: against $$KUBECONFIG when set, else on a fresh simulated cluster.
