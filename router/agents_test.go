@@ -25,33 +25,10 @@ import (
 
 var agentBin string
 
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "kvhandoff-router-test")
-	if err != nil {
-		panic(err)
-	}
-	if agentBin, err = agentproc.Build(dir); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(agentproc.RunTests(m, &agentBin)) }
 
 func startAgent(t *testing.T, name string) *agentproc.Proc {
-	t.Helper()
-	p, err := agentproc.Start(agentBin, name, t.TempDir(), "tcp;ofi_rxm", "--lease", "5s", "--registration-timeout", "10s", "--blocks-ttl", "5s")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		p.Stop()
-		if t.Failed() {
-			t.Logf("agent %s log:\n%s", name, p.Log())
-		}
-	})
-	return p
+	return agentproc.StartTest(t, agentBin, name, t.TempDir(), "tcp;ofi_rxm")
 }
 
 // agentEngine is a simulated engine of TP ranks whose KV moves through agent a.

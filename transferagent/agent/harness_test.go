@@ -1,8 +1,8 @@
 package agent_test
 
 import (
+	"bytes"
 	"context"
-	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -16,24 +16,7 @@ import (
 // libfabric (tcp;ofi_rxm on loopback unless KVHANDOFF_TEST_PROVIDER says otherwise).
 var agentBin string
 
-func TestMain(m *testing.M) {
-	if bin := os.Getenv("KVHANDOFF_AGENT_BIN"); bin != "" {
-		// A prebuilt agent, e.g. one built with -race.
-		agentBin = bin
-		os.Exit(m.Run())
-	}
-	dir, err := os.MkdirTemp("", "kvhandoff-agent-test")
-	if err != nil {
-		panic(err)
-	}
-	if agentBin, err = agentproc.Build(dir); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(agentproc.RunTests(m, &agentBin)) }
 
 func provider() string {
 	if p := os.Getenv("KVHANDOFF_TEST_PROVIDER"); p != "" {
@@ -53,18 +36,7 @@ type agentProc struct {
 // agent.
 func startAgent(t *testing.T, name, dir string, flags ...string) *agentProc {
 	t.Helper()
-	flags = append([]string{"--lease", "5s", "--registration-timeout", "10s", "--blocks-ttl", "5s"}, flags...)
-	p, err := agentproc.Start(agentBin, name, dir, provider(), flags...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		p.Stop()
-		if t.Failed() {
-			t.Logf("agent %s log:\n%s", name, p.Log())
-		}
-	})
-	return &agentProc{Proc: p, t: t}
+	return &agentProc{Proc: agentproc.StartTest(t, agentBin, name, dir, provider(), flags...), t: t}
 }
 
 // Metric reads one series' value from the agent's /metrics (0 when absent).
@@ -124,5 +96,28 @@ func until(t *testing.T, what string, cond func() bool) {
 			t.Fatalf("timed out waiting until %s", what)
 		}
 		<-tick.C
+	}
+}
+
+// sentinel overwrites blocks of every region of e with a pattern no request writes, after
+// their attempt was acknowledged cancelled; untouched checks later that nothing landed.
+func sentinel(e *simengine.Engine, blocks []uint32) {
+	bb := e.Cache.Layout.BlockBytes()
+	for _, region := range e.Cache.Regions {
+		for _, b := range blocks {
+			copy(region[int(b)*bb:int(b+1)*bb], bytes.Repeat([]byte{0xEE}, bb))
+		}
+	}
+}
+
+func untouched(t *testing.T, e *simengine.Engine, blocks []uint32) {
+	t.Helper()
+	bb := e.Cache.Layout.BlockBytes()
+	for r, region := range e.Cache.Regions {
+		for _, b := range blocks {
+			if !bytes.Equal(region[int(b)*bb:int(b+1)*bb], bytes.Repeat([]byte{0xEE}, bb)) {
+				t.Fatalf("region %d block %d changed after the cancel was acknowledged", r, b)
+			}
+		}
 	}
 }

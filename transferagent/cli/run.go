@@ -114,7 +114,10 @@ func Run(args []string, stderr io.Writer) int {
 	}
 	mon.Addr, mon.Gatherer, mon.Kube = *httpAddr, reg, kube
 	mon.Ready = func() (string, error) { return "provider " + a.Provider(), a.Ready() }
-	addr, err := monitoring.Start(ctx, mon, log)
+	// The endpoints outlive ctx: they keep answering while the agent drains after SIGTERM.
+	httpCtx, stopHTTP := context.WithCancel(context.Background())
+	defer stopHTTP()
+	addr, err := monitoring.Start(httpCtx, mon, log)
 	if err != nil {
 		return fail(fmt.Errorf("--http %s: %w", *httpAddr, err))
 	}
