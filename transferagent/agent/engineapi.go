@@ -227,7 +227,7 @@ func (e *engineAPI) RegisterDestination(ctx context.Context, r *agentv1.Register
 	if err := checkSource("source", r.Source, s.rank); err != nil {
 		return nil, err
 	}
-	return ack(s.call(func() error { return s.registerDestination(r) }))
+	return ack(s.call(func() error { return s.decode().registerDestination(r) }))
 }
 
 func (e *engineAPI) SourceReady(ctx context.Context, r *agentv1.SourceReadyRequest) (*agentv1.Ack, error) {
@@ -238,7 +238,7 @@ func (e *engineAPI) SourceReady(ctx context.Context, r *agentv1.SourceReadyReque
 	if err := checkRequest(r.RequestId, "block_ids", r.BlockIds); err != nil {
 		return nil, err
 	}
-	return ack(s.call(func() error { return s.sourceReady(r) }))
+	return ack(s.call(func() error { return s.prefill().sourceReady(r) }))
 }
 
 func (e *engineAPI) Pull(ctx context.Context, r *agentv1.PullRequest) (*agentv1.Ack, error) {
@@ -255,7 +255,7 @@ func (e *engineAPI) Pull(ctx context.Context, r *agentv1.PullRequest) (*agentv1.
 	if err := checkSource("source", r.Source, s.rank); err != nil {
 		return nil, err
 	}
-	return ack(s.call(func() error { return s.pull(r) }))
+	return ack(s.call(func() error { return s.decode().pull(r) }))
 }
 
 func (e *engineAPI) Cancel(ctx context.Context, r *agentv1.CancelRequest) (*agentv1.Ack, error) {
@@ -266,7 +266,7 @@ func (e *engineAPI) Cancel(ctx context.Context, r *agentv1.CancelRequest) (*agen
 	if err := checkRequestID(r.RequestId); err != nil {
 		return nil, err
 	}
-	return ack(s.call(func() error { return s.cancel(r.RequestId, r.Attempt) }))
+	return ack(s.call(func() error { return s.side.cancel(time.Now(), r.RequestId, r.Attempt) }))
 }
 
 func (e *engineAPI) Heartbeat(ctx context.Context, r *agentv1.HeartbeatRequest) (*agentv1.Ack, error) {
@@ -274,7 +274,12 @@ func (e *engineAPI) Heartbeat(ctx context.Context, r *agentv1.HeartbeatRequest) 
 	if err != nil {
 		return nil, status.Error(codes.NotFound, err.Error())
 	}
-	return ack(s.call(func() error { s.heartbeat(); return nil }))
+	return ack(s.call(func() error {
+		if ds := s.decode(); ds != nil {
+			ds.heartbeat()
+		}
+		return nil
+	}))
 }
 
 func (e *engineAPI) Events(r *agentv1.EventsRequest, stream grpc.ServerStreamingServer[agentv1.Event]) error {

@@ -288,7 +288,7 @@ func (p *peer) fail(err error) {
 			a.log.Warn("peer lost", "peer", p.addr, "err", err)
 		}
 		for _, s := range sessions {
-			s.post(func() { s.peerLost(p) })
+			s.post(func() { s.side.peerLost(time.Now(), p) })
 		}
 	})
 }
@@ -305,42 +305,48 @@ func (a *Agent) dispatch(p *peer, m wire.Message) {
 		p.infos[m.Engine] = m
 		p.mu.Unlock()
 	case *wire.Register:
-		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(s *session) { s.onRegister(p, m) })
+		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onRegister(p, m) })
 	case *wire.Acquire:
-		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(s *session) { s.onAcquire(p, m) })
+		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onAcquire(p, m) })
 	case *wire.Heartbeat:
-		a.toPrefill(p, m.Source, "", 0, "", func(s *session) { s.onHeartbeat(m) })
+		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onHeartbeat(m) })
 	case *wire.Cancel:
-		a.toPrefill(p, m.Source, "", 0, "", func(s *session) { s.onCancel(p, m) })
+		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onCancel(p, m) })
 	case *wire.Release:
-		a.toPrefill(p, m.Source, "", 0, "", func(s *session) { s.onRelease(p, m) })
+		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onRelease(p, m) })
 	case *wire.CancelAcked:
-		a.toDecode(m.Engine, func(s *session) { s.onOutcome(p, m.Request, m.Attempt, outcomeCancelAcked, "", m.Signalled != 0) })
+		a.toDecode(m.Engine, func(ds *decodeSide) { ds.onOutcome(p, m.Request, m.Attempt, true, "", m.Signalled != 0) })
 	case *wire.Failed:
-		a.toDecode(m.Engine, func(s *session) { s.onOutcome(p, m.Request, m.Attempt, outcomeFailed, m.Reason, m.Signalled != 0) })
+		a.toDecode(m.Engine, func(ds *decodeSide) { ds.onOutcome(p, m.Request, m.Attempt, false, m.Reason, m.Signalled != 0) })
 	case *wire.Acquired:
-		a.toDecode(m.Engine, func(s *session) { s.onAcquired(p, m) })
+		a.toDecode(m.Engine, func(ds *decodeSide) { ds.onAcquired(p, m) })
 	case *wire.Writing:
-		a.toDecode(m.Engine, func(s *session) { s.onWriting(p, m) })
+		a.toDecode(m.Engine, func(ds *decodeSide) { ds.onWriting(p, m) })
 	default:
 		a.metrics.refused.WithLabelValues("peer", "Unexpected").Inc()
 		a.log.Warn("unexpected message from a peer", "peer", p.addr, "kind", m.Kind())
 	}
 }
 
-func (a *Agent) toPrefill(p *peer, source, req string, attempt uint64, decode string, fn func(*session)) {
+func (a *Agent) toPrefill(p *peer, source, req string, attempt uint64, decode string, fn func(*prefillSide)) {
 	s := a.engine(source)
-	if s == nil || s.role != roleP {
+	var ps *prefillSide
+	if s != nil {
+		ps = s.prefill()
+	}
+	if ps == nil {
 		if req != "" {
 			p.send(&wire.Failed{Request: req, Attempt: attempt, Engine: decode, Reason: fmt.Sprintf("no prefill engine %s at agent %s", source, a.self)})
 		}
 		return
 	}
-	s.post(func() { fn(s) })
+	s.post(func() { fn(ps) })
 }
 
-func (a *Agent) toDecode(engine string, fn func(*session)) {
-	if s := a.engine(engine); s != nil && s.role == roleD {
-		s.post(func() { fn(s) })
+func (a *Agent) toDecode(engine string, fn func(*decodeSide)) {
+	if s := a.engine(engine); s != nil {
+		if ds := s.decode(); ds != nil {
+			s.post(func() { fn(ds) })
+		}
 	}
 }

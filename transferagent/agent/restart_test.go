@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/agent"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/landing"
 	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
@@ -43,7 +43,7 @@ func TestPrefillAgentRestart(t *testing.T) {
 	// the watchdog and the drain: whatever the dead agent had sent can no longer land.
 	ev := wait(t, p.D[0], "orphaned", 1)
 	expect(t, ev, agentv1.Event_FAILED)
-	if quarantined, want := time.Since(killed), agent.QuarantineFor(500*time.Millisecond, 100*time.Millisecond); quarantined < want {
+	if quarantined, want := time.Since(killed), landing.QuarantineFor(500*time.Millisecond, 100*time.Millisecond); quarantined < want {
 		t.Errorf("the blocks were released %s after the prefill agent died, before the quarantine of %s", quarantined, want)
 	}
 	t.Logf("decode was told: %s", ev.Reason)

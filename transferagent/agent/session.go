@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"fmt"
 	"runtime"
 	"slices"
 	"sync"
@@ -13,14 +12,8 @@ import (
 
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
-	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
 	"github.com/kvhandoff/kvhandoff/transferagent/wire"
 	"github.com/kvhandoff/kvhandoff/transferagent/writer"
-)
-
-const (
-	roleP = agentv1.Role_ROLE_PREFILL
-	roleD = agentv1.Role_ROLE_DECODE
 )
 
 // session is one engine rank's connection to the agent. It owns the rank's fabric
@@ -51,37 +44,32 @@ type session struct {
 	reason   string
 
 	// Everything below belongs to the pump.
+	side      side
 	regions   map[uint32]*localRegion
 	layout    []writer.Region
 	minBlocks uint32
 	blockLen  uint64 // bytes one block id spans across all regions
 	frozen    bool
 	buf       []fabric.Completion
-	waited    []fabric.Completion // read by a Wait, for stepDecode
 	lastTick  time.Time
-
-	// Prefill, push.
-	table    *rendezvous.Table
-	w        *writer.Writer
-	attempts map[attemptKey]*pushAttempt
-	sources  map[string]*source
-	// Prefill, pull.
-	holds map[string]*hold
-	// Decode, push.
-	regs      map[attemptKey]*destination
-	byToken   map[uint32]*destination
-	nextToken uint32
-	// Decode, pull.
-	pulls   map[attemptKey]*pull
-	reads   []readOp
-	pending map[uint64]readOp
-	nextID  uint64
-	remotes map[string]remoteEngine // fabric peers by engine key
+	remotes   map[string]remoteEngine // fabric peers by engine key
 }
 
-type attemptKey struct {
-	req     string
-	attempt uint64
+// side is what a session does for its role: prefillSide (a source: push writes, pull
+// holds) or decodeSide (a destination: push landings, pull reads). The session is the
+// driver both share: the pump, the endpoint, the regions.
+type side interface {
+	access() fabric.Access // how peers may use this rank's memory
+	freeze()               // the regions are fixed: build what needs them
+	step(now time.Time) bool
+	absorb([]fabric.Completion) // completions a Wait read, for the next step
+	hot() bool                  // data moving: poll without pause
+	warm() bool                 // something may arrive: poll with a backoff
+	watchdog(now time.Time)
+	cancel(now time.Time, req string, attempt uint64) error
+	peerLost(now time.Time, p *peer)
+	fenceAll(now time.Time, reason string)
+	drained() bool
 }
 
 type localRegion struct {
@@ -109,13 +97,19 @@ func newSession(a *Agent, id, key string, epoch uint64, r *agentv1.RegisterEngin
 		pol:  requestTimeouts(r).complete(a.cfg.Timeouts),
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
-		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64),
-		attempts: map[attemptKey]*pushAttempt{}, sources: map[string]*source{}, holds: map[string]*hold{},
-		regs: map[attemptKey]*destination{}, byToken: map[uint32]*destination{},
-		pulls: map[attemptKey]*pull{}, pending: map[uint64]readOp{}, remotes: map[string]remoteEngine{},
+		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]remoteEngine{},
+	}
+	if r.Role == agentv1.Role_ROLE_PREFILL {
+		s.side = newPrefillSide(s)
+	} else {
+		s.side = newDecodeSide(s)
 	}
 	return s
 }
+
+// prefill and decode return the session's side of that role, or nil.
+func (s *session) prefill() *prefillSide { ps, _ := s.side.(*prefillSide); return ps }
+func (s *session) decode() *decodeSide   { ds, _ := s.side.(*decodeSide); return ds }
 
 // post runs fn on the pump, unless the session has stopped.
 func (s *session) post(fn func()) {
@@ -209,24 +203,25 @@ func (s *session) run() {
 	var closeDeadline time.Time
 	for {
 		worked := s.runCommands()
-		if s.step() {
+		now := time.Now()
+		if s.side.step(now) {
 			worked = true
 		}
-		now := time.Now()
 		if now.Sub(s.lastTick) >= s.pol.Tick {
 			s.lastTick = now
-			s.watchdog(now)
+			s.side.watchdog(now)
 		}
 		if !closing {
 			select {
 			case <-s.closing:
 				closing = true
 				closeDeadline = now.Add(s.pol.Lease)
-				s.fenceAll(s.closeReason())
+				s.a.log.Info("engine session ending", "engine", s.key, "reason", s.closeReason())
+				s.side.fenceAll(now, s.closeReason())
 				continue
 			default:
 			}
-		} else if s.drained() || now.After(closeDeadline) {
+		} else if s.side.drained() || now.After(closeDeadline) {
 			s.teardown()
 			return
 		}
@@ -236,8 +231,8 @@ func (s *session) run() {
 			continue
 		}
 		idle++
-		hot := s.hot()
-		if (hot || s.warm() || closing) && s.ep.Waitable() {
+		hot := s.side.hot()
+		if (hot || s.side.warm() || closing) && s.ep.Waitable() {
 			// Sleep in the provider until it has work (data to move, a completion) or a
 			// command wakes us: no spinning, and no sub-millisecond timers, which the Go
 			// runtime rounds up to a millisecond.
@@ -247,7 +242,9 @@ func (s *session) run() {
 			}
 			s.sleeping.Store(true)
 			if len(s.cmds) == 0 {
-				s.absorb(s.buf[:s.ep.Wait(s.buf, timeout)])
+				if n := s.ep.Wait(s.buf, timeout); n > 0 {
+					s.side.absorb(s.buf[:n])
+				}
 			}
 			s.sleeping.Store(false)
 			continue
@@ -261,7 +258,7 @@ func (s *session) run() {
 				continue
 			}
 			timer.Reset(hotNap)
-		case s.warm() || closing:
+		case s.side.warm() || closing:
 			// Something may arrive: poll, backing off to a millisecond.
 			timer.Reset(min(time.Duration(idle)*10*time.Microsecond, time.Millisecond))
 		default:
@@ -290,111 +287,6 @@ func (s *session) runCommands() bool {
 	}
 }
 
-// absorb keeps completions a Wait read for the step that handles them.
-func (s *session) absorb(cs []fabric.Completion) {
-	if len(cs) == 0 {
-		return
-	}
-	switch {
-	case s.role == roleD:
-		s.waited = append(s.waited, cs...)
-	case s.w != nil:
-		s.w.Absorb(cs)
-	}
-}
-
-// hot reports whether data is moving through the endpoint now: writes or reads in
-// flight, a peer writing into this rank's memory or reading from it. The provider may
-// move that data only while this side polls, and incoming RMA raises no completion, so
-// the pump polls without pause until it is done.
-func (s *session) hot() bool {
-	if s.role == roleP {
-		if s.w != nil && !s.w.Idle() {
-			return true
-		}
-		for _, h := range s.holds {
-			if h.acquired != nil {
-				return true
-			}
-		}
-		return false
-	}
-	if len(s.reads) > 0 || len(s.pending) > 0 {
-		return true
-	}
-	for _, d := range s.regs {
-		if d.writing {
-			return true
-		}
-	}
-	return false
-}
-
-// warm reports whether something may arrive (registrations waiting for their source):
-// the pump then polls with a backoff.
-func (s *session) warm() bool { return len(s.regs) > 0 || len(s.pulls) > 0 }
-
-// step drives the fabric once and reports whether anything happened.
-func (s *session) step() bool {
-	if s.role == roleP {
-		if s.w != nil && !s.w.Idle() {
-			acts, failed, err := s.w.Poll()
-			if err != nil {
-				s.a.log.Error("writer state disagrees with the rendezvous table", "engine", s.key, "err", err)
-			}
-			for _, f := range failed {
-				s.a.metrics.failures.WithLabelValues("write_error").Inc()
-				acts = append(acts, s.table.Fail(f.Request, f.Attempt, "write_error", fmt.Sprintf("RMA write failed: %v", f.Err))...)
-			}
-			s.handle(acts)
-			return len(acts) > 0 || len(failed) > 0
-		}
-		if s.hot() {
-			// Pull: peers read from this rank; the provider needs this side to poll.
-			return s.ep.Poll(s.buf) > 0
-		}
-		return false
-	}
-	return s.stepDecode()
-}
-
-// watchdog expires what waited too long.
-func (s *session) watchdog(now time.Time) {
-	if s.role == roleP {
-		s.expirePrefill(now)
-	} else {
-		s.expireDecode(now)
-	}
-}
-
-// fenceAll fails everything outstanding when the session ends.
-func (s *session) fenceAll(reason string) {
-	s.a.log.Info("engine session ending", "engine", s.key, "reason", reason)
-	if s.role == roleP {
-		if s.table == nil {
-			return
-		}
-		for _, reg := range s.table.Current() {
-			s.handle(s.table.Fail(reg.Request, reg.Attempt, "session_closed", "prefill engine's session ended: "+reason))
-		}
-		return
-	}
-	for k, d := range s.regs {
-		d.peer.send(&wire.Cancel{Request: k.req, Attempt: k.attempt, Source: d.source})
-	}
-	for _, p := range s.pulls {
-		p.cancelled = true
-	}
-	s.reads = nil
-}
-
-func (s *session) drained() bool {
-	if s.role == roleP {
-		return s.w == nil || s.w.Idle()
-	}
-	return len(s.pending) == 0
-}
-
 func (s *session) teardown() {
 	for _, r := range s.regions {
 		if err := r.reg.Close(); err != nil {
@@ -407,18 +299,13 @@ func (s *session) teardown() {
 	s.a.log.Info("engine session ended", "engine", s.key, "reason", s.closeReason())
 }
 
-// addRegion registers a region on the rank's endpoint. Prefill memory is a source for
-// writes and readable by peers (pull); decode memory is writable by peers and a target
-// for reads — never the other way round.
+// addRegion registers a region on the rank's endpoint, with the access the side allows
+// peers (never both reading and writing a rank's memory).
 func (s *session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error {
 	if s.frozen {
 		return status.Error(codes.FailedPrecondition, "region_id: regions are fixed once the engine's first transfer started")
 	}
-	access := fabric.Source | fabric.ReadSource
-	if s.role == roleD {
-		access = fabric.Target | fabric.ReadTarget
-	}
-	reg, err := s.ep.Register(m.mem, access)
+	reg, err := s.ep.Register(m.mem, s.side.access())
 	if err != nil {
 		return status.Errorf(codes.Internal, "registering region %d: %v", r.RegionId, err)
 	}
@@ -437,19 +324,10 @@ func (s *session) freeze() error {
 	if len(s.regions) == 0 {
 		return status.Error(codes.FailedPrecondition, "session: register the engine's KV regions before its first transfer")
 	}
-	if !s.frozen && s.role == roleP {
-		s.table = rendezvous.New(rendezvous.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout, Regions: len(s.regions)})
-		local := make(map[int]*fabric.Region, len(s.regions))
-		for id, r := range s.regions {
-			local[int(id)] = r.reg
-		}
-		s.w = writer.New(s.ep, s.table, local, s.layout)
-		s.w.OnPost = s.onPost
-		// A request's merged writes (one per region and run: 128 for a contiguous Qwen3
-		// request) go out at once; the window only bounds pathological fragmentation.
-		s.w.MaxInFlight = 512
+	if !s.frozen {
+		s.frozen = true
+		s.side.freeze()
 	}
-	s.frozen = true
 	return nil
 }
 

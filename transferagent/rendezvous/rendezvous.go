@@ -64,6 +64,9 @@ type Config struct {
 	Lease time.Duration
 	// RegistrationTimeout is how long a registration waits for every source block.
 	RegistrationTimeout time.Duration
+	// BlocksTTL is how long a finished source waits with no live registration (none yet,
+	// or its attempt was cancelled) before it expires and the prefill engine frees it.
+	BlocksTTL time.Duration
 	// Regions is how many regions every block is written into (vLLM: 2 per layer): a
 	// block is delivered once all of its regions' writes completed. 0 means 1.
 	Regions int
@@ -79,6 +82,11 @@ type Transfer struct {
 	Attempt  uint64
 	Decode   Engine
 	Src, Dst []uint32
+	// Paired marks the attempt's first transfer, the moment both halves were present;
+	// SourceWait is then how long the source had waited for the registration since its
+	// first part (zero when decode registered first, as in push).
+	Paired     bool
+	SourceWait time.Duration
 }
 
 // Delivered: every block of the attempt is written and complete; signal decode, free prefill.
@@ -111,12 +119,21 @@ const (
 	CodeLeaseExpired        = "lease_expired"
 	CodeRegistrationTimeout = "registration_timeout"
 	CodeEngineRestarted     = "engine_restarted"
+	CodeSourceCancelled     = "source_cancelled"
 )
 
-func (Transfer) isAction()    {}
-func (Delivered) isAction()   {}
-func (CancelAcked) isAction() {}
-func (Failed) isAction()      {}
+// SourceExpired: a finished source waited a blocks TTL with no live registration; the
+// request is dropped and the prefill engine is told to free its blocks.
+type SourceExpired struct {
+	Request string
+	Reason  string
+}
+
+func (Transfer) isAction()      {}
+func (Delivered) isAction()     {}
+func (CancelAcked) isAction()   {}
+func (Failed) isAction()        {}
+func (SourceExpired) isAction() {}
 
 // attempt is one registration's state.
 type attempt struct {
@@ -124,6 +141,7 @@ type attempt struct {
 	registered time.Time
 	leaseEnd   time.Time
 	sent       []bool // positions handed to the writer
+	paired     bool   // a transfer was handed out
 	inFlight   int    // block-regions whose writes were admitted and have not completed
 	completed  int    // block-regions whose writes completed
 	fenced     bool
@@ -134,8 +152,14 @@ type attempt struct {
 
 // request is one request's state: its source parts and its attempts.
 type request struct {
-	src     map[int]uint32 // position → source block
-	final   int            // number of positions, once the final part arrived; -1 before
+	id    string
+	src   map[int]uint32 // position → source block
+	final int            // number of positions, once the final part arrived; -1 before
+	first time.Time      // when the first part arrived
+	// waiting is when the finished source last found itself with no live registration
+	// (its final part came first, or its attempt was cancelled); zero while one is live.
+	// The blocks TTL counts from it.
+	waiting time.Time
 	current *attempt
 	old     []*attempt // fenced attempts still draining
 	// failed is set when an attempt failed: the prefill engine is told and frees the
@@ -147,23 +171,42 @@ type request struct {
 	latest uint64
 }
 
-// Table is the prefill agent's rendezvous table.
+// Table is the prefill agent's rendezvous table. A request lives in it from its first
+// part or registration until it is over: delivered, failed and drained, or its source
+// expired; the table then drops it by itself.
 type Table struct {
-	cfg    Config
-	mu     sync.Mutex
-	reqs   map[string]*request
-	epochs map[string]uint64
+	cfg     Config
+	mu      sync.Mutex
+	reqs    map[string]*request
+	retired map[string]retired
+	epochs  map[string]uint64
+}
+
+// retired is what is kept of a request that is over: its latest attempt, until a
+// registration from before it can no longer arrive.
+type retired struct {
+	attempt uint64
+	// failed: the prefill engine was told and frees the request's blocks, so parts and
+	// registrations still on their way are refused (ErrSourceGone) rather than paired.
+	failed bool
+	until  time.Time
 }
 
 // New returns an empty table.
 func New(cfg Config) *Table {
-	return &Table{cfg: cfg, reqs: map[string]*request{}, epochs: map[string]uint64{}}
+	return &Table{cfg: cfg, reqs: map[string]*request{}, retired: map[string]retired{}, epochs: map[string]uint64{}}
 }
 
+// request returns a request's state, creating it unless the request failed a moment ago
+// (nil then).
 func (t *Table) request(id string) *request {
 	r, ok := t.reqs[id]
 	if !ok {
-		r = &request{src: map[int]uint32{}, final: -1}
+		if t.retired[id].failed {
+			return nil
+		}
+		r = &request{id: id, src: map[int]uint32{}, final: -1, latest: t.retired[id].attempt}
+		delete(t.retired, id)
 		t.reqs[id] = r
 	}
 	return r
@@ -190,7 +233,7 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 		return nil, ErrStaleEpoch
 	}
 	r := t.request(reg.Request)
-	if r.failed {
+	if r == nil || r.failed {
 		return nil, ErrSourceGone
 	}
 	switch {
@@ -202,7 +245,7 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 	var acts []Action
 	if cur := r.current; cur != nil {
 		if !cur.done { // a delivered attempt has nothing left to stop or acknowledge
-			acts = append(acts, t.fence(r, cur, CancelAcked{Request: reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode})...)
+			acts = append(acts, t.fence(now, r, cur, CancelAcked{Request: reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode})...)
 		}
 	}
 	if need := r.positions(); len(reg.Blocks) < need {
@@ -210,15 +253,16 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 	}
 	r.current = &attempt{reg: reg, registered: now, leaseEnd: now.Add(t.cfg.Lease), sent: make([]bool, len(reg.Blocks))}
 	r.latest = reg.Attempt
-	return append(acts, t.progress(r)...), nil
+	r.waiting = time.Time{}
+	return append(acts, t.progress(now, r)...), nil
 }
 
 // SourceReady records a part of prefill's blocks.
-func (t *Table) SourceReady(p Part) ([]Action, error) {
+func (t *Table) SourceReady(now time.Time, p Part) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.request(p.Request)
-	if r.failed {
+	if r == nil || r.failed {
 		return nil, ErrSourceGone
 	}
 	end := p.Offset + len(p.Blocks)
@@ -231,21 +275,30 @@ func (t *Table) SourceReady(p Part) ([]Action, error) {
 		}
 		r.src[p.Offset+i] = b
 	}
+	if r.first.IsZero() {
+		r.first = now
+	}
 	if p.Final {
 		r.final = end
+		if r.current == nil {
+			r.waiting = now
+		}
 	}
-	return t.progress(r), nil
+	return t.progress(now, r), nil
 }
 
 // progress hands the current attempt's newly pairable positions to the writer, and
 // reports delivery when everything is written. A current attempt waits while an older
 // one drains.
-func (t *Table) progress(r *request) []Action {
+func (t *Table) progress(now time.Time, r *request) []Action {
 	cur := r.current
 	if cur == nil || cur.fenced || cur.done || len(r.old) > 0 {
 		return nil
 	}
-	tr := Transfer{Request: cur.reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode}
+	tr := Transfer{Request: cur.reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Paired: !cur.paired}
+	if tr.Paired && !r.first.IsZero() {
+		tr.SourceWait = max(now.Sub(r.first), 0)
+	}
 	for pos, src := range r.src {
 		if pos < len(cur.sent) && !cur.sent[pos] {
 			cur.sent[pos] = true
@@ -255,18 +308,20 @@ func (t *Table) progress(r *request) []Action {
 	}
 	var acts []Action
 	if len(tr.Src) > 0 {
+		cur.paired = true
 		sortPairs(tr.Src, tr.Dst)
 		acts = append(acts, tr)
 	}
-	return append(acts, t.maybeDelivered(r)...)
+	return append(acts, t.maybeDelivered(now, r)...)
 }
 
-func (t *Table) maybeDelivered(r *request) []Action {
+func (t *Table) maybeDelivered(now time.Time, r *request) []Action {
 	cur := r.current
 	if cur == nil || cur.fenced || cur.done || r.final < 0 || cur.inFlight > 0 || cur.completed < r.final*max(t.cfg.Regions, 1) {
 		return nil
 	}
 	cur.done = true
+	t.maybeRetire(now, r)
 	return []Action{Delivered{Request: cur.reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode}}
 }
 
@@ -290,7 +345,7 @@ func (t *Table) Posted(req string, att uint64, n int) error {
 // Completed records that the writes covering n admitted blocks of an attempt completed
 // (successfully or not: a failed write is reported by the writer as a failure of the
 // request); a drained fenced attempt is acknowledged, a complete current one delivered.
-func (t *Table) Completed(req string, att uint64, n int) ([]Action, error) {
+func (t *Table) Completed(now time.Time, req string, att uint64, n int) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.reqs[req]
@@ -301,14 +356,14 @@ func (t *Table) Completed(req string, att uint64, n int) ([]Action, error) {
 	a.inFlight -= n
 	a.completed += n
 	if a.fenced {
-		return t.drained(r), nil
+		return t.drained(now, r), nil
 	}
-	return t.maybeDelivered(r), nil
+	return t.maybeDelivered(now, r), nil
 }
 
 // Withdraw takes back the admission of n blocks whose write was not posted after all (the
 // provider said "again"); a fenced attempt that has drained by that is acknowledged.
-func (t *Table) Withdraw(req string, att uint64, n int) ([]Action, error) {
+func (t *Table) Withdraw(now time.Time, req string, att uint64, n int) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	a := t.find(req, att)
@@ -317,7 +372,7 @@ func (t *Table) Withdraw(req string, att uint64, n int) ([]Action, error) {
 	}
 	a.inFlight -= n
 	if a.fenced {
-		return t.drained(t.reqs[req]), nil
+		return t.drained(now, t.reqs[req]), nil
 	}
 	return nil, nil
 }
@@ -339,7 +394,7 @@ func (t *Table) Heartbeat(now time.Time, req string, att uint64) error {
 
 // Cancel fences an attempt; CancelAcked comes once its writes have drained (at once when
 // none are in flight).
-func (t *Table) Cancel(req string, att uint64) ([]Action, error) {
+func (t *Table) Cancel(now time.Time, req string, att uint64) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.reqs[req]
@@ -350,11 +405,12 @@ func (t *Table) Cancel(req string, att uint64) ([]Action, error) {
 		return nil, ErrUnknown
 	}
 	cur := r.current
-	return t.fence(r, cur, CancelAcked{Request: req, Attempt: att, Decode: cur.reg.Decode}), nil
+	return t.fence(now, r, cur, CancelAcked{Request: req, Attempt: att, Decode: cur.reg.Decode}), nil
 }
 
 // Expire is the watchdog: it fences every attempt whose lease or registration timeout has
-// passed at now, reporting Failed once each has drained.
+// passed at now, reporting Failed once each has drained, and drops finished sources that
+// waited a blocks TTL for a registration (SourceExpired).
 func (t *Table) Expire(now time.Time) []Action {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -373,14 +429,26 @@ func (t *Table) Expire(now time.Time) []Action {
 		default:
 			continue
 		}
-		acts = append(acts, t.fence(r, cur, f)...)
+		acts = append(acts, t.fence(now, r, cur, f)...)
+	}
+	for id, r := range t.reqs {
+		if r.current == nil && len(r.old) == 0 && !r.failed && !r.waiting.IsZero() && !now.Before(r.waiting.Add(t.cfg.BlocksTTL)) {
+			r.failed = true
+			t.maybeRetire(now, r)
+			acts = append(acts, SourceExpired{Request: id, Reason: fmt.Sprintf("no decode registration within the blocks TTL of %s", t.cfg.BlocksTTL)})
+		}
+	}
+	for id, r := range t.retired {
+		if !now.Before(r.until) {
+			delete(t.retired, id)
+		}
 	}
 	return acts
 }
 
 // EngineRestarted drops the state of older epochs of a decode engine: their memory is
 // gone, so their attempts are fenced (and acknowledged once drained).
-func (t *Table) EngineRestarted(e Engine) []Action {
+func (t *Table) EngineRestarted(now time.Time, e Engine) []Action {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if e.Epoch <= t.epochs[e.ID] {
@@ -390,7 +458,7 @@ func (t *Table) EngineRestarted(e Engine) []Action {
 	var acts []Action
 	for id, r := range t.reqs {
 		if cur := r.current; cur != nil && cur.reg.Decode.ID == e.ID && cur.reg.Decode.Epoch < e.Epoch && !cur.fenced {
-			acts = append(acts, t.fence(r, cur, Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeEngineRestarted, Reason: "decode engine restarted"})...)
+			acts = append(acts, t.fence(now, r, cur, Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeEngineRestarted, Reason: "decode engine restarted"})...)
 		}
 	}
 	return acts
@@ -399,14 +467,14 @@ func (t *Table) EngineRestarted(e Engine) []Action {
 // Fail fences an attempt for a reason of the agent's own (a write error, a lost peer):
 // Failed comes once its writes have drained. An attempt already fenced or finished is
 // left as it is.
-func (t *Table) Fail(req string, att uint64, code, reason string) []Action {
+func (t *Table) Fail(now time.Time, req string, att uint64, code, reason string) []Action {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.reqs[req]
 	if r == nil || r.current == nil || r.current.reg.Attempt != att || r.current.done {
 		return nil
 	}
-	return t.fence(r, r.current, Failed{Request: req, Attempt: att, Decode: r.current.reg.Decode, Code: code, Reason: reason})
+	return t.fence(now, r, r.current, Failed{Request: req, Attempt: att, Decode: r.current.reg.Decode, Code: code, Reason: reason})
 }
 
 // Current lists the live (unfenced, undelivered) attempts, so an agent can fail them
@@ -423,22 +491,36 @@ func (t *Table) Current() []Registration {
 	return out
 }
 
-// Idle reports whether a request has no live attempt: none registered, or every one
-// fenced or delivered.
-func (t *Table) Idle(req string) bool {
+// CancelSource is the prefill engine giving up a request: a live attempt is failed
+// (Failed once drained) and the source dropped. It reports whether the request was known.
+func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.reqs[req]
-	return r == nil || r.current == nil || r.current.done
+	if r == nil {
+		return nil, false
+	}
+	if cur := r.current; cur != nil && !cur.done {
+		return t.fence(now, r, cur, Failed{Request: req, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeSourceCancelled, Reason: "the prefill engine cancelled the request"}), true
+	}
+	r.src, r.final, r.failed = map[int]uint32{}, -1, true
+	t.maybeRetire(now, r)
+	return nil, true
 }
 
-// Forget drops a finished request (delivered and acknowledged by the agent).
-func (t *Table) Forget(req string) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if r := t.reqs[req]; r != nil && len(r.old) == 0 && (r.current == nil || r.current.done) {
-		delete(t.reqs, req)
+// maybeRetire drops a request that is over — delivered, or failed with every attempt
+// drained — keeping only its latest attempt number for a while: an attempt number is
+// never accepted twice, since a writer or a confused decode agent may still hold the
+// old attempt's state. A decode agent gives up on a registration after the registration
+// timeout and its quarantine, so remembering it for the timeout and a lease more covers
+// every registration that can still be in flight.
+func (t *Table) maybeRetire(now time.Time, r *request) {
+	over := (r.current != nil && r.current.done) || (r.current == nil && r.failed)
+	if !over || len(r.old) > 0 {
+		return
 	}
+	delete(t.reqs, r.id)
+	t.retired[r.id] = retired{attempt: r.latest, failed: r.failed, until: now.Add(t.cfg.RegistrationTimeout + t.cfg.Lease)}
 }
 
 // fence stops an attempt from writing and queues its outcome for when it has drained.
@@ -448,7 +530,7 @@ func (t *Table) Forget(req string) {
 // later parts and registrations of the request are refused (ErrSourceGone) until the agent
 // forgets it. A cancel keeps the source: the prefill engine was not told, and a retried
 // attempt takes the same blocks.
-func (t *Table) fence(r *request, a *attempt, outcome Action) []Action {
+func (t *Table) fence(now time.Time, r *request, a *attempt, outcome Action) []Action {
 	a.fenced, a.outcome = true, outcome
 	if r.current == a {
 		r.current = nil
@@ -457,23 +539,30 @@ func (t *Table) fence(r *request, a *attempt, outcome Action) []Action {
 		r.src, r.final, r.failed = map[int]uint32{}, -1, true
 	}
 	r.old = append(r.old, a)
-	return t.drained(r)
+	return t.drained(now, r)
 }
 
 // drained reports the outcomes of fenced attempts with nothing in flight, then lets the
 // current attempt proceed once no older attempt is draining.
-func (t *Table) drained(r *request) []Action {
+func (t *Table) drained(now time.Time, r *request) []Action {
 	var acts []Action
 	keep := r.old[:0]
 	for _, a := range r.old {
 		if a.inFlight == 0 {
 			acts = append(acts, a.outcome)
+			if _, ok := a.outcome.(CancelAcked); ok && r.current == nil && r.final >= 0 {
+				// A decode engine that aborted the request for good never retries: the
+				// source waits one blocks TTL from now for a new registration.
+				r.waiting = now
+			}
 			continue
 		}
 		keep = append(keep, a)
 	}
 	r.old = keep
-	return append(acts, t.progress(r)...)
+	acts = append(acts, t.progress(now, r)...)
+	t.maybeRetire(now, r)
+	return acts
 }
 
 func (t *Table) find(req string, att uint64) *attempt {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 )
@@ -29,10 +30,19 @@ func must(t *testing.T) func([]Action, error) []Action {
 	}
 }
 
+// expect compares actions, leaving out the timing fields of Transfers (their own test,
+// TestTheFirstTransferMarksThePairing, checks them).
 func expect(t *testing.T, got []Action, want ...Action) {
 	t.Helper()
 	if len(got) == 0 && len(want) == 0 {
 		return
+	}
+	got = slices.Clone(got)
+	for i, a := range got {
+		if tr, ok := a.(Transfer); ok {
+			tr.Paired, tr.SourceWait = false, 0
+			got[i] = tr
+		}
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("actions\n got %#v\nwant %#v", got, want)
@@ -44,30 +54,61 @@ func TestPairsInEitherOrder(t *testing.T) {
 
 	regFirst := New(cfg)
 	expect(t, must(t)(regFirst.Register(t0, reg(1, 100, 101, 102))))
-	expect(t, must(t)(regFirst.SourceReady(Part{Request: "r1", Blocks: []uint32{7, 8, 9}, Final: true})), want)
+	expect(t, must(t)(regFirst.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7, 8, 9}, Final: true})), want)
 
 	srcFirst := New(cfg)
-	expect(t, must(t)(srcFirst.SourceReady(Part{Request: "r1", Blocks: []uint32{7, 8, 9}, Final: true})))
+	expect(t, must(t)(srcFirst.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7, 8, 9}, Final: true})))
 	expect(t, must(t)(srcFirst.Register(t0, reg(1, 100, 101, 102))), want)
+}
+
+func TestTheFirstTransferMarksThePairing(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7}}))
+	acts := must(t)(tb.Register(t0.Add(3*time.Second), reg(1, 100, 101)))
+	if tr := acts[0].(Transfer); !tr.Paired || tr.SourceWait != 3*time.Second {
+		t.Fatalf("first transfer: paired %v after %s, want paired after 3s", tr.Paired, tr.SourceWait)
+	}
+	acts = must(t)(tb.SourceReady(t0.Add(5*time.Second), Part{Request: "r1", Offset: 1, Blocks: []uint32{8}, Final: true}))
+	if tr := acts[0].(Transfer); tr.Paired || tr.SourceWait != 0 {
+		t.Fatalf("second transfer: paired %v after %s, want neither", tr.Paired, tr.SourceWait)
+	}
+}
+
+func TestAFinishedSourceExpiresOneBlocksTTLAfterItLastHadNoRegistration(t *testing.T) {
+	ttl := cfg
+	ttl.BlocksTTL = 10 * time.Second
+	tb := New(ttl)
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7}, Final: true}))
+	expect(t, tb.Expire(t0.Add(9*time.Second)))
+	// A registration stops the clock; its cancel restarts it from the acknowledgement.
+	must(t)(tb.Register(t0.Add(9*time.Second), reg(1, 100)))
+	expect(t, tb.Expire(t0.Add(15*time.Second)))
+	expect(t, must(t)(tb.Cancel(t0.Add(16*time.Second), "r1", 1)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
+	expect(t, tb.Expire(t0.Add(25*time.Second)))
+	expect(t, tb.Expire(t0.Add(26*time.Second)), SourceExpired{Request: "r1", Reason: "no decode registration within the blocks TTL of 10s"})
+	// The prefill engine frees the blocks: a late registration is refused, not left waiting.
+	if _, err := tb.Register(t0.Add(27*time.Second), reg(2, 100)); !errors.Is(err, ErrSourceGone) {
+		t.Fatalf("a registration after the source expired: %v, want ErrSourceGone", err)
+	}
 }
 
 func TestPartsArriveInAnyOrderAndDeliveryWaitsForEveryWrite(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.Register(t0, reg(1, 100, 101, 102, 103)))
-	expect(t, must(t)(tb.SourceReady(Part{Request: "r1", Offset: 2, Blocks: []uint32{12, 13}, Final: true})),
+	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 2, Blocks: []uint32{12, 13}, Final: true})),
 		Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{12, 13}, Dst: []uint32{102, 103}})
 	// One merged write covers both blocks: accounting is in blocks, not writes.
 	if err := tb.Posted("r1", 1, 2); err != nil {
 		t.Fatal(err)
 	}
-	expect(t, must(t)(tb.SourceReady(Part{Request: "r1", Offset: 0, Blocks: []uint32{10, 11}})),
+	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 0, Blocks: []uint32{10, 11}})),
 		Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{10, 11}, Dst: []uint32{100, 101}})
 	if err := tb.Posted("r1", 1, 2); err != nil {
 		t.Fatal(err)
 	}
-	expect(t, must(t)(tb.Completed("r1", 1, 2)))
-	expect(t, must(t)(tb.Completed("r1", 1, 1)))
-	expect(t, must(t)(tb.Completed("r1", 1, 1)), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 2)))
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 1)))
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 1)), Delivered{Request: "r1", Attempt: 1, Decode: dec})
 }
 
 // Every block is written once per region: a first part whose writes all completed in
@@ -76,16 +117,16 @@ func TestPartsArriveInAnyOrderAndDeliveryWaitsForEveryWrite(t *testing.T) {
 func TestDeliveryCountsEveryRegionOfEveryBlock(t *testing.T) {
 	tb := New(Config{Lease: time.Hour, RegistrationTimeout: time.Hour, Regions: 4})
 	must(t)(tb.Register(t0, reg(1, 100, 101, 102, 103)))
-	must(t)(tb.SourceReady(Part{Request: "r1", Offset: 0, Blocks: []uint32{10, 11}}))
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 0, Blocks: []uint32{10, 11}}))
 	for range 4 { // one merged write of both blocks per region
 		if err := tb.Posted("r1", 1, 2); err != nil {
 			t.Fatal(err)
 		}
 	}
 	for range 4 {
-		expect(t, must(t)(tb.Completed("r1", 1, 2)))
+		expect(t, must(t)(tb.Completed(t0, "r1", 1, 2)))
 	}
-	acts := must(t)(tb.SourceReady(Part{Request: "r1", Offset: 2, Blocks: []uint32{12, 13}, Final: true}))
+	acts := must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 2, Blocks: []uint32{12, 13}, Final: true}))
 	expect(t, acts, Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{12, 13}, Dst: []uint32{102, 103}})
 	for range 4 {
 		if err := tb.Posted("r1", 1, 2); err != nil {
@@ -93,14 +134,14 @@ func TestDeliveryCountsEveryRegionOfEveryBlock(t *testing.T) {
 		}
 	}
 	for range 3 {
-		expect(t, must(t)(tb.Completed("r1", 1, 2)))
+		expect(t, must(t)(tb.Completed(t0, "r1", 1, 2)))
 	}
-	expect(t, must(t)(tb.Completed("r1", 1, 2)), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 2)), Delivered{Request: "r1", Attempt: 1, Decode: dec})
 }
 
 func TestNewAttemptSupersedesAndWaitsForTheOldOneToDrain(t *testing.T) {
 	tb := New(cfg)
-	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
 	must(t)(tb.Register(t0, reg(1, 10, 11)))
 	if err := tb.Posted("r1", 1, 2); err != nil {
 		t.Fatal(err)
@@ -110,8 +151,8 @@ func TestNewAttemptSupersedesAndWaitsForTheOldOneToDrain(t *testing.T) {
 	if err := tb.Posted("r1", 1, 1); !errors.Is(err, ErrFenced) {
 		t.Fatalf("posting for a superseded attempt: %v", err)
 	}
-	expect(t, must(t)(tb.Completed("r1", 1, 1)))
-	expect(t, must(t)(tb.Completed("r1", 1, 1)),
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 1)))
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 1)),
 		CancelAcked{Request: "r1", Attempt: 1, Decode: dec},
 		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
 }
@@ -119,17 +160,17 @@ func TestNewAttemptSupersedesAndWaitsForTheOldOneToDrain(t *testing.T) {
 func TestCancelIsAcknowledgedOnlyAfterInFlightWritesDrain(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.Register(t0, reg(1, 10, 11, 12)))
-	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2, 3}, Final: true}))
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1, 2, 3}, Final: true}))
 	if err := tb.Posted("r1", 1, 3); err != nil {
 		t.Fatal(err)
 	}
-	expect(t, must(t)(tb.Cancel("r1", 1)))
+	expect(t, must(t)(tb.Cancel(t0, "r1", 1)))
 	if err := tb.Posted("r1", 1, 1); !errors.Is(err, ErrFenced) {
 		t.Fatalf("posting after cancel: %v", err)
 	}
-	expect(t, must(t)(tb.Completed("r1", 1, 2)))
-	expect(t, must(t)(tb.Completed("r1", 1, 1)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
-	if _, err := tb.Cancel("r1", 1); !errors.Is(err, ErrUnknown) { // acknowledged and forgotten
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 2)))
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 1)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
+	if _, err := tb.Cancel(t0, "r1", 1); !errors.Is(err, ErrUnknown) { // acknowledged and forgotten
 		t.Fatalf("a cancel after the acknowledgement: %v", err)
 	}
 }
@@ -137,22 +178,22 @@ func TestCancelIsAcknowledgedOnlyAfterInFlightWritesDrain(t *testing.T) {
 func TestWithdrawnAdmissionsNeitherDeliverNorBlockTheAcknowledgement(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.Register(t0, reg(1, 10, 11)))
-	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
 	if err := tb.Posted("r1", 1, 2); err != nil {
 		t.Fatal(err)
 	}
-	expect(t, must(t)(tb.Withdraw("r1", 1, 2))) // not posted: nothing delivered
+	expect(t, must(t)(tb.Withdraw(t0, "r1", 1, 2))) // not posted: nothing delivered
 	if err := tb.Posted("r1", 1, 2); err != nil {
 		t.Fatal(err)
 	}
-	must(t)(tb.Cancel("r1", 1))
-	expect(t, must(t)(tb.Withdraw("r1", 1, 2)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
+	must(t)(tb.Cancel(t0, "r1", 1))
+	expect(t, must(t)(tb.Withdraw(t0, "r1", 1, 2)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
 }
 
 func TestLeaseExpiresWithoutHeartbeatAndFailsAfterDrain(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.Register(t0, reg(1, 10)))
-	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1}, Final: true}))
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1}, Final: true}))
 	if err := tb.Posted("r1", 1, 1); err != nil {
 		t.Fatal(err)
 	}
@@ -164,7 +205,7 @@ func TestLeaseExpiresWithoutHeartbeatAndFailsAfterDrain(t *testing.T) {
 	if err := tb.Posted("r1", 1, 1); !errors.Is(err, ErrFenced) {
 		t.Fatalf("posting after expiry: %v", err)
 	}
-	acts := must(t)(tb.Completed("r1", 1, 1))
+	acts := must(t)(tb.Completed(t0, "r1", 1, 1))
 	if f, ok := acts[0].(Failed); len(acts) != 1 || !ok || f.Attempt != 1 {
 		t.Fatalf("after drain: %#v", acts)
 	}
@@ -175,7 +216,7 @@ func TestLeaseExpiresWithoutHeartbeatAndFailsAfterDrain(t *testing.T) {
 func TestARetryAfterAFailureIsNotPairedWithTheFreedSource(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.Register(t0, reg(1, 10, 11)))
-	acts := must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	acts := must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
 	if len(acts) != 1 {
 		t.Fatalf("pairing: %#v", acts)
 	}
@@ -183,7 +224,7 @@ func TestARetryAfterAFailureIsNotPairedWithTheFreedSource(t *testing.T) {
 		t.Fatal(err)
 	}
 	expect(t, tb.Expire(t0.Add(30*time.Second))) // the lease ends with both writes in flight
-	acts = must(t)(tb.Completed("r1", 1, 2))
+	acts = must(t)(tb.Completed(t0, "r1", 1, 2))
 	if _, ok := acts[0].(Failed); len(acts) != 1 || !ok {
 		t.Fatalf("after drain: %#v", acts)
 	}
@@ -192,24 +233,32 @@ func TestARetryAfterAFailureIsNotPairedWithTheFreedSource(t *testing.T) {
 	if _, err := tb.Register(t0.Add(31*time.Second), reg(2, 20, 21)); !errors.Is(err, ErrSourceGone) {
 		t.Fatalf("a retry after the failure: %v, want ErrSourceGone", err)
 	}
-	if _, err := tb.SourceReady(Part{Request: "r1", Offset: 2, Blocks: []uint32{3}}); !errors.Is(err, ErrSourceGone) {
+	if _, err := tb.SourceReady(t0, Part{Request: "r1", Offset: 2, Blocks: []uint32{3}}); !errors.Is(err, ErrSourceGone) {
 		t.Fatalf("a late part of the failed request: %v, want ErrSourceGone", err)
 	}
-	// Once the agent has forgotten the request, it starts afresh: only blocks reported
-	// again are written.
-	tb.Forget("r1")
-	expect(t, must(t)(tb.Register(t0.Add(32*time.Second), reg(2, 20, 21))))
-	expect(t, must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{7, 8}, Final: true})),
+	// The table dropped the request, remembering the failure until no registration from
+	// before it can arrive (the registration timeout and a lease); then the id is free.
+	retention := cfg.RegistrationTimeout + cfg.Lease
+	tb.Expire(t0.Add(retention - time.Second))
+	if _, err := tb.Register(t0.Add(retention-time.Second), reg(2, 20, 21)); !errors.Is(err, ErrSourceGone) {
+		t.Fatalf("a retry just before the retention ends: %v, want ErrSourceGone", err)
+	}
+	tb.Expire(t0.Add(retention))
+	expect(t, must(t)(tb.Register(t0.Add(retention), reg(2, 20, 21))))
+	expect(t, must(t)(tb.SourceReady(t0.Add(retention), Part{Request: "r1", Blocks: []uint32{7, 8}, Final: true})),
 		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{7, 8}, Dst: []uint32{20, 21}})
+	if _, err := tb.Register(t0.Add(retention), reg(1, 30, 31)); !errors.Is(err, ErrStaleAttempt) {
+		t.Fatalf("attempt 1 again: %v, want ErrStaleAttempt", err)
+	}
 }
 
 // A cancel (decode preempted the request) keeps the source: the prefill engine was not
 // told, and the retry takes the same blocks.
 func TestARetryAfterACancelIsPairedWithTheSameSource(t *testing.T) {
 	tb := New(cfg)
-	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
 	must(t)(tb.Register(t0, reg(1, 10, 11)))
-	must(t)(tb.Cancel("r1", 1))
+	must(t)(tb.Cancel(t0, "r1", 1))
 	expect(t, must(t)(tb.Register(t0, reg(2, 20, 21))),
 		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
 }
@@ -218,9 +267,9 @@ func TestARetryAfterACancelIsPairedWithTheSameSource(t *testing.T) {
 // still hold its queued writes, and Posted would admit them under the new registration.
 func TestAnAttemptNumberIsNeverReusedAfterItDrained(t *testing.T) {
 	tb := New(cfg)
-	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1, 2}, Final: true}))
 	must(t)(tb.Register(t0, reg(2, 10, 11)))
-	expect(t, must(t)(tb.Cancel("r1", 2)), CancelAcked{Request: "r1", Attempt: 2, Decode: dec})
+	expect(t, must(t)(tb.Cancel(t0, "r1", 2)), CancelAcked{Request: "r1", Attempt: 2, Decode: dec})
 	for _, att := range []uint64{1, 2} {
 		if _, err := tb.Register(t0, reg(att, 20, 21)); !errors.Is(err, ErrStaleAttempt) {
 			t.Errorf("attempt %d after attempt 2 drained: %v, want ErrStaleAttempt", att, err)
@@ -235,7 +284,7 @@ func TestAnAttemptNumberIsNeverReusedAfterItDrained(t *testing.T) {
 func TestRegistrationTimesOutWhenPrefillNeverFinishes(t *testing.T) {
 	tb := New(Config{Lease: time.Hour, RegistrationTimeout: 480 * time.Second})
 	must(t)(tb.Register(t0, reg(1, 10, 11)))
-	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1}})) // not final
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1}})) // not final
 	acts := tb.Expire(t0.Add(480 * time.Second))
 	if f, ok := acts[0].(Failed); !ok || f.Reason == "" {
 		t.Fatalf("%#v", acts)
@@ -249,17 +298,17 @@ func TestProtocolViolationsAreRefusedAndChangeNothing(t *testing.T) {
 		"older attempt": second(tb.Register(t0, reg(1, 10, 11))),
 		"same attempt":  second(tb.Register(t0, reg(2, 10, 11))),
 		"no blocks":     second(tb.Register(t0, Registration{Request: "r1", Attempt: 3, Decode: dec})),
-		"past the end":  second(tb.SourceReady(Part{Request: "r1", Offset: 1, Blocks: []uint32{5, 6}})),
-		"negative":      second(tb.SourceReady(Part{Request: "r1", Offset: -1, Blocks: []uint32{5}})),
-		"over-complete": second(tb.Completed("r1", 2, 1)),
+		"past the end":  second(tb.SourceReady(t0, Part{Request: "r1", Offset: 1, Blocks: []uint32{5, 6}})),
+		"negative":      second(tb.SourceReady(t0, Part{Request: "r1", Offset: -1, Blocks: []uint32{5}})),
+		"over-complete": second(tb.Completed(t0, "r1", 2, 1)),
 		"unknown":       tb.Posted("r9", 1, 1),
 	} {
 		if err == nil {
 			t.Errorf("%s: accepted", name)
 		}
 	}
-	must(t)(tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1}}))
-	if _, err := tb.SourceReady(Part{Request: "r1", Blocks: []uint32{1}}); !errors.Is(err, ErrBadBlocks) {
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1}}))
+	if _, err := tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{1}}); !errors.Is(err, ErrBadBlocks) {
 		t.Errorf("a position reported twice: %v", err)
 	}
 }
@@ -269,7 +318,7 @@ func second(_ []Action, err error) error { return err }
 func TestRestartedEngineDropsOlderEpochs(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.Register(t0, reg(1, 10)))
-	acts := tb.EngineRestarted(Engine{ID: dec.ID, Epoch: 2})
+	acts := tb.EngineRestarted(t0, Engine{ID: dec.ID, Epoch: 2})
 	if f, ok := acts[0].(Failed); len(acts) != 1 || !ok || f.Reason != "decode engine restarted" {
 		t.Fatalf("%#v", acts)
 	}
@@ -278,15 +327,22 @@ func TestRestartedEngineDropsOlderEpochs(t *testing.T) {
 	}
 }
 
-// TestInvariantsUnderRandomInterleavings drives the table with random events and checks
+// TestInvariantsUnderRandomInterleavings drives the table with random events — retries,
+// retries after a failure, the same or a lower attempt registered again, cancels, lease
+// and TTL expiry with writes in flight, engine restarts, Forget at any time — and checks
 // the protocol's invariants against an independent model of in-flight writes:
 //   - no write is admitted for an attempt after it was fenced;
+//   - no transfer reads source blocks the prefill engine has freed;
 //   - CancelAcked and Failed come only when the attempt has nothing in flight;
-//   - every attempt ends at most once, and a Delivered attempt had every position written once.
+//   - every attempt ends at most once, and a Delivered attempt had every position written once;
+//   - a refused registration changes nothing, and a source expires only with no attempt left.
 func TestInvariantsUnderRandomInterleavings(t *testing.T) {
-	for seed := range uint64(300) {
+	for seed := range uint64(500) {
 		rng := rand.New(rand.NewPCG(seed, 7))
-		tb := New(cfg)
+		ttl := cfg
+		ttl.BlocksTTL = 50 * time.Second
+		tb := New(ttl)
+		epoch := uint64(1)
 		now := t0
 		const n = 6
 		inFlight := map[uint64]int{}
@@ -296,10 +352,18 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 		written := map[uint64]map[uint32]bool{}
 		attempt := uint64(0)
 		nextPos := 0
-		// gen counts the prefill engine's sources of the request: after a Failed it frees
-		// its blocks and, once the agent forgot the request, reports new ones (ids
-		// gen*1000+position). A transfer from any other generation reads freed blocks.
+		// gen counts the prefill engine's sources of the request: after a Failed, a
+		// delivery or an expired source it frees its blocks and, once the agent forgot the
+		// request, reports new ones (ids gen*1000+position). A transfer from any other
+		// generation reads freed blocks.
 		gen := uint32(1)
+		lastEnd := now // the table may drop the request at an attempt's end
+		failedGen := uint32(0)
+		retention := ttl.RegistrationTimeout + ttl.Lease
+		freed := func() {
+			gen++
+			nextPos = 0
+		}
 		check := func(acts []Action) {
 			for _, a := range acts {
 				switch a := a.(type) {
@@ -331,22 +395,33 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					}
 					ended[att], fencedAt[att] = true, true
 					if _, failed := a.(Failed); failed {
-						// The prefill engine frees its blocks; the agent forgets the request
-						// (as the session does on finish) and the engine may report anew.
-						tb.Forget("r")
-						gen++
-						nextPos = 0
+						// The prefill engine frees its blocks and may report anew (after
+						// the table's retention, or refused until then).
+						failedGen = gen
+						freed()
 					}
+					lastEnd = now
 				case Delivered:
 					if ended[a.Attempt] || len(written[a.Attempt]) != n || inFlight[a.Attempt] != 0 {
 						t.Fatalf("seed %d: delivered attempt %d with %d of %d blocks, %d in flight", seed, a.Attempt, len(written[a.Attempt]), n, inFlight[a.Attempt])
 					}
 					ended[a.Attempt] = true
+					lastEnd = now
+					freed()
+				case SourceExpired:
+					failedGen = gen
+					for att := uint64(1); att <= attempt; att++ {
+						if !ended[att] {
+							t.Fatalf("seed %d: the source expired while attempt %d had not ended", seed, att)
+						}
+					}
+					lastEnd = now
+					freed()
 				}
 			}
 		}
-		for step := 0; step < 60; step++ {
-			switch rng.IntN(7) {
+		for step := 0; step < 80; step++ {
+			switch rng.IntN(11) {
 			case 0: // decode registers (a retry when one exists)
 				attempt++
 				written[attempt] = map[uint32]bool{}
@@ -354,7 +429,7 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 				for i := range blocks {
 					blocks[i] = uint32(100*attempt) + uint32(i)
 				}
-				acts, err := tb.Register(now, Registration{Request: "r", Attempt: attempt, Decode: dec, Blocks: blocks})
+				acts, err := tb.Register(now, Registration{Request: "r", Attempt: attempt, Decode: Engine{ID: dec.ID, Epoch: epoch}, Blocks: blocks})
 				if errors.Is(err, ErrSourceGone) {
 					attempt-- // refused: the failed attempt is still draining
 					continue
@@ -376,7 +451,7 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					for i := range blocks {
 						blocks[i] = gen*1000 + uint32(nextPos+i)
 					}
-					acts, err := tb.SourceReady(Part{Request: "r", Offset: nextPos, Blocks: blocks, Final: nextPos+k == n})
+					acts, err := tb.SourceReady(t0, Part{Request: "r", Offset: nextPos, Blocks: blocks, Final: nextPos+k == n})
 					if errors.Is(err, ErrSourceGone) {
 						continue // the request failed and is draining; the engine hears of it
 					}
@@ -407,12 +482,12 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					if k > 0 {
 						done := 1 + rng.IntN(k)
 						inFlight[att] -= done
-						check(must(t)(tb.Completed("r", att, done)))
+						check(must(t)(tb.Completed(t0, "r", att, done)))
 					}
 				}
 			case 5: // decode cancels, or time passes and the watchdog runs
 				if rng.IntN(2) == 0 && attempt > 0 && !ended[attempt] {
-					acts, err := tb.Cancel("r", attempt)
+					acts, err := tb.Cancel(t0, "r", attempt)
 					if err == nil {
 						fencedAt[attempt] = true
 					}
@@ -437,6 +512,40 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 			case 6:
 				if attempt > 0 && !fencedAt[attempt] {
 					_ = tb.Heartbeat(now, "r", attempt)
+				}
+			case 7: // the same or a lower attempt again (a confused or replayed decode)
+				if attempt == 0 || !now.Before(lastEnd.Add(retention)) {
+					continue // the id may have been retired and forgotten: a new request then
+				}
+				again := 1 + uint64(rng.IntN(int(attempt)))
+				acts, err := tb.Register(now, Registration{Request: "r", Attempt: again, Decode: Engine{ID: dec.ID, Epoch: epoch}, Blocks: []uint32{9000, 9001, 9002, 9003, 9004, 9005}})
+				if err == nil || len(acts) > 0 {
+					t.Fatalf("seed %d: attempt %d registered again (latest %d): %v, %v", seed, again, attempt, acts, err)
+				}
+			case 8: // the decode engine restarts: its older incarnation's attempts are fenced
+				epoch++
+				for att := uint64(1); att <= attempt; att++ {
+					fencedAt[att] = true
+				}
+				check(tb.EngineRestarted(now, Engine{ID: dec.ID, Epoch: epoch}))
+			case 9: // the prefill engine cancels the request
+				acts, found := tb.CancelSource(now, "r")
+				if !found {
+					continue // nothing of it reached the table (or it is over): nothing to free
+				}
+				for att := uint64(1); att <= attempt; att++ {
+					fencedAt[att] = true
+				}
+				check(acts)
+				failedGen, lastEnd = gen, now
+				freed()
+			case 10: // a part the prefill engine sent before it heard of a failure arrives late
+				if failedGen == 0 || !now.Before(lastEnd.Add(retention)) {
+					continue
+				}
+				acts, err := tb.SourceReady(now, Part{Request: "r", Blocks: []uint32{failedGen * 1000}})
+				if err == nil {
+					check(acts) // a transfer reading the freed block fails the test
 				}
 			}
 		}

@@ -3,6 +3,7 @@ package writer
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
 	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
@@ -131,7 +132,7 @@ func (w *Writer) Idle() bool { return len(w.queue) == 0 && len(w.pending) == 0 }
 // the table, returning the actions that result (Delivered, CancelAcked, Failed) and the
 // writes the provider failed, whose attempts the caller fails. An error means the
 // writer's state disagrees with the table's: a bug, not a fabric fault.
-func (w *Writer) Poll() ([]rendezvous.Action, []Failure, error) {
+func (w *Writer) Poll(now time.Time) ([]rendezvous.Action, []Failure, error) {
 	var acts []rendezvous.Action
 	var failed []Failure
 	for len(w.queue) > 0 && len(w.pending) < w.MaxInFlight {
@@ -149,7 +150,7 @@ func (w *Writer) Poll() ([]rendezvous.Action, []Failure, error) {
 		if err != nil {
 			// Not posted: hand the admission back. "Again" is retried on a later Poll,
 			// after reaping; anything else fails the attempt.
-			a, werr := w.table.Withdraw(q.req, q.attempt, q.w.Blocks)
+			a, werr := w.table.Withdraw(now, q.req, q.attempt, q.w.Blocks)
 			acts = append(acts, a...)
 			if werr != nil {
 				return acts, failed, werr
@@ -182,7 +183,7 @@ func (w *Writer) Poll() ([]rendezvous.Action, []Failure, error) {
 			// The write is no longer in flight either way; the caller fails its attempt.
 			failed = append(failed, Failure{Request: q.req, Attempt: q.attempt, Err: c.Err})
 		}
-		a, err := w.table.Completed(q.req, q.attempt, q.w.Blocks)
+		a, err := w.table.Completed(now, q.req, q.attempt, q.w.Blocks)
 		if err != nil {
 			return acts, failed, err
 		}

@@ -81,7 +81,7 @@ func newRig(t *testing.T) *rig {
 
 // step polls the writer and, as a decode agent must, the target's queue.
 func (r *rig) step() []rendezvous.Action {
-	acts, _, err := r.w.Poll()
+	acts, _, err := r.w.Poll(time.Now())
 	if err != nil {
 		r.t.Fatal(err)
 	}
@@ -126,7 +126,7 @@ func (r *rig) signalled() uint64 {
 	buf := make([]fabric.Completion, 16)
 	deadline := time.Now().Add(60 * time.Second)
 	for time.Now().Before(deadline) {
-		if _, _, err := r.w.Poll(); err != nil {
+		if _, _, err := r.w.Poll(time.Now()); err != nil {
 			r.t.Fatal(err)
 		}
 		for _, c := range buf[:r.dst.Poll(buf)] {
@@ -145,8 +145,8 @@ func TestDeliversEveryBlockInMergedWrites(t *testing.T) {
 	src := append(seq(0, 64), seq(100, 64)...)
 	dst := append(seq(128, 64), seq(10, 64)...)
 	r.submit(mustActs(t)(r.table.Register(time.Now(), rendezvous.Registration{Request: "req", Attempt: 1, Decode: decode, Blocks: dst})))
-	r.submit(mustActs(t)(r.table.SourceReady(rendezvous.Part{Request: "req", Blocks: src[:100]})))
-	r.submit(mustActs(t)(r.table.SourceReady(rendezvous.Part{Request: "req", Offset: 100, Blocks: src[100:], Final: true})))
+	r.submit(mustActs(t)(r.table.SourceReady(time.Now(), rendezvous.Part{Request: "req", Blocks: src[:100]})))
+	r.submit(mustActs(t)(r.table.SourceReady(time.Now(), rendezvous.Part{Request: "req", Offset: 100, Blocks: src[100:], Final: true})))
 	r.until("delivery", nil, func(a rendezvous.Action) bool { _, ok := a.(rendezvous.Delivered); return ok })
 	// Delivered is the source's local completion; decode trusts the data once the
 	// signal, posted after it, arrives.
@@ -188,7 +188,7 @@ func TestNothingLandsAfterACancelIsAcknowledged(t *testing.T) {
 	r.w.MaxInFlight = 64
 	all := seq(0, nBlocks)
 	r.submit(mustActs(t)(r.table.Register(time.Now(), rendezvous.Registration{Request: "req", Attempt: 1, Decode: decode, Blocks: all})))
-	r.submit(mustActs(t)(r.table.SourceReady(rendezvous.Part{Request: "req", Blocks: all, Final: true})))
+	r.submit(mustActs(t)(r.table.SourceReady(time.Now(), rendezvous.Part{Request: "req", Blocks: all, Final: true})))
 	// Cancel right after the 40th write is posted, while it is surely in flight, so the
 	// fence (not the attempt's absence) is what must stop the writer.
 	var posted uint64
@@ -196,7 +196,7 @@ func TestNothingLandsAfterACancelIsAcknowledged(t *testing.T) {
 	r.w.OnPost = func(string, uint64) {
 		if r.w.Stats.Writes == 40 {
 			posted = r.w.Stats.Writes
-			cancelActs = mustActs(t)(r.table.Cancel("req", 1))
+			cancelActs = mustActs(t)(r.table.Cancel(time.Now(), "req", 1))
 		}
 	}
 	var seen []rendezvous.Action
@@ -265,7 +265,7 @@ func TestWritesAndSignalsReachOnlyTheIncarnationTheyWereFor(t *testing.T) {
 	r.w.AddDestination(restarted, r.w.dests[decode])
 	// The new incarnation is served: a request is written there.
 	r.submit(mustActs(t)(r.table.Register(time.Now(), rendezvous.Registration{Request: "new", Attempt: 1, Decode: restarted, Blocks: seq(10, 4)})))
-	r.submit(mustActs(t)(r.table.SourceReady(rendezvous.Part{Request: "new", Blocks: seq(0, 4), Final: true})))
+	r.submit(mustActs(t)(r.table.SourceReady(time.Now(), rendezvous.Part{Request: "new", Blocks: seq(0, 4), Final: true})))
 	r.until("delivery", nil, func(a rendezvous.Action) bool { _, ok := a.(rendezvous.Delivered); return ok })
 	// Nothing meant for the old incarnation goes anywhere.
 	if r.w.HasDestination(decode) {

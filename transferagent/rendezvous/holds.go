@@ -1,0 +1,124 @@
+package rendezvous
+
+import (
+	"fmt"
+	"time"
+)
+
+// Holds is the prefill agent's pull side: a request's ready blocks, held for one decode
+// attempt to read under a lease. The blocks stay held until that attempt releases them,
+// until its lease ends (its reads are then no longer trusted by the decode side, which
+// counts the same lease from before it asked), or, unacquired, for a blocks TTL. Like
+// Table it is pure; P identifies the peer agent connection that acquired a hold.
+type Holds[P comparable] struct {
+	ttl, lease time.Duration
+	m          map[string]*hold[P]
+}
+
+type hold[P comparable] struct {
+	positions map[uint32]bool // position → present
+	blocks    map[uint32]bool // block ids held
+	final     bool
+	ttlEnd    time.Time
+	acquired  bool
+	attempt   uint64
+	by        P
+	until     time.Time
+}
+
+// NewHolds returns an empty set of holds.
+func NewHolds[P comparable](blocksTTL, lease time.Duration) *Holds[P] {
+	return &Holds[P]{ttl: blocksTTL, lease: lease, m: map[string]*hold[P]{}}
+}
+
+// Ready holds a part of a request's blocks; the blocks TTL counts from its first part.
+func (h *Holds[P]) Ready(now time.Time, p Part) error {
+	o := h.m[p.Request]
+	if o == nil {
+		o = &hold[P]{positions: map[uint32]bool{}, blocks: map[uint32]bool{}, ttlEnd: now.Add(h.ttl)}
+		h.m[p.Request] = o
+	}
+	if o.final {
+		return fmt.Errorf("request_id: %s already had its final part", p.Request)
+	}
+	for i := range p.Blocks {
+		if o.positions[uint32(p.Offset+i)] {
+			return fmt.Errorf("offset: position %d of %s was reported twice", p.Offset+i, p.Request)
+		}
+	}
+	for i, b := range p.Blocks {
+		o.positions[uint32(p.Offset+i)] = true
+		o.blocks[b] = true
+	}
+	o.final = p.Final
+	return nil
+}
+
+// Acquire grants attempt (over by) the blocks for a lease from now. Only one attempt
+// holds a request at a time; it may ask again (the same lease is renewed).
+func (h *Holds[P]) Acquire(now time.Time, req string, attempt uint64, by P, blocks []uint32) (time.Duration, error) {
+	o := h.m[req]
+	switch {
+	case o == nil:
+		return 0, fmt.Errorf("request %s holds no blocks here (not ready, expired or released)", req)
+	case o.acquired && (o.attempt != attempt || o.by != by):
+		return 0, fmt.Errorf("request %s is being pulled by attempt %d", req, o.attempt)
+	}
+	for _, b := range blocks {
+		if !o.blocks[b] {
+			return 0, fmt.Errorf("block %d is not among request %s's ready blocks", b, req)
+		}
+	}
+	o.acquired, o.attempt, o.by, o.until = true, attempt, by, now.Add(h.lease)
+	return h.lease, nil
+}
+
+// Release ends the hold its acquirer releases, returning how many blocks it held.
+func (h *Holds[P]) Release(req string, attempt uint64, by P) (int, bool) {
+	o := h.m[req]
+	if o == nil || !o.acquired || o.attempt != attempt || o.by != by {
+		return 0, false
+	}
+	delete(h.m, req)
+	return len(o.blocks), true
+}
+
+// Cancel drops a request's hold unless a decode agent is reading it (its lease then
+// ends it). It reports whether a hold was dropped.
+func (h *Holds[P]) Cancel(req string) bool {
+	if o := h.m[req]; o != nil && !o.acquired {
+		delete(h.m, req)
+		return true
+	}
+	return false
+}
+
+// Expire drops holds whose lease ended before a release, or that nobody acquired within
+// the blocks TTL; the prefill engine is told to free them.
+func (h *Holds[P]) Expire(now time.Time) []SourceExpired {
+	var out []SourceExpired
+	for req, o := range h.m {
+		var reason string
+		switch {
+		case o.acquired && !now.Before(o.until):
+			reason = fmt.Sprintf("pull lease of %s ended before the decode agent released the blocks", h.lease)
+		case !o.acquired && !now.Before(o.ttlEnd):
+			reason = fmt.Sprintf("no pull within the blocks TTL of %s", h.ttl)
+		default:
+			continue
+		}
+		delete(h.m, req)
+		out = append(out, SourceExpired{Request: req, Reason: reason})
+	}
+	return out
+}
+
+// Acquired reports whether a decode agent may be reading now.
+func (h *Holds[P]) Acquired() bool {
+	for _, o := range h.m {
+		if o.acquired {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,57 @@
+package rendezvous
+
+import (
+	"testing"
+	"time"
+)
+
+type conn struct{ name string }
+
+func TestAHoldIsReadByOneAttemptAndEndsWithItsReleaseOrLease(t *testing.T) {
+	a, b := &conn{"a"}, &conn{"b"}
+	h := NewHolds[*conn](10*time.Second, 30*time.Second)
+	if err := h.Ready(t0, Part{Request: "r1", Blocks: []uint32{4, 5}, Final: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Ready(t0, Part{Request: "r1", Offset: 2, Blocks: []uint32{6}}); err == nil {
+		t.Fatal("a part after the final one was accepted")
+	}
+	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 9}); err == nil {
+		t.Fatal("a block the request does not hold was granted")
+	}
+	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Acquire(t0, "r1", 2, b, []uint32{4, 5}); err == nil {
+		t.Fatal("a second attempt was granted blocks another is reading")
+	}
+	if h.Cancel("r1") {
+		t.Fatal("the prefill engine's cancel dropped blocks a decode agent is reading")
+	}
+	if _, ok := h.Release("r1", 1, b); ok {
+		t.Fatal("another connection released the hold")
+	}
+	// Past the blocks TTL but within the lease: still held for the reader.
+	if exp := h.Expire(t0.Add(29 * time.Second)); len(exp) != 0 {
+		t.Fatalf("expired within the lease: %v", exp)
+	}
+	if exp := h.Expire(t0.Add(30 * time.Second)); len(exp) != 1 || exp[0].Request != "r1" {
+		t.Fatalf("at the lease's end: %v", exp)
+	}
+	if _, ok := h.Release("r1", 1, a); ok {
+		t.Fatal("released a hold that had expired")
+	}
+}
+
+func TestAnUnacquiredHoldExpiresAfterTheBlocksTTL(t *testing.T) {
+	h := NewHolds[*conn](10*time.Second, 30*time.Second)
+	if err := h.Ready(t0, Part{Request: "r1", Blocks: []uint32{4}, Final: true}); err != nil {
+		t.Fatal(err)
+	}
+	if exp := h.Expire(t0.Add(10*time.Second - time.Millisecond)); len(exp) != 0 {
+		t.Fatalf("expired early: %v", exp)
+	}
+	if exp := h.Expire(t0.Add(10 * time.Second)); len(exp) != 1 {
+		t.Fatalf("at the TTL: %v", exp)
+	}
+}
