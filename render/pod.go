@@ -27,7 +27,7 @@ const (
 	AgentSocketDir = "/var/run/kvhandoff"
 	// AgentSocket is the agent's socket inside AgentSocketDir.
 	AgentSocket = AgentSocketDir + "/agent.sock"
-	// AgentGroup owns the agent's socket and memory folder (config/agent passes it as
+	// AgentGroup owns the agent's sockets and their folder (config/agent passes it as
 	// --socket-gid); engine pods of executor Agent get it as a supplemental group, so they
 	// reach the agent without running as root.
 	AgentGroup = 7470

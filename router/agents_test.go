@@ -36,7 +36,7 @@ func agentEngine(t *testing.T, a *agentproc.Proc, id string, role agentv1.Role, 
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	kv, err := openai.StartAgentKV(ctx, id, role, mode, l, a.Socket, a.MemoryDir)
+	kv, err := openai.StartAgentKV(ctx, id, role, mode, l, a.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}

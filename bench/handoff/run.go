@@ -184,13 +184,13 @@ func startRanks(ctx context.Context, sc Scenario, mode agentv1.Mode, l simengine
 	rk := &ranks{}
 	name := map[agentv1.Mode]string{agentv1.Mode_MODE_PUSH: "push", agentv1.Mode_MODE_PULL: "pull"}[mode]
 	for r := range sc.TP {
-		p, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-prefill-" + name, Role: agentv1.Role_ROLE_PREFILL, Mode: mode, Rank: r, Layout: l, Socket: a.Socket, MemoryDir: a.MemoryDir})
+		p, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-prefill-" + name, Role: agentv1.Role_ROLE_PREFILL, Mode: mode, Rank: r, Layout: l, Socket: a.Socket})
 		if err != nil {
 			rk.stop()
 			return nil, err
 		}
 		rk.P = append(rk.P, p)
-		d, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-decode-" + name, Role: agentv1.Role_ROLE_DECODE, Mode: mode, Rank: r, Layout: l, Socket: b.Socket, MemoryDir: b.MemoryDir})
+		d, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-decode-" + name, Role: agentv1.Role_ROLE_DECODE, Mode: mode, Rank: r, Layout: l, Socket: b.Socket})
 		if err != nil {
 			rk.stop()
 			return nil, err

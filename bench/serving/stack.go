@@ -92,7 +92,7 @@ func startStack(ctx context.Context, mode kvv1.TransferMode, l simengine.Layout,
 		{agentv1.Role_ROLE_PREFILL, a, "qwen3-32b-prefill-0." + name},
 		{agentv1.Role_ROLE_DECODE, b, "qwen3-32b-decode-0." + name},
 	} {
-		kv, err := openai.StartAgentKV(ctx, side.id, side.role, am, l, side.agent.Socket, side.agent.MemoryDir)
+		kv, err := openai.StartAgentKV(ctx, side.id, side.role, am, l, side.agent.Socket)
 		if err != nil {
 			s.stop()
 			return nil, err

@@ -11,7 +11,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"golang.org/x/sys/unix"
 	"log/slog"
 	"net"
 	"os"
@@ -35,8 +34,6 @@ type Config struct {
 	// PeerListen is the TCP address peers connect to; Advertise is how they name it
 	// (defaults to the listener's address).
 	PeerListen, Advertise string
-	// MemoryDir is the only folder engines may name host-memory files in.
-	MemoryDir string
 	// Token authenticates peers: both sides prove they hold it (see peer.handshake).
 	Token []byte
 	// Timeouts are the fallbacks for engines that do not send their policy's in
@@ -98,9 +95,6 @@ func (c *Config) defaults() error {
 	if len(c.Token) == 0 {
 		return errors.New("agent: no peer token configured; agents must authenticate each other")
 	}
-	if c.MemoryDir == "" {
-		return errors.New("agent: no memory directory configured")
-	}
 	c.Timeouts = c.Timeouts.complete(DefaultTimeouts())
 	if c.EventsDeadline <= 0 {
 		c.EventsDeadline = 30 * time.Second
@@ -128,8 +122,8 @@ type Agent struct {
 	grpc   *grpc.Server
 	engLn  net.Listener
 	peerLn net.Listener
-	memDir *os.File // the memory folder, opened once (O_PATH): files resolve beneath it
-	self   string   // the advertised peer address
+	memLn  *net.UnixListener // the memory socket: engines pass their KV memfds
+	self   string            // the advertised peer address
 
 	mu        sync.Mutex
 	sessions  map[string]*session // by session id
@@ -170,30 +164,23 @@ func New(cfg Config) (*Agent, error) {
 		a.metrics.provider.WithLabelValues(a.limits.Provider).Set(1)
 	}
 
-	// The memory folder is opened once, here, and every engine file is resolved beneath
-	// this descriptor: an engine that later swaps the folder for a symlink (it can write
-	// the folder's parent) changes nothing the agent resolves.
-	if a.memDir, err = os.OpenFile(cfg.MemoryDir, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
-		return nil, fmt.Errorf("agent: opening the memory folder %s (it must be a directory, not a symlink): %w", cfg.MemoryDir, err)
-	}
 	if err := os.MkdirAll(filepath.Dir(cfg.Socket), 0o755); err != nil {
 		return nil, err
 	}
-	if err := os.Remove(cfg.Socket); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("agent: removing the stale socket %s: %w", cfg.Socket, err)
-	}
-	ln, err := net.Listen("unix", cfg.Socket)
+	ln, err := listenUnix("unix", cfg.Socket)
 	if err != nil {
 		return nil, err
 	}
-	// Engines run as the socket's group; nobody else may talk to the agent.
-	if err := os.Chmod(cfg.Socket, 0o660); err != nil {
+	a.engLn = ln
+	mem, err := listenUnix("unixpacket", agentv1.MemorySocket(cfg.Socket))
+	if err != nil {
 		ln.Close()
 		return nil, err
 	}
-	a.engLn = ln
+	a.memLn = mem.(*net.UnixListener)
 	if a.peerLn, err = net.Listen("tcp", cfg.PeerListen); err != nil {
 		ln.Close()
+		mem.Close()
 		return nil, err
 	}
 	a.self = cfg.Advertise
@@ -206,6 +193,23 @@ func New(cfg Config) (*Agent, error) {
 	)
 	agentv1.RegisterAgentServer(a.grpc, &engineAPI{a: a})
 	return a, nil
+}
+
+// listenUnix binds a socket engines reach: only root and the socket's group (engines run
+// in it) may use it.
+func listenUnix(network, path string) (net.Listener, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("agent: removing the stale socket %s: %w", path, err)
+	}
+	ln, err := net.Listen(network, path)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, 0o660); err != nil {
+		ln.Close()
+		return nil, err
+	}
+	return ln, nil
 }
 
 // maxRequest bounds an engine API message: a registration of wire.MaxBlocks blocks fits.
@@ -230,9 +234,10 @@ func probe(provider string) (fabric.Limits, error) {
 // Serve serves both listeners until ctx ends, then shuts down: engine sessions are
 // fenced and drained before their endpoints close.
 func (a *Agent) Serve(ctx context.Context) error {
-	a.wg.Add(2)
+	a.wg.Add(3)
 	go func() { defer a.wg.Done(); _ = a.grpc.Serve(a.engLn) }()
 	go func() { defer a.wg.Done(); a.acceptPeers() }()
+	go func() { defer a.wg.Done(); a.serveMemory() }()
 	a.log.Info("serving", "socket", a.cfg.Socket, "peers", a.self, "epoch", a.epoch)
 	<-ctx.Done()
 	a.shutdown()
@@ -256,7 +261,7 @@ func (a *Agent) shutdown() {
 	a.mu.Unlock()
 	a.grpc.Stop()
 	a.peerLn.Close()
-	defer a.memDir.Close()
+	a.memLn.Close()
 	for _, s := range sessions {
 		s.close("agent shutting down")
 	}

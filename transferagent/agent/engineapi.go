@@ -200,7 +200,12 @@ func (e *engineAPI) RegisterRegion(ctx context.Context, r *agentv1.RegisterRegio
 	default:
 		return nil, invalid("kind", "must be MEMORY_KIND_HOST, _CUDA or _NEURON")
 	}
-	m, err := mapFile(int(e.a.memDir.Fd()), e.a.cfg.MemoryDir, r.Path, r.Offset, r.Size)
+	f := s.claim(r.MemoryHandle)
+	if f == nil {
+		return nil, invalid("memory_handle", "%d names no memfd this session passed over %s (each handle registers one region)", r.MemoryHandle, agentv1.MemorySocketName)
+	}
+	m, err := mapFD(f, r.Offset, r.Size)
+	f.Close() // the mapping keeps the memory
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}

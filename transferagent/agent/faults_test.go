@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -104,7 +105,8 @@ func TestCancelMidWriteLetsNothingLandAfterTheAcknowledgement(t *testing.T) {
 		if err := P.SourceReady(bg, req, 0, src, true); err != nil {
 			t.Fatal(err)
 		}
-		if err := D.Cancel(bg, req, 1); err != nil {
+		// NotFound: the writes already won (on shm 32 MiB can land before the cancel).
+		if err := D.Cancel(bg, req, 1); err != nil && status.Code(err) != codes.NotFound {
 			t.Fatal(err)
 		}
 		ev := wait(t, D, req, 1)
@@ -310,7 +312,7 @@ func TestAnEnginesPolicyTimeoutsGovernItsRequests(t *testing.T) {
 	start := func(ag *agentProc, id string, role agentv1.Role) *simengine.Engine {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: ag.Socket, MemoryDir: ag.MemoryDir,
+		e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: ag.Socket,
 			Lease: 300 * time.Millisecond, RegistrationTimeout: time.Second, BlocksTTL: 300 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)

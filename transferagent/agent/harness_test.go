@@ -58,7 +58,7 @@ func engine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode agent
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Rank: rank, Layout: l, Socket: a.Socket, MemoryDir: a.MemoryDir})
+	e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Rank: rank, Layout: l, Socket: a.Socket})
 	if err != nil {
 		t.Fatalf("starting engine %s/%d on agent %s: %v", id, rank, a.Name, err)
 	}

@@ -1,18 +1,15 @@
 package agent
 
 import (
-	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
-	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
 )
 
-// mapping is an engine's host memory as the agent maps it: a shared mapping of a file
-// in the memory directory, so the agent registers memory it does not own.
+// mapping is an engine's host memory as the agent maps it: a shared mapping of a memfd
+// the engine passed, so the agent registers memory it does not own, without a copy.
 type mapping struct {
 	file       fileID
 	off, size  uint64
@@ -28,56 +25,46 @@ func (m *mapping) unmap() {
 	}
 }
 
-// mapFile maps size bytes at off of path, a regular file beneath the memory folder dir
-// (opened once as dirFD): an engine may hand the agent its KV memory, never any other file
-// on the node. The file is opened with openat2 resolving beneath the folder and through
-// no symlink at all, in one step: nothing can be swapped between a check and the open.
-func mapFile(dirFD int, dir, path string, off, size uint64) (*mapping, error) {
-	if path == "" {
-		return nil, fmt.Errorf("path: must name a file in the memory directory %s", dir)
+// checkSealed accepts only a memfd sealed against shrinking. The seal is what keeps the
+// mapping whole: a shrunk file faults every access past its new end, and the provider's
+// copies into decode memory run in this process (measured: on tcp;ofi_rxm a truncated
+// decode file killed the agent with SIGBUS). Seals can only be added, never removed, so
+// once checked the file can never shrink.
+func checkSealed(fd int) (fileID, int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fileID{}, 0, err
 	}
-	rel := path
-	if filepath.IsAbs(path) {
-		var err error
-		if rel, err = filepath.Rel(dir, path); err != nil {
-			return nil, fmt.Errorf("path: %s is outside the memory directory %s", path, dir)
-		}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return fileID{}, 0, fmt.Errorf("not a regular file: pass a memfd")
 	}
-	if rel == "." || rel == ".." || strings.HasPrefix(rel, "../") {
-		return nil, fmt.Errorf("path: %s is outside the memory directory %s", path, dir)
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return fileID{}, 0, fmt.Errorf("not a memfd (%v): pass one created with MFD_ALLOW_SEALING and sealed with F_SEAL_SHRINK", err)
 	}
-	fd, err := unix.Openat2(dirFD, rel, &unix.OpenHow{
-		Flags:   unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW,
-		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
-	})
-	switch {
-	case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV):
-		return nil, fmt.Errorf("path: %s is outside the memory directory %s or reached through a symlink", path, dir)
-	case err != nil:
-		return nil, fmt.Errorf("path: %s: %w", path, err)
+	if seals&unix.F_SEAL_SHRINK == 0 {
+		return fileID{}, 0, fmt.Errorf("the memfd is not sealed against shrinking: add F_SEAL_SHRINK before passing it")
 	}
-	f := os.NewFile(uintptr(fd), path)
-	defer f.Close()
-	var st syscall.Stat_t
-	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
-		return nil, fmt.Errorf("path: %w", err)
+	return fileID{dev: uint64(st.Dev), ino: st.Ino}, st.Size, nil
+}
+
+// mapFD maps size bytes at off of a sealed memfd. It checks the seal itself (the memory
+// socket did too), so it is safe on its own.
+func mapFD(f *os.File, off, size uint64) (*mapping, error) {
+	id, fsize, err := checkSealed(int(f.Fd()))
+	if err != nil {
+		return nil, fmt.Errorf("memory_handle: %w", err)
 	}
-	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		return nil, fmt.Errorf("path: %s is not a regular file", path)
-	}
-	if size == 0 || off+size < off || off+size > uint64(st.Size) {
-		return nil, fmt.Errorf("size: %d bytes at offset %d do not fit the %d-byte file %s", size, off, st.Size, path)
+	if size == 0 || off+size < off || off+size > uint64(fsize) {
+		return nil, fmt.Errorf("size: %d bytes at offset %d do not fit the %d-byte memfd", size, off, fsize)
 	}
 	page := uint64(os.Getpagesize())
 	start := off &^ (page - 1)
 	whole, err := syscall.Mmap(int(f.Fd()), int64(start), int(off+size-start), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
 	if err != nil {
-		return nil, fmt.Errorf("mapping %s: %w", path, err)
+		return nil, fmt.Errorf("mapping the memfd: %w", err)
 	}
-	return &mapping{
-		file: fileID{dev: uint64(st.Dev), ino: st.Ino}, off: off, size: size,
-		whole: whole, mem: whole[off-start : off-start+size],
-	}, nil
+	return &mapping{file: id, off: off, size: size, whole: whole, mem: whole[off-start : off-start+size]}, nil
 }
 
 // memoryIndex records every registered range of every file, agent-wide: a region that

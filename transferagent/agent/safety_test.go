@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -52,39 +53,88 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	file := filepath.Join(p.B.MemoryDir, "bad-input.kv")
-	if err := os.WriteFile(file, make([]byte, 1<<16), 0o600); err != nil {
+	memsock := agentv1.MemorySocket(p.B.Socket)
+	fd, mem, err := client.NewMemory("bad-input", 1<<16)
+	if err != nil {
 		t.Fatal(err)
 	}
-	region := func(id uint32, path string, off, size uint64, kind agentv1.MemoryKind) error {
-		_, err := api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, RegionId: id, Kind: kind, Path: path, Offset: off, Size: size, BlockLen: 1024, BlockCount: 16})
+	defer syscall.Munmap(mem)
+	defer syscall.Close(fd)
+	register := func(id uint32, handle uint64, off, size uint64, kind agentv1.MemoryKind) error {
+		_, err := api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, RegionId: id, Kind: kind, MemoryHandle: handle, Offset: off, Size: size, BlockLen: 1024, BlockCount: 16})
 		return err
 	}
-	host := agentv1.MemoryKind_MEMORY_KIND_HOST
-	refused(t, "a file outside the memory directory", region(0, "/etc/hostname", 0, 16<<10, host), codes.InvalidArgument, "outside the memory directory")
-	refused(t, "a symlink out of the memory directory", func() error {
-		link := filepath.Join(p.B.MemoryDir, "escape")
-		if err := os.Symlink("/etc/hostname", link); err != nil {
+	pass := func(session string, fd int) uint64 {
+		t.Helper()
+		h, err := client.PassMemory(memsock, session, fd)
+		if err != nil {
 			t.Fatal(err)
 		}
-		return region(0, link, 0, 16<<10, host)
-	}(), codes.InvalidArgument, "outside the memory directory")
-	refused(t, "a region past the file's end", region(0, file, 60<<10, 16<<10, host), codes.InvalidArgument, "size")
-	refused(t, "blocks that do not fit the size", region(0, file, 0, 8<<10, host), codes.InvalidArgument, "size")
-	refused(t, "device memory without FI_MR_DMABUF", region(0, file, 0, 16<<10, agentv1.MemoryKind_MEMORY_KIND_CUDA), codes.FailedPrecondition, "FI_MR_DMABUF")
-	if err := region(0, file, 0, 16<<10, host); err != nil {
+		return h
+	}
+	region := func(id uint32, off, size uint64, kind agentv1.MemoryKind) error {
+		return register(id, pass(e.Session, fd), off, size, kind)
+	}
+	host := agentv1.MemoryKind_MEMORY_KIND_HOST
+
+	// The memory socket takes only sealed memfds, one per packet, for a live session.
+	plain, err := os.Create(filepath.Join(t.TempDir(), "plain.kv"))
+	if err != nil {
 		t.Fatal(err)
 	}
-	refused(t, "a duplicate region id", region(0, file, 32<<10, 16<<10, host), codes.AlreadyExists, "region_id")
-	refused(t, "an overlapping region", region(1, file, 8<<10, 16<<10, host), codes.AlreadyExists, "overlap")
-	// Another engine naming the same memory is refused too.
+	defer plain.Close()
+	unsealed, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(unsealed)
+	memRefused := func(what string, err error, mentions string) {
+		t.Helper()
+		if err == nil || !strings.Contains(err.Error(), mentions) {
+			t.Errorf("%s: %v, want an error mentioning %q", what, err, mentions)
+		}
+	}
+	second := func(_ uint64, err error) error { return err }
+	memRefused("a regular file", second(client.PassMemory(memsock, e.Session, int(plain.Fd()))), "memfd")
+	memRefused("an unsealed memfd", second(client.PassMemory(memsock, e.Session, unsealed)), "F_SEAL_SHRINK")
+	memRefused("an unknown session", second(client.PassMemory(memsock, "nope", fd)), "session")
+	memRefused("a packet without an fd", func() error {
+		c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: memsock, Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte(e.Session)); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 256)
+		n, err := c.Read(buf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = agentv1.ParseMemoryAnswer(buf[:n])
+		return err
+	}(), "exactly one fd")
+	refused(t, "a handle never passed", register(0, 12345, 0, 16<<10, host), codes.InvalidArgument, "memory_handle")
+
+	refused(t, "a region past the memfd's end", region(0, 60<<10, 16<<10, host), codes.InvalidArgument, "size")
+	refused(t, "blocks that do not fit the size", region(0, 0, 8<<10, host), codes.InvalidArgument, "size")
+	refused(t, "device memory without FI_MR_DMABUF", region(0, 0, 16<<10, agentv1.MemoryKind_MEMORY_KIND_CUDA), codes.FailedPrecondition, "FI_MR_DMABUF")
+	h := pass(e.Session, fd)
+	if err := register(0, h, 0, 16<<10, host); err != nil {
+		t.Fatal(err)
+	}
+	refused(t, "a handle used twice", register(1, h, 32<<10, 16<<10, host), codes.InvalidArgument, "memory_handle")
+	refused(t, "a duplicate region id", region(0, 32<<10, 16<<10, host), codes.AlreadyExists, "region_id")
+	refused(t, "an overlapping region", region(1, 8<<10, 16<<10, host), codes.AlreadyExists, "overlap")
+	// Another engine naming the same memory (it got hold of the memfd) is refused too.
 	refused(t, "another engine's memory", func() error {
 		other, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "thief", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer other.Close()
-		_, err = api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: other.Session, RegionId: 0, Kind: host, Path: file, Offset: 0, Size: 16 << 10, BlockLen: 1024, BlockCount: 16})
+		_, err = api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: other.Session, RegionId: 0, Kind: host, MemoryHandle: pass(other.Session, fd), Offset: 0, Size: 16 << 10, BlockLen: 1024, BlockCount: 16})
 		return err
 	}(), codes.AlreadyExists, "overlap")
 
@@ -115,7 +165,7 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 		t.Fatal(err)
 	}
 	refused(t, "a duplicate registration", p.D[0].RegisterDestination(bg, "dup", 1, []uint32{1, 2}, src), codes.AlreadyExists, "already registered")
-	refused(t, "regions added after the first transfer", region(2, file, 32<<10, 16<<10, host), codes.FailedPrecondition, "fixed")
+	refused(t, "regions added after the first transfer", region(2, 32<<10, 16<<10, host), codes.FailedPrecondition, "fixed")
 
 	// Prefill side: a position reported twice, a block outside the regions.
 	ready := func(off uint32, blocks []uint32) error { return p.P[0].SourceReady(bg, "twice", off, blocks, false) }
@@ -336,11 +386,12 @@ func TestSessionsCannotBeEvictedOrLeftDangling(t *testing.T) {
 	}
 }
 
-// With --socket-gid, engines of that group (not root) can use the socket and create their
-// KV files in the memory folder, which keeps new files in the group.
-func TestTheSocketGroupReachesTheSocketAndTheMemoryFolder(t *testing.T) {
+// With --socket-gid, engines of that group (not root) can use both sockets, and can
+// neither remove nor create anything in their folder: no engine can replace a socket.
+func TestTheSocketGroupReachesBothSocketsAndCannotReplaceThem(t *testing.T) {
 	a := startAgent(t, "grouped", t.TempDir(), "--socket-gid", "7470")
-	for path, want := range map[string]os.FileMode{a.Socket: 0o660, a.MemoryDir: 0o770 | os.ModeSetgid} {
+	want := map[string]os.FileMode{a.Socket: 0o660, agentv1.MemorySocket(a.Socket): 0o660, filepath.Dir(a.Socket): 0o750}
+	for path, mode := range want {
 		st, err := os.Stat(path)
 		if err != nil {
 			t.Fatal(err)
@@ -348,40 +399,55 @@ func TestTheSocketGroupReachesTheSocketAndTheMemoryFolder(t *testing.T) {
 		if gid := st.Sys().(*syscall.Stat_t).Gid; gid != 7470 {
 			t.Errorf("%s belongs to group %d, want 7470", path, gid)
 		}
-		if mode := st.Mode() & (os.ModePerm | os.ModeSetgid); mode != want {
-			t.Errorf("%s has mode %v, want %v", path, mode, want)
+		if got := st.Mode() & os.ModePerm; got != mode {
+			t.Errorf("%s has mode %v, want %v", path, got, mode)
 		}
 	}
 }
 
-// Engines can write the memory folder's parent (/var/run/kvhandoff): one that swaps the
-// folder for a symlink to elsewhere must not make the privileged agent map files there.
-func TestSwappingTheMemoryFolderForASymlinkGainsNothing(t *testing.T) {
-	a := startAgent(t, "swapped", t.TempDir())
+// An engine must not be able to shrink memory the agent has mapped: the provider copies
+// into decode memory inside the agent, and a truncated file killed the decode agent with
+// SIGBUS (tcp;ofi_rxm) or stalled the transfer (shm). Only sealed memfds are taken, and a
+// sealed memfd cannot shrink.
+func TestMemoryAnEngineCouldShrinkIsRefused(t *testing.T) {
+	a := startAgent(t, "seals", t.TempDir())
 	cl, err := client.Dial(a.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer cl.Close()
-	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "swapper", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "shrinker", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
 		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	// Elsewhere: a file the engine has no business handing to the agent.
-	elsewhere := t.TempDir()
-	secret := filepath.Join(elsewhere, "secret")
-	if err := os.WriteFile(secret, make([]byte, 1<<16), 0o600); err != nil {
+	// Sealed against growing only: it could still shrink.
+	fd, err := unix.MemfdCreate("grow-sealed", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Rename(a.MemoryDir, a.MemoryDir+".old"); err != nil {
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, 1<<16); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Symlink(elsewhere, a.MemoryDir); err != nil {
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_GROW); err != nil {
 		t.Fatal(err)
 	}
-	_, err = cl.API.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, RegionId: 0, Kind: agentv1.MemoryKind_MEMORY_KIND_HOST,
-		Path: filepath.Join(a.MemoryDir, "secret"), Size: 16 << 10, BlockLen: 1024, BlockCount: 16})
-	refused(t, "a file reached through a swapped memory folder", err, codes.InvalidArgument, "path")
+	if _, err := client.PassMemory(agentv1.MemorySocket(a.Socket), e.Session, fd); err == nil || !strings.Contains(err.Error(), "F_SEAL_SHRINK") {
+		t.Fatalf("a memfd that can shrink: %v, want a refusal naming F_SEAL_SHRINK", err)
+	}
+	// What engines use: the agent maps it, and the engine cannot shrink it afterwards.
+	sealed, mem, err := client.NewMemory("sealed", 1<<16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(mem)
+	defer unix.Close(sealed)
+	if err := e.RegisterRegion(bg, client.Region{ID: 0, FD: sealed, Size: 1 << 16, BlockLen: 1024, BlockCount: 64}); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Ftruncate(sealed, 0); !errors.Is(err, unix.EPERM) {
+		t.Fatalf("truncating the registered memfd: %v, want EPERM", err)
+	}
 }

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"os"
 	"runtime"
 	"slices"
 	"sync"
@@ -42,6 +43,12 @@ type session struct {
 	once     sync.Once
 	reasonMu sync.Mutex
 	reason   string
+
+	// fds are memfds passed over the memory socket, by handle, until a RegisterRegion
+	// claims them (nil once the session ended).
+	fdMu   sync.Mutex
+	fds    map[uint64]*os.File
+	nextFD uint64
 
 	// Everything below belongs to the pump.
 	side      side
@@ -98,6 +105,7 @@ func newSession(a *Agent, id, key string, epoch uint64, r *agentv1.RegisterEngin
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
 		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]remoteEngine{},
+		fds: map[uint64]*os.File{},
 	}
 	if r.Role == agentv1.Role_ROLE_PREFILL {
 		s.side = newPrefillSide(s)
@@ -288,6 +296,7 @@ func (s *session) runCommands() bool {
 }
 
 func (s *session) teardown() {
+	s.dropDeposits()
 	for _, r := range s.regions {
 		if err := r.reg.Close(); err != nil {
 			s.a.log.Warn("deregistering memory", "engine", s.key, "region", r.id, "err", err)

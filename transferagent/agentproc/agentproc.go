@@ -35,12 +35,11 @@ const Token = "kvhandoff-loopback-token-0123456789"
 
 // Proc is a running agent.
 type Proc struct {
-	Name      string
-	Dir       string
-	Socket    string
-	MemoryDir string
-	Peer      string // host:port of its peer listener
-	HTTP      string // host:port of /metrics, /healthz, /readyz
+	Name   string
+	Dir    string
+	Socket string
+	Peer   string // host:port of its peer listener
+	HTTP   string // host:port of /metrics, /healthz, /readyz
 
 	cmd     *exec.Cmd
 	exited  chan struct{}
@@ -49,7 +48,7 @@ type Proc struct {
 	log     bytes.Buffer
 }
 
-// Start starts the agent binary bin with its socket, token and memory folder in dir
+// Start starts the agent binary bin with its sockets and token in dir
 // (reusing a dir restarts "the same node's" agent) and waits until it serves. flags
 // come last, so they override the defaults here.
 func Start(bin, name, dir, provider string, flags ...string) (*Proc, error) {
@@ -57,9 +56,9 @@ func Start(bin, name, dir, provider string, flags ...string) (*Proc, error) {
 	if err := os.WriteFile(token, []byte(Token), 0o600); err != nil {
 		return nil, err
 	}
-	p := &Proc{Name: name, Dir: dir, Socket: filepath.Join(dir, "agent.sock"), MemoryDir: filepath.Join(dir, "memory"), exited: make(chan struct{})}
+	p := &Proc{Name: name, Dir: dir, Socket: filepath.Join(dir, "agent.sock"), exited: make(chan struct{})}
 	args := append([]string{
-		"--provider", provider, "--socket", p.Socket, "--memory-dir", p.MemoryDir,
+		"--provider", provider, "--socket", p.Socket,
 		"--peer-listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--peer-token-file", token,
 	}, flags...)
 	p.cmd = exec.Command(bin, args...)

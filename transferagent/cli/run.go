@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"syscall"
@@ -23,6 +24,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kvhandoff/kvhandoff/transferagent/agent"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
 	"github.com/kvhandoff/kvhandoff/transferagent/monitoring"
 	"github.com/kvhandoff/kvhandoff/transferagent/nodelabel"
@@ -35,8 +37,7 @@ func Run(args []string, stderr io.Writer) int {
 	var cfg agent.Config
 	fs.StringVar(&cfg.Provider, "provider", "efa", `libfabric provider: "efa" on AWS; "tcp;ofi_rxm" or "shm" for development. Never falls back to another.`)
 	fs.StringVar(&cfg.Socket, "socket", client.DefaultSocket, "the engine API's Unix socket (created 0660)")
-	socketGID := fs.Int("socket-gid", -1, "group to own the socket and the memory folder; engines run in it (the manager adds it to engine pods' supplementalGroups); -1 keeps the agent's")
-	fs.StringVar(&cfg.MemoryDir, "memory-dir", "/var/run/kvhandoff/memory", "the only folder engines may name host-memory files in")
+	socketGID := fs.Int("socket-gid", -1, "group to own the engine and memory sockets and their folder; engines run in it (the manager adds it to engine pods' supplementalGroups); -1 keeps the agent's")
 	fs.StringVar(&cfg.PeerListen, "peer-listen", ":7470", "TCP address other agents connect to (the agent runs with hostNetwork)")
 	fs.StringVar(&cfg.Advertise, "advertise", "", "host:port peers use to reach this agent (default: the listener's address; in a pod: $(NODE_IP):7470)")
 	tokenFile := fs.String("peer-token-file", "", "file holding the secret every agent of the cluster shares; peers prove they hold it")
@@ -66,10 +67,6 @@ func Run(args []string, stderr io.Writer) int {
 	if cfg.Token = []byte(strings.TrimSpace(string(token))); len(cfg.Token) < 16 {
 		return fail(fmt.Errorf("--peer-token-file %s: the token must be at least 16 bytes", *tokenFile))
 	}
-	if err := os.MkdirAll(cfg.MemoryDir, 0o770); err != nil {
-		return fail(err)
-	}
-
 	if os.Getenv("GOMAXPROCS") == "" {
 		// Each engine rank's pump spends its idle time blocked inside the provider's wait,
 		// a cgo call that keeps its P until the runtime's monitor takes it back (up to
@@ -93,15 +90,16 @@ func Run(args []string, stderr io.Writer) int {
 		return fail(err)
 	}
 	if *socketGID >= 0 {
-		// Engines run as any non-root user in this group: they may use the socket and put
-		// their KV files in the memory folder (setgid, so the files stay in the group).
-		if err := os.Chown(cfg.Socket, -1, *socketGID); err != nil {
-			return fail(err)
+		// Engines run as any non-root user in this group: they may use both sockets, and
+		// may list the folder but neither create nor remove anything in it, so no engine
+		// can replace a socket or leave files there.
+		dir := filepath.Dir(cfg.Socket)
+		for _, path := range []string{cfg.Socket, agentv1.MemorySocket(cfg.Socket), dir} {
+			if err := os.Chown(path, -1, *socketGID); err != nil {
+				return fail(err)
+			}
 		}
-		if err := os.Chown(cfg.MemoryDir, -1, *socketGID); err != nil {
-			return fail(err)
-		}
-		if err := os.Chmod(cfg.MemoryDir, 0o2770|os.ModeSetgid); err != nil {
+		if err := os.Chmod(dir, 0o750); err != nil {
 			return fail(err)
 		}
 	}

@@ -20,8 +20,9 @@ const DefaultSocket = "/var/run/kvhandoff/agent.sock"
 
 // Client is a connection to the node's agent.
 type Client struct {
-	conn *grpc.ClientConn
-	API  agentv1.AgentClient
+	conn   *grpc.ClientConn
+	socket string
+	API    agentv1.AgentClient
 }
 
 // Dial connects to the agent's socket (lazily: the first call waits for it).
@@ -32,7 +33,7 @@ func Dial(socket string) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{conn: conn, API: agentv1.NewAgentClient(conn)}, nil
+	return &Client{conn: conn, socket: socket, API: agentv1.NewAgentClient(conn)}, nil
 }
 
 // Close closes the connection, ending every session opened through it.
@@ -96,20 +97,27 @@ func (e *Engine) Err() error {
 // Close ends the session: the agent fences and fails what it had outstanding.
 func (e *Engine) Close() { e.cancel() }
 
-// Region describes one KV region in a shared file under the agent's memory directory.
+// Region describes one KV region: Size bytes at Offset of a memfd sealed against
+// shrinking (see NewMemory).
 type Region struct {
 	ID         uint32
-	Path       string
+	FD         int
 	Offset     uint64
 	Size       uint64
 	BlockLen   uint64
 	BlockCount uint32
 }
 
+// RegisterRegion passes the region's memfd to the agent over the memory socket, then
+// registers the region.
 func (e *Engine) RegisterRegion(ctx context.Context, r Region) error {
-	_, err := e.c.API.RegisterRegion(ctx, &agentv1.RegisterRegionRequest{
+	h, err := PassMemory(agentv1.MemorySocket(e.c.socket), e.Session, r.FD)
+	if err != nil {
+		return fmt.Errorf("registering region %d: %w", r.ID, err)
+	}
+	_, err = e.c.API.RegisterRegion(ctx, &agentv1.RegisterRegionRequest{
 		Session: e.Session, RegionId: r.ID, Kind: agentv1.MemoryKind_MEMORY_KIND_HOST,
-		Path: r.Path, Offset: r.Offset, Size: r.Size, BlockLen: r.BlockLen, BlockCount: r.BlockCount,
+		MemoryHandle: h, Offset: r.Offset, Size: r.Size, BlockLen: r.BlockLen, BlockCount: r.BlockCount,
 	})
 	if err != nil {
 		return fmt.Errorf("registering region %d: %w", r.ID, err)

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"sync"
 	"syscall"
 	"time"
@@ -21,15 +19,14 @@ type Config struct {
 	Mode   agentv1.Mode
 	Rank   int
 	Layout Layout
-	// Socket is the agent's socket; MemoryDir the agent's memory directory, where the
-	// engine puts the file holding its KV cache.
-	Socket, MemoryDir string
+	// Socket is the agent's socket.
+	Socket string
 	// Lease, RegistrationTimeout and BlocksTTL are the engine's policy's timeouts, sent in
 	// RegisterEngine as a vLLM connector sends its kv_transfer_config's (0: the agent's).
 	Lease, RegistrationTimeout, BlocksTTL time.Duration
 }
 
-// Engine is a simulated engine rank: its KV cache lives in a shared file the agent maps,
+// Engine is a simulated engine rank: its KV cache lives in a sealed memfd the agent maps,
 // it talks to the agent only through the client API, and it allocates blocks the way an
 // engine's block manager does.
 type Engine struct {
@@ -37,7 +34,6 @@ type Engine struct {
 	Cache *Cache
 	cfg   Config
 	cl    *client.Client
-	path  string
 	mem   []byte
 
 	mu      sync.Mutex
@@ -60,19 +56,12 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	regionBytes := l.Blocks * l.BlockBytes()
 	size := l.Regions() * regionBytes
-	path := filepath.Join(cfg.MemoryDir, fmt.Sprintf("%s-%d.kv", cfg.ID, cfg.Rank))
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o660)
+	fd, mem, err := client.NewMemory(fmt.Sprintf("kv-%s-%d", cfg.ID, cfg.Rank), size)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
-	if err := f.Truncate(int64(size)); err != nil {
-		return nil, err
-	}
-	mem, err := syscall.Mmap(int(f.Fd()), 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
-	if err != nil {
-		return nil, err
-	}
+	// The agent keeps its own reference to the memfd once the regions are registered.
+	defer syscall.Close(fd)
 	regions := make([][]byte, l.Regions())
 	for i := range regions {
 		regions[i] = mem[i*regionBytes : (i+1)*regionBytes]
@@ -81,7 +70,7 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &Engine{Cache: cache, cfg: cfg, path: path, mem: mem, waiters: map[waitKey]chan *agentv1.Event{}, early: map[waitKey]*agentv1.Event{}, freed: make(chan struct{})}
+	e := &Engine{Cache: cache, cfg: cfg, mem: mem, waiters: map[waitKey]chan *agentv1.Event{}, early: map[waitKey]*agentv1.Event{}, freed: make(chan struct{})}
 	for b := l.Blocks - 1; b >= 0; b-- {
 		e.free = append(e.free, uint32(b))
 	}
@@ -100,7 +89,7 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	for i := range regions {
 		err := e.RegisterRegion(ctx, client.Region{
-			ID: uint32(i), Path: path, Offset: uint64(i * regionBytes), Size: uint64(regionBytes),
+			ID: uint32(i), FD: fd, Offset: uint64(i * regionBytes), Size: uint64(regionBytes),
 			BlockLen: uint64(l.BlockBytes()), BlockCount: uint32(l.Blocks),
 		})
 		if err != nil {
@@ -117,7 +106,6 @@ func (e *Engine) release() {
 		e.cl.Close()
 	}
 	_ = syscall.Munmap(e.mem)
-	_ = os.Remove(e.path)
 }
 
 // Stop ends the session and frees the cache.

@@ -582,13 +582,16 @@ type RegisterRegionRequest struct {
 	Session  string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
 	RegionId uint32                 `protobuf:"varint,2,opt,name=region_id,json=regionId,proto3" json:"region_id,omitempty"`
 	Kind     MemoryKind             `protobuf:"varint,3,opt,name=kind,proto3,enum=kvhandoff.agent.v1.MemoryKind" json:"kind,omitempty"`
-	// path is a file under the agent's memory directory (shared memory or hugetlbfs) that
-	// holds the region at offset, for MEMORY_KIND_HOST.
-	Path       string `protobuf:"bytes,4,opt,name=path,proto3" json:"path,omitempty"`
-	Offset     uint64 `protobuf:"varint,5,opt,name=offset,proto3" json:"offset,omitempty"`
-	Size       uint64 `protobuf:"varint,6,opt,name=size,proto3" json:"size,omitempty"`
-	BlockLen   uint64 `protobuf:"varint,7,opt,name=block_len,json=blockLen,proto3" json:"block_len,omitempty"`
-	BlockCount uint32 `protobuf:"varint,8,opt,name=block_count,json=blockCount,proto3" json:"block_count,omitempty"`
+	// memory_handle names, for MEMORY_KIND_HOST, the memfd that holds the region at offset:
+	// the engine passes the fd over the agent's memory socket (memory.sock beside the
+	// engine socket; see memory.go in this package), which answers with the handle. The
+	// memfd must be sealed against shrinking (F_SEAL_SHRINK), so no engine can truncate
+	// memory the agent has mapped.
+	MemoryHandle uint64 `protobuf:"varint,10,opt,name=memory_handle,json=memoryHandle,proto3" json:"memory_handle,omitempty"`
+	Offset       uint64 `protobuf:"varint,5,opt,name=offset,proto3" json:"offset,omitempty"`
+	Size         uint64 `protobuf:"varint,6,opt,name=size,proto3" json:"size,omitempty"`
+	BlockLen     uint64 `protobuf:"varint,7,opt,name=block_len,json=blockLen,proto3" json:"block_len,omitempty"`
+	BlockCount   uint32 `protobuf:"varint,8,opt,name=block_count,json=blockCount,proto3" json:"block_count,omitempty"`
 	// dmabuf_fd is reserved for device memory (CUDA, Neuron) exported as a dmabuf. The
 	// agent refuses device memory when its libfabric lacks FI_MR_DMABUF (Debian's 1.17 does)
 	// and says so in the error.
@@ -648,11 +651,11 @@ func (x *RegisterRegionRequest) GetKind() MemoryKind {
 	return MemoryKind_MEMORY_KIND_UNSPECIFIED
 }
 
-func (x *RegisterRegionRequest) GetPath() string {
+func (x *RegisterRegionRequest) GetMemoryHandle() uint64 {
 	if x != nil {
-		return x.Path
+		return x.MemoryHandle
 	}
-	return ""
+	return 0
 }
 
 func (x *RegisterRegionRequest) GetOffset() uint64 {
@@ -1264,18 +1267,19 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x121\n" +
 	"\x04self\x18\x03 \x01(\v2\x1d.kvhandoff.agent.v1.EngineRefR\x04self\x12\x1a\n" +
-	"\bprovider\x18\x04 \x01(\tR\bprovider\"\x9d\x02\n" +
+	"\bprovider\x18\x04 \x01(\tR\bprovider\"\xba\x02\n" +
 	"\x15RegisterRegionRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1b\n" +
 	"\tregion_id\x18\x02 \x01(\rR\bregionId\x122\n" +
-	"\x04kind\x18\x03 \x01(\x0e2\x1e.kvhandoff.agent.v1.MemoryKindR\x04kind\x12\x12\n" +
-	"\x04path\x18\x04 \x01(\tR\x04path\x12\x16\n" +
+	"\x04kind\x18\x03 \x01(\x0e2\x1e.kvhandoff.agent.v1.MemoryKindR\x04kind\x12#\n" +
+	"\rmemory_handle\x18\n" +
+	" \x01(\x04R\fmemoryHandle\x12\x16\n" +
 	"\x06offset\x18\x05 \x01(\x04R\x06offset\x12\x12\n" +
 	"\x04size\x18\x06 \x01(\x04R\x04size\x12\x1b\n" +
 	"\tblock_len\x18\a \x01(\x04R\bblockLen\x12\x1f\n" +
 	"\vblock_count\x18\b \x01(\rR\n" +
 	"blockCount\x12\x1b\n" +
-	"\tdmabuf_fd\x18\t \x01(\x05R\bdmabufFd\"\x18\n" +
+	"\tdmabuf_fd\x18\t \x01(\x05R\bdmabufFdJ\x04\b\x04\x10\x05R\x04path\"\x18\n" +
 	"\x16RegisterRegionResponse\"\xc3\x01\n" +
 	"\x1aRegisterDestinationRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1d\n" +

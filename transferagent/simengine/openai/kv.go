@@ -288,11 +288,11 @@ func parallel(n int, fn func(int) error) error {
 }
 
 // StartAgentKV registers one simulated engine rank per TP rank of layout with the agent
-// at socket, keeping their KV caches in memoryDir.
-func StartAgentKV(ctx context.Context, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout, socket, memoryDir string) (*AgentKV, error) {
+// at socket.
+func StartAgentKV(ctx context.Context, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout, socket string) (*AgentKV, error) {
 	k := &AgentKV{Ranks: make([]*simengine.Engine, l.TP)}
 	err := parallel(l.TP, func(r int) error {
-		e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Rank: r, Layout: l, Socket: socket, MemoryDir: memoryDir})
+		e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Rank: r, Layout: l, Socket: socket})
 		k.Ranks[r] = e
 		return err
 	})

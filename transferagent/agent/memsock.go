@@ -1,0 +1,149 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Memory socket limits: fds a session may hold unclaimed (a rank registers its regions
+// from one memfd or a few), concurrent connections, and how long a connection may idle.
+const (
+	maxDeposits    = 64
+	maxMemoryConns = 64
+	memoryIdle     = 10 * time.Second
+)
+
+// serveMemory answers the memory socket (agentv1.MemorySocketName; the protocol is
+// written down there): it takes one sealed
+// memfd per packet for a session and answers with its handle.
+func (a *Agent) serveMemory() {
+	slots := make(chan struct{}, maxMemoryConns)
+	for {
+		c, err := a.memLn.AcceptUnix()
+		if err != nil {
+			return // closed at shutdown
+		}
+		select {
+		case slots <- struct{}{}:
+		default:
+			a.metrics.refused.WithLabelValues("memory", "ResourceExhausted").Inc()
+			c.Close()
+			continue
+		}
+		a.wg.Add(1)
+		go func() {
+			defer a.wg.Done()
+			defer func() { <-slots }()
+			defer c.Close()
+			a.memoryConn(c)
+		}()
+	}
+}
+
+func (a *Agent) memoryConn(c *net.UnixConn) {
+	buf := make([]byte, 256)
+	oob := make([]byte, unix.CmsgSpace(4*4)) // room to see (and close) a few extra fds
+	for {
+		_ = c.SetReadDeadline(time.Now().Add(memoryIdle))
+		n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
+		if err != nil || n == 0 {
+			return
+		}
+		fds, perr := receivedFDs(oob[:oobn], flags)
+		answer := a.deposit(string(buf[:n]), fds, perr)
+		if _, err := c.Write([]byte(answer)); err != nil {
+			return
+		}
+	}
+}
+
+// receivedFDs parses the fds that came with a packet; a truncated control message (more
+// fds than fit) is refused, and whatever arrived is still returned to be closed.
+func receivedFDs(oob []byte, flags int) ([]int, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, err
+	}
+	var fds []int
+	for _, m := range msgs {
+		got, err := unix.ParseUnixRights(&m)
+		if err == nil {
+			fds = append(fds, got...)
+		}
+	}
+	if flags&unix.MSG_CTRUNC != 0 {
+		return fds, errors.New("too many fds in one packet")
+	}
+	return fds, nil
+}
+
+// deposit checks one packet: a live session's id and exactly one sealed memfd. Every fd
+// that is not kept is closed.
+func (a *Agent) deposit(id string, fds []int, perr error) string {
+	refuse := func(format string, args ...any) string {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		a.metrics.refused.WithLabelValues("memory", "InvalidArgument").Inc()
+		return "error " + fmt.Sprintf(format, args...)
+	}
+	switch {
+	case perr != nil:
+		return refuse("%v", perr)
+	case len(fds) != 1:
+		return refuse("pass exactly one fd per packet, got %d", len(fds))
+	}
+	s, err := a.session(id)
+	if err != nil {
+		return refuse("session: %v", err)
+	}
+	if _, _, err := checkSealed(fds[0]); err != nil {
+		return refuse("%v", err)
+	}
+	h, err := s.deposit(os.NewFile(uintptr(fds[0]), "memfd"))
+	if err != nil {
+		return refuse("%v", err)
+	}
+	return fmt.Sprintf("ok %d", h)
+}
+
+// deposit keeps a passed memfd until a RegisterRegion claims it or the session ends.
+func (s *session) deposit(f *os.File) (uint64, error) {
+	s.fdMu.Lock()
+	defer s.fdMu.Unlock()
+	if s.fds == nil {
+		f.Close()
+		return 0, errors.New("session: ended")
+	}
+	if len(s.fds) >= maxDeposits {
+		f.Close()
+		return 0, fmt.Errorf("session: %d memfds passed and not yet registered; register them first", maxDeposits)
+	}
+	s.nextFD++
+	s.fds[s.nextFD] = f
+	return s.nextFD, nil
+}
+
+// claim takes the memfd a RegisterRegion names.
+func (s *session) claim(h uint64) *os.File {
+	s.fdMu.Lock()
+	defer s.fdMu.Unlock()
+	f := s.fds[h]
+	delete(s.fds, h)
+	return f
+}
+
+// dropDeposits closes every unclaimed memfd; later deposits are refused.
+func (s *session) dropDeposits() {
+	s.fdMu.Lock()
+	defer s.fdMu.Unlock()
+	for _, f := range s.fds {
+		f.Close()
+	}
+	s.fds = nil
+}

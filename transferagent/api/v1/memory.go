@@ -1,0 +1,40 @@
+package agentv1
+
+import (
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// The memory socket carries what gRPC cannot: file descriptors. An engine hands the agent
+// its host KV memory as a memfd sealed against shrinking, so the agent maps memory the
+// engine owns (no copy) and no engine can truncate it under the agent's mapping.
+//
+// The socket is MemorySocketName in the engine socket's folder, of type SOCK_SEQPACKET.
+// One request is one packet: the session id (RegisterEngineResponse.session) as its
+// bytes, with exactly one fd in SCM_RIGHTS. The answer is one packet: "ok <handle>",
+// where handle is what RegisterRegionRequest.memory_handle names, or "error <reason>".
+// A handle is good for one RegisterRegion of that session; fds that no region claims are
+// closed when the session ends.
+const MemorySocketName = "memory.sock"
+
+// MemorySocket is the memory socket beside an agent's engine socket.
+func MemorySocket(engineSocket string) string {
+	return filepath.Join(filepath.Dir(engineSocket), MemorySocketName)
+}
+
+// ParseMemoryAnswer reads the memory socket's answer.
+func ParseMemoryAnswer(b []byte) (uint64, error) {
+	s := string(b)
+	if h, ok := strings.CutPrefix(s, "ok "); ok {
+		return strconv.ParseUint(h, 10, 64)
+	}
+	if reason, ok := strings.CutPrefix(s, "error "); ok {
+		return 0, memoryError(reason)
+	}
+	return 0, memoryError("malformed answer " + strconv.Quote(s))
+}
+
+type memoryError string
+
+func (e memoryError) Error() string { return "memory socket: " + string(e) }
