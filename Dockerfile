@@ -1,6 +1,7 @@
 # Images: `docker build --target manager .` (default), `--target device-plugin .`,
-# `--target transfer-agent .` and `--target router .`. Build the manager with
-# --build-arg VERSION=<tag> so that it renders the router of its own version.
+# `--target transfer-agent .`, `--target router .` and `--target vllm-connector .`. Build
+# the manager with --build-arg VERSION=<tag> so that it renders the router and the vLLM
+# connector of its own version.
 FROM golang:1.26 AS build
 WORKDIR /src
 COPY go.mod go.sum ./
@@ -14,9 +15,11 @@ COPY instancetype/ instancetype/
 COPY render/ render/
 COPY router/ router/
 COPY transferagent/ transferagent/
+COPY vllm-connector/ vllm-connector/
 ARG VERSION=latest
-RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X github.com/kvhandoff/kvhandoff/controllers.DefaultRouterImage=ghcr.io/kvhandoff/router:${VERSION}" -o /out/manager ./cmd/manager
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X github.com/kvhandoff/kvhandoff/controllers.DefaultRouterImage=ghcr.io/kvhandoff/router:${VERSION} -X github.com/kvhandoff/kvhandoff/render.DefaultConnectorImage=ghcr.io/kvhandoff/vllm-connector:${VERSION}" -o /out/manager ./cmd/manager
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/router ./cmd/router
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/install ./cmd/connector-install
 # go-nvml needs cgo; it loads libnvidia-ml.so.1 from the host's driver at run time.
 RUN CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ldflags "-s -w" -o /out/device-plugin ./cmd/device-plugin
 
@@ -39,6 +42,13 @@ FROM gcr.io/distroless/static-debian12:nonroot AS router
 COPY --from=build /out/router /router
 USER 65532:65532
 ENTRYPOINT ["/router"]
+
+# The init container of executor-Agent engines: /install DIR copies the connector's Python
+# package (embedded in the binary) into DIR, an emptyDir on the engine's PYTHONPATH.
+FROM gcr.io/distroless/static-debian12:nonroot AS vllm-connector
+COPY --from=build /out/install /install
+USER 65532:65532
+ENTRYPOINT ["/install"]
 
 FROM gcr.io/distroless/static-debian12:nonroot AS manager
 COPY --from=build /out/manager /manager

@@ -11,6 +11,7 @@ PROTOC_GEN_GO_VERSION ?= v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.2
 PROTOC_GEN_GO ?= $(LOCALBIN)/protoc-gen-go
 PROTOC_GEN_GO_GRPC ?= $(LOCALBIN)/protoc-gen-go-grpc
+PY_API := vllm-connector/kvhandoff_vllm/_api
 # go-nvml's header marks some NVML calls deprecated; the warnings say nothing about kvhandoff.
 export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 
@@ -34,10 +35,13 @@ generate: controller-gen ## Generate DeepCopy methods for the API types.
 	$(CONTROLLER_GEN) object paths="./..."
 
 .PHONY: proto
-proto: protoc-gen-go ## Generate the transfer agent's engine API (Go code from transferagent/api/v1/agent.proto).
+proto: protoc-gen-go ## Generate the transfer agent's engine API (Go, and Python for the vLLM connector) from transferagent/api/v1/agent.proto.
 	protoc --plugin=protoc-gen-go=$(PROTOC_GEN_GO) --plugin=protoc-gen-go-grpc=$(PROTOC_GEN_GO_GRPC) \
 		--go_out=. --go_opt=paths=source_relative --go-grpc_out=. --go-grpc_opt=paths=source_relative \
 		transferagent/api/v1/agent.proto
+	"$$(hack/python-venv.sh vllm-connector/requirements-tools.txt)/bin/python" -m grpc_tools.protoc -Itransferagent/api/v1 \
+		--python_out=$(PY_API) --grpc_python_out=$(PY_API) transferagent/api/v1/agent.proto
+	sed -i 's/^import agent_pb2 as agent__pb2/from . import agent_pb2 as agent__pb2/' $(PY_API)/agent_pb2_grpc.py
 
 .PHONY: fmt
 fmt: ## go fmt the module.
@@ -59,13 +63,22 @@ deps: ## Install what the tests need: apt packages, control-plane binaries (cach
 	hack/install-deps.sh $(CLUSTER_BINS)
 
 .PHONY: test
-test: deps verify-generated vet ## Run every test tier: unit, envtest, and e2e on the simulated cluster.
+test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on the simulated cluster, the kubelet's device manager, real vLLM.
 	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./... -count=1 -timeout 30m
 	$(MAKE) test-kubelet
+	$(MAKE) test-vllm
 
 .PHONY: test-kubelet
 test-kubelet: ## The device plugin against the kubelet's own device manager (its own module; needs root for a private mount namespace).
 	cd test/kubelet && go vet ./... && go test ./... -count=1 -timeout 10m
+
+.PHONY: test-vllm
+test-vllm: ## The vLLM connector: its scheduler side in vLLM's Scheduler, and real vLLM engines through the agents (push and pull).
+	go build -o bin/ ./cmd/transfer-agent ./cmd/router
+	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && cd vllm-connector && \
+		KVHANDOFF_BIN_DIR=$(CURDIR)/bin KVHANDOFF_VLLM_REPORT=$(CURDIR)/bin/vllm-report.json \
+		"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests
+	@cat bin/vllm-report.json
 
 .PHONY: e2e
 e2e: deps ## Run the end-to-end suite: against $$KUBECONFIG when set, else on a fresh simulated cluster.

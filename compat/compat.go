@@ -97,6 +97,12 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s; versions before %s execute code from the model at load time (CVE-2026-22807, CVSS 8.8); use vllm/vllm-openai:v0.29.0 or later", spec.Image, v, MinSafeVersion), warnings
 	} else if policy.Mode == kvv1.TransferPush && v.Less(MinPushVersion) {
 		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s, which has no push connector (needs %s); upgrade the image or use a policy with mode: Pull", spec.Image, v, MinPushVersion), warnings
+	} else if policy.Executor == kvv1.ExecutorAgent && v.Less(MinAgentVersion) {
+		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s; kvhandoff's connector (executor Agent) needs vLLM %s or later", spec.Image, v, MinAgentVersion), warnings
+	}
+	if policy.Executor == kvv1.ExecutorAgent {
+		// Rendered anyway, so the pool reports its engines' own error rather than none.
+		warnings = append(warnings, fmt.Sprintf("executor Agent: the transfer agent moves host memory only; vLLM on %s keeps its KV in device memory, which needs the agent's dmabuf path (not built yet), so the engines will stop at start saying so", spec.Accelerator.Type))
 	}
 
 	if info, ok := instancetype.Lookup(spec.InstanceType); ok && info.Accelerator != spec.Accelerator.Type {

@@ -29,6 +29,10 @@ var (
 	MinSafeVersion = Version{0, 14, 0}
 	// MinPushVersion is the first vLLM release with the push connector.
 	MinPushVersion = Version{0, 26, 0}
+	// MinAgentVersion is the first vLLM release kvhandoff's connector (executor Agent)
+	// was tested with: it allocates the KV cache through the connector's memory pool
+	// hook and reports failed receives beside finished ones.
+	MinAgentVersion = Version{0, 32, 0}
 )
 
 var tagVersion = regexp.MustCompile(`^v?(\d+)\.(\d+)(?:\.(\d+))?(?:$|[-+._])`)

@@ -141,6 +141,13 @@ var _ = Describe("Conditions for what CEL cannot check", func() {
 			"the API server refused the StatefulSet this pool renders to"),
 	)
 
+	It("reports UnsupportedEngineVersion for executor Agent below the connector's vLLM", func() {
+		ns := freshNamespace()
+		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.31.0").Policy("agent").Obj()
+		create(ns, builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj(), p)
+		expectNotReady(p, kvv1.ReasonUnsupportedEngineVersion, "kvhandoff's connector (executor Agent) needs vLLM v0.32.0")
+	})
+
 	It("reports UnsupportedEngineVersion on a PrefillPool too", func() {
 		ns := freshNamespace()
 		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.12.1").Obj()

@@ -29,6 +29,8 @@ type PoolReconciler struct {
 	// RouterImage is the router image of the manager's version, for DecodePools that
 	// name none.
 	RouterImage string
+	// ConnectorImage is the vLLM connector init container's image ("" for the default).
+	ConnectorImage string
 }
 
 // +kubebuilder:rbac:groups=kvhandoff.io,resources=prefillpools;decodepools,verbs=get;list;watch
@@ -121,7 +123,7 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validation) error {
 	w, err := render.Engines(render.Input{
 		Role: p.role(), Name: p.GetName(), Namespace: p.GetNamespace(),
-		Spec: p.engine(), Policy: &v.policy.Spec, PrefillPool: p.prefillPool(),
+		Spec: p.engine(), Policy: &v.policy.Spec, PrefillPool: p.prefillPool(), ConnectorImage: r.ConnectorImage,
 	})
 	if err != nil {
 		return err

@@ -8,6 +8,7 @@ import (
 	. "github.com/onsi/gomega"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/render"
@@ -91,10 +92,24 @@ var _ = Describe("Rendering through the API server", func() {
 		ns := freshNamespace()
 		create(ns,
 			builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj(),
-			builder.PrefillPool("prefill").Policy("agent").Obj())
+			builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").Policy("agent").Obj())
 		spec := statefulSet(ns, "prefill").Spec.Template.Spec
 		Expect(envValue(spec.Containers[0], "KVHANDOFF_AGENT_SOCKET")).To(Equal("/var/run/kvhandoff/agent.sock"))
 		Expect(spec.NodeSelector).To(HaveKeyWithValue(kvv1.LabelAgentReady, "true"))
 		Expect(spec.Volumes).To(ContainElement(HaveField("HostPath.Path", "/var/run/kvhandoff")))
+		// kvhandoff's connector reaches the stock image through an init container.
+		Expect(spec.Containers[0].Args).To(ContainElement(ContainSubstring(`"kv_connector":"KVHandoffConnector","kv_connector_module_path":"kvhandoff_vllm.connector"`)))
+		Expect(envValue(spec.Containers[0], "PYTHONPATH")).To(Equal(render.ConnectorDir))
+		Expect(spec.InitContainers).To(ConsistOf(HaveField("Image", render.DefaultConnectorImage)))
+
+		// Status names the node's agent as the engine's KV side channel.
+		p := &kvv1.PrefillPool{}
+		p.Name, p.Namespace = "prefill", ns
+		addEnginePod(statefulSet(ns, "prefill"), 0, "node-a", "10.0.0.7")
+		Eventually(func(g Gomega) []kvv1.EngineStatus {
+			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(p), p)).To(Succeed())
+			return p.Status.Engines
+		}).Should(ConsistOf(HaveField("Agent", "192.168.0.7:7470")))
 	})
+
 })

@@ -31,11 +31,20 @@ func NewScheme() *runtime.Scheme {
 	return s
 }
 
-// Setup registers the PrefillPool and DecodePool reconcilers with mgr. routerImage is
-// the router image DecodePools get when they name none ("" for DefaultRouterImage).
-func Setup(mgr ctrl.Manager, routerImage string) error {
+// Images are the images the manager renders besides the engines' own: "" takes the
+// default of the manager's version.
+type Images struct {
+	// Router is the router image DecodePools get when they name none.
+	Router string
+	// Connector is the vLLM connector image whose init container puts kvhandoff's
+	// connector on engines' PYTHONPATH (executor Agent).
+	Connector string
+}
+
+// Setup registers the PrefillPool and DecodePool reconcilers with mgr.
+func Setup(mgr ctrl.Manager, images Images) error {
 	for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
-		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role, RouterImage: routerImage}
+		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role, RouterImage: images.Router, ConnectorImage: images.Connector}
 		if err := r.SetupWithManager(mgr); err != nil {
 			return err
 		}

@@ -3,6 +3,7 @@ package controllers
 import (
 	"context"
 	"fmt"
+	"net"
 	"slices"
 	"strconv"
 	"strings"
@@ -189,9 +190,15 @@ func (r *PoolReconciler) engines(ctx context.Context, p pool) (engines []kvv1.En
 		if pod.Status.PodIP == "" {
 			continue
 		}
+		// An executor-Agent engine's KV side channel is its node's transfer agent.
+		var agent string
+		if pod.Labels[kvv1.LabelExecutor] == string(kvv1.ExecutorAgent) && pod.Status.HostIP != "" {
+			agent = net.JoinHostPort(pod.Status.HostIP, strconv.Itoa(render.AgentPeerPort))
+		}
 		// What the pod runs, from the labels it was rendered with: mid-rollout an old pod
 		// keeps its old sizes and hash.
 		engines = append(engines, kvv1.EngineStatus{
+			Agent:                agent,
 			PodName:              pod.Name,
 			EngineID:             render.EngineID(pod.Name, pod.Namespace),
 			Host:                 pod.Status.PodIP,

@@ -11,6 +11,7 @@ import (
 // kvTransferConfig is vLLM's --kv-transfer-config.
 type kvTransferConfig struct {
 	KVConnector         string      `json:"kv_connector"`
+	KVConnectorModule   string      `json:"kv_connector_module_path,omitempty"`
 	KVRole              string      `json:"kv_role"`
 	EngineID            string      `json:"engine_id"`
 	KVBufferDevice      string      `json:"kv_buffer_device,omitempty"`
@@ -19,16 +20,28 @@ type kvTransferConfig struct {
 }
 
 type extraConfig struct {
-	Backends                []string `json:"backends"`
+	Backends                []string `json:"backends,omitempty"`
 	KVLeaseDuration         int32    `json:"kv_lease_duration"`
 	PushRegistrationTimeout int32    `json:"push_registration_timeout,omitempty"`
 	DecoderKVBlocksTTL      int32    `json:"decoder_kv_blocks_ttl"`
+	// The kvhandoff connector's (executor Agent): the engine's mode and role, and the
+	// agent's socket.
+	Mode   string `json:"mode,omitempty"`
+	Role   string `json:"role,omitempty"`
+	Socket string `json:"socket,omitempty"`
 }
 
-// KVTransferConfig renders the --kv-transfer-config JSON of an engine. Its engine_id
-// refers to $(POD_NAME) and $(POD_NAMESPACE), which the kubelet expands from the
-// container's downward-API environment.
-func KVTransferConfig(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) string {
+// The kvhandoff vLLM connector (vllm-connector/), which executor Agent renders: its class,
+// and its module, which the connector init container puts on the engine's PYTHONPATH.
+const (
+	AgentConnector           = "KVHandoffConnector"
+	AgentConnectorModulePath = "kvhandoff_vllm.connector"
+)
+
+// KVTransferConfig renders the --kv-transfer-config JSON of an engine of role. Its
+// engine_id refers to $(POD_NAME) and $(POD_NAMESPACE), which the kubelet expands from
+// the container's downward-API environment.
+func KVTransferConfig(role kvv1.Role, spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) string {
 	cfg := kvTransferConfig{
 		KVConnector: compat.Connector(policy.Mode),
 		// Both roles are kv_both: the connector decides direction per request, and push
@@ -48,6 +61,14 @@ func KVTransferConfig(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) 
 	}
 	if policy.Mode == kvv1.TransferPush {
 		cfg.ExtraConfig.PushRegistrationTimeout = policy.RegistrationTimeoutSeconds
+	}
+	if policy.Executor == kvv1.ExecutorAgent {
+		// The agent moves host memory today: the connector keeps the KV on the CPU side.
+		cfg.KVConnector, cfg.KVConnectorModule, cfg.KVBufferDevice = AgentConnector, AgentConnectorModulePath, ""
+		cfg.ExtraConfig.Backends = nil
+		cfg.ExtraConfig.Mode = strings.ToLower(string(policy.Mode))
+		cfg.ExtraConfig.Role = strings.ToLower(string(role))
+		cfg.ExtraConfig.Socket = AgentSocket
 	}
 	data, err := json.Marshal(cfg)
 	if err != nil {

@@ -27,6 +27,12 @@ const (
 	AgentSocketDir = "/var/run/kvhandoff"
 	// AgentSocket is the agent's socket inside AgentSocketDir.
 	AgentSocket = AgentSocketDir + "/agent.sock"
+	// AgentPeerPort is where the transfer agents reach each other (config/agent): an
+	// executor-Agent engine's KV side channel is its node's agent at this port.
+	AgentPeerPort = 7470
+	// ConnectorDir is where the connector init container puts kvhandoff's vLLM connector
+	// (an emptyDir on the engine's PYTHONPATH).
+	ConnectorDir = "/opt/kvhandoff/python"
 	// AgentGroup owns the agent's sockets and their folder (config/agent passes it as
 	// --socket-gid); engine pods of executor Agent get it as a supplemental group, so they
 	// reach the agent without running as root.
@@ -81,10 +87,16 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 		volumes = append(volumes, hostPathVolume("efa", EFAHostDir))
 	}
 	var podSecurity *corev1.PodSecurityContext
+	var initContainers []corev1.Container
 	if in.Policy.Executor == kvv1.ExecutorAgent {
-		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "kvhandoff-agent", MountPath: AgentSocketDir})
-		volumes = append(volumes, hostPathVolume("kvhandoff-agent", AgentSocketDir))
+		labels[kvv1.LabelExecutor] = string(kvv1.ExecutorAgent)
+		engine.VolumeMounts = append(engine.VolumeMounts,
+			corev1.VolumeMount{Name: "kvhandoff-agent", MountPath: AgentSocketDir},
+			corev1.VolumeMount{Name: "kvhandoff-connector", MountPath: ConnectorDir, ReadOnly: true})
+		volumes = append(volumes, hostPathVolume("kvhandoff-agent", AgentSocketDir),
+			corev1.Volume{Name: "kvhandoff-connector", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}})
 		podSecurity = &corev1.PodSecurityContext{SupplementalGroups: []int64{AgentGroup}}
+		initContainers = []corev1.Container{connectorInit(in)}
 	}
 
 	pod := &corev1.PodTemplateSpec{
@@ -93,6 +105,7 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			Annotations: map[string]string{kvv1.AnnotationPolicyHash: policyHash},
 		},
 		Spec: corev1.PodSpec{
+			InitContainers:  initContainers,
 			Containers:      []corev1.Container{engine},
 			Volumes:         volumes,
 			SecurityContext: podSecurity,
@@ -114,7 +127,7 @@ func args(in Input) []string {
 		"--pipeline-parallel-size", strconv.Itoa(int(in.Spec.PipelineParallelSize)),
 		"--block-size", strconv.Itoa(int(in.Spec.BlockSize)),
 		"--port", strconv.Itoa(HTTPPort),
-		"--kv-transfer-config", KVTransferConfig(in.Spec, in.Policy),
+		"--kv-transfer-config", KVTransferConfig(in.Role, in.Spec, in.Policy),
 	}
 	return append(a, in.Spec.EngineArgs...)
 }
@@ -144,9 +157,39 @@ func env(in Input) []corev1.EnvVar {
 		e = append(e, corev1.EnvVar{Name: "FI_PROVIDER", Value: "shm"})
 	}
 	if in.Policy.Executor == kvv1.ExecutorAgent {
-		e = append(e, corev1.EnvVar{Name: "KVHANDOFF_AGENT_SOCKET", Value: AgentSocket})
+		e = append(e, corev1.EnvVar{Name: "KVHANDOFF_AGENT_SOCKET", Value: AgentSocket},
+			// vLLM's images set no PYTHONPATH: the connector's folder is all it holds.
+			corev1.EnvVar{Name: "PYTHONPATH", Value: ConnectorDir})
 	}
 	return e
+}
+
+// DefaultConnectorImage is the connector init container's image when the manager is
+// given none: the connector of the manager's version (the Dockerfile sets the tag).
+var DefaultConnectorImage = "ghcr.io/kvhandoff/vllm-connector:latest"
+
+// connectorInit copies kvhandoff's vLLM connector (the Dockerfile's vllm-connector
+// target) into the emptyDir the engine imports it from, so stock vLLM images run it
+// unchanged.
+func connectorInit(in Input) corev1.Container {
+	image := in.ConnectorImage
+	if image == "" {
+		image = DefaultConnectorImage
+	}
+	return corev1.Container{
+		Name:    "kvhandoff-connector",
+		Image:   image,
+		Command: []string{"/install", ConnectorDir},
+		SecurityContext: &corev1.SecurityContext{
+			RunAsNonRoot: ptr.To(true), RunAsUser: ptr.To[int64](65532), AllowPrivilegeEscalation: ptr.To(false),
+			ReadOnlyRootFilesystem: ptr.To(true), Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+		},
+		Resources: corev1.ResourceRequirements{
+			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("10m"), corev1.ResourceMemory: resource.MustParse("16Mi")},
+			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Mi")},
+		},
+		VolumeMounts: []corev1.VolumeMount{{Name: "kvhandoff-connector", MountPath: ConnectorDir}},
+	}
 }
 
 // acceleratorLibraryPath is the LD_LIBRARY_PATH the vLLM images set for their accelerator.

@@ -46,6 +46,9 @@ type Input struct {
 	// PrefillPool is, for a decode pool, the name of the PrefillPool it pairs with; its
 	// pods are the ones decode engines must not share a node with on EFA.
 	PrefillPool string
+	// ConnectorImage is the image of the connector init container (executor Agent);
+	// "" is DefaultConnectorImage.
+	ConnectorImage string
 }
 
 // Workload is what a pool renders to.

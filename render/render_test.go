@@ -67,8 +67,8 @@ func TestGolden(t *testing.T) {
 		},
 		{
 			name:    "executor-agent",
-			prefill: builder.PrefillPool("prefill").Policy("agent"),
-			decode:  builder.DecodePool("decode", "prefill").Policy("agent"),
+			prefill: builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").Policy("agent"),
+			decode:  builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").Policy("agent"),
 			policy:  builder.Policy("agent").Executor(kvv1.ExecutorAgent),
 		},
 	}
@@ -273,7 +273,8 @@ func TestRenderRefusesWhatCompatRefuses(t *testing.T) {
 // The agent's DaemonSet and the engine pods must agree on the group that reaches the
 // agent's socket: one constant here, one flag in config/agent.
 func TestEnginesOfTheAgentExecutorJoinTheAgentsGroup(t *testing.T) {
-	_, dw := pair(t, builder.PrefillPool("p").Policy("agent"), builder.DecodePool("d", "p").Policy("agent"), builder.Policy("agent").Executor(kvv1.ExecutorAgent))
+	_, dw := pair(t, builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").Policy("agent"),
+		builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.33.0").Policy("agent"), builder.Policy("agent").Executor(kvv1.ExecutorAgent))
 	if sc := dw.StatefulSet.Spec.Template.Spec.SecurityContext; sc == nil || !slices.Contains(sc.SupplementalGroups, AgentGroup) {
 		t.Errorf("engine pod security context %+v lacks the agent's group %d", sc, AgentGroup)
 	}
@@ -281,7 +282,9 @@ func TestEnginesOfTheAgentExecutorJoinTheAgentsGroup(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if flag := "--socket-gid=" + strconv.Itoa(AgentGroup); !strings.Contains(string(ds), flag) {
-		t.Errorf("config/agent/daemonset.yaml does not pass %s", flag)
+	for _, flag := range []string{"--socket-gid=" + strconv.Itoa(AgentGroup), "--peer-listen=:" + strconv.Itoa(AgentPeerPort)} {
+		if !strings.Contains(string(ds), flag) {
+			t.Errorf("config/agent/daemonset.yaml does not pass %s", flag)
+		}
 	}
 }

@@ -168,6 +168,11 @@ type EngineStatus struct {
 	// +optional
 	SideChannelPort int32 `json:"sideChannelPort,omitempty"`
 
+	// agent is host:port of the transfer agent on the engine's node, for a policy with
+	// executor Agent: the engine's KV side channel, which a push decode leg names.
+	// +optional
+	Agent string `json:"agent,omitempty"`
+
 	// tensorParallelSize is the engine's tensor-parallel size.
 	// +optional
 	TensorParallelSize int32 `json:"tensorParallelSize,omitempty"`

@@ -16,6 +16,9 @@ const (
 	// advertises an old pod with a new pool's sizes.
 	LabelTensorParallelSize   = "kvhandoff.io/tensor-parallel-size"
 	LabelPipelineParallelSize = "kvhandoff.io/pipeline-parallel-size"
+	// LabelExecutor is on engine pods of a policy with executor Agent: their KV side
+	// channel is the transfer agent of their node, which status reports as agent.
+	LabelExecutor = "kvhandoff.io/executor"
 	// LabelAgentReady marks a node whose transfer agent is serving. Engines of a policy with
 	// executor Agent are scheduled only onto such nodes.
 	LabelAgentReady = "kvhandoff.io/agent-ready"

@@ -11,6 +11,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/kvhandoff/kvhandoff/controllers"
+	"github.com/kvhandoff/kvhandoff/render"
 )
 
 func main() {
@@ -20,7 +21,9 @@ func main() {
 	metricsSecure := flag.Bool("metrics-secure", true, "serve metrics over HTTPS to callers the API server authenticates and authorizes for /metrics (false: plain HTTP to anyone)")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader, so that only one of several manager replicas reconciles")
-	routerImage := flag.String("router-image", controllers.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the router of this manager's version")
+	var images controllers.Images
+	flag.StringVar(&images.Router, "router-image", controllers.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the router of this manager's version")
+	flag.StringVar(&images.Connector, "connector-image", render.DefaultConnectorImage, "image of the vLLM connector init container for engines of a policy with executor Agent: the connector of this manager's version")
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
 	flag.Parse()
@@ -39,7 +42,7 @@ func main() {
 		log.Error(err, "creating the manager")
 		os.Exit(1)
 	}
-	if err := controllers.Setup(mgr, *routerImage); err != nil {
+	if err := controllers.Setup(mgr, images); err != nil {
 		log.Error(err, "setting up the controllers")
 		os.Exit(1)
 	}

@@ -161,12 +161,23 @@ func eligible(engines []kvv1.EngineStatus, pods map[string]*corev1.Pod, push boo
 		if pod == nil || pod.DeletionTimestamp != nil || pod.Status.PodIP == "" || pod.Status.PodIP != e.Host || !ready(pod) {
 			continue
 		}
-		if push && (e.SideChannelPort <= 0 || e.TensorParallelSize <= 0) {
+		host, port := e.Host, e.SideChannelPort
+		if e.Agent != "" {
+			// Executor Agent: the engine's KV side channel is its node's transfer agent,
+			// which a push decode leg must name.
+			h, p, err := net.SplitHostPort(e.Agent)
+			n, perr := strconv.ParseInt(p, 10, 32)
+			if err != nil || perr != nil {
+				continue
+			}
+			host, port = h, int32(n)
+		}
+		if push && (port <= 0 || e.TensorParallelSize <= 0) {
 			continue
 		}
 		out = append(out, Engine{
 			URL:      "http://" + net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(HTTPPort)),
-			EngineID: e.EngineID, Host: e.Host, SideChannelPort: e.SideChannelPort,
+			EngineID: e.EngineID, Host: host, SideChannelPort: port,
 			TensorParallelSize: e.TensorParallelSize, PipelineParallelSize: e.PipelineParallelSize,
 			// The pod's own label is what it runs; the status copy can lag a rollout.
 			CompatHash: pod.Labels[kvv1.LabelCompatHash],

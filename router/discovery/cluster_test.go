@@ -137,6 +137,16 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 	}
 	next("d-1 joins", churn, func(s *discovery.Set) bool { return len(s.Decode) == 2 })
 
+	// Executor Agent: the prefill engine's KV side channel is its node's agent, which a
+	// push decode leg names as remote_host/remote_port.
+	p.Status.Engines[0].Agent = "192.168.0.9:7470"
+	if err := c.Status().Update(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	next("the agent becomes p-0's side channel", churn, func(s *discovery.Set) bool {
+		return len(s.Prefill) == 1 && s.Prefill[0].Host == "192.168.0.9" && s.Prefill[0].SideChannelPort == 7470
+	})
+
 	// The kubelet says d-0 is not ready: it leaves before the manager updates status.
 	setPodStatus(t, c, pods["d-0"], "10.0.0.2", false)
 	s = next("d-0 leaves", churn, func(s *discovery.Set) bool { return len(s.Decode) == 1 })

@@ -18,7 +18,8 @@ type Engine struct {
 	URL string `json:"url"`
 	// EngineID is the engine's vLLM engine_id.
 	EngineID string `json:"engineID"`
-	// Host and SideChannelPort are the engine's KV side channel.
+	// Host and SideChannelPort are the engine's KV side channel: for executor Agent, its
+	// node's transfer agent.
 	Host            string `json:"host,omitempty"`
 	SideChannelPort int32  `json:"sideChannelPort,omitempty"`
 	// TensorParallelSize and PipelineParallelSize are what the engine runs with.

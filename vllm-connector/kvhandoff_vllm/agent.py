@@ -1,0 +1,119 @@
+"""One engine rank's session with the node's transfer agent (its engine API over gRPC).
+
+The protocol is the agent's: transferagent/api/v1/agent.proto for the calls, and
+transferagent/api/v1/memory.go for the memory socket, which carries what gRPC cannot —
+the memfd holding the KV cache, passed with SCM_RIGHTS.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+
+import grpc
+
+from ._api import agent_pb2 as pb
+from ._api import agent_pb2_grpc as pbg
+
+MEMORY_SOCKET_NAME = "memory.sock"
+
+
+class AgentError(RuntimeError):
+    """The agent refused a call; the message is the agent's (it names the field)."""
+
+
+def _call(fn, request, timeout: float = 30.0):
+    try:
+        return fn(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise AgentError(f"{type(request).__name__}: {e.code().name}: {e.details()}") from e
+
+
+class Session:
+    """A registered engine rank: its session id, its address for peers (``ref``) and the
+    stream of outcomes (``events``, a queue of agentv1 Events; None once it ended)."""
+
+    def __init__(self, socket_path: str, request: pb.RegisterEngineRequest, timeout: float = 60.0):
+        self.socket_path = socket_path
+        self._channel = grpc.insecure_channel("unix://" + socket_path)
+        self._stub = pbg.AgentStub(self._channel)
+        try:
+            resp = self._stub.RegisterEngine(request, timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as e:
+            self._channel.close()
+            raise AgentError(f"RegisterEngine at {socket_path}: {e.code().name}: {e.details()}") from e
+        self.session: str = resp.session
+        self.epoch: int = resp.epoch
+        self.ref: pb.EngineRef = resp.self
+        self.provider: str = resp.provider
+        self.events: queue.Queue = queue.Queue()
+        self.error: Exception | None = None
+        # The stream is the engine's liveness for the agent: while it is open the session
+        # lives; when this process dies the agent fences what it had outstanding.
+        self._stream = self._stub.Events(pb.EventsRequest(session=self.session))
+        self._thread = threading.Thread(target=self._pump, name="kvhandoff-events", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            for ev in self._stream:
+                self.events.put(ev)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = e
+        finally:
+            self.events.put(None)
+
+    def pass_memory(self, fd: int) -> int:
+        """Hands a sealed memfd to the agent; returns the handle RegisterRegion names."""
+        path = os.path.join(os.path.dirname(self.socket_path), MEMORY_SOCKET_NAME)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(30)
+            s.connect(path)
+            socket.send_fds(s, [self.session.encode()], [fd])
+            answer = s.recv(512).decode(errors="replace")
+        if answer.startswith("ok "):
+            return int(answer[3:])
+        raise AgentError(f"memory socket {path}: {answer.removeprefix('error ')}")
+
+    def register_region(self, region_id: int, fd: int, offset: int, size: int, block_len: int, block_count: int) -> None:
+        handle = self.pass_memory(fd)
+        _call(self._stub.RegisterRegion, pb.RegisterRegionRequest(
+            session=self.session, region_id=region_id, kind=pb.MEMORY_KIND_HOST, memory_handle=handle,
+            offset=offset, size=size, block_len=block_len, block_count=block_count))
+
+    def register_destination(self, key: str, attempt: int, blocks: list[int], source: pb.EngineRef) -> None:
+        _call(self._stub.RegisterDestination, pb.RegisterDestinationRequest(
+            session=self.session, request_id=key, attempt=attempt, block_ids=blocks, source=source))
+
+    def source_ready(self, key: str, blocks: list[int], offset: int = 0, final: bool = True) -> None:
+        _call(self._stub.SourceReady, pb.SourceReadyRequest(
+            session=self.session, request_id=key, offset=offset, block_ids=blocks, final=final))
+
+    def pull(self, key: str, attempt: int, source: pb.EngineRef, src: list[int], dst: list[int]) -> None:
+        _call(self._stub.Pull, pb.PullRequest(
+            session=self.session, request_id=key, attempt=attempt, source=source,
+            source_block_ids=src, destination_block_ids=dst))
+
+    def cancel(self, key: str, attempt: int) -> bool:
+        """Fences an attempt; False when the agent has nothing outstanding for it."""
+        try:
+            self._stub.Cancel(pb.CancelRequest(session=self.session, request_id=key, attempt=attempt), timeout=30)
+            return True
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise AgentError(f"Cancel: {e.code().name}: {e.details()}") from e
+
+    def heartbeat(self) -> None:
+        _call(self._stub.Heartbeat, pb.HeartbeatRequest(session=self.session))
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self._channel.close()
+
+
+def engine_ref(agent: str, engine_id: str, tp_rank: int) -> pb.EngineRef:
+    return pb.EngineRef(agent=agent, engine_id=engine_id, tp_rank=tp_rank)

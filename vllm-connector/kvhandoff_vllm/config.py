@@ -1,0 +1,68 @@
+"""The connector's settings, read from vLLM's --kv-transfer-config.
+
+The manager renders them (render/kvconfig.go); by hand they look like:
+
+    {"kv_connector": "KVHandoffConnector",
+     "kv_connector_module_path": "kvhandoff_vllm.connector",
+     "kv_role": "kv_both", "engine_id": "prefill-0.default",
+     "kv_connector_extra_config": {"mode": "push", "role": "prefill",
+        "socket": "/var/run/kvhandoff/agent.sock", "kv_lease_duration": 30,
+        "push_registration_timeout": 480, "decoder_kv_blocks_ttl": 480}}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_SOCKET = "/var/run/kvhandoff/agent.sock"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class Config:
+    engine_id: str
+    mode: str  # "push" or "pull"
+    role: str  # "prefill" or "decode"
+    socket: str
+    # The policy's timeouts in seconds (0: the agent's flags apply).
+    lease: int
+    registration_timeout: int
+    blocks_ttl: int
+
+    @classmethod
+    def from_vllm(cls, vllm_config) -> "Config":
+        kv = vllm_config.kv_transfer_config
+        if kv is None:
+            raise ConfigError("kv_transfer_config: the kvhandoff connector needs one")
+        extra = dict(kv.kv_connector_extra_config or {})
+        return cls.from_fields(kv.engine_id, extra)
+
+    @classmethod
+    def from_fields(cls, engine_id: str | None, extra: dict) -> "Config":
+        if not engine_id:
+            raise ConfigError("kv_transfer_config.engine_id: must name the engine (the manager renders pod.namespace)")
+        mode = str(extra.get("mode", "")).lower()
+        if mode not in ("push", "pull"):
+            raise ConfigError(f"kv_connector_extra_config.mode: must be push or pull, not {extra.get('mode')!r}")
+        role = str(extra.get("role", "")).lower()
+        if role not in ("prefill", "decode"):
+            raise ConfigError(f"kv_connector_extra_config.role: must be prefill or decode, not {extra.get('role')!r}")
+
+        def seconds(name: str) -> int:
+            v = extra.get(name, 0)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > 86400:
+                raise ConfigError(f"kv_connector_extra_config.{name}: must be whole seconds in 0..86400, not {v!r}")
+            return v
+
+        return cls(
+            engine_id=engine_id,
+            mode=mode,
+            role=role,
+            socket=str(extra.get("socket") or DEFAULT_SOCKET),
+            lease=seconds("kv_lease_duration"),
+            registration_timeout=seconds("push_registration_timeout"),
+            blocks_ttl=seconds("decoder_kv_blocks_ttl"),
+        )

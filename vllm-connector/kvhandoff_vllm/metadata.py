@@ -1,0 +1,53 @@
+"""What the scheduler-side connector tells the workers each step, and what the workers
+tell it once at start (the handshake)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+
+@dataclass
+class Receive:
+    """Decode: bring a request's KV into blocks (token order). src_blocks is None for push
+    (the prefill agent writes when prefill ends); for pull they are the prefill's blocks.
+    error, when set, fails the receive at once (the parameters made it impossible)."""
+
+    req_id: str
+    key: str
+    blocks: list[int]
+    source_agent: str = ""
+    source_engine: str = ""
+    src_blocks: list[int] | None = None
+    error: str = ""
+
+
+@dataclass
+class Send:
+    """Prefill: a finished request's blocks are ready for the decode side."""
+
+    req_id: str
+    key: str
+    blocks: list[int]
+
+
+@dataclass
+class KVHandoffMetadata(KVConnectorMetadata):
+    receives: list[Receive] = field(default_factory=list)
+    sends: list[Send] = field(default_factory=list)
+    # (request id, key): a decode request aborted while its KV was on its way, or a
+    # prefill request aborted before its blocks were ready.
+    cancels: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class Handshake(KVConnectorHandshakeMetadata):
+    """A worker's agent address (host:port of its peer listener), which the prefill side
+    returns to the router as remote_host/remote_port."""
+
+    agent: str
+    engine_id: str

@@ -1,0 +1,147 @@
+"""The scheduler side: which requests load or send KV, and when blocks may be freed.
+
+It speaks the kv_transfer_params contract of vLLM's NIXL connectors, so the kvhandoff
+router (and vLLM's own P/D proxies) drive it unchanged:
+
+- prefill leg: ``{"do_remote_decode": true, ...}`` (push adds ``transfer_id``). When the
+  request finishes, its blocks are held (``request_finished`` returns True) and handed
+  to the worker, which reports them ready to the agent; they are freed when the agent
+  says it is done with them (SOURCE_DONE, or FAILED once its lease or TTL ended).
+  In pull the response carries ``remote_block_ids``, ``remote_engine_id``,
+  ``remote_request_id`` and the agent's address as ``remote_host``/``remote_port``.
+- decode leg: ``{"do_remote_prefill": true, "remote_host", "remote_port",
+  "remote_engine_id", ...}``; push names ``transfer_id`` and no blocks, pull the prefill's
+  ``remote_block_ids`` and ``remote_request_id``. The request waits for its KV
+  (WAITING_FOR_REMOTE_KVS) while the agent brings it; an abort meanwhile cancels through
+  the agent, and vLLM frees the blocks only once the agent acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import Config
+from .metadata import Handshake, KVHandoffMetadata, Receive, Send
+
+log = logging.getLogger("kvhandoff_vllm")
+
+# An attempt number for the agent. A retried request is a new request of the router's,
+# with a new key (transfer_id), so every key sees one attempt.
+ATTEMPT = 1
+
+
+def split_agent(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def join_agent(host, port) -> str:
+    host = str(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class SchedulerSide:
+    def __init__(self, cfg: Config, tp_size: int):
+        self.cfg = cfg
+        self.tp_size = tp_size
+        self.agent: str | None = None  # this engine's agent, from the workers' handshake
+        self._meta = KVHandoffMetadata()
+        # Decode requests whose KV is on its way: request id -> key.
+        self._receiving: dict[str, str] = {}
+
+    def set_handshake(self, metadata: dict) -> None:
+        for meta in metadata.values():
+            if isinstance(meta, Handshake):
+                self.agent = meta.agent
+                return
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if self.cfg.role != "decode" or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        n = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if n <= 0:
+            return 0, False
+        if self.cfg.mode == "push" and num_computed_tokens > 0:
+            # A push registration names destination blocks from the request's first
+            # token on; blocks this engine already holds (a prefix-cache hit) cannot be
+            # written, so the request is computed here instead. The prefill agent frees
+            # its blocks when no registration claims them within the blocks TTL.
+            log.warning("request %s: %d tokens are cached here; computing it locally instead of a push", request.request_id, num_computed_tokens)
+            return 0, False
+        return n, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if self.cfg.role != "decode" or not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
+            return
+        local = list(blocks.get_unhashed_block_ids())
+        r = Receive(req_id=request.request_id, key="", blocks=local)
+        try:
+            r.source_agent = join_agent(params["remote_host"], params["remote_port"])
+            r.source_engine = str(params["remote_engine_id"])
+            if self.cfg.mode == "pull":
+                r.key = str(params["remote_request_id"])
+                remote = list(params.get("remote_block_ids") or ())
+                if len(remote) < len(local):
+                    raise ValueError(f"remote_block_ids: {len(remote)} blocks for {len(local)} local ones")
+                # Locally cached blocks are a prefix: the blocks to read are the tail.
+                r.src_blocks = remote[len(remote) - len(local):]
+            else:
+                r.key = str(params.get("transfer_id") or params["remote_request_id"])
+        except (KeyError, TypeError, ValueError) as e:
+            r.error = f"kv_transfer_params: {e!s} missing or invalid"
+        self._meta.receives.append(r)
+        self._receiving[request.request_id] = r.key
+        # Processed: a re-entry (preemption and reschedule) must not register again.
+        params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output) -> KVHandoffMetadata:
+        meta, self._meta = self._meta, KVHandoffMetadata()
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]):
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        rid = request.request_id
+        if rid in self._receiving:
+            # Finished (aborted) while its KV was on its way: vLLM holds the blocks until
+            # the worker reports the receive over, which the agent's acknowledgement of
+            # this cancel (or the transfer's own end) brings.
+            self._meta.cancels.append((rid, self._receiving.pop(rid)))
+            return False, None
+        if self.cfg.role != "prefill" or not params.get("do_remote_decode"):
+            return False, None
+        from vllm.v1.request import RequestStatus
+
+        key = str(params.get("transfer_id") or rid)
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            # Aborted before its blocks were ready: a decode registration may be waiting
+            # for them at the agent; cancelling fails it now instead of at its timeout.
+            if self.cfg.mode == "push":
+                self._meta.cancels.append((rid, key))
+            return False, None
+        blocks = list(block_ids)
+        if not blocks:
+            return False, None
+        self._meta.sends.append(Send(req_id=rid, key=key, blocks=blocks))
+        if self.cfg.mode == "push":
+            return True, None
+        if self.agent is None:
+            raise RuntimeError("kvhandoff connector: no agent address from the workers' handshake")
+        host, port = split_agent(self.agent)
+        return True, dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.cfg.engine_id,
+            remote_host=host,
+            remote_port=port,
+            remote_block_ids=blocks,
+            remote_request_id=key,
+            tp_size=self.tp_size,
+        )
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._receiving.pop(rid, None)

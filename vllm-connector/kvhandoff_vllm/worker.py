@@ -1,0 +1,199 @@
+"""The worker side: the rank's session with the agent, its KV memory, and the calls the
+scheduler side asks for each step.
+
+Data path (host KV, the CPU backend): vLLM allocates the rank's whole KV cache inside
+``mem_pool_context`` — one sealed memfd (memory.py). ``register_kv_caches`` passes that
+memfd to the agent (memory socket, SCM_RIGHTS) and registers one region per layer (its
+blocks at their stride in the memfd); the agent maps the same pages. Nothing is copied:
+prefill's attention writes the KV the agent then sends, and the agent writes (push) or
+reads (pull) straight into the blocks decode's attention reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+from ._api import agent_pb2 as pb
+from .agent import AgentError, Session, engine_ref
+from .config import Config
+from .memory import SealedMemory, kv_allocation
+from .metadata import Handshake, KVHandoffMetadata
+from .scheduler import ATTEMPT
+
+log = logging.getLogger("kvhandoff_vllm")
+
+_RECV_OVER = (pb.Event.DELIVERED, pb.Event.FAILED, pb.Event.CANCEL_ACKED)
+_SEND_OVER = (pb.Event.SOURCE_DONE, pb.Event.FAILED)
+
+
+class WorkerSide:
+    def __init__(self, cfg: Config, rank: int, tp_size: int, block_size: int, kv_heads: int, head_dim: int):
+        self.cfg = cfg
+        self.rank, self.tp_size = rank, tp_size
+        self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
+        self.memory: list[SealedMemory] = []
+        self.session: Session | None = None
+        # key -> (request id, "recv" | "send"): what the agent's events are about.
+        self._keys: dict[str, tuple[str, str]] = {}
+        self._beating: set[str] = set()  # push registrations whose leases need heartbeats
+        self._last_beat = 0.0
+        self._sending: set[str] = set()  # prefill requests whose blocks the agent holds
+        self._sent: set[str] = set()  # ... and those the agent is done with
+        self._recvd: set[str] = set()
+        self._failed: set[str] = set()
+        self._finished: set[str] = set()  # of those, the ones the scheduler has finished
+        self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0}
+
+    def mem_pool_context(self):
+        return kv_allocation(f"kvhandoff-kv-{self.cfg.engine_id}-{self.rank}", self.memory)
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        if not self.memory:
+            raise RuntimeError(
+                "kvhandoff connector: the KV cache was not allocated through the connector's memory pool "
+                "context, so the agent cannot map it; this connector supports vLLM's CPU backend from "
+                "vLLM 0.32 (CUDA KV needs the agent's dmabuf path, which is not built yet)")
+        mem = self.memory[0]
+        regions, seen, dtype_bytes = [], set(), 0
+        for name, t in kv_caches.items():
+            off = mem.offset_of(t)
+            if off is None:
+                raise RuntimeError(f"kvhandoff connector: layer {name}'s KV is outside the shared memory")
+            if off in seen:
+                continue  # layers sharing a KV cache
+            seen.add(off)
+            block_len = t.stride(0) * t.element_size()
+            regions.append((off, block_len * t.shape[0], block_len, t.shape[0]))
+            dtype_bytes = t.element_size()
+        regions.sort()
+        self.session = Session(self.cfg.socket, pb.RegisterEngineRequest(
+            engine_id=self.cfg.engine_id,
+            role=pb.ROLE_PREFILL if self.cfg.role == "prefill" else pb.ROLE_DECODE,
+            mode=pb.MODE_PUSH if self.cfg.mode == "push" else pb.MODE_PULL,
+            tp_rank=self.rank, tp_size=self.tp_size,
+            layout=pb.KVLayout(layers=len(regions), block_size=self.block_size, kv_heads=self.kv_heads,
+                               head_dim=self.head_dim, dtype_bytes=dtype_bytes),
+            lease_millis=self.cfg.lease * 1000, registration_timeout_millis=self.cfg.registration_timeout * 1000,
+            blocks_ttl_millis=self.cfg.blocks_ttl * 1000))
+        for i, (off, size, block_len, count) in enumerate(regions):
+            self.session.register_region(i, mem.fd, off, size, block_len, count)
+        log.info("kvhandoff: %s rank %d registered %d regions (%d MiB) with the agent at %s (%s)",
+                 self.cfg.engine_id, self.rank, len(regions), mem.size >> 20, self.session.ref.agent, self.session.provider)
+
+    def handshake(self) -> Handshake | None:
+        if self.session is None:
+            return None
+        return Handshake(agent=self.session.ref.agent, engine_id=self.cfg.engine_id)
+
+    def start_load(self, meta: KVHandoffMetadata) -> None:
+        for r in meta.receives:
+            if r.error:
+                log.error("kvhandoff: request %s cannot load its KV: %s", r.req_id, r.error)
+                self._recv_over(r.req_id, failed=True)
+                continue
+            self._keys[r.key] = (r.req_id, "recv")
+            src = engine_ref(r.source_agent, r.source_engine, self.rank)
+            try:
+                if r.src_blocks is None:
+                    self.session.register_destination(r.key, ATTEMPT, r.blocks, src)
+                    self._beating.add(r.key)
+                else:
+                    self.session.pull(r.key, ATTEMPT, src, r.src_blocks, r.blocks)
+            except AgentError as e:
+                log.error("kvhandoff: request %s: %s", r.req_id, e)
+                del self._keys[r.key]
+                self._recv_over(r.req_id, failed=True)
+        for rid, key in meta.cancels:
+            try:
+                self.session.cancel(key, ATTEMPT)
+            except AgentError as e:
+                log.warning("kvhandoff: cancelling request %s: %s", rid, e)
+        self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        # The decode agent forwards heartbeats to the prefill agents, renewing the leases
+        # of push registrations: three per lease (every 5 s when the agent's flag sets it).
+        every = self.cfg.lease / 3 if self.cfg.lease else 5.0
+        if self._beating and time.monotonic() - self._last_beat >= every:
+            self._last_beat = time.monotonic()
+            try:
+                self.session.heartbeat()
+            except AgentError as e:
+                log.warning("kvhandoff: heartbeat: %s", e)
+
+    def save(self, meta: KVHandoffMetadata) -> None:
+        # The blocks were computed in an earlier step (vLLM finishes a request after the
+        # forward that produced its last token), so they are complete in memory now.
+        for s in meta.sends:
+            self._keys[s.key] = (s.req_id, "send")
+            self._sending.add(s.req_id)
+            try:
+                self.session.source_ready(s.key, s.blocks)
+            except AgentError as e:
+                log.error("kvhandoff: request %s: %s", s.req_id, e)
+                del self._keys[s.key]
+                self._sent.add(s.req_id)
+
+    def results(self, finished_req_ids) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        self._finished |= set(finished_req_ids or ()) & self._sending
+        if self.session is not None:
+            self._drain()
+        # A send is reported only once the scheduler has finished the request.
+        sent = self._sent & self._finished
+        self._sent -= sent
+        self._finished -= sent
+        self._sending -= sent
+        recvd, failed = self._recvd, self._failed
+        self._recvd, self._failed = set(), set()
+        return sent, recvd, failed
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                ev = self.session.events.get_nowait()
+            except queue.Empty:
+                return
+            if ev is None:
+                self._agent_lost()
+                return
+            entry = self._keys.get(ev.request_id)
+            if entry is None:
+                continue
+            rid, kind = entry
+            if kind == "recv" and ev.type in _RECV_OVER:
+                del self._keys[ev.request_id]
+                self._beating.discard(ev.request_id)
+                if ev.type == pb.Event.FAILED:
+                    log.warning("kvhandoff: request %s: KV did not arrive: %s", rid, ev.reason)
+                self._recv_over(rid, failed=ev.type != pb.Event.DELIVERED)
+                self.stats["delivered" if ev.type == pb.Event.DELIVERED else "cancelled" if ev.type == pb.Event.CANCEL_ACKED else "failed"] += 1
+            elif kind == "send" and ev.type in _SEND_OVER:
+                del self._keys[ev.request_id]
+                if ev.type == pb.Event.FAILED:
+                    log.warning("kvhandoff: request %s: the decode side did not take its KV: %s", rid, ev.reason)
+                self._sent.add(rid)
+                self.stats["sent"] += 1
+
+    def _recv_over(self, rid: str, failed: bool) -> None:
+        self._recvd.add(rid)
+        if failed:
+            self._failed.add(rid)
+
+    def _agent_lost(self) -> None:
+        # The session ended (the agent restarted or refused us): nothing outstanding can
+        # complete. Receives fail (the policy decides recompute or fail); sends are over.
+        log.error("kvhandoff: the agent session ended: %s", self.session.error)
+        for key, (rid, kind) in self._keys.items():
+            if kind == "recv":
+                self._recv_over(rid, failed=True)
+            else:
+                self._sent.add(rid)
+        self._keys.clear()
+        self._beating.clear()
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()

@@ -1,0 +1,207 @@
+"""Processes for the real-vLLM tests: vLLM OpenAI servers, transfer agents and the
+kvhandoff router, each on loopback, with its log kept for failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+# Lengths from a few tokens to several 128-token blocks (the CPU backend's block size).
+PROMPTS = [
+    "the quick brown fox",
+    "lazy dog 17 jumps over",
+    " ".join(f"fox {i}" for i in range(40)),
+    " ".join(f"the dog {i} jumps" for i in range(90)),
+    "over the lazy",
+    " ".join(f"brown {i} quick" for i in range(150)),
+]
+MAX_TOKENS = 48
+
+
+# Measured start-up times, written to $KVHANDOFF_VLLM_REPORT at the end (conftest).
+TIMINGS: dict[str, float] = {}
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+TOKEN = "kvhandoff-loopback-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def go_binaries(tmp: str) -> str:
+    """The agent and router binaries: KVHANDOFF_BIN_DIR (make builds them), else built here."""
+    d = os.environ.get("KVHANDOFF_BIN_DIR")
+    if d:
+        return d
+    subprocess.run(["go", "build", "-o", tmp + "/", "./cmd/transfer-agent", "./cmd/router"], cwd=REPO, check=True)
+    return tmp
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], log_dir: str, env: dict | None = None):
+        self.name = name
+        self.log_path = os.path.join(log_dir, name + ".log")
+        self._log = open(self.log_path, "wb")
+        self.p = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                  start_new_session=True)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_until(self, what: str, ready, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.p.returncode}) before {what}:\n{self.log()[-6000:]}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name}: no {what} within {timeout:.0f}s:\n{self.log()[-6000:]}")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self._log.close()
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Agent(Proc):
+    def __init__(self, bins: str, name: str, d: str):
+        os.makedirs(d, exist_ok=True)
+        token = os.path.join(d, "token")
+        with open(token, "w") as f:
+            f.write(TOKEN)
+        self.socket = os.path.join(d, "agent.sock")
+        super().__init__(name, [os.path.join(bins, "transfer-agent"), "--provider", "tcp;ofi_rxm", "--socket", self.socket,
+                                "--peer-listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--peer-token-file", token], d)
+        self.peer = self.http = ""
+        self.wait_until("serving", self._serving, 60)
+
+    def _serving(self) -> bool:
+        for line in self.log().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("msg") == "serving":
+                self.peer = rec["peers"]
+            if rec.get("msg") == "http":
+                self.http = rec["addr"]
+        return bool(self.peer and self.http)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        with urllib.request.urlopen(f"http://{self.http}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("kvhandoff_agent_"):
+                    k, _, v = line.rpartition(" ")
+                    out[k] = float(v)
+        return out
+
+
+def kv_config(mode: str, role: str, engine_id: str, socket_path: str) -> str:
+    return json.dumps({
+        "kv_connector": "KVHandoffConnector", "kv_connector_module_path": "kvhandoff_vllm.connector",
+        "kv_role": "kv_both", "engine_id": engine_id, "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"mode": mode, "role": role, "socket": socket_path,
+                                      "kv_lease_duration": 30, "push_registration_timeout": 60, "decoder_kv_blocks_ttl": 60},
+    })
+
+
+class Engine(Proc):
+    """A vLLM OpenAI server on the CPU backend, pinned to one core."""
+
+    def __init__(self, name: str, model: str, log_dir: str, cpu: int, kv: str | None = None, extra: list[str] | None = None):
+        self.port = free_port()
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
+                "--host", "127.0.0.1", "--served-model-name", "m", "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0"]
+        if kv:
+            args += ["--kv-transfer-config", kv]
+        args += extra or []
+        connector = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+               "PYTHONPATH": os.pathsep.join(filter(None, [connector, os.environ.get("PYTHONPATH")]))}
+        super().__init__(name, args, log_dir, env)
+        self.started = time.monotonic()
+
+    def ready(self, timeout: float = 300) -> float:
+        self.wait_until("/health", lambda: http_ok(f"http://127.0.0.1:{self.port}/health"), timeout)
+        return time.monotonic() - self.started
+
+
+class Router(Proc):
+    def __init__(self, bins: str, log_dir: str, mode: str, prefill: Engine, prefill_agent: Agent, decode: Engine):
+        self.port = free_port()
+        host, _, port = prefill_agent.peer.rpartition(":")
+        endpoints = os.path.join(log_dir, "endpoints.json")
+        with open(endpoints, "w") as f:
+            json.dump({"mode": mode.capitalize(),
+                       # For executor Agent a prefill engine's KV side channel is its agent.
+                       "prefill": [{"url": f"http://127.0.0.1:{prefill.port}", "engineID": "prefill-0.default",
+                                    "host": host, "sideChannelPort": int(port), "tensorParallelSize": 1}],
+                       "decode": [{"url": f"http://127.0.0.1:{decode.port}", "engineID": "decode-0.default"}]}, f)
+        super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}",
+                                    "--endpoints", endpoints, "--scrape-interval", "0"], log_dir)
+        self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
+
+
+def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120) -> list[int]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return list(json.load(r)["choices"][0]["token_ids"])
+
+
+class Stack:
+    def __init__(self, bins, model, d, mode, decode_extra=None):
+        self.procs = []
+        self.a = self._add(Agent(bins, "agent-prefill-node", os.path.join(d, "a")))
+        self.b = self._add(Agent(bins, "agent-decode-node", os.path.join(d, "b")))
+        self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket)))
+        self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket), decode_extra))
+        TIMINGS[f"{mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
+        self.r = self._add(Router(bins, d, mode, self.p, self.a, self.d))
+
+    def _add(self, p):
+        self.procs.append(p)
+        return p
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log()[-4000:]}" for p in self.procs)
+
+
+def engine_metric(e: Engine, name: str) -> float:
+    """The sum of a vLLM metric's series (vllm:num_preemptions_total, ...)."""
+    total = 0.0
+    with urllib.request.urlopen(f"http://127.0.0.1:{e.port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name):
+                total += float(line.rpartition(" ")[2])
+    return total

@@ -1,0 +1,181 @@
+"""The connector's scheduler side inside vLLM's real Scheduler: which requests wait for
+KV, what the workers are told, and when blocks are freed."""
+
+import itertools
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.utils.hashing import sha256
+
+from kvhandoff_vllm.metadata import Handshake
+
+BLOCK = 16
+EOS = 2
+_ids = itertools.count(1)
+
+
+def scheduler(model: str, mode: str, role: str, num_blocks: int = 100) -> Scheduler:
+    cfg = VllmConfig(
+        model_config=ModelConfig(model=model, dtype="float32", seed=0),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVHandoffConnector", kv_connector_module_path="kvhandoff_vllm.connector",
+            kv_role="kv_both", engine_id=f"{role}-0.default",
+            kv_connector_extra_config={"mode": mode, "role": role, "kv_lease_duration": 30}),
+        device_config=DeviceConfig("cpu"),
+    )
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    return Scheduler(vllm_config=cfg, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(cfg),
+                     block_size=BLOCK, log_stats=False)
+
+
+def request(tokens: int, params: dict, max_tokens: int = 8) -> Request:
+    init_none_hash(sha256)
+    n = next(_ids)
+    sp = SamplingParams(max_tokens=max_tokens)
+    sp.update_from_generation_config({}, EOS)
+    r = Request(request_id=f"req-{n}", prompt_token_ids=[(n * 7 + i) % 900 + 3 for i in range(tokens)],
+                sampling_params=sp, pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+    r.kv_transfer_params = dict(params)
+    return r
+
+
+def output(reqs, token=5, sending=None, recving=None, failed=None) -> ModelRunnerOutput:
+    ids = [r.request_id for r in reqs]
+    kv = None
+    if sending or recving or failed:
+        kv = KVConnectorOutput(finished_sending=sending, finished_recving=recving, failed_recving=failed or set())
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[[token] for _ in ids], kv_connector_output=kv)
+
+
+def free_blocks(s: Scheduler) -> int:
+    return s.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+
+
+PUSH_DECODE = dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill-0.default",
+                   remote_host="10.0.0.7", remote_port=7470, tp_size=1, pp_size=1,
+                   remote_request_id="client-1", transfer_id="t-1")
+
+
+def test_push_decode_waits_for_the_agent_then_computes_only_the_last_token(tiny_model):
+    s = scheduler(tiny_model, "push", "decode")
+    r = request(40, PUSH_DECODE)
+    s.add_request(r)
+    out = s.schedule()
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (recv,) = out.kv_connector_metadata.receives
+    blocks = s.kv_cache_manager.get_block_ids(r.request_id)[0]
+    assert (recv.key, recv.source_agent, recv.source_engine, recv.src_blocks) == ("t-1", "10.0.0.7:7470", "prefill-0.default", None)
+    assert recv.blocks == blocks and len(blocks) == 3  # 40 tokens in 16-token blocks
+    # Nothing runs until the worker reports the KV landed.
+    assert not s.schedule().num_scheduled_tokens
+    s.update_from_output(s.schedule(), output([], recving={r.request_id}))
+    out = s.schedule()
+    # 39 tokens came over; the last prompt token is computed here, for its logits.
+    assert out.num_scheduled_tokens == {r.request_id: 1}
+
+
+def test_pull_decode_reads_the_prefill_blocks_named_in_the_parameters(tiny_model):
+    s = scheduler(tiny_model, "pull", "decode")
+    r = request(33, dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill-0.default",
+                         remote_host="10.0.0.7", remote_port=7470, remote_block_ids=[11, 12, 13],
+                         remote_request_id="p-req-9", tp_size=1))
+    s.add_request(r)
+    (recv,) = s.schedule().kv_connector_metadata.receives
+    assert (recv.key, recv.src_blocks) == ("p-req-9", [11, 12, 13])
+    assert recv.blocks == s.kv_cache_manager.get_block_ids(r.request_id)[0]
+
+
+def test_bad_parameters_fail_the_receive_naming_the_field(tiny_model):
+    s = scheduler(tiny_model, "pull", "decode")
+    r = request(20, dict(do_remote_prefill=True, remote_engine_id="p", remote_port=1, remote_block_ids=[1, 2], remote_request_id="x"))
+    s.add_request(r)
+    (recv,) = s.schedule().kv_connector_metadata.receives
+    assert "remote_host" in recv.error
+
+
+def test_an_abort_while_kv_is_on_its_way_cancels_and_frees_only_after_the_agent_answers(tiny_model):
+    s = scheduler(tiny_model, "push", "decode")
+    before = free_blocks(s)
+    r = request(40, PUSH_DECODE)
+    s.add_request(r)
+    s.update_from_output(s.schedule(), output([]))
+    held = free_blocks(s)
+    assert held == before - 3
+    s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    assert out.kv_connector_metadata.cancels == [(r.request_id, "t-1")]
+    assert free_blocks(s) == held  # the agent has not acknowledged: writes may still land
+    s.update_from_output(out, output([], recving={r.request_id}, failed={r.request_id}))
+    assert free_blocks(s) == before and not s.requests
+
+
+def prefill_to_end(s: Scheduler, r: Request):
+    s.add_request(r)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {r.request_id: r.num_prompt_tokens}
+    return s.update_from_output(out, output([r]))
+
+
+def test_push_prefill_holds_its_blocks_until_the_agent_is_done_with_them(tiny_model):
+    s = scheduler(tiny_model, "push", "prefill")
+    before = free_blocks(s)
+    r = request(40, dict(do_remote_decode=True, do_remote_prefill=False, transfer_id="t-7"), max_tokens=1)
+    prefill_to_end(s, r)
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    out = s.schedule()
+    (send,) = out.kv_connector_metadata.sends
+    assert (send.req_id, send.key, len(send.blocks)) == (r.request_id, "t-7", 3)
+    assert free_blocks(s) == before - 3
+    s.update_from_output(out, output([], sending={r.request_id}))
+    assert free_blocks(s) == before and not s.requests
+
+
+def test_pull_prefill_returns_its_blocks_and_agent_to_the_router(tiny_model):
+    s = scheduler(tiny_model, "pull", "prefill")
+    s.connector.set_xfer_handshake_metadata({0: Handshake(agent="10.1.2.3:7470", engine_id="prefill-0.default")})
+    r = request(20, dict(do_remote_decode=True, do_remote_prefill=False), max_tokens=1)
+    outputs = prefill_to_end(s, r)
+    (eo,) = [o for client in outputs.values() for o in client.outputs]
+    blocks = s.schedule().kv_connector_metadata.sends[0].blocks
+    want = dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill-0.default",
+                remote_host="10.1.2.3", remote_port=7470, remote_block_ids=blocks, remote_request_id=r.request_id, tp_size=1)
+    # vLLM adds fields of its own (remote_prefill_cached_tokens); ours must all be there.
+    assert {k: eo.kv_transfer_params.get(k) for k in want} == want
+
+
+def test_an_aborted_push_prefill_cancels_at_the_agent_and_frees_at_once(tiny_model):
+    s = scheduler(tiny_model, "push", "prefill")
+    before = free_blocks(s)
+    r = request(40, dict(do_remote_decode=True, do_remote_prefill=False, transfer_id="t-8"), max_tokens=1)
+    s.add_request(r)
+    s.schedule()
+    s.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    meta = s.schedule().kv_connector_metadata
+    assert meta.cancels == [(r.request_id, "t-8")] and not meta.sends
+    assert free_blocks(s) == before
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"mode": "both", "role": "decode"}, "mode"),
+    ({"mode": "push", "role": "router"}, "role"),
+    ({"mode": "push", "role": "decode", "kv_lease_duration": -1}, "kv_lease_duration"),
+])
+def test_invalid_settings_are_refused_naming_the_field(extra, field):
+    from kvhandoff_vllm.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        Config.from_fields("e", extra)
