@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -139,8 +140,10 @@ func TestDecodeSelectionAvoidsAnEngineItsMetricsSayIsBusy(t *testing.T) {
 	p := startEngine(t, "p-0", kv, 0)
 	busy, idle := startEngine(t, "d-busy", kv, 0), startEngine(t, "d-idle", kv, 0)
 	// d-busy exports a long queue (requests from other routers, say).
+	var scrapes atomic.Int32
 	busyMetrics := startHTTP(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/metrics" {
+			scrapes.Add(1)
 			_, _ = w.Write([]byte("vllm:num_requests_running{engine=\"0\"} 40\nvllm:num_requests_waiting{engine=\"0\"} 12\nvllm:kv_cache_usage_perc 0.5\n"))
 			return
 		}
@@ -154,10 +157,9 @@ func TestDecodeSelectionAvoidsAnEngineItsMetricsSayIsBusy(t *testing.T) {
 	go func() {
 		_ = r.Run(ctx, staticSource{&discovery.Set{Mode: kvv1.TransferPull, Prefill: engines(p), Decode: []discovery.Engine{be, idle.Engine}, Source: "test"}})
 	}()
-	eventually(t, "the router scraped both engines", 2*time.Second, func() bool {
-		post(t, r.URL, "/v1/completions", small)
-		return len(idle.Seen()) >= 3
-	})
+	// A second scrape of d-busy has begun only after the first one's numbers were taken in
+	// (the scraper reads engines in turn); before that the two engines look alike.
+	eventually(t, "the router scraped d-busy twice", 5*time.Second, func() bool { return scrapes.Load() >= 2 })
 	before := len(busy.Seen())
 	for range 5 {
 		post(t, r.URL, "/v1/completions", small)
