@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -20,7 +21,14 @@ type prefillServer struct {
 	blocks int
 	jobs   chan *prefillJob
 	done   chan struct{}
+	// leaked counts ranks' blocks held back because their agent never answered.
+	leaked atomic.Int64
 }
+
+// waitLimit bounds every wait of the benchmark (free blocks, an agent's answer): under
+// overload requests fail and are counted, they never hang the run. It is above the
+// agents' default lease and TTLs, after which an agent answers on its own.
+const waitLimit = 90 * time.Second
 
 type prefillJob struct {
 	req    string
@@ -55,43 +63,64 @@ func (s *prefillServer) run() {
 	for j := range s.jobs {
 		start := time.Now()
 		src := make([][]uint32, len(s.rk.P))
+		actx, cancel := context.WithTimeout(ctx, waitLimit)
 		err := parallel(len(s.rk.P), func(r int) error {
-			b, err := s.rk.P[r].AllocateWait(ctx, s.blocks)
+			b, err := s.rk.P[r].AllocateWait(actx, s.blocks)
 			if err != nil {
-				return err
+				return fmt.Errorf("prefill rank %d: no free blocks within %s: %w", r, waitLimit, err)
 			}
 			src[r] = b
 			s.rk.P[r].Cache.Fill(j.req, b)
 			return nil
 		})
+		cancel()
 		time.Sleep(time.Until(start.Add(s.d))) // the rest of the modelled compute
 		end := time.Now()
 		if err != nil {
+			for r, b := range src {
+				if b != nil {
+					s.rk.P[r].Free(b) // never reported ready: no agent knows them
+				}
+			}
 			j.result <- prefillResult{end: end, err: err}
+			j.descriptors <- 0
 			continue
 		}
 		// The engine reports the blocks from its connector's thread and goes on with the
 		// next prefill: the calls return at once, but on a 2-core machine the transfers
 		// they start compete for the CPU, and the engine loop must not queue behind them.
 		go func() {
-			err := parallel(len(s.rk.P), func(r int) error { return s.rk.P[r].SourceReady(ctx, j.req, 0, src[r], true) })
+			ready := make([]bool, len(s.rk.P))
+			err := parallel(len(s.rk.P), func(r int) error {
+				err := s.rk.P[r].SourceReady(ctx, j.req, 0, src[r], true)
+				ready[r] = err == nil
+				return err
+			})
 			j.result <- prefillResult{end: end, src: src, err: err}
-			if err != nil {
-				return
-			}
+			// Each rank's blocks go back only when its agent is done with them (SOURCE_DONE,
+			// or FAILED once its lease or TTL ran out), as on a real engine; a rank whose
+			// report was refused was never known to the agent.
 			var mu sync.Mutex
 			var total uint64
 			_ = parallel(len(s.rk.P), func(r int) error {
-				wctx, cancel := context.WithTimeout(ctx, time.Minute)
+				if !ready[r] {
+					s.rk.P[r].Free(src[r])
+					return nil
+				}
+				wctx, cancel := context.WithTimeout(ctx, waitLimit)
 				defer cancel()
 				ev, err := s.rk.P[r].Wait(wctx, j.req, 1)
-				if err == nil {
-					mu.Lock()
-					total += ev.Descriptors
-					mu.Unlock()
+				if err != nil {
+					// The agent never answered: its writes or reads may still use the
+					// blocks, so they stay out of the pool (counted as leaked).
+					s.leaked.Add(1)
+					return err
 				}
+				mu.Lock()
+				total += ev.Descriptors
+				mu.Unlock()
 				s.rk.P[r].Free(src[r])
-				return err
+				return nil
 			})
 			j.descriptors <- total
 		}()
@@ -121,6 +150,8 @@ func parallel(n int, fn func(int) error) error {
 // allocate takes a request's blocks on every decode rank, in rank order: requests that
 // each hold some ranks' blocks and wait for others' would deadlock a full cache.
 func allocate(ctx context.Context, rk *ranks, blocks int) ([][]uint32, error) {
+	ctx, cancel := context.WithTimeout(ctx, waitLimit)
+	defer cancel()
 	dst := make([][]uint32, len(rk.D))
 	for r, d := range rk.D {
 		b, err := d.AllocateWait(ctx, blocks)
@@ -128,30 +159,47 @@ func allocate(ctx context.Context, rk *ranks, blocks int) ([][]uint32, error) {
 			for i := range r {
 				rk.D[i].Free(dst[i])
 			}
-			return nil, err
+			return nil, fmt.Errorf("decode rank %d: no free blocks within %s: %w", r, waitLimit, err)
 		}
 		dst[r] = b
 	}
 	return dst, nil
 }
 
-// awaitDelivered waits for every decode rank's DELIVERED and returns when the last came.
-func awaitDelivered(ctx context.Context, rk *ranks, req string) (time.Time, uint64, error) {
+// settle waits for every decode rank's outcome of a request, as a real engine must before
+// it reuses the blocks: a rank whose agent says nothing more will land (CANCEL_ACKED,
+// FAILED) is freed here; a DELIVERED rank is left to the caller (verify, then free).
+// cancel first asks the agents to stop (the request failed elsewhere); known marks the
+// ranks whose agent knows the request, the others are freed at once. Blocks whose agent
+// never answers stay out of the pool, counted in leaked. It returns which ranks were
+// delivered, when the last one was, their descriptors and why the request failed.
+func settle(ctx context.Context, rk *ranks, req string, dst [][]uint32, known []bool, cancel bool, leaked *atomic.Int64) ([]bool, time.Time, uint64, error) {
 	var mu sync.Mutex
 	var last time.Time
 	var desc uint64
+	delivered := make([]bool, len(rk.D))
 	err := parallel(len(rk.D), func(r int) error {
-		wctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
+		if !known[r] {
+			rk.D[r].Free(dst[r])
+			return nil
+		}
+		if cancel {
+			_ = rk.D[r].Cancel(ctx, req, 1) // NotFound: its outcome is already on its way
+		}
+		wctx, stop := context.WithTimeout(ctx, waitLimit)
+		defer stop()
 		ev, err := rk.D[r].Wait(wctx, req, 1)
 		now := time.Now()
 		if err != nil {
-			return err
+			leaked.Add(1)
+			return fmt.Errorf("rank %d: no outcome within %s: %w", r, waitLimit, err)
 		}
 		if ev.Type != agentv1.Event_DELIVERED {
+			rk.D[r].Free(dst[r])
 			return fmt.Errorf("rank %d: %s: %s", r, ev.Type, ev.Reason)
 		}
 		mu.Lock()
+		delivered[r] = true
 		if now.After(last) {
 			last = now
 		}
@@ -159,7 +207,31 @@ func awaitDelivered(ctx context.Context, rk *ranks, req string) (time.Time, uint
 		mu.Unlock()
 		return nil
 	})
-	return last, desc, err
+	return delivered, last, desc, err
+}
+
+// complete verifies and frees a delivered request; after a failure it frees the ranks
+// that were delivered (settle freed the others).
+func complete(rk *ranks, req string, dst [][]uint32, delivered []bool, failed error) error {
+	if failed != nil {
+		for r, ok := range delivered {
+			if ok {
+				rk.D[r].Free(dst[r])
+			}
+		}
+		return failed
+	}
+	return verifyAndFree(rk, req, dst)
+}
+
+// verifyAndFree checks every byte each delivered decode rank received, then frees its
+// blocks; after a failure, the ranks that were delivered are only freed.
+func finish(rk *ranks, req string, dst [][]uint32, failed error) error {
+	if failed != nil {
+		// settle freed the ranks that did not deliver; the delivered ones go back now.
+		return failed
+	}
+	return verifyAndFree(rk, req, dst)
 }
 
 // verifyAndFree checks every byte each decode rank received, then frees its blocks.
@@ -177,24 +249,29 @@ func pushRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, 
 	job := pf.submit(req)
 	dst, err := allocate(ctx, rk, blocks)
 	if err != nil {
+		<-job.result
+		<-job.descriptors // the source expires unclaimed and the prefill engine frees it
 		return outcome{err: err}
 	}
-	err = parallel(len(rk.D), func(r int) error { return rk.D[r].RegisterDestination(ctx, req, 1, dst[r], rk.P[r].Self) })
-	if err != nil {
-		return outcome{err: err}
-	}
+	known := make([]bool, len(rk.D))
+	err = parallel(len(rk.D), func(r int) error {
+		err := rk.D[r].RegisterDestination(ctx, req, 1, dst[r], rk.P[r].Self)
+		known[r] = err == nil
+		return err
+	})
 	res := <-job.result
-	if res.err != nil {
-		return outcome{err: res.err}
+	if err == nil {
+		err = res.err
 	}
-	ready, _, err := awaitDelivered(ctx, rk, req)
-	if err != nil {
+	delivered, ready, _, serr := settle(ctx, rk, req, dst, known, err != nil, &pf.leaked)
+	if err == nil {
+		err = serr
+	}
+	descriptors := <-job.descriptors
+	if err := complete(rk, req, dst, delivered, err); err != nil {
 		return outcome{err: err}
 	}
-	if err := verifyAndFree(rk, req, dst); err != nil {
-		return outcome{err: err}
-	}
-	return outcome{ttft: ready.Sub(arrival), handoff: ready.Sub(res.end), descriptors: <-job.descriptors}
+	return outcome{ttft: ready.Sub(arrival), handoff: ready.Sub(res.end), descriptors: descriptors}
 }
 
 // pullRequest: after prefill the router relays the source block ids; only then does
@@ -209,17 +286,19 @@ func pullRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, 
 	if err != nil {
 		return outcome{err: err}
 	}
-	err = parallel(len(rk.D), func(r int) error { return rk.D[r].Pull(ctx, req, 1, rk.P[r].Self, res.src[r], dst[r]) })
-	if err != nil {
-		return outcome{err: err}
-	}
-	ready, desc, err := awaitDelivered(ctx, rk, req)
-	if err != nil {
-		return outcome{err: err}
-	}
-	if err := verifyAndFree(rk, req, dst); err != nil {
-		return outcome{err: err}
+	known := make([]bool, len(rk.D))
+	err = parallel(len(rk.D), func(r int) error {
+		err := rk.D[r].Pull(ctx, req, 1, rk.P[r].Self, res.src[r], dst[r])
+		known[r] = err == nil
+		return err
+	})
+	delivered, ready, desc, serr := settle(ctx, rk, req, dst, known, err != nil, &pf.leaked)
+	if err == nil {
+		err = serr
 	}
 	<-job.descriptors
+	if err := complete(rk, req, dst, delivered, err); err != nil {
+		return outcome{err: err}
+	}
 	return outcome{ttft: ready.Sub(arrival), handoff: ready.Sub(res.end), descriptors: desc}
 }

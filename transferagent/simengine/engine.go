@@ -119,6 +119,16 @@ func (e *Engine) route() {
 	for ev := range e.Events() {
 		k := waitKey{ev.RequestId, ev.Attempt}
 		e.mu.Lock()
+		if ev.Attempt == 0 {
+			// About the request as a whole (its source or hold expired before any attempt
+			// claimed it): whoever waits for an attempt of it hears of it.
+			for wk := range e.waiters {
+				if wk.req == ev.RequestId {
+					k = wk
+					break
+				}
+			}
+		}
 		if ch, ok := e.waiters[k]; ok {
 			delete(e.waiters, k)
 			ch <- ev
@@ -135,14 +145,17 @@ func (e *Engine) route() {
 	e.mu.Unlock()
 }
 
-// Wait returns the next event of a request's attempt.
+// Wait returns the next event of a request's attempt, or of the request as a whole
+// (attempt 0: its source or hold expired unclaimed).
 func (e *Engine) Wait(ctx context.Context, req string, attempt uint64) (*agentv1.Event, error) {
 	k := waitKey{req, attempt}
 	e.mu.Lock()
-	if ev, ok := e.early[k]; ok {
-		delete(e.early, k)
-		e.mu.Unlock()
-		return ev, nil
+	for _, ek := range []waitKey{k, {req, 0}} {
+		if ev, ok := e.early[ek]; ok {
+			delete(e.early, ek)
+			e.mu.Unlock()
+			return ev, nil
+		}
 	}
 	ch := make(chan *agentv1.Event, 1)
 	e.waiters[k] = ch
@@ -192,6 +205,13 @@ func (e *Engine) Free(blocks []uint32) {
 	}
 	close(e.freed)
 	e.freed = make(chan struct{})
+}
+
+// FreeBlocks is how many blocks are free now.
+func (e *Engine) FreeBlocks() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.free)
 }
 
 // AllocateWait takes n blocks, waiting for frees while the cache is full: a request

@@ -65,8 +65,10 @@ class Proc:
                 raise RuntimeError(f"{self.name} exited ({self.p.returncode}) before {what}:\n{self.log()[-6000:]}")
             if ready():
                 return
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name}: no {what} within {timeout:.0f}s:\n{self.log()[-6000:]}")
+            time.sleep(0.2)  # polling a process's readiness, which it does not signal
+        log = self.log()[-6000:]
+        self.stop()
+        raise RuntimeError(f"{self.name}: no {what} within {timeout:.0f}s:\n{log}")
 
     def stop(self) -> None:
         if self.p.poll() is None:
@@ -178,12 +180,16 @@ def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120)
 class Stack:
     def __init__(self, bins, model, d, mode, decode_extra=None):
         self.procs = []
-        self.a = self._add(Agent(bins, "agent-prefill-node", os.path.join(d, "a")))
-        self.b = self._add(Agent(bins, "agent-decode-node", os.path.join(d, "b")))
-        self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket)))
-        self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket), decode_extra))
-        TIMINGS[f"{mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
-        self.r = self._add(Router(bins, d, mode, self.p, self.a, self.d))
+        try:
+            self.a = self._add(Agent(bins, "agent-prefill-node", os.path.join(d, "a")))
+            self.b = self._add(Agent(bins, "agent-decode-node", os.path.join(d, "b")))
+            self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket)))
+            self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket), decode_extra))
+            TIMINGS[f"{mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
+            self.r = self._add(Router(bins, d, mode, self.p, self.a, self.d))
+        except BaseException:
+            self.stop()  # nothing outlives a stack that failed to start
+            raise
 
     def _add(self, p):
         self.procs.append(p)

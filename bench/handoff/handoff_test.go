@@ -1,0 +1,52 @@
+package handoff
+
+import (
+	"context"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+)
+
+var agentBin string
+
+func TestMain(m *testing.M) { os.Exit(agentproc.RunTests(m, &agentBin)) }
+
+// An overloaded benchmark must finish and account for every request. 50 QPS into caches
+// of two requests, with leases and TTLs shorter than the queues, make push registrations
+// and sources expire and pull holds run out; every failed request's blocks must come
+// back (after the agent's answer), or the requests behind it wait for blocks forever — as
+// the benchmark did before, hanging with 163 goroutines parked in AllocateWait.
+func TestAnOverloadedRunFinishesAndReturnsEveryBlock(t *testing.T) {
+	var log strings.Builder
+	sc := Scenario{
+		Provider: "tcp;ofi_rxm", QPS: 50, PromptTokens: 2048, TP: 2, Duration: time.Second,
+		LoadFraction: 0.5, Utilisation: 0.65, CacheRequests: 2, Seed: 3,
+		Lease: 150 * time.Millisecond, RegistrationTimeout: 300 * time.Millisecond, BlocksTTL: 150 * time.Millisecond,
+		AgentBin: agentBin, WorkDir: t.TempDir(), Log: &log,
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, sc)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, log.String())
+	}
+	failed := 0
+	for _, r := range rep.Results {
+		if r.Arrivals == 0 || r.VerifiedRequests+r.FailedRequests != r.Arrivals {
+			t.Errorf("%s: %d arrivals, %d verified, %d failed: requests went missing", r.Mode, r.Arrivals, r.VerifiedRequests, r.FailedRequests)
+		}
+		if r.UnreturnedBlocks != 0 {
+			t.Errorf("%s: %d blocks never came back to the engines' pools", r.Mode, r.UnreturnedBlocks)
+		}
+		failed += r.FailedRequests
+	}
+	if rep.LeakedRanks != 0 {
+		t.Errorf("%d ranks' blocks were held back: an agent never answered", rep.LeakedRanks)
+	}
+	if failed == 0 {
+		t.Errorf("nothing failed: the scenario did not overload the agents, so it tests nothing\n%s", log.String())
+	}
+}
