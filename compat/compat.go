@@ -88,11 +88,22 @@ func Hash(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) string {
 	return hex.EncodeToString(h.Sum(nil))[:10]
 }
 
-// CheckPool checks what one pool and its policy must satisfy. warnings are worth an
-// event but do not stop rendering.
-func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Problem, warnings []string) {
+// Warning is worth an event but does not stop rendering; Reason is the event's.
+type Warning struct{ Reason, Message string }
+
+// Warning reasons.
+const (
+	// WarningEngineVersionUnknown: the image tag names no vLLM version to check.
+	WarningEngineVersionUnknown = "EngineVersionUnknown"
+	// WarningDeviceMemoryUnsupported: executor Agent on accelerators whose KV the agent
+	// cannot register yet (device memory needs its dmabuf path).
+	WarningDeviceMemoryUnsupported = "DeviceMemoryUnsupported"
+)
+
+// CheckPool checks what one pool and its policy must satisfy.
+func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Problem, warnings []Warning) {
 	if v, ok := ImageVersion(spec.Image); !ok {
-		warnings = append(warnings, fmt.Sprintf("cannot read a vLLM version from image %q; kvhandoff needs vLLM >= %s (>= %s for Push) and cannot check it", spec.Image, MinSafeVersion, MinPushVersion))
+		warnings = append(warnings, Warning{WarningEngineVersionUnknown, fmt.Sprintf("cannot read a vLLM version from image %q; kvhandoff needs vLLM >= %s (>= %s for Push, >= %s for executor Agent) and cannot check it", spec.Image, MinSafeVersion, MinPushVersion, MinAgentVersion)})
 	} else if v.Less(MinSafeVersion) {
 		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s; versions before %s execute code from the model at load time (CVE-2026-22807, CVSS 8.8); use vllm/vllm-openai:v0.29.0 or later", spec.Image, v, MinSafeVersion), warnings
 	} else if policy.Mode == kvv1.TransferPush && v.Less(MinPushVersion) {
@@ -102,7 +113,7 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 	}
 	if policy.Executor == kvv1.ExecutorAgent {
 		// Rendered anyway, so the pool reports its engines' own error rather than none.
-		warnings = append(warnings, fmt.Sprintf("executor Agent: the transfer agent moves host memory only; vLLM on %s keeps its KV in device memory, which needs the agent's dmabuf path (not built yet), so the engines will stop at start saying so", spec.Accelerator.Type))
+		warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf("executor Agent: the transfer agent moves host memory only; vLLM on %s keeps its KV in device memory, which needs the agent's dmabuf path (not built yet), so the engines will stop at start saying so", spec.Accelerator.Type)})
 	}
 
 	if info, ok := instancetype.Lookup(spec.InstanceType); ok && info.Accelerator != spec.Accelerator.Type {

@@ -1,6 +1,7 @@
 package compat
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -90,30 +91,37 @@ func TestCheckPool(t *testing.T) {
 	pull.Fabric.Provider = kvv1.ProviderEFA
 	tcp := builder.Policy("p").Provider(kvv1.ProviderTCP).Obj().Spec
 	override := builder.Policy("p").EFAPerAccelerator(1).Obj().Spec
+	agent := builder.Policy("p").Executor(kvv1.ExecutorAgent).Obj().Spec
 	cases := []struct {
 		name        string
 		pool        *builder.PoolBuilder[*kvv1.PrefillPool]
 		policy      *kvv1.KVTransferPolicySpec
 		reason      string
 		message     string
-		wantWarning bool
+		wantWarning string
 	}{
-		{"the sample shape", builder.PrefillPool("p"), &push, "", "", false},
-		{"vLLM before the CVE fix", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.13.0"), &pull, kvv1.ReasonUnsupportedEngineVersion, "CVE-2026-22807", false},
-		{"push before the push connector", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.25.1"), &push, kvv1.ReasonUnsupportedEngineVersion, "no push connector", false},
-		{"pull on 0.25 is fine", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.25.1"), &pull, "", "", false},
-		{"an unreadable tag warns", builder.PrefillPool("p").Image("vllm/vllm-openai:latest"), &push, "", "", true},
-		{"unknown instance type on EFA", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &push, kvv1.ReasonUnknownInstanceType, "g6.48xlarge", false},
-		{"no instance type on EFA", builder.PrefillPool("p").InstanceType(""), &push, kvv1.ReasonUnknownInstanceType, "spec.instanceType", false},
-		{"unknown instance type with an EFA override", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &override, "", "", false},
-		{"unknown instance type without EFA", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &tcp, "", "", false},
-		{"GPU pool on a Trainium type", builder.PrefillPool("p").InstanceType("trn2.48xlarge"), &push, kvv1.ReasonInstanceTypeMismatch, "carries Neuron", false},
+		{"the sample shape", builder.PrefillPool("p"), &push, "", "", ""},
+		{"vLLM before the CVE fix", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.13.0"), &pull, kvv1.ReasonUnsupportedEngineVersion, "CVE-2026-22807", ""},
+		{"push before the push connector", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.25.1"), &push, kvv1.ReasonUnsupportedEngineVersion, "no push connector", ""},
+		{"pull on 0.25 is fine", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.25.1"), &pull, "", "", ""},
+		{"an unreadable tag warns", builder.PrefillPool("p").Image("vllm/vllm-openai:latest"), &push, "", "", WarningEngineVersionUnknown},
+		{"executor Agent before the connector's vLLM", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.31.0"), &agent, kvv1.ReasonUnsupportedEngineVersion, "needs vLLM v0.32.0", ""},
+		{"executor Agent on GPUs warns of device memory", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0"), &agent, "", "", WarningDeviceMemoryUnsupported},
+		{"unknown instance type on EFA", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &push, kvv1.ReasonUnknownInstanceType, "g6.48xlarge", ""},
+		{"no instance type on EFA", builder.PrefillPool("p").InstanceType(""), &push, kvv1.ReasonUnknownInstanceType, "spec.instanceType", ""},
+		{"unknown instance type with an EFA override", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &override, "", "", ""},
+		{"unknown instance type without EFA", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &tcp, "", "", ""},
+		{"GPU pool on a Trainium type", builder.PrefillPool("p").InstanceType("trn2.48xlarge"), &push, kvv1.ReasonInstanceTypeMismatch, "carries Neuron", ""},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			p, warnings := CheckPool(&c.pool.Obj().Spec.EngineSpec, c.policy)
-			if (len(warnings) > 0) != c.wantWarning {
-				t.Errorf("warnings = %q", warnings)
+			var reasons []string
+			for _, w := range warnings {
+				reasons = append(reasons, w.Reason)
+			}
+			if want := []string{c.wantWarning}; (c.wantWarning == "" && len(warnings) > 0) || (c.wantWarning != "" && !slices.Equal(reasons, want)) {
+				t.Errorf("warnings = %q, want %q", warnings, c.wantWarning)
 			}
 			if c.reason == "" {
 				if p != nil {

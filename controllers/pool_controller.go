@@ -87,7 +87,7 @@ type validation struct {
 	policy   *kvv1.KVTransferPolicy
 	prefill  *kvv1.PrefillPool
 	problem  *compat.Problem
-	warnings []string
+	warnings []compat.Warning
 }
 
 func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, error) {

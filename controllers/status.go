@@ -100,7 +100,7 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 	old := poolOf(before).status()
 	if old.ObservedGeneration != gen {
 		for _, w := range v.warnings {
-			r.Recorder.Eventf(p.object(), nil, corev1.EventTypeWarning, "EngineVersionUnknown", "Validate", "%s", w)
+			r.Recorder.Eventf(p.object(), nil, corev1.EventTypeWarning, w.Reason, "Validate", "%s", w.Message)
 		}
 	}
 	if equality.Semantic.DeepEqual(old, st) {
