@@ -270,7 +270,7 @@ func (ds *decodeSide) warm() bool { return !ds.table.Idle() }
 func (ds *decodeSide) watchdog(now time.Time) { ds.handle(now, ds.table.Expire(now)) }
 
 func (ds *decodeSide) peerLost(now time.Time, p *peer) {
-	ds.handle(now, ds.table.PeerLost(now, p, fmt.Sprintf("prefill agent %s connection lost: %v", p.addr, p.err)))
+	ds.handle(now, ds.table.PeerLost(now, p, p.reached(), fmt.Sprintf("prefill agent %s connection lost: %v", p.addr, p.err)))
 }
 
 func (ds *decodeSide) fenceAll(now time.Time, reason string) {

@@ -249,6 +249,30 @@ func TestADecodeRegistrationWithoutAnOutcomeFailsOnItsOwn(t *testing.T) {
 	}
 }
 
+// A registration with a prefill agent that cannot be reached never left this agent: it
+// fails at once, not after a lease-long quarantine (nothing can land from an agent that
+// was never told of the blocks).
+func TestARegistrationWithAnUnreachableAgentFailsAtOnce(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close() // nothing listens there now: the dial is refused
+	// A lease far longer than wait's 30 s limit: a quarantine would fail the test.
+	b := startAgent(t, "decode-node", t.TempDir(), "--lease", "60s", "--registration-timeout", "120s")
+	d := engine(t, b, "decode-0.default", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, 0, testLayout(1, 64))
+	dst := alloc(t, d, 4)
+	if err := d.RegisterDestination(bg, "unreachable", 1, dst, &agentv1.EngineRef{Agent: addr, EngineId: "prefill-0.default"}); err != nil {
+		t.Fatal(err)
+	}
+	ev := wait(t, d, "unreachable", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	if !strings.Contains(ev.Reason, "could not be reached") {
+		t.Errorf("reason %q", ev.Reason)
+	}
+}
+
 // swallow plays an agent that holds the token (acceptor side of the handshake), then
 // reads and drops everything.
 func swallow(c net.Conn) {

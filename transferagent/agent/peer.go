@@ -202,6 +202,18 @@ func (p *peer) handshake() error {
 	return nil
 }
 
+// reached reports whether the handshake completed: only then does the write loop send
+// anything queued (Register, EngineInfo), so a connection that never got there carried
+// nothing of this agent's to the peer.
+func (p *peer) reached() bool {
+	select {
+	case <-p.ready:
+		return true
+	default:
+		return false
+	}
+}
+
 func (p *peer) write(m wire.Message) error {
 	b, err := wire.Encode(nil, m)
 	if err != nil {

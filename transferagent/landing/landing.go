@@ -281,17 +281,24 @@ func (t *Table[P]) Heartbeats() []Action {
 	return out
 }
 
-// PeerLost handles a lost prefill agent connection. What it already sent may still be
-// on its way into this engine's memory (the fabric has its own connections), so its
-// destinations fail only after a quarantine, never at once; its pulls fail once their
-// reads have drained.
-func (t *Table[P]) PeerLost(now time.Time, peer P, reason string) []Action {
+// PeerLost handles a lost prefill agent connection. If it was ever established (reached),
+// what that agent already sent may still be on its way into this engine's memory (the
+// fabric has its own connections), so its destinations fail only after a quarantine,
+// never at once. A connection that never got through its handshake carried no
+// registration, so that agent knows nothing of these blocks: they fail at once. Pulls fail
+// once their reads have drained.
+func (t *Table[P]) PeerLost(now time.Time, peer P, reached bool, reason string) []Action {
+	var acts []Action
 	for _, d := range t.dests {
-		if d.peer == peer && d.lost.IsZero() {
+		switch {
+		case d.peer != peer || !d.lost.IsZero():
+		case reached:
 			d.lost = now.Add(QuarantineFor(t.cfg.Lease, t.cfg.Tick))
+		default:
+			acts = append(acts, t.report(d, Report{Key: d.key, Kind: Failed, Code: "peer_unreachable",
+				Reason: fmt.Sprintf("the agent of prefill engine %s could not be reached (%s); nothing was sent to it", d.source, reason)})...)
 		}
 	}
-	var acts []Action
 	for _, p := range t.pulls {
 		if p.peer == peer && p.failed == "" {
 			acts = append(acts, t.failPull(now, p, reason)...)

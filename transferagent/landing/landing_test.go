@@ -88,12 +88,27 @@ func TestOutcomesFromAnotherConnectionAreIgnored(t *testing.T) {
 func TestALostPrefillAgentsDestinationsFailAfterTheQuarantine(t *testing.T) {
 	tb := New[*peer](cfg)
 	register(t, tb, k1)
-	expect(t, tb.PeerLost(t0, prefillAgent, "gone"))
+	expect(t, tb.PeerLost(t0, prefillAgent, true, "gone"))
 	q := QuarantineFor(cfg.Lease, cfg.Tick)
 	expect(t, tb.Expire(t0.Add(q-time.Millisecond)))
 	acts := tb.Expire(t0.Add(q))
 	if r, ok := acts[0].(Report); len(acts) != 1 || !ok || r.Kind != Failed || r.Code != "peer_lost" {
 		t.Fatalf("after the quarantine: %#v", acts)
+	}
+}
+
+// A connection that never got through its handshake carried no registration: the prefill
+// agent knows nothing of the blocks, so waiting out a quarantine would only delay the
+// engine.
+func TestAnUnreachablePrefillAgentsDestinationsFailAtOnce(t *testing.T) {
+	tb := New[*peer](cfg)
+	register(t, tb, k1)
+	acts := tb.PeerLost(t0, prefillAgent, false, "connection refused")
+	if r, ok := acts[0].(Report); len(acts) != 1 || !ok || r.Kind != Failed || r.Code != "peer_unreachable" {
+		t.Fatalf("an unreachable agent: %#v", acts)
+	}
+	if !tb.Idle() {
+		t.Fatal("the destination is still outstanding")
 	}
 }
 
@@ -297,7 +312,7 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 						lostAt[k] = now
 					}
 				}
-				check(tb.PeerLost(now, prefillAgent, "lost"))
+				check(tb.PeerLost(now, prefillAgent, true, "lost"))
 			case 6: // time passes (reads may complete before the watchdog runs)
 				now = now.Add(time.Duration(rng.IntN(4000)) * time.Millisecond)
 			case 7: // the watchdog
