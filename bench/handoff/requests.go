@@ -224,16 +224,6 @@ func complete(rk *ranks, req string, dst [][]uint32, delivered []bool, failed er
 	return verifyAndFree(rk, req, dst)
 }
 
-// verifyAndFree checks every byte each delivered decode rank received, then frees its
-// blocks; after a failure, the ranks that were delivered are only freed.
-func finish(rk *ranks, req string, dst [][]uint32, failed error) error {
-	if failed != nil {
-		// settle freed the ranks that did not deliver; the delivered ones go back now.
-		return failed
-	}
-	return verifyAndFree(rk, req, dst)
-}
-
 // verifyAndFree checks every byte each decode rank received, then frees its blocks.
 func verifyAndFree(rk *ranks, req string, dst [][]uint32) error {
 	return parallel(len(rk.D), func(r int) error {

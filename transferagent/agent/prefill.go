@@ -24,7 +24,7 @@ type prefillSide struct {
 	table    *rendezvous.Table // from the first transfer on, when the regions are fixed
 	w        *writer.Writer
 	holds    *rendezvous.Holds[*peer]
-	attempts map[attemptKey]*pushAttempt
+	attempts map[landing.Key]*pushAttempt
 }
 
 // pushAttempt is what the driver keeps of one decode registration beside the table's
@@ -39,13 +39,8 @@ type pushAttempt struct {
 	bytes    uint64
 }
 
-type attemptKey struct {
-	req     string
-	attempt uint64
-}
-
 func newPrefillSide(s *session) *prefillSide {
-	return &prefillSide{s: s, holds: rendezvous.NewHolds[*peer](s.pol.BlocksTTL, s.pol.Lease), attempts: map[attemptKey]*pushAttempt{}}
+	return &prefillSide{s: s, holds: rendezvous.NewHolds[*peer](s.pol.BlocksTTL, s.pol.Lease), attempts: map[landing.Key]*pushAttempt{}}
 }
 
 // Prefill memory is a source for writes and readable by peers (pull).
@@ -130,7 +125,7 @@ func (ps *prefillSide) onRegister(p *peer, m *wire.Register) {
 		refuse("%v", err)
 		return
 	}
-	ps.attempts[attemptKey{m.Request, m.Attempt}] = &pushAttempt{token: uint32(m.Token), decode: decode, peer: p}
+	ps.attempts[landing.Key{Request: m.Request, Attempt: m.Attempt}] = &pushAttempt{token: uint32(m.Token), decode: decode, peer: p}
 	ps.handle(now, acts)
 }
 
@@ -158,7 +153,7 @@ func (ps *prefillSide) addDestination(info *wire.EngineInfo) error {
 }
 
 func (ps *prefillSide) onPost(req string, attempt uint64) {
-	if a := ps.attempts[attemptKey{req, attempt}]; a != nil {
+	if a := ps.attempts[landing.Key{Request: req, Attempt: attempt}]; a != nil {
 		a.lastPost = time.Now()
 	}
 }
@@ -177,7 +172,7 @@ func (ps *prefillSide) handle(now time.Time, acts []rendezvous.Action) {
 				acts = append(acts, ps.table.Fail(now, act.Request, act.Attempt, "bad_blocks", err.Error())...)
 				continue
 			}
-			a := ps.attempts[attemptKey{act.Request, act.Attempt}]
+			a := ps.attempts[landing.Key{Request: act.Request, Attempt: act.Attempt}]
 			if a == nil {
 				continue
 			}
@@ -209,7 +204,7 @@ func (ps *prefillSide) handle(now time.Time, acts []rendezvous.Action) {
 // completed, so it arrives after their data — and frees the prefill blocks.
 func (ps *prefillSide) delivered(d rendezvous.Delivered) {
 	s := ps.s
-	k := attemptKey{d.Request, d.Attempt}
+	k := landing.Key{Request: d.Request, Attempt: d.Attempt}
 	a := ps.attempts[k]
 	delete(ps.attempts, k)
 	if a == nil {
@@ -239,7 +234,7 @@ func (ps *prefillSide) delivered(d rendezvous.Delivered) {
 // the prefill engine is told so it frees the blocks.
 func (ps *prefillSide) finish(req string, attempt uint64, decode rendezvous.Engine, code, reason string) {
 	s := ps.s
-	k := attemptKey{req, attempt}
+	k := landing.Key{Request: req, Attempt: attempt}
 	a := ps.attempts[k]
 	delete(ps.attempts, k)
 	if code != "" {
@@ -274,7 +269,7 @@ func (ps *prefillSide) onHeartbeat(m *wire.Heartbeat) {
 }
 
 func (ps *prefillSide) onCancel(p *peer, m *wire.Cancel) {
-	a := ps.attempts[attemptKey{m.Request, m.Attempt}]
+	a := ps.attempts[landing.Key{Request: m.Request, Attempt: m.Attempt}]
 	if a == nil || a.peer != p {
 		// Already finished (its outcome is on its way) or never registered here.
 		return
@@ -337,7 +332,7 @@ func (ps *prefillSide) watchdog(now time.Time) {
 func (ps *prefillSide) peerLost(now time.Time, p *peer) {
 	for k, a := range ps.attempts {
 		if a.peer == p {
-			ps.handle(now, ps.table.Fail(now, k.req, k.attempt, "peer_lost", "decode agent connection lost"))
+			ps.handle(now, ps.table.Fail(now, k.Request, k.Attempt, "peer_lost", "decode agent connection lost"))
 		}
 	}
 }

@@ -165,6 +165,7 @@ type Table[P comparable] struct {
 	byToken map[uint32]*destination[P]
 	token   uint32
 	pulls   map[Key]*pull[P]
+	writing int // destinations a prefill agent is writing into
 }
 
 // New returns an empty table.
@@ -197,8 +198,9 @@ func (t *Table[P]) Register(now time.Time, k Key, source string, peer P, blocks 
 
 // Writing records that the prefill agent started writing a destination.
 func (t *Table[P]) Writing(k Key, peer P) {
-	if d := t.dests[k]; d != nil && d.peer == peer {
+	if d := t.dests[k]; d != nil && d.peer == peer && !d.writing {
 		d.writing = true
+		t.writing++
 	}
 }
 
@@ -329,22 +331,11 @@ func (t *Table[P]) Expire(now time.Time) []Action {
 	return acts
 }
 
-// Hot reports whether data is moving into this rank's memory now (a prefill agent
-// writing, reads queued or in flight): the provider may move it only while the session
-// polls.
-func (t *Table[P]) Hot() bool {
-	for _, d := range t.dests {
-		if d.writing {
-			return true
-		}
-	}
-	for _, p := range t.pulls {
-		if p.queued > 0 || p.inFlight > 0 {
-			return true
-		}
-	}
-	return false
-}
+// Hot reports whether a prefill agent is writing into this rank's memory now: the
+// provider may move that data only while the session polls. It is asked on every turn
+// of the session's pump, so it is a counter, not a scan. (Pull reads in flight are the
+// session's own to see.)
+func (t *Table[P]) Hot() bool { return t.writing > 0 }
 
 // Idle reports whether nothing is outstanding.
 func (t *Table[P]) Idle() bool { return len(t.dests) == 0 && len(t.pulls) == 0 }
@@ -442,6 +433,9 @@ func (t *Table[P]) Dropped(now time.Time, k Key, n int) []Action {
 }
 
 func (t *Table[P]) report(d *destination[P], r Report) []Action {
+	if d.writing {
+		t.writing--
+	}
 	delete(t.dests, d.key)
 	delete(t.byToken, d.token)
 	return []Action{r}

@@ -40,7 +40,15 @@ func register(t *testing.T, tb *Table[*peer], k Key) uint32 {
 func TestADeliverySignalReportsDelivered(t *testing.T) {
 	tb := New[*peer](cfg)
 	tok := register(t, tb, k1)
+	tb.Writing(k1, prefillAgent)
+	tb.Writing(k1, prefillAgent) // said twice: still one destination being written
+	if !tb.Hot() {
+		t.Fatal("a destination being written is not hot")
+	}
 	expect(t, tb.Signal(SignalData(tok, false)), Report{Key: k1, Kind: Delivered, Blocks: 4})
+	if tb.Hot() {
+		t.Fatal("still hot after the delivery")
+	}
 	expect(t, tb.Signal(SignalData(tok, false))) // reported once
 }
 

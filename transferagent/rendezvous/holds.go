@@ -13,6 +13,7 @@ import (
 type Holds[P comparable] struct {
 	ttl, lease time.Duration
 	m          map[string]*hold[P]
+	acquired   int // holds a decode agent may be reading now
 }
 
 type hold[P comparable] struct {
@@ -69,6 +70,9 @@ func (h *Holds[P]) Acquire(now time.Time, req string, attempt uint64, by P, bloc
 			return 0, fmt.Errorf("block %d is not among request %s's ready blocks", b, req)
 		}
 	}
+	if !o.acquired {
+		h.acquired++
+	}
 	o.acquired, o.attempt, o.by, o.until = true, attempt, by, now.Add(h.lease)
 	return h.lease, nil
 }
@@ -80,6 +84,7 @@ func (h *Holds[P]) Release(req string, attempt uint64, by P) (int, bool) {
 		return 0, false
 	}
 	delete(h.m, req)
+	h.acquired--
 	return len(o.blocks), true
 }
 
@@ -108,17 +113,14 @@ func (h *Holds[P]) Expire(now time.Time) []SourceExpired {
 			continue
 		}
 		delete(h.m, req)
+		if o.acquired {
+			h.acquired--
+		}
 		out = append(out, SourceExpired{Request: req, Reason: reason})
 	}
 	return out
 }
 
-// Acquired reports whether a decode agent may be reading now.
-func (h *Holds[P]) Acquired() bool {
-	for _, o := range h.m {
-		if o.acquired {
-			return true
-		}
-	}
-	return false
-}
+// Acquired reports whether a decode agent may be reading now. The session's pump asks on
+// every turn, so it is a counter, not a scan.
+func (h *Holds[P]) Acquired() bool { return h.acquired > 0 }

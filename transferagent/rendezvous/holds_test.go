@@ -22,6 +22,9 @@ func TestAHoldIsReadByOneAttemptAndEndsWithItsReleaseOrLease(t *testing.T) {
 	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); err != nil {
 		t.Fatal(err)
 	}
+	if !h.Acquired() {
+		t.Fatal("an acquired hold is not reported as being read")
+	}
 	if _, err := h.Acquire(t0, "r1", 2, b, []uint32{4, 5}); err == nil {
 		t.Fatal("a second attempt was granted blocks another is reading")
 	}
@@ -40,6 +43,9 @@ func TestAHoldIsReadByOneAttemptAndEndsWithItsReleaseOrLease(t *testing.T) {
 	}
 	if _, ok := h.Release("r1", 1, a); ok {
 		t.Fatal("released a hold that had expired")
+	}
+	if h.Acquired() {
+		t.Fatal("an expired hold is still reported as being read")
 	}
 }
 
