@@ -99,8 +99,8 @@ build: ## Build the binaries into bin/.
 	go build -o $(LOCALBIN)/ ./cmd/...
 
 .PHONY: bench-handoff
-bench-handoff: deps ## Push-vs-pull handoff benchmark: markdown table, bench/results/handoff.json and handoff.png.
-	go run ./cmd/bench-handoff --out bench/results
+bench-handoff: deps ## Handoff benchmark (push, push-layered, pull; the agent against fi_rma_bw): table, bench/results/handoff.json and handoff.png.
+	go run ./cmd/bench-handoff --out bench/results --fabtests "$$(hack/fabtests.sh)"
 
 .PHONY: bench-serving
 bench-serving: deps ## Router under load, push vs pull on the same arrivals: table, bench/results/serving.json and serving.png.

@@ -8,6 +8,7 @@ package handoff
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"time"
 
@@ -64,20 +65,43 @@ func (w *wirePair) close() {
 	w.to.Free()
 }
 
-// write moves n bytes in writes of at most chunk bytes, then a CQ-data signal, and
+// write moves n bytes in writes of at most chunk bytes, at most window of them in
+// flight, then a CQ-data signal, and
 // returns the time from the first post until the signal arrived at the target: what a
-// handoff of n bytes costs when nothing but the wire is in the way.
-func (w *wirePair) write(n, chunk int) (time.Duration, error) {
+// handoff of n bytes costs when nothing but the wire is in the way. Each side is driven
+// by its own goroutine, as each agent drives its own endpoint: one thread polling both
+// would do the sender's and the receiver's copies in turn, and the floor would be slower
+// than the agents it bounds.
+func (w *wirePair) write(n, chunk, window int) (time.Duration, error) {
 	start := time.Now()
+	arrived := make(chan error, 1)
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		buf := make([]fabric.Completion, 16)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			for _, c := range buf[:wait(w.dst, buf)] {
+				if c.Err != nil || c.Remote {
+					arrived <- c.Err
+					return
+				}
+			}
+		}
+	}()
 	posted, done := 0, 0
 	pending := 0
 	for off := 0; off < n; {
 		l := min(chunk, n-off)
 		var err error
-		if pending < 64 {
+		if pending < window {
 			err = w.src.Write(w.peer, w.srcReg, uint64(off), uint64(l), w.dstReg.RemoteAddr(uint64(off)), w.dstReg.Key, uint64(posted+1))
 		}
-		if pending >= 64 || errors.Is(err, fabric.ErrAgain) {
+		if pending >= window || errors.Is(err, fabric.ErrAgain) {
 			d, err := w.reap()
 			if err != nil {
 				return 0, err
@@ -108,25 +132,37 @@ func (w *wirePair) write(n, chunk int) (time.Duration, error) {
 		if !errors.Is(err, fabric.ErrAgain) {
 			return 0, err
 		}
-		w.reap()
+		if _, err := w.reap(); err != nil {
+			return 0, err
+		}
 	}
 	for {
-		w.src.Poll(w.buf)
-		for _, c := range w.buf[:w.dst.Poll(w.buf)] {
-			if c.Err != nil {
-				return 0, c.Err
-			}
-			if c.Remote {
-				return time.Since(start), nil
-			}
+		select {
+		case err := <-arrived:
+			return time.Since(start), err
+		default:
+			wait(w.src, w.buf) // the signal's own completion
 		}
 	}
 }
 
-// reap polls both sides (the target must poll for data to move on tcp;ofi_rxm).
+// wait reads completions as the agents do: asleep in the provider, which moves data while
+// it waits, where the provider allows; else polling, leaving the core to others between
+// polls (on few cores the pairs with work need it).
+func wait(ep *fabric.Endpoint, buf []fabric.Completion) int {
+	if ep.Waitable() {
+		return ep.Wait(buf, time.Millisecond)
+	}
+	n := ep.Poll(buf)
+	if n == 0 {
+		runtime.Gosched()
+	}
+	return n
+}
+
+// reap waits for write completions on the source side, returning how many writes completed.
 func (w *wirePair) reap() (int, error) {
-	w.dst.Poll(w.buf)
-	n := w.src.Poll(w.buf)
+	n := wait(w.src, w.buf)
 	d := 0
 	for _, c := range w.buf[:n] {
 		if c.Err != nil {
@@ -147,12 +183,12 @@ func MeasureBandwidth(provider string, size int) (float64, error) {
 		return 0, err
 	}
 	defer w.close()
-	if _, err := w.write(1<<20, 1<<20); err != nil { // connection setup
+	if _, err := w.write(1<<20, 1<<20, 1); err != nil { // connection setup
 		return 0, err
 	}
 	var rates []float64
 	for range 5 {
-		d, err := w.write(size, 4<<20)
+		d, err := w.write(size, 4<<20, 64)
 		if err != nil {
 			return 0, err
 		}
@@ -169,12 +205,12 @@ func wireFloor(provider string, n int) (time.Duration, error) {
 		return 0, fmt.Errorf("wire floor: %w", err)
 	}
 	defer w.close()
-	if _, err := w.write(1<<20, 1<<20); err != nil {
+	if _, err := w.write(1<<20, 1<<20, 1); err != nil {
 		return 0, err
 	}
 	var ds []time.Duration
 	for range 9 {
-		d, err := w.write(n, 4<<20)
+		d, err := w.write(n, 4<<20, 64)
 		if err != nil {
 			return 0, err
 		}
@@ -185,8 +221,10 @@ func wireFloor(provider string, n int) (time.Duration, error) {
 }
 
 // wireFloorParallel is the median time for tp endpoint pairs to each write n/tp bytes at
-// once, signalled: the same bytes spread over as many endpoints as a TP handoff uses.
-func wireFloorParallel(provider string, n, tp int) (time.Duration, error) {
+// once, in writes equal writes all in flight, signalled: the same bytes spread over as
+// many endpoints, in as many writes, as a TP handoff's merged writes (one per region).
+func wireFloorParallel(provider string, n, tp, writes int) (time.Duration, error) {
+	chunk := (n/tp + writes - 1) / writes
 	pairs := make([]*wirePair, tp)
 	for i := range pairs {
 		w, err := newWirePair(provider, n/tp)
@@ -194,7 +232,7 @@ func wireFloorParallel(provider string, n, tp int) (time.Duration, error) {
 			return 0, fmt.Errorf("wire floor: %w", err)
 		}
 		defer w.close()
-		if _, err := w.write(1<<20, 1<<20); err != nil {
+		if _, err := w.write(1<<20, 1<<20, 1); err != nil {
 			return 0, err
 		}
 		pairs[i] = w
@@ -202,7 +240,7 @@ func wireFloorParallel(provider string, n, tp int) (time.Duration, error) {
 	var ds []time.Duration
 	for range 9 {
 		start := time.Now()
-		err := parallelPairs(pairs, func(w *wirePair) error { _, err := w.write(n/tp, 4<<20); return err })
+		err := parallelPairs(pairs, func(w *wirePair) error { _, err := w.write(n/tp, chunk, writes); return err })
 		if err != nil {
 			return 0, err
 		}

@@ -14,11 +14,14 @@ import (
 // prefillServer is the prefill engine: requests queue for it, one at a time, as on a
 // real engine at steady load. It allocates each request's blocks on every rank, produces
 // the KV (the simulated engine's pattern) within the modelled prefill time, and reports
-// the blocks ready; it frees them when the agent says they were transferred.
+// the blocks ready — at its end, or layer group by layer group as the modelled layers
+// finish (layer-streamed push); it frees them when the agent says they were transferred.
 type prefillServer struct {
 	rk     *ranks
 	d      time.Duration
 	blocks int
+	// groups is how many layer groups a request is reported in; 1: whole, at prefill end.
+	groups int
 	jobs   chan *prefillJob
 	done   chan struct{}
 	// leaked counts ranks' blocks held back because their agent never answered.
@@ -43,8 +46,8 @@ type prefillResult struct {
 	err error
 }
 
-func newPrefillServer(rk *ranks, d time.Duration, blocks int) *prefillServer {
-	s := &prefillServer{rk: rk, d: d, blocks: blocks, jobs: make(chan *prefillJob, 1024), done: make(chan struct{})}
+func newPrefillServer(rk *ranks, d time.Duration, blocks, groups int) *prefillServer {
+	s := &prefillServer{rk: rk, d: d, blocks: blocks, groups: max(groups, 1), jobs: make(chan *prefillJob, 1024), done: make(chan struct{})}
 	go s.run()
 	return s
 }
@@ -74,28 +77,23 @@ func (s *prefillServer) run() {
 			return nil
 		})
 		cancel()
-		time.Sleep(time.Until(start.Add(s.d))) // the rest of the modelled compute
-		end := time.Now()
 		if err != nil {
+			time.Sleep(time.Until(start.Add(s.d))) // the rest of the modelled compute
 			for r, b := range src {
 				if b != nil {
 					s.rk.P[r].Free(b) // never reported ready: no agent knows them
 				}
 			}
-			j.result <- prefillResult{end: end, err: err}
+			j.result <- prefillResult{end: time.Now(), err: err}
 			j.descriptors <- 0
 			continue
 		}
 		// The engine reports the blocks from its connector's thread and goes on with the
-		// next prefill: the calls return at once, but on a 2-core machine the transfers
-		// they start compete for the CPU, and the engine loop must not queue behind them.
+		// next prefill at the modelled end: the calls return at once, but on a 2-core
+		// machine the transfers they start compete for the CPU, and the engine loop must
+		// not queue behind them.
 		go func() {
-			ready := make([]bool, len(s.rk.P))
-			err := parallel(len(s.rk.P), func(r int) error {
-				err := s.rk.P[r].SourceReady(ctx, j.req, 0, src[r], true)
-				ready[r] = err == nil
-				return err
-			})
+			ready, end, err := s.report(ctx, j.req, src, start)
 			j.result <- prefillResult{end: end, src: src, err: err}
 			// Each rank's blocks go back only when its agent is done with them (SOURCE_DONE,
 			// or FAILED once its lease or TTL ran out), as on a real engine; a rank whose
@@ -124,7 +122,42 @@ func (s *prefillServer) run() {
 			})
 			j.descriptors <- total
 		}()
+		time.Sleep(time.Until(start.Add(s.d))) // the rest of the modelled compute
 	}
+}
+
+// report reports a request's blocks ready on every rank: whole at the end of the
+// modelled prefill, or in layer groups, group g once its layers' share of the prefill
+// time has passed. It returns which ranks' agents accepted a part (they will answer for
+// the request), when prefill ended, and why a report was refused. A rank that refused a
+// group is told no later one.
+func (s *prefillServer) report(ctx context.Context, req string, src [][]uint32, start time.Time) ([]bool, time.Time, error) {
+	ready := make([]bool, len(s.rk.P))
+	refused := make([]bool, len(s.rk.P))
+	regions := s.rk.P[0].Cache.Layout.Regions()
+	var errs error
+	var end time.Time
+	for g := range s.groups {
+		time.Sleep(time.Until(start.Add(s.d * time.Duration(g+1) / time.Duration(s.groups))))
+		end = time.Now()
+		lo, hi := g*regions/s.groups, (g+1)*regions/s.groups
+		final := g == s.groups-1
+		errs = errors.Join(errs, parallel(len(s.rk.P), func(r int) error {
+			if refused[r] {
+				return nil
+			}
+			var err error
+			if s.groups == 1 {
+				err = s.rk.P[r].SourceReady(ctx, req, 0, src[r], final)
+			} else {
+				err = s.rk.P[r].SourceRegionsReady(ctx, req, uint32(lo), uint32(hi-lo), src[r], final)
+			}
+			ready[r] = ready[r] || err == nil
+			refused[r] = err != nil
+			return err
+		}))
+	}
+	return ready, end, errs
 }
 
 // parallel runs fn for 0..n-1 concurrently and returns the first error.
@@ -147,11 +180,38 @@ func parallel(n int, fn func(int) error) error {
 	return first
 }
 
-// allocate takes a request's blocks on every decode rank, in rank order: requests that
-// each hold some ranks' blocks and wait for others' would deadlock a full cache.
-func allocate(ctx context.Context, rk *ranks, blocks int) ([][]uint32, error) {
+// turn orders the decode engine's admissions by arrival, as vLLM's scheduler admits
+// waiting requests in order: a request allocates once the one before it has. Without it
+// a later arrival could take the blocks an earlier one waits for while the prefill
+// engine, which serves in arrival order, holds its own blocks for that earlier one — a
+// cycle only the agents' timeouts broke, one expiry at a time.
+type turn struct {
+	prev <-chan struct{}
+	mine chan struct{}
+}
+
+// first is the turn of a request with nobody before it.
+func first() turn {
+	prev := make(chan struct{})
+	close(prev)
+	return turn{prev: prev, mine: make(chan struct{})}
+}
+
+// next is the turn after t.
+func (t turn) next() turn { return turn{prev: t.mine, mine: make(chan struct{})} }
+
+// allocate takes a request's blocks on every decode rank in its turn, and in rank order:
+// requests that each hold some ranks' blocks and wait for others' would deadlock a full
+// cache.
+func allocate(ctx context.Context, rk *ranks, blocks int, t turn) ([][]uint32, error) {
 	ctx, cancel := context.WithTimeout(ctx, waitLimit)
 	defer cancel()
+	defer close(t.mine)
+	select {
+	case <-t.prev:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("waiting for the requests before it to be admitted: %w", ctx.Err())
+	}
 	dst := make([][]uint32, len(rk.D))
 	for r, d := range rk.D {
 		b, err := d.AllocateWait(ctx, blocks)
@@ -235,9 +295,9 @@ func verifyAndFree(rk *ranks, req string, dst [][]uint32) error {
 // pushRequest: the router sends the request to prefill and picks its decode engine at
 // once; decode registers its blocks while the request waits for and runs prefill, and at
 // prefill end the prefill agent writes straight in.
-func pushRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, arrival time.Time, blocks int) outcome {
+func pushRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, arrival time.Time, blocks int, t turn) outcome {
 	job := pf.submit(req)
-	dst, err := allocate(ctx, rk, blocks)
+	dst, err := allocate(ctx, rk, blocks, t)
 	if err != nil {
 		<-job.result
 		<-job.descriptors // the source expires unclaimed and the prefill engine frees it
@@ -266,13 +326,14 @@ func pushRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, 
 
 // pullRequest: after prefill the router relays the source block ids; only then does
 // decode allocate, and its agent acquires the blocks and reads them.
-func pullRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, arrival time.Time, blocks int) outcome {
+func pullRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, arrival time.Time, blocks int, t turn) outcome {
 	job := pf.submit(req)
 	res := <-job.result
 	if res.err != nil {
+		close(t.mine)
 		return outcome{err: res.err}
 	}
-	dst, err := allocate(ctx, rk, blocks)
+	dst, err := allocate(ctx, rk, blocks, t)
 	if err != nil {
 		return outcome{err: err}
 	}

@@ -30,9 +30,16 @@ type Scenario struct {
 	Utilisation float64
 	// CacheRequests sizes each rank's KV cache, in requests.
 	CacheRequests int
+	// LayerGroups is how many layer groups push-layered reports a request in (0: that
+	// mode is not run).
+	LayerGroups int
 	// Lease, RegistrationTimeout and BlocksTTL are the engines' policy timeouts (0: the
 	// agents' defaults).
 	Lease, RegistrationTimeout, BlocksTTL time.Duration
+
+	// Fabtests, when set, is a fabtests install (hack/fabtests.sh): the agent's write
+	// throughput is then measured beside its fi_rma_bw.
+	Fabtests string
 
 	Seed     uint64
 	AgentBin string
@@ -43,7 +50,7 @@ type Scenario struct {
 // Default is the issue's scenario: 8 QPS of 16k-token prompts at TP 8, 30% of the wire.
 func Default() Scenario {
 	return Scenario{Provider: "tcp;ofi_rxm", QPS: 8, PromptTokens: 16384, TP: 8, Duration: 20 * time.Second,
-		LoadFraction: 0.30, Utilisation: 0.65, CacheRequests: 8, Seed: 1}
+		LoadFraction: 0.30, Utilisation: 0.65, CacheRequests: 8, LayerGroups: 8, Seed: 1}
 }
 
 // Percentiles are in milliseconds.
@@ -57,14 +64,23 @@ type Result struct {
 	BytesPerRequest uint64      `json:"bytes_per_request"`
 	TTFT            Percentiles `json:"ttft_ms"`
 	Handoff         Percentiles `json:"handoff_ms"`
-	// CoordinationOverhead is each request's handoff minus the wire floor: what the
-	// agents, the engines and their coordination add to moving the bytes.
+	// CoordinationOverhead is each request's handoff minus its wire floor (push-layered:
+	// the last group's): what the agents, the engines and their coordination add to
+	// moving the bytes.
 	CoordinationOverhead Percentiles `json:"coordination_overhead_ms"`
 	// WireFloorMs is the fastest way the request's bytes cross: TP endpoint pairs
 	// writing their rank's share at once, signalled (the handoff's own parallelism).
 	WireFloorMs float64 `json:"wire_floor_ms"`
 	// WireFloorOnePairMs is the same bytes over one pair, for context.
-	WireFloorOnePairMs    float64 `json:"wire_floor_one_pair_ms"`
+	WireFloorOnePairMs float64 `json:"wire_floor_one_pair_ms"`
+	// WireFloorUnderEngineLoadMs is the TP-pairs floor measured while the simulated
+	// engines' own CPU work (producing and checking each request's KV at the run's
+	// rate) runs beside it: on CPUs that work competes with the transfers, on GPUs not.
+	WireFloorUnderEngineLoadMs float64 `json:"wire_floor_under_engine_load_ms"`
+	// LayerGroups and WireFloorLastGroupMs (push-layered): what is left to move at
+	// prefill end is the last group, whose bytes' TP-pairs floor this is.
+	LayerGroups           int     `json:"layer_groups,omitempty"`
+	WireFloorLastGroupMs  float64 `json:"wire_floor_last_group_ms,omitempty"`
 	DescriptorsPerRequest float64 `json:"descriptors_per_request"`
 	// StagesMs is the agents' own mean time per stage and rank (their metrics).
 	StagesMs         map[string]float64 `json:"agent_stage_mean_ms"`
@@ -95,6 +111,28 @@ type Report struct {
 	Results          []Result `json:"results"`
 	PushOverFloorP50 float64  `json:"push_handoff_p50_over_wire_floor"`
 	PullMinusPushP50 float64  `json:"pull_minus_push_handoff_p50_ms"`
+	// PushOverLayeredP50 is how many times shorter push-layered's handoff p50 is than
+	// whole-request push's (target ≥ 4).
+	PushOverLayeredP50 float64 `json:"push_over_push_layered_handoff_p50,omitempty"`
+	// Throughput is the agent's write throughput against fi_rma_bw (with Fabtests).
+	Throughput *Throughput `json:"throughput,omitempty"`
+}
+
+// mode is one way of handing off a request: the agents' mode, and for push how many
+// layer groups prefill reports it in (1: whole).
+type mode struct {
+	name   string
+	agent  agentv1.Mode
+	groups int
+}
+
+// modes are the modes a scenario runs, all on the same arrivals.
+func (sc Scenario) modes() []mode {
+	list := []mode{{"push", agentv1.Mode_MODE_PUSH, 1}}
+	if sc.LayerGroups > 1 {
+		list = append(list, mode{"push-layered", agentv1.Mode_MODE_PUSH, sc.LayerGroups})
+	}
+	return append(list, mode{"pull", agentv1.Mode_MODE_PULL, 1})
 }
 
 func (sc Scenario) logf(format string, args ...any) {
@@ -111,7 +149,7 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	}
 	// The load is sized from what TP pairs move together, the run's own parallelism: one
 	// pair's figure overstates what each rank gets when all of them write at once.
-	sizing, err := wireFloorParallel(sc.Provider, 64<<20, sc.TP)
+	sizing, err := wireFloorParallel(sc.Provider, 64<<20, sc.TP, 16) // 4 MiB writes
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth over %d pairs: %w", sc.TP, err)
 	}
@@ -124,11 +162,23 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	if err != nil {
 		return nil, err
 	}
-	floorTP, err := wireFloorParallel(sc.Provider, int(bytesPerRequest), sc.TP)
+	floorTP, err := wireFloorParallel(sc.Provider, int(bytesPerRequest), sc.TP, l.Regions())
 	if err != nil {
 		return nil, err
 	}
 	sc.logf("wire floor over %d endpoint pairs at once: %.1f ms", sc.TP, ms(floorTP))
+	floorLoaded, err := floorUnderLoad(sc, l, blocksPerRequest, int(bytesPerRequest))
+	if err != nil {
+		return nil, err
+	}
+	sc.logf("the same under the engines' CPU work at %.0f QPS: %.1f ms", sc.QPS, ms(floorLoaded))
+	var floorGroup time.Duration
+	if sc.LayerGroups > 1 {
+		if floorGroup, err = wireFloorParallel(sc.Provider, int(bytesPerRequest)/sc.LayerGroups, sc.TP, l.Regions()/sc.LayerGroups); err != nil {
+			return nil, err
+		}
+		sc.logf("the last of %d layer groups over %d endpoint pairs: %.1f ms", sc.LayerGroups, sc.TP, ms(floorGroup))
+	}
 	speedup := simengine.SpeedupFor(sc.TP, 1, sc.QPS, sc.PromptTokens, sc.Utilisation)
 	prefill := simengine.Prefill{TP: sc.TP, Speedup: speedup}.Time(sc.PromptTokens)
 	rep := &Report{
@@ -146,43 +196,71 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	}
 	defer a.Stop()
 	defer b.Stop()
-	for _, mode := range []agentv1.Mode{agentv1.Mode_MODE_PUSH, agentv1.Mode_MODE_PULL} {
-		r, leaked, err := runMode(ctx, sc, mode, l, a, b, prefill)
+	for _, m := range sc.modes() {
+		before := scrape(a, b)
+		r, leaked, err := runMode(ctx, sc, m, l, a, b, prefill)
 		if err != nil {
-			return nil, fmt.Errorf("%s: %w", mode, err)
+			return nil, fmt.Errorf("%s: %w", m.name, err)
 		}
 		rep.LeakedRanks += leaked
-		r.BytesPerRequest, r.WireFloorMs, r.WireFloorOnePairMs = bytesPerRequest, ms(floorTP), ms(floor)
+		r.BytesPerRequest, r.WireFloorMs, r.WireFloorOnePairMs, r.WireFloorUnderEngineLoadMs = bytesPerRequest, ms(floorTP), ms(floor), ms(floorLoaded)
+		floor := ms(floorTP)
+		if m.groups > 1 {
+			r.LayerGroups, r.WireFloorLastGroupMs = m.groups, ms(floorGroup)
+			floor = r.WireFloorLastGroupMs
+		}
 		over := make([]float64, len(r.handoffs))
 		for i, h := range r.handoffs {
-			over[i] = h - ms(floorTP)
+			over[i] = h - floor
 		}
 		r.CoordinationOverhead = report.Of(over)
-		r.StagesMs = stageMeans(r.Mode, a, b)
+		r.StagesMs = stageMeans(m.agent, before, scrape(a, b))
 		sc.logf("%s: agent stage means per rank (ms): %v", r.Mode, r.StagesMs)
 		rep.Results = append(rep.Results, *r)
 	}
-	rep.PushOverFloorP50 = rep.Results[0].Handoff.P50 / rep.Results[0].WireFloorMs
-	rep.PullMinusPushP50 = rep.Results[1].Handoff.P50 - rep.Results[0].Handoff.P50
+	byName := map[string]*Result{}
+	for i := range rep.Results {
+		byName[rep.Results[i].Mode] = &rep.Results[i]
+	}
+	push := byName["push"]
+	rep.PushOverFloorP50 = push.Handoff.P50 / push.WireFloorMs
+	rep.PullMinusPushP50 = byName["pull"].Handoff.P50 - push.Handoff.P50
+	if l := byName["push-layered"]; l != nil && l.Handoff.P50 > 0 {
+		rep.PushOverLayeredP50 = push.Handoff.P50 / l.Handoff.P50
+	}
+	if sc.Fabtests != "" {
+		one := l
+		one.Blocks = blocksPerRequest
+		if rep.Throughput, err = MeasureThroughput(ctx, sc, sc.Fabtests, one); err != nil {
+			return nil, fmt.Errorf("throughput against fi_rma_bw: %w", err)
+		}
+		sc.logf("throughput: %+v", *rep.Throughput)
+	}
 	return rep, nil
 }
 
-// stageMeans reads the agents' stage histograms: mean milliseconds per stage.
-func stageMeans(mode string, agents ...*agentproc.Proc) map[string]float64 {
-	var scraped []map[string]float64
+// scrape reads the agents' metrics, summed over the agents.
+func scrape(agents ...*agentproc.Proc) map[string]float64 {
+	sum := map[string]float64{}
 	for _, a := range agents {
 		if m, err := a.Metrics(); err == nil {
-			scraped = append(scraped, m)
+			for k, v := range m {
+				sum[k] += v
+			}
 		}
 	}
+	return sum
+}
+
+// stageMeans reads the agents' stage histograms between two scrapes: mean milliseconds
+// per stage of what ran in between.
+func stageMeans(mode agentv1.Mode, before, after map[string]float64) map[string]float64 {
+	name := map[agentv1.Mode]string{agentv1.Mode_MODE_PUSH: "push", agentv1.Mode_MODE_PULL: "pull"}[mode]
 	out := map[string]float64{}
 	for _, stage := range []string{"rendezvous_wait", "post", "wire", "notify"} {
-		var sum, count float64
-		labels := fmt.Sprintf(`{mode="%s",stage="%s"}`, mode, stage)
-		for _, m := range scraped {
-			sum += m["kvhandoff_agent_handoff_stage_seconds_sum"+labels]
-			count += m["kvhandoff_agent_handoff_stage_seconds_count"+labels]
-		}
+		labels := fmt.Sprintf(`{mode="%s",stage="%s"}`, name, stage)
+		sum := after["kvhandoff_agent_handoff_stage_seconds_sum"+labels] - before["kvhandoff_agent_handoff_stage_seconds_sum"+labels]
+		count := after["kvhandoff_agent_handoff_stage_seconds_count"+labels] - before["kvhandoff_agent_handoff_stage_seconds_count"+labels]
 		if count > 0 {
 			out[stage] = report.Round(sum / count * 1000)
 		}
@@ -210,18 +288,17 @@ type ranks struct {
 	P, D []*simengine.Engine
 }
 
-func startRanks(ctx context.Context, sc Scenario, mode agentv1.Mode, l simengine.Layout, a, b *agentproc.Proc) (*ranks, error) {
+func startRanks(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b *agentproc.Proc) (*ranks, error) {
 	rk := &ranks{}
-	name := map[agentv1.Mode]string{agentv1.Mode_MODE_PUSH: "push", agentv1.Mode_MODE_PULL: "pull"}[mode]
 	for r := range sc.TP {
-		p, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-prefill-" + name, Role: agentv1.Role_ROLE_PREFILL, Mode: mode, Rank: r, Layout: l, Socket: a.Socket,
+		p, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-prefill-" + m.name, Role: agentv1.Role_ROLE_PREFILL, Mode: m.agent, Rank: r, Layout: l, Socket: a.Socket,
 			Lease: sc.Lease, RegistrationTimeout: sc.RegistrationTimeout, BlocksTTL: sc.BlocksTTL})
 		if err != nil {
 			rk.stop()
 			return nil, err
 		}
 		rk.P = append(rk.P, p)
-		d, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-decode-" + name, Role: agentv1.Role_ROLE_DECODE, Mode: mode, Rank: r, Layout: l, Socket: b.Socket,
+		d, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-decode-" + m.name, Role: agentv1.Role_ROLE_DECODE, Mode: m.agent, Rank: r, Layout: l, Socket: b.Socket,
 			Lease: sc.Lease, RegistrationTimeout: sc.RegistrationTimeout, BlocksTTL: sc.BlocksTTL})
 		if err != nil {
 			rk.stop()
@@ -247,25 +324,31 @@ type outcome struct {
 
 // runMode runs one mode's arrivals; it also returns the ranks' blocks it had to hold
 // back because an agent never answered for them.
-func runMode(ctx context.Context, sc Scenario, mode agentv1.Mode, l simengine.Layout, a, b *agentproc.Proc, prefill time.Duration) (*Result, int64, error) {
-	rk, err := startRanks(ctx, sc, mode, l, a, b)
+func runMode(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b *agentproc.Proc, prefill time.Duration) (*Result, int64, error) {
+	rk, err := startRanks(ctx, sc, m, l, a, b)
 	if err != nil {
 		return nil, 0, err
 	}
 	defer rk.stop()
 	blocks := (sc.PromptTokens + l.BlockSize - 1) / l.BlockSize
-	pf := newPrefillServer(rk, prefill, blocks)
+	pf := newPrefillServer(rk, prefill, blocks, m.groups)
 	defer pf.stop()
-	one := func(req string, arrival time.Time) outcome {
-		if mode == agentv1.Mode_MODE_PUSH {
-			return pushRequest(ctx, rk, pf, req, arrival, blocks)
+	// Decode engines renew their registrations' leases, as vLLM's connector does (three
+	// per lease): a registration waiting for a queued prefill must not expire for want of
+	// a heartbeat, which frees nothing for a TTL and starves the queue behind it.
+	hctx, stopHeartbeats := context.WithCancel(ctx)
+	defer stopHeartbeats()
+	go heartbeat(hctx, rk, sc.Lease)
+	one := func(req string, arrival time.Time, t turn) outcome {
+		if m.agent == agentv1.Mode_MODE_PUSH {
+			return pushRequest(ctx, rk, pf, req, arrival, blocks, t)
 		}
-		return pullRequest(ctx, rk, pf, req, arrival, blocks)
+		return pullRequest(ctx, rk, pf, req, arrival, blocks, t)
 	}
 	// Warm-up: the first transfer on a connection pays for forming it (LIBFABRIC-NOTES 3).
 	for i := range 2 {
-		if o := one(fmt.Sprintf("warmup-%d", i), time.Now()); o.err != nil {
-			sc.logf("%s: warm-up request failed: %v", mode, o.err)
+		if o := one(fmt.Sprintf("warmup-%d", i), time.Now(), first()); o.err != nil {
+			sc.logf("%s: warm-up request failed: %v", m.name, o.err)
 		}
 	}
 	// Both modes get the same arrival sequence: their TTFTs compare like with like.
@@ -275,6 +358,7 @@ func runMode(ctx context.Context, sc Scenario, mode agentv1.Mode, l simengine.La
 	var outs []outcome
 	start := time.Now()
 	next := start
+	t := first()
 	for i := 0; ; i++ {
 		next = next.Add(time.Duration(rng.ExpFloat64() / sc.QPS * float64(time.Second)))
 		if next.Sub(start) > sc.Duration {
@@ -282,17 +366,18 @@ func runMode(ctx context.Context, sc Scenario, mode agentv1.Mode, l simengine.La
 		}
 		time.Sleep(time.Until(next)) // open-loop Poisson arrivals
 		wg.Add(1)
-		go func(req string, arrival time.Time) {
+		go func(req string, arrival time.Time, t turn) {
 			defer wg.Done()
-			o := one(req, arrival)
+			o := one(req, arrival, t)
 			mu.Lock()
 			outs = append(outs, o)
 			mu.Unlock()
-		}(fmt.Sprintf("req-%05d", i), next)
+		}(fmt.Sprintf("req-%05d", i), next, t)
+		t = t.next()
 	}
 	wg.Wait()
 	// Every request has waited for its prefill's blocks to be returned (or counted leaked).
-	res := &Result{Mode: map[agentv1.Mode]string{agentv1.Mode_MODE_PUSH: "push", agentv1.Mode_MODE_PULL: "pull"}[mode], QPS: sc.QPS, PromptTokens: sc.PromptTokens, Arrivals: len(outs)}
+	res := &Result{Mode: m.name, QPS: sc.QPS, PromptTokens: sc.PromptTokens, Arrivals: len(outs)}
 	for _, e := range append(rk.P, rk.D...) {
 		res.UnreturnedBlocks += l.Blocks - e.FreeBlocks()
 	}
@@ -315,4 +400,24 @@ func runMode(ctx context.Context, sc Scenario, mode agentv1.Mode, l simengine.La
 	}
 	sc.logf("%s: %d verified, %d failed; handoff p50 %.1f ms", res.Mode, res.VerifiedRequests, res.FailedRequests, res.Handoff.P50)
 	return res, pf.leaked.Load(), nil
+}
+
+// heartbeat renews every decode rank's leases three times per lease (the agents' 30 s
+// default when the scenario sets none) until ctx ends.
+func heartbeat(ctx context.Context, rk *ranks, lease time.Duration) {
+	if lease <= 0 {
+		lease = 30 * time.Second
+	}
+	t := time.NewTicker(lease / 3)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, d := range rk.D {
+			_ = d.Heartbeat(ctx) // a failed beat is the lease's business
+		}
+	}
 }

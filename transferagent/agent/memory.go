@@ -60,7 +60,9 @@ func mapFD(f *os.File, off, size uint64) (*mapping, error) {
 	}
 	page := uint64(os.Getpagesize())
 	start := off &^ (page - 1)
-	whole, err := syscall.Mmap(int(f.Fd()), int64(start), int(off+size-start), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	// Populated at registration, once, so that transfers never stop to fault pages into
+	// this mapping (the provider's copies would take every fault on the transfer's time).
+	whole, err := syscall.Mmap(int(f.Fd()), int64(start), int(off+size-start), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_POPULATE)
 	if err != nil {
 		return nil, fmt.Errorf("mapping the memfd: %w", err)
 	}

@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"sort"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -70,6 +71,16 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 	}
 	now := time.Now()
 	part := rendezvous.Part{Request: r.RequestId, Offset: int(r.Offset), Blocks: r.BlockIds, Final: r.Final}
+	if r.RegionCount != 0 {
+		if s.mode == agentv1.Mode_MODE_PULL {
+			return status.Error(codes.InvalidArgument, "region_count: layer groups are for push; a pull reads whole blocks once prefill is over")
+		}
+		span, err := ps.span(r.FirstRegion, r.RegionCount)
+		if err != nil {
+			return err
+		}
+		part.Regions = span
+	}
 	if s.mode == agentv1.Mode_MODE_PULL {
 		if err := ps.holds.Ready(now, part); err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
@@ -85,6 +96,19 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 	}
 	ps.handle(now, acts)
 	return nil
+}
+
+// span turns a layer group's region ids (first .. first+count-1) into the table's span
+// of layout indexes: the layout is in ascending region id, so the registered regions in
+// that id range are contiguous in it.
+func (ps *prefillSide) span(first, count uint32) (rendezvous.Span, error) {
+	last := uint64(first) + uint64(count) // exclusive
+	lo := sort.Search(len(ps.s.layout), func(i int) bool { return uint64(ps.s.layout[i].ID) >= uint64(first) })
+	hi := sort.Search(len(ps.s.layout), func(i int) bool { return uint64(ps.s.layout[i].ID) >= last })
+	if lo == hi {
+		return rendezvous.Span{}, status.Errorf(codes.InvalidArgument, "first_region, region_count: no registered region has an id in %d..%d", first, last-1)
+	}
+	return rendezvous.Span{Lo: lo, Hi: hi}, nil
 }
 
 // onRegister takes a decode agent's registration. The decode engine's memory arrived
@@ -330,6 +354,7 @@ func (ps *prefillSide) watchdog(now time.Time) {
 // their blocks until their lease ends (the watchdog releases them), since its reads may
 // still be in flight.
 func (ps *prefillSide) peerLost(now time.Time, p *peer) {
+	ps.holds.PeerLost(p)
 	for k, a := range ps.attempts {
 		if a.peer == p {
 			ps.handle(now, ps.table.Fail(now, k.Request, k.Attempt, "peer_lost", "decode agent connection lost"))

@@ -3,8 +3,10 @@ package agent_test
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
 func TestPullReadsVerifiedBytesAndReleasesTheSource(t *testing.T) {
@@ -106,4 +108,37 @@ func TestUnpulledBlocksExpireAfterTheBlocksTTL(t *testing.T) {
 	if got := p.A.Metric(t, `kvhandoff_agent_lease_expiries_total{kind="hold"}`); got != 1 {
 		t.Errorf("hold expiries: %v, want 1", got)
 	}
+}
+
+// A pull whose reads outlast the hold's lease is reported FAILED, not left hanging: the
+// prefill agent frees the blocks at the lease's end but keeps polling until the decode
+// agent releases them, since on tcp;ofi_rxm the reads in flight complete only while it
+// does. (Before, it stopped polling at the lease's end, the reads never completed, and
+// the decode engine never heard of its request again.) 128 MiB under a 10 ms lease
+// outlasts it on any machine; a shorter lease would end before the grant, and the
+// decode agent would not read at all.
+func TestAPullWhoseReadsOutlastTheLeaseIsReportedFailed(t *testing.T) {
+	A, B := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
+	l := testLayout(1, 256)
+	l.HeadDim = 512 // 128 KiB blocks, 512 KiB a position over 4 regions
+	start := func(a *agentProc, id string, role agentv1.Role) *simengine.Engine {
+		e, err := simengine.Start(bg, simengine.Config{ID: id, Role: role, Mode: agentv1.Mode_MODE_PULL, Layout: l, Socket: a.Socket,
+			Lease: 10 * time.Millisecond, RegistrationTimeout: time.Second, BlocksTTL: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Stop)
+		return e
+	}
+	P, D := start(A, "prefill-0.default", agentv1.Role_ROLE_PREFILL), start(B, "decode-0.default", agentv1.Role_ROLE_DECODE)
+	src, dst := alloc(t, P, 256), alloc(t, D, 256)
+	if err := P.SourceReady(bg, "long-reads", 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := D.Pull(bg, "long-reads", 1, P.Self, src, dst); err != nil {
+		t.Fatal(err)
+	}
+	ev := wait(t, D, "long-reads", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	expect(t, wait(t, P, "long-reads", 1), agentv1.Event_FAILED)
 }

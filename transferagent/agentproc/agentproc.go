@@ -52,6 +52,10 @@ type Proc struct {
 // (reusing a dir restarts "the same node's" agent) and waits until it serves. flags
 // come last, so they override the defaults here.
 func Start(bin, name, dir, provider string, flags ...string) (*Proc, error) {
+	return start(bin, name, dir, provider, nil, flags...)
+}
+
+func start(bin, name, dir, provider string, env []string, flags ...string) (*Proc, error) {
 	token := filepath.Join(dir, "token")
 	if err := os.WriteFile(token, []byte(Token), 0o600); err != nil {
 		return nil, err
@@ -62,6 +66,9 @@ func Start(bin, name, dir, provider string, flags ...string) (*Proc, error) {
 		"--peer-listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--peer-token-file", token,
 	}, flags...)
 	p.cmd = exec.Command(bin, args...)
+	if env != nil {
+		p.cmd.Env = append(os.Environ(), env...)
+	}
 	p.cmd.Dir = dir // libinfinipath drops *.btr files in the working directory on crashes
 	stderr, err := p.cmd.StderrPipe()
 	if err != nil {
@@ -175,17 +182,23 @@ func (p *Proc) Metric(series string) (float64, error) {
 // StartPair starts the two agents of a prefill node and a decode node, each in its own
 // folder under dir, as the benchmarks and demos run them. Stop both when done.
 func StartPair(bin, dir, provider string) (prefill, decode *Proc, err error) {
-	start := func(name string) (*Proc, error) {
+	return StartPairEnv(bin, dir, provider, nil)
+}
+
+// StartPairEnv is StartPair with variables added to the agents' environment (such as
+// LD_LIBRARY_PATH, to run them on another libfabric).
+func StartPairEnv(bin, dir, provider string, env []string) (prefill, decode *Proc, err error) {
+	node := func(name string) (*Proc, error) {
 		d := filepath.Join(dir, name)
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return nil, err
 		}
-		return Start(bin, name, d, provider)
+		return start(bin, name, d, provider, env)
 	}
-	if prefill, err = start("prefill-node"); err != nil {
+	if prefill, err = node("prefill-node"); err != nil {
 		return nil, nil, err
 	}
-	if decode, err = start("decode-node"); err != nil {
+	if decode, err = node("decode-node"); err != nil {
 		prefill.Stop()
 		return nil, nil, err
 	}

@@ -141,6 +141,15 @@ func (e *Engine) SourceReady(ctx context.Context, req string, offset uint32, blo
 	return err
 }
 
+// SourceRegionsReady (prefill, push) reports one layer group of a request ready: the
+// regions with ids first .. first+count-1 of every block; the last group has final.
+func (e *Engine) SourceRegionsReady(ctx context.Context, req string, first, count uint32, blocks []uint32, final bool) error {
+	_, err := e.c.API.SourceReady(ctx, &agentv1.SourceReadyRequest{
+		Session: e.Session, RequestId: req, BlockIds: blocks, Final: final, FirstRegion: first, RegionCount: count,
+	})
+	return err
+}
+
 // Pull (pull, decode) reads a request's blocks from a prefill engine.
 func (e *Engine) Pull(ctx context.Context, req string, attempt uint64, source *agentv1.EngineRef, src, dst []uint32) error {
 	_, err := e.c.API.Pull(ctx, &agentv1.PullRequest{

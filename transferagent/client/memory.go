@@ -30,7 +30,9 @@ func NewMemory(name string, size int) (fd int, mem []byte, err error) {
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
 		return fail("sealing the memfd", err)
 	}
-	if mem, err = syscall.Mmap(fd, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED); err != nil {
+	// Populated at once, as vLLM's KV cache is (torch allocates and zeroes it at start):
+	// otherwise the first transfers into it pay for faulting in every page.
+	if mem, err = syscall.Mmap(fd, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_POPULATE); err != nil {
 		return fail("mapping the memfd", err)
 	}
 	return fd, mem, nil

@@ -118,7 +118,9 @@ ssize_t kvh_read(kvh_ep *e, void *buf, size_t len, void *desc, fi_addr_t src, ui
 // kvh_sread is kvh_poll, but blocks up to timeout_ms for a completion (or kvh_signal).
 ssize_t kvh_sread(kvh_ep *e, struct fi_cq_data_entry *out, size_t n, int timeout_ms, void **err_ctx, int *err_code) {
 	ssize_t ret = fi_cq_sread(e->cq, out, n, NULL, timeout_ms);
-	if (ret == -FI_EAGAIN || ret == -FI_ECANCELED || ret == -FI_ETIMEDOUT) return 0;
+	// An interrupted wait is no error: Go's runtime preempts threads with signals (SIGURG),
+	// and one landing in the provider's epoll_wait returns EINTR here.
+	if (ret == -FI_EAGAIN || ret == -FI_ECANCELED || ret == -FI_ETIMEDOUT || ret == -FI_EINTR) return 0;
 	if (ret == -FI_EAVAIL) {
 		struct fi_cq_err_entry err = {0};
 		fi_cq_readerr(e->cq, &err, 0);

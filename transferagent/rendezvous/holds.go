@@ -13,8 +13,27 @@ import (
 type Holds[P comparable] struct {
 	ttl, lease time.Duration
 	m          map[string]*hold[P]
-	acquired   int // holds a decode agent may be reading now
+	// draining are acquired holds whose lease ended before their release: the engine
+	// was told to free the blocks, but the acquirer's reads may still be in flight, and
+	// on providers with manual progress (tcp;ofi_rxm) they complete only while this side
+	// polls. The decode agent does not trust them and releases the hold once they are
+	// done; until then (or until its connection is lost, or a drain limit) this side
+	// keeps polling, or those reads, and the decode request waiting on them, never end.
+	draining map[drainKey[P]]time.Time
+	acquired int // holds a decode agent may be reading now, draining ones included
 }
+
+// drainKey names a draining hold: the request, the attempt and the connection reading it.
+type drainKey[P comparable] struct {
+	req     string
+	attempt uint64
+	by      P
+}
+
+// DrainLimit bounds how long a draining hold keeps this side polling for a decode agent
+// that never releases it (a broken peer, not a slow one: reads end within their bytes'
+// time once this side polls).
+const DrainLimit = time.Minute
 
 type hold[P comparable] struct {
 	positions map[uint32]bool // position → present
@@ -29,7 +48,7 @@ type hold[P comparable] struct {
 
 // NewHolds returns an empty set of holds.
 func NewHolds[P comparable](blocksTTL, lease time.Duration) *Holds[P] {
-	return &Holds[P]{ttl: blocksTTL, lease: lease, m: map[string]*hold[P]{}}
+	return &Holds[P]{ttl: blocksTTL, lease: lease, m: map[string]*hold[P]{}, draining: map[drainKey[P]]time.Time{}}
 }
 
 // Ready holds a part of a request's blocks; the blocks TTL counts from its first part.
@@ -77,8 +96,15 @@ func (h *Holds[P]) Acquire(now time.Time, req string, attempt uint64, by P, bloc
 	return h.lease, nil
 }
 
-// Release ends the hold its acquirer releases, returning how many blocks it held.
-func (h *Holds[P]) Release(req string, attempt uint64, by P) (int, bool) {
+// Release ends the hold its acquirer releases, returning how many blocks it held; ok is
+// false when there was no such hold, or it was draining (the engine already heard that
+// its lease ended).
+func (h *Holds[P]) Release(req string, attempt uint64, by P) (n int, ok bool) {
+	if k := (drainKey[P]{req, attempt, by}); !h.draining[k].IsZero() {
+		delete(h.draining, k)
+		h.acquired--
+		return 0, false
+	}
 	o := h.m[req]
 	if o == nil || !o.acquired || o.attempt != attempt || o.by != by {
 		return 0, false
@@ -114,11 +140,29 @@ func (h *Holds[P]) Expire(now time.Time) []SourceExpired {
 		}
 		delete(h.m, req)
 		if o.acquired {
-			h.acquired--
+			h.draining[drainKey[P]{req, o.attempt, o.by}] = now.Add(DrainLimit) // still counted in acquired
 		}
 		out = append(out, SourceExpired{Request: req, Reason: reason})
 	}
+	for k, limit := range h.draining {
+		if !now.Before(limit) {
+			delete(h.draining, k)
+			h.acquired--
+		}
+	}
 	return out
+}
+
+// PeerLost ends the draining holds of a lost connection: nobody is left to read them.
+// (Its live holds keep their blocks until their lease ends, since its reads may still be
+// in flight; they drain no further once it is gone.)
+func (h *Holds[P]) PeerLost(by P) {
+	for k := range h.draining {
+		if k.by == by {
+			delete(h.draining, k)
+			h.acquired--
+		}
+	}
 }
 
 // Acquired reports whether a decode agent may be reading now. The session's pump asks on

@@ -61,3 +61,41 @@ func TestAnUnacquiredHoldExpiresAfterTheBlocksTTL(t *testing.T) {
 		t.Fatalf("at the TTL: %v", exp)
 	}
 }
+
+// A hold whose lease ended before its release still has the decode agent's reads in
+// flight: the prefill side must keep polling (Acquired) until that agent releases it,
+// its connection is lost, or the drain limit passes — on tcp;ofi_rxm those reads
+// complete only while it polls, and the decode request waits on them.
+func TestAHoldWhoseLeaseEndedDrainsUntilItsReaderLetsGo(t *testing.T) {
+	a, b := &conn{"a"}, &conn{"b"}
+	h := NewHolds[*conn](10*time.Second, 30*time.Second)
+	for _, req := range []string{"r1", "r2", "r3"} {
+		if err := h.Ready(t0, Part{Request: req, Blocks: []uint32{4}, Final: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for req, by := range map[string]*conn{"r1": a, "r2": b, "r3": a} {
+		if _, err := h.Acquire(t0, req, 1, by, []uint32{4}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	end := t0.Add(30 * time.Second)
+	if exp := h.Expire(end); len(exp) != 3 {
+		t.Fatalf("at the lease's end: %v", exp)
+	}
+	if _, ok := h.Release("r1", 1, a); ok || !h.Acquired() {
+		t.Fatalf("releasing a draining hold: ok %v (the engine already heard), still read %v (r2, r3 drain)", ok, h.Acquired())
+	}
+	h.PeerLost(b)
+	if !h.Acquired() {
+		t.Fatal("r3 stopped draining when another connection was lost")
+	}
+	h.Expire(end.Add(DrainLimit - time.Millisecond))
+	if !h.Acquired() {
+		t.Fatal("r3 stopped draining before the drain limit")
+	}
+	h.Expire(end.Add(DrainLimit))
+	if h.Acquired() {
+		t.Fatal("r3 still drains after the drain limit")
+	}
+}

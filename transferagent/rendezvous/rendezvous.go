@@ -16,6 +16,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"math/bits"
 	"slices"
 	"sync"
 	"time"
@@ -49,14 +50,22 @@ type Registration struct {
 }
 
 // Part is prefill's readiness of some of a request's blocks: Blocks are the source blocks
-// for token-order positions Offset, Offset+1, …; Final marks the last part. A request may
-// arrive in one part or many (per-layer streaming).
+// for token-order positions Offset, Offset+1, …, ready in the regions Regions; Final marks
+// the last part. A request may arrive in one part or many: runs of positions, or layer
+// groups (layer-streamed push: each part names every position and a span of regions,
+// written while the next group computes).
 type Part struct {
 	Request string
 	Offset  int
 	Blocks  []uint32
+	// Regions is the part's span of regions; the zero Span means all of them.
+	Regions Span
 	Final   bool
 }
+
+// Span is a range [Lo, Hi) of region indexes, in the order of the engine's region layout
+// (ascending region id).
+type Span struct{ Lo, Hi int }
 
 // Config holds the policy's timeouts.
 type Config struct {
@@ -82,6 +91,8 @@ type Transfer struct {
 	Attempt  uint64
 	Decode   Engine
 	Src, Dst []uint32
+	// Regions are the regions to write, always set.
+	Regions Span
 	// Paired marks the attempt's first transfer, the moment both halves were present;
 	// SourceWait is then how long the source had waited for the registration since its
 	// first part (zero when decode registered first, as in push).
@@ -140,10 +151,10 @@ type attempt struct {
 	reg        Registration
 	registered time.Time
 	leaseEnd   time.Time
-	sent       []bool // positions handed to the writer
-	paired     bool   // a transfer was handed out
-	inFlight   int    // block-regions whose writes were admitted and have not completed
-	completed  int    // block-regions whose writes completed
+	sent       int  // the request's parts handed to the writer
+	paired     bool // a transfer was handed out
+	inFlight   int  // block-regions whose writes were admitted and have not completed
+	completed  int  // block-regions whose writes completed
 	fenced     bool
 	// outcome is what to report once drained: a CancelAcked or a Failed.
 	outcome Action
@@ -152,10 +163,15 @@ type attempt struct {
 
 // request is one request's state: its source parts and its attempts.
 type request struct {
-	id    string
-	src   map[int]uint32 // position → source block
-	final int            // number of positions, once the final part arrived; -1 before
-	first time.Time      // when the first part arrived
+	id  string
+	src map[int]uint32 // position → source block
+	// ready marks, per position, the regions reported ready (a bit per region index); a
+	// region is reported once.
+	ready map[int][]uint64
+	// parts are the parts in arrival order: every attempt is handed them in that order.
+	parts []Part
+	final int       // number of positions, once the final part arrived; -1 before
+	first time.Time // when the first part arrived
 	// waiting is when the finished source last found itself with no live registration
 	// (its final part came first, or its attempt was cancelled); zero while one is live.
 	// The blocks TTL counts from it.
@@ -205,12 +221,21 @@ func (t *Table) request(id string) *request {
 		if t.retired[id].failed {
 			return nil
 		}
-		r = &request{id: id, src: map[int]uint32{}, final: -1, latest: t.retired[id].attempt}
+		r = &request{id: id, final: -1, latest: t.retired[id].attempt}
+		r.dropSource()
 		delete(t.retired, id)
 		t.reqs[id] = r
 	}
 	return r
 }
+
+// dropSource forgets the request's source parts.
+func (r *request) dropSource() {
+	r.src, r.ready, r.parts, r.final = map[int]uint32{}, map[int][]uint64{}, nil, -1
+}
+
+// regions is how many regions every block is written into.
+func (t *Table) regions() int { return max(t.cfg.Regions, 1) }
 
 // positions is how many token-order positions the source side has named so far.
 func (r *request) positions() int {
@@ -251,7 +276,7 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 	if need := r.positions(); len(reg.Blocks) < need {
 		return nil, fmt.Errorf("%w: %d destination blocks for %d source blocks", ErrBadBlocks, len(reg.Blocks), need)
 	}
-	r.current = &attempt{reg: reg, registered: now, leaseEnd: now.Add(t.cfg.Lease), sent: make([]bool, len(reg.Blocks))}
+	r.current = &attempt{reg: reg, registered: now, leaseEnd: now.Add(t.cfg.Lease)}
 	r.latest = reg.Attempt
 	r.waiting = time.Time{}
 	return append(acts, t.progress(now, r)...), nil
@@ -269,12 +294,33 @@ func (t *Table) SourceReady(now time.Time, p Part) ([]Action, error) {
 	if p.Offset < 0 || (r.final >= 0 && end > r.final) || (r.current != nil && end > len(r.current.reg.Blocks)) {
 		return nil, fmt.Errorf("%w: positions %d..%d", ErrBadBlocks, p.Offset, end)
 	}
-	for i, b := range p.Blocks {
-		if _, dup := r.src[p.Offset+i]; dup {
-			return nil, fmt.Errorf("%w: position %d reported twice", ErrBadBlocks, p.Offset+i)
-		}
-		r.src[p.Offset+i] = b
+	if p.Regions == (Span{}) {
+		p.Regions = Span{0, t.regions()}
 	}
+	if p.Regions.Lo < 0 || p.Regions.Lo >= p.Regions.Hi || p.Regions.Hi > t.regions() {
+		return nil, fmt.Errorf("%w: regions %d..%d of %d", ErrBadBlocks, p.Regions.Lo, p.Regions.Hi, t.regions())
+	}
+	// Check the whole part before recording any of it: a refused part changes nothing.
+	for i, b := range p.Blocks {
+		pos := p.Offset + i
+		if reg, twice := anySet(r.ready[pos], p.Regions); twice {
+			return nil, fmt.Errorf("%w: position %d region %d reported twice", ErrBadBlocks, pos, reg)
+		}
+		if src, ok := r.src[pos]; ok && src != b {
+			return nil, fmt.Errorf("%w: position %d was block %d in an earlier part, now %d", ErrBadBlocks, pos, src, b)
+		}
+	}
+	for i, b := range p.Blocks {
+		pos := p.Offset + i
+		r.src[pos] = b
+		w := r.ready[pos]
+		if w == nil {
+			w = make([]uint64, (t.regions()+63)/64)
+			r.ready[pos] = w
+		}
+		setAll(w, p.Regions)
+	}
+	r.parts = append(r.parts, p)
 	if r.first.IsZero() {
 		r.first = now
 	}
@@ -295,29 +341,41 @@ func (t *Table) progress(now time.Time, r *request) []Action {
 	if cur == nil || cur.fenced || cur.done || len(r.old) > 0 {
 		return nil
 	}
-	tr := Transfer{Request: cur.reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Paired: !cur.paired}
-	if tr.Paired && !r.first.IsZero() {
-		tr.SourceWait = max(now.Sub(r.first), 0)
-	}
-	for pos, src := range r.src {
-		if pos < len(cur.sent) && !cur.sent[pos] {
-			cur.sent[pos] = true
+	// The parts not yet handed to this attempt go out as one transfer per span of
+	// regions, in the order the spans first arrived: a layer group is written before the
+	// next, and runs of positions with the same span merge into one transfer.
+	var trs []*Transfer
+	bySpan := map[Span]*Transfer{}
+	for _, p := range r.parts[cur.sent:] {
+		tr := bySpan[p.Regions]
+		if tr == nil {
+			tr = &Transfer{Request: cur.reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Regions: p.Regions}
+			bySpan[p.Regions] = tr
+			trs = append(trs, tr)
+		}
+		for i, src := range p.Blocks {
 			tr.Src = append(tr.Src, src)
-			tr.Dst = append(tr.Dst, cur.reg.Blocks[pos])
+			tr.Dst = append(tr.Dst, cur.reg.Blocks[p.Offset+i])
 		}
 	}
+	cur.sent = len(r.parts)
 	var acts []Action
-	if len(tr.Src) > 0 {
-		cur.paired = true
+	for _, tr := range trs {
+		if !cur.paired {
+			cur.paired, tr.Paired = true, true
+			if !r.first.IsZero() {
+				tr.SourceWait = max(now.Sub(r.first), 0)
+			}
+		}
 		sortPairs(tr.Src, tr.Dst)
-		acts = append(acts, tr)
+		acts = append(acts, *tr)
 	}
 	return append(acts, t.maybeDelivered(now, r)...)
 }
 
 func (t *Table) maybeDelivered(now time.Time, r *request) []Action {
 	cur := r.current
-	if cur == nil || cur.fenced || cur.done || r.final < 0 || cur.inFlight > 0 || cur.completed < r.final*max(t.cfg.Regions, 1) {
+	if cur == nil || cur.fenced || cur.done || r.final < 0 || cur.inFlight > 0 || cur.completed < r.final*t.regions() {
 		return nil
 	}
 	cur.done = true
@@ -503,7 +561,8 @@ func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 	if cur := r.current; cur != nil && !cur.done {
 		return t.fence(now, r, cur, Failed{Request: req, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeSourceCancelled, Reason: "the prefill engine cancelled the request"}), true
 	}
-	r.src, r.final, r.failed = map[int]uint32{}, -1, true
+	r.dropSource()
+	r.failed = true
 	t.maybeRetire(now, r)
 	return nil, true
 }
@@ -536,7 +595,8 @@ func (t *Table) fence(now time.Time, r *request, a *attempt, outcome Action) []A
 		r.current = nil
 	}
 	if _, failed := outcome.(Failed); failed {
-		r.src, r.final, r.failed = map[int]uint32{}, -1, true
+		r.dropSource()
+		r.failed = true
 	}
 	r.old = append(r.old, a)
 	return t.drained(now, r)
@@ -591,5 +651,31 @@ func sortPairs(src, dst []uint32) {
 	s, d := slices.Clone(src), slices.Clone(dst)
 	for i, j := range idx {
 		src[i], dst[i] = s[j], d[j]
+	}
+}
+
+// spanMask is the bits of span that fall in word i of a region bitset.
+func spanMask(i int, span Span) uint64 {
+	lo, hi := max(span.Lo-64*i, 0), min(span.Hi-64*i, 64)
+	if lo >= hi {
+		return 0
+	}
+	return (^uint64(0) >> (64 - (hi - lo))) << lo
+}
+
+// anySet finds a region of span already set in set (nil: none set).
+func anySet(set []uint64, span Span) (int, bool) {
+	for i, w := range set {
+		if hit := w & spanMask(i, span); hit != 0 {
+			return 64*i + bits.TrailingZeros64(hit), true
+		}
+	}
+	return 0, false
+}
+
+// setAll sets span's regions in set.
+func setAll(set []uint64, span Span) {
+	for i := range set {
+		set[i] |= spanMask(i, span)
 	}
 }

@@ -13,6 +13,8 @@ var (
 	t0  = time.Unix(1_000_000, 0)
 	cfg = Config{Lease: 30 * time.Second, RegistrationTimeout: 480 * time.Second}
 	dec = Engine{ID: "decode-0.ns", Epoch: 1}
+	// whole is the one region of cfg's tables, which every whole-block part spans.
+	whole = Span{0, 1}
 )
 
 func reg(att uint64, blocks ...uint32) Registration {
@@ -50,7 +52,7 @@ func expect(t *testing.T, got []Action, want ...Action) {
 }
 
 func TestPairsInEitherOrder(t *testing.T) {
-	want := Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{7, 8, 9}, Dst: []uint32{100, 101, 102}}
+	want := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{7, 8, 9}, Dst: []uint32{100, 101, 102}}
 
 	regFirst := New(cfg)
 	expect(t, must(t)(regFirst.Register(t0, reg(1, 100, 101, 102))))
@@ -96,13 +98,13 @@ func TestPartsArriveInAnyOrderAndDeliveryWaitsForEveryWrite(t *testing.T) {
 	tb := New(cfg)
 	must(t)(tb.Register(t0, reg(1, 100, 101, 102, 103)))
 	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 2, Blocks: []uint32{12, 13}, Final: true})),
-		Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{12, 13}, Dst: []uint32{102, 103}})
+		Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{12, 13}, Dst: []uint32{102, 103}})
 	// One merged write covers both blocks: accounting is in blocks, not writes.
 	if err := tb.Posted("r1", 1, 2); err != nil {
 		t.Fatal(err)
 	}
 	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 0, Blocks: []uint32{10, 11}})),
-		Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{10, 11}, Dst: []uint32{100, 101}})
+		Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{10, 11}, Dst: []uint32{100, 101}})
 	if err := tb.Posted("r1", 1, 2); err != nil {
 		t.Fatal(err)
 	}
@@ -127,7 +129,7 @@ func TestDeliveryCountsEveryRegionOfEveryBlock(t *testing.T) {
 		expect(t, must(t)(tb.Completed(t0, "r1", 1, 2)))
 	}
 	acts := must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 2, Blocks: []uint32{12, 13}, Final: true}))
-	expect(t, acts, Transfer{Request: "r1", Attempt: 1, Decode: dec, Src: []uint32{12, 13}, Dst: []uint32{102, 103}})
+	expect(t, acts, Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: Span{0, 4}, Src: []uint32{12, 13}, Dst: []uint32{102, 103}})
 	for range 4 {
 		if err := tb.Posted("r1", 1, 2); err != nil {
 			t.Fatal(err)
@@ -154,7 +156,7 @@ func TestNewAttemptSupersedesAndWaitsForTheOldOneToDrain(t *testing.T) {
 	expect(t, must(t)(tb.Completed(t0, "r1", 1, 1)))
 	expect(t, must(t)(tb.Completed(t0, "r1", 1, 1)),
 		CancelAcked{Request: "r1", Attempt: 1, Decode: dec},
-		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
+		Transfer{Request: "r1", Attempt: 2, Decode: dec, Regions: whole, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
 }
 
 func TestCancelIsAcknowledgedOnlyAfterInFlightWritesDrain(t *testing.T) {
@@ -246,7 +248,7 @@ func TestARetryAfterAFailureIsNotPairedWithTheFreedSource(t *testing.T) {
 	tb.Expire(t0.Add(retention))
 	expect(t, must(t)(tb.Register(t0.Add(retention), reg(2, 20, 21))))
 	expect(t, must(t)(tb.SourceReady(t0.Add(retention), Part{Request: "r1", Blocks: []uint32{7, 8}, Final: true})),
-		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{7, 8}, Dst: []uint32{20, 21}})
+		Transfer{Request: "r1", Attempt: 2, Decode: dec, Regions: whole, Src: []uint32{7, 8}, Dst: []uint32{20, 21}})
 	if _, err := tb.Register(t0.Add(retention), reg(1, 30, 31)); !errors.Is(err, ErrStaleAttempt) {
 		t.Fatalf("attempt 1 again: %v, want ErrStaleAttempt", err)
 	}
@@ -260,7 +262,7 @@ func TestARetryAfterACancelIsPairedWithTheSameSource(t *testing.T) {
 	must(t)(tb.Register(t0, reg(1, 10, 11)))
 	must(t)(tb.Cancel(t0, "r1", 1))
 	expect(t, must(t)(tb.Register(t0, reg(2, 20, 21))),
-		Transfer{Request: "r1", Attempt: 2, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
+		Transfer{Request: "r1", Attempt: 2, Decode: dec, Regions: whole, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
 }
 
 // Once a cancelled attempt has drained, its number must not come back: the writer may
@@ -278,7 +280,7 @@ func TestAnAttemptNumberIsNeverReusedAfterItDrained(t *testing.T) {
 	if err := tb.Posted("r1", 2, 1); err == nil {
 		t.Error("a queued write of the cancelled attempt was admitted")
 	}
-	expect(t, must(t)(tb.Register(t0, reg(3, 20, 21))), Transfer{Request: "r1", Attempt: 3, Decode: dec, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
+	expect(t, must(t)(tb.Register(t0, reg(3, 20, 21))), Transfer{Request: "r1", Attempt: 3, Decode: dec, Regions: whole, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
 }
 
 func TestRegistrationTimesOutWhenPrefillNeverFinishes(t *testing.T) {
@@ -550,4 +552,132 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 			}
 		}
 	}
+}
+
+// layered is a table of four regions (two layers' K and V), reported in two layer groups.
+func layered() *Table {
+	return New(Config{Lease: time.Hour, RegistrationTimeout: time.Hour, Regions: 4})
+}
+
+// group reports one layer group (regions lo..hi-1) of blocks 10 and 11.
+func group(tb *Table, lo, hi int, final bool) ([]Action, error) {
+	return tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10, 11}, Regions: Span{lo, hi}, Final: final})
+}
+
+// writeAll posts and completes every block-region a transfer covers, as the writer does.
+func writeAll(t *testing.T, tb *Table, att uint64, tr Transfer) []Action {
+	t.Helper()
+	n := len(tr.Src) * (tr.Regions.Hi - tr.Regions.Lo)
+	if err := tb.Posted("r1", att, n); err != nil {
+		t.Fatal(err)
+	}
+	return must(t)(tb.Completed(t0, "r1", att, n))
+}
+
+// Layer-streamed push: each group is written as it is reported, in order, and decode is
+// told only once every group has landed.
+func TestLayerGroupsAreWrittenAsTheyArriveAndDeliveredOnlyWhenAllLanded(t *testing.T) {
+	tb := layered()
+	must(t)(tb.Register(t0, reg(1, 100, 101)))
+	first := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: Span{0, 2}, Src: []uint32{10, 11}, Dst: []uint32{100, 101}}
+	acts := must(t)(group(tb, 0, 2, false))
+	expect(t, acts, first)
+	expect(t, writeAll(t, tb, 1, first)) // the first group landed: not delivered
+	second := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: Span{2, 4}, Src: []uint32{10, 11}, Dst: []uint32{100, 101}}
+	expect(t, must(t)(group(tb, 2, 4, true)), second)
+	expect(t, writeAll(t, tb, 1, second), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+}
+
+// Groups reported before the registration go out in the order they were reported, one
+// transfer per group.
+func TestGroupsReportedBeforeTheRegistrationGoOutInOrder(t *testing.T) {
+	tb := layered()
+	must(t)(group(tb, 2, 4, false))
+	must(t)(group(tb, 0, 2, true))
+	expect(t, must(t)(tb.Register(t0, reg(1, 100, 101))),
+		Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: Span{2, 4}, Src: []uint32{10, 11}, Dst: []uint32{100, 101}},
+		Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: Span{0, 2}, Src: []uint32{10, 11}, Dst: []uint32{100, 101}})
+}
+
+// A cancel between two groups: the later group is not written into the cancelled
+// attempt, and a retry is handed every group, the one written before included.
+func TestACancelBetweenGroupsWritesNoLaterGroupAndARetryGetsThemAll(t *testing.T) {
+	tb := layered()
+	must(t)(tb.Register(t0, reg(1, 100, 101)))
+	acts := must(t)(group(tb, 0, 2, false))
+	writeAll(t, tb, 1, acts[0].(Transfer))
+	expect(t, must(t)(tb.Cancel(t0, "r1", 1)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
+	expect(t, must(t)(group(tb, 2, 4, true))) // no live attempt: kept for a retry
+	g1 := Transfer{Request: "r1", Attempt: 2, Decode: dec, Regions: Span{0, 2}, Src: []uint32{10, 11}, Dst: []uint32{20, 21}}
+	g2 := Transfer{Request: "r1", Attempt: 2, Decode: dec, Regions: Span{2, 4}, Src: []uint32{10, 11}, Dst: []uint32{20, 21}}
+	expect(t, must(t)(tb.Register(t0, reg(2, 20, 21))), g1, g2)
+	expect(t, writeAll(t, tb, 2, g1))
+	expect(t, writeAll(t, tb, 2, g2), Delivered{Request: "r1", Attempt: 2, Decode: dec})
+}
+
+// A retry registered while the first group's writes are in flight waits for them to
+// drain, then is handed that group and the later ones.
+func TestARetryAfterAGroupWasWrittenWaitsForItToDrain(t *testing.T) {
+	tb := layered()
+	must(t)(tb.Register(t0, reg(1, 100, 101)))
+	if err := tb.Posted("r1", 1, 4); err != nil { // the first group, in flight
+		t.Fatal(err)
+	}
+	must(t)(group(tb, 0, 2, false))
+	expect(t, must(t)(tb.Register(t0, reg(2, 20, 21))))
+	g1 := Transfer{Request: "r1", Attempt: 2, Decode: dec, Regions: Span{0, 2}, Src: []uint32{10, 11}, Dst: []uint32{20, 21}}
+	expect(t, must(t)(tb.Completed(t0, "r1", 1, 4)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec}, g1)
+	g2 := Transfer{Request: "r1", Attempt: 2, Decode: dec, Regions: Span{2, 4}, Src: []uint32{10, 11}, Dst: []uint32{20, 21}}
+	expect(t, must(t)(group(tb, 2, 4, true)), g2)
+	writeAll(t, tb, 2, g1)
+	expect(t, writeAll(t, tb, 2, g2), Delivered{Request: "r1", Attempt: 2, Decode: dec})
+}
+
+// Groups that overlap, move a position to another block, or name regions the engine does
+// not have are refused whole, and the table is unchanged.
+func TestBadLayerGroupsAreRefusedAndChangeNothing(t *testing.T) {
+	tb := layered()
+	must(t)(tb.Register(t0, reg(1, 100, 101)))
+	acts := must(t)(group(tb, 0, 2, false))
+	for name, err := range map[string]error{
+		"overlapping":   second(group(tb, 1, 3, false)),
+		"moved block":   second(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10, 12}, Regions: Span{2, 4}})),
+		"past the end":  second(group(tb, 2, 5, false)),
+		"empty":         second(group(tb, 2, 2, false)),
+		"whole blocks":  second(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10, 11}})), // regions 0, 1 again
+		"negative span": second(group(tb, -1, 2, false)),
+	} {
+		if !errors.Is(err, ErrBadBlocks) {
+			t.Errorf("%s: %v, want ErrBadBlocks", name, err)
+		}
+	}
+	// Nothing of the refused parts was recorded: the second group is still whole.
+	writeAll(t, tb, 1, acts[0].(Transfer))
+	g2 := must(t)(group(tb, 2, 4, true))
+	expect(t, writeAll(t, tb, 1, g2[0].(Transfer)), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+}
+
+// Region sets span several words for Qwen3's 128 regions and more: overlaps are found
+// across word boundaries, and groups that tile the regions deliver.
+func TestLayerGroupsAcrossWordBoundaries(t *testing.T) {
+	tb := New(Config{Lease: time.Hour, RegistrationTimeout: time.Hour, Regions: 130})
+	must(t)(tb.Register(t0, reg(1, 100)))
+	part := func(lo, hi int, final bool) ([]Action, error) {
+		return tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10}, Regions: Span{lo, hi}, Final: final})
+	}
+	var writes []Transfer
+	for _, g := range []Span{{60, 70}, {0, 60}} {
+		writes = append(writes, must(t)(part(g.Lo, g.Hi, false))[0].(Transfer))
+	}
+	for _, g := range []Span{{65, 66}, {63, 64}, {69, 129}, {0, 1}} {
+		if _, err := part(g.Lo, g.Hi, false); !errors.Is(err, ErrBadBlocks) {
+			t.Errorf("regions %d..%d overlap what was reported: %v", g.Lo, g.Hi, err)
+		}
+	}
+	writes = append(writes, must(t)(part(70, 130, true))[0].(Transfer))
+	var acts []Action
+	for _, w := range writes {
+		acts = writeAll(t, tb, 1, w)
+	}
+	expect(t, acts, Delivered{Request: "r1", Attempt: 1, Decode: dec})
 }

@@ -60,6 +60,10 @@ func TestVerifyFindsEveryKindOfWrongByte(t *testing.T) {
 			decode.Regions[3][int(dst[2])*bb+5] ^= 1
 			return decode.Verify("req-a", dst)
 		},
+		"one flipped byte past the tag": func() error {
+			decode.Regions[1][int(dst[0])*bb+bb-1] ^= 1
+			return decode.Verify("req-a", dst[:1])
+		},
 	} {
 		if err := check(); err == nil || !strings.Contains(err.Error(), "want") {
 			t.Errorf("%s: %v", name, err)
@@ -78,6 +82,24 @@ func TestFreedBlocksComeBackInAscendingRuns(t *testing.T) {
 	for i := range again {
 		if again[i] != first[i] || (i > 0 && again[i] != again[i-1]+1) {
 			t.Fatalf("allocated %v after freeing %v: runs must stay ascending for merging", again, first)
+		}
+	}
+}
+
+// BenchmarkFillAndVerify is the simulated engines' own CPU work per byte of KV: the
+// benchmark's requests are filled on prefill and checked on decode at this speed.
+func BenchmarkFillAndVerify(b *testing.B) {
+	l := Qwen3_32B(8, 256)
+	c := cache(&testing.T{}, l)
+	blocks := make([]uint32, l.Blocks)
+	for i := range blocks {
+		blocks[i] = uint32(i)
+	}
+	b.SetBytes(int64(l.Blocks * l.BlockBytes() * l.Regions()))
+	for b.Loop() {
+		c.Fill("req", blocks)
+		if err := c.Verify("req", blocks); err != nil {
+			b.Fatal(err)
 		}
 	}
 }

@@ -94,7 +94,8 @@ func (w *Writer) HasDestination(engine rendezvous.Engine) bool {
 	return ok
 }
 
-// Submit plans a transfer and queues its writes, returning how many writes (descriptors
+// Submit plans a transfer into its span of regions (the zero span: all) and queues its
+// writes, returning how many writes (descriptors
 // after merging) and bytes it queued. A transfer that does not fit the regions is refused
 // whole.
 func (w *Writer) Submit(t rendezvous.Transfer) (writes int, bytes uint64, err error) {
@@ -102,7 +103,14 @@ func (w *Writer) Submit(t rendezvous.Transfer) (writes int, bytes uint64, err er
 	if !ok {
 		return 0, 0, fmt.Errorf("writer: no memory known for decode engine %s epoch %d", t.Decode.ID, t.Decode.Epoch)
 	}
-	plan, err := Plan(t, w.layout, d.layout, w.MaxMessage)
+	src := w.layout
+	if t.Regions != (rendezvous.Span{}) {
+		if t.Regions.Lo < 0 || t.Regions.Lo >= t.Regions.Hi || t.Regions.Hi > len(src) {
+			return 0, 0, fmt.Errorf("writer: regions %d..%d of %d", t.Regions.Lo, t.Regions.Hi, len(src))
+		}
+		src = src[t.Regions.Lo:t.Regions.Hi]
+	}
+	plan, err := Plan(t, src, d.layout, w.MaxMessage)
 	if err != nil {
 		return 0, 0, err
 	}

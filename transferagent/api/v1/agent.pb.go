@@ -806,12 +806,19 @@ func (x *RegisterDestinationRequest) GetSource() *EngineRef {
 }
 
 type SourceReadyRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
-	RequestId     string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	Offset        uint32                 `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"` // token-order block position of block_ids[0]
-	BlockIds      []uint32               `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
-	Final         bool                   `protobuf:"varint,5,opt,name=final,proto3" json:"final,omitempty"` // the request's last part
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Session   string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	RequestId string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	Offset    uint32                 `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"` // token-order block position of block_ids[0]
+	BlockIds  []uint32               `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
+	Final     bool                   `protobuf:"varint,5,opt,name=final,proto3" json:"final,omitempty"` // the request's last part
+	// region_count, when not 0, limits the part to the registered regions whose ids lie in
+	// first_region .. first_region+region_count-1: one layer group of layer-streamed push,
+	// written while the next group computes. Every region of every position must be
+	// reported exactly once, and a position keeps its block across groups. Push only: a
+	// pull reads whole blocks once prefill is over.
+	FirstRegion   uint32 `protobuf:"varint,6,opt,name=first_region,json=firstRegion,proto3" json:"first_region,omitempty"`
+	RegionCount   uint32 `protobuf:"varint,7,opt,name=region_count,json=regionCount,proto3" json:"region_count,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -879,6 +886,20 @@ func (x *SourceReadyRequest) GetFinal() bool {
 		return x.Final
 	}
 	return false
+}
+
+func (x *SourceReadyRequest) GetFirstRegion() uint32 {
+	if x != nil {
+		return x.FirstRegion
+	}
+	return 0
+}
+
+func (x *SourceReadyRequest) GetRegionCount() uint32 {
+	if x != nil {
+		return x.RegionCount
+	}
+	return 0
 }
 
 type PullRequest struct {
@@ -1287,14 +1308,16 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"request_id\x18\x02 \x01(\tR\trequestId\x12\x18\n" +
 	"\aattempt\x18\x03 \x01(\x04R\aattempt\x12\x1b\n" +
 	"\tblock_ids\x18\x04 \x03(\rR\bblockIds\x125\n" +
-	"\x06source\x18\x05 \x01(\v2\x1d.kvhandoff.agent.v1.EngineRefR\x06source\"\x98\x01\n" +
+	"\x06source\x18\x05 \x01(\v2\x1d.kvhandoff.agent.v1.EngineRefR\x06source\"\xde\x01\n" +
 	"\x12SourceReadyRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x02 \x01(\tR\trequestId\x12\x16\n" +
 	"\x06offset\x18\x03 \x01(\rR\x06offset\x12\x1b\n" +
 	"\tblock_ids\x18\x04 \x03(\rR\bblockIds\x12\x14\n" +
-	"\x05final\x18\x05 \x01(\bR\x05final\"\xf5\x01\n" +
+	"\x05final\x18\x05 \x01(\bR\x05final\x12!\n" +
+	"\ffirst_region\x18\x06 \x01(\rR\vfirstRegion\x12!\n" +
+	"\fregion_count\x18\a \x01(\rR\vregionCount\"\xf5\x01\n" +
 	"\vPullRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1d\n" +
 	"\n" +

@@ -56,7 +56,8 @@ type AgentClient interface {
 	// arrive before or after the prefill engine's SourceReady.
 	RegisterDestination(ctx context.Context, in *RegisterDestinationRequest, opts ...grpc.CallOption) (*Ack, error)
 	// SourceReady (prefill) reports that some of a request's blocks hold their final KV.
-	// A request may be reported in several parts (e.g. per layer group); the last has final.
+	// A request may be reported in several parts — runs of positions, or layer groups
+	// (region_count) — and the last has final.
 	SourceReady(ctx context.Context, in *SourceReadyRequest, opts ...grpc.CallOption) (*Ack, error)
 	// Pull (pull, decode) reads a request's blocks from a prefill engine's held blocks.
 	Pull(ctx context.Context, in *PullRequest, opts ...grpc.CallOption) (*Ack, error)
@@ -181,7 +182,8 @@ type AgentServer interface {
 	// arrive before or after the prefill engine's SourceReady.
 	RegisterDestination(context.Context, *RegisterDestinationRequest) (*Ack, error)
 	// SourceReady (prefill) reports that some of a request's blocks hold their final KV.
-	// A request may be reported in several parts (e.g. per layer group); the last has final.
+	// A request may be reported in several parts — runs of positions, or layer groups
+	// (region_count) — and the last has final.
 	SourceReady(context.Context, *SourceReadyRequest) (*Ack, error)
 	// Pull (pull, decode) reads a request's blocks from a prefill engine's held blocks.
 	Pull(context.Context, *PullRequest) (*Ack, error)

@@ -106,7 +106,8 @@ class AgentServicer(object):
 
     def SourceReady(self, request, context):
         """SourceReady (prefill) reports that some of a request's blocks hold their final KV.
-        A request may be reported in several parts (e.g. per layer group); the last has final.
+        A request may be reported in several parts — runs of positions, or layer groups
+        (region_count) — and the last has final.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

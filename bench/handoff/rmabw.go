@@ -1,0 +1,211 @@
+package handoff
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+)
+
+// Throughput sets the agent's RMA write throughput beside fabtests' fi_rma_bw, measured
+// on the same provider, libfabric and machine, with the same message size and window:
+// one window of Window writes of MessageBytes each, drained before the next (how
+// fi_rma_bw paces its windows, and how one rank's share of a push request goes out: one
+// merged write per region, of the request's blocks).
+type Throughput struct {
+	// Libfabric is the library both ran on, as the agent reported it.
+	Libfabric    string  `json:"libfabric"`
+	MessageBytes int     `json:"message_bytes"`
+	Window       int     `json:"window"`
+	FiRmaBwGBps  float64 `json:"fi_rma_bw_gb_per_s"`
+	AgentGBps    float64 `json:"agent_gb_per_s"`
+	// AgentOverFiRmaBw is the target's ratio (≥ 0.95).
+	AgentOverFiRmaBw float64 `json:"agent_over_fi_rma_bw"`
+	// AgentInstalledGBps is the agent on the machine's own libfabric, for context.
+	AgentInstalledGBps float64 `json:"agent_on_installed_libfabric_gb_per_s"`
+	Installed          string  `json:"installed_libfabric"`
+}
+
+// throughputWindows is how many windows each side moves.
+const throughputWindows = 30
+
+// MeasureThroughput runs fi_rma_bw from fabtests (an install prefix with bin/ and lib/,
+// built by hack/fabtests.sh) and the agent on that prefix's libfabric, then the agent on
+// the installed one. l is one rank's layout, with Blocks the blocks of one request.
+func MeasureThroughput(ctx context.Context, sc Scenario, fabtests string, l simengine.Layout) (*Throughput, error) {
+	// Its libfabric first; what else it links comes from the path as it is.
+	lib := "LD_LIBRARY_PATH=" + strings.TrimSuffix(filepath.Join(fabtests, "lib")+":"+os.Getenv("LD_LIBRARY_PATH"), ":")
+	th := &Throughput{MessageBytes: l.Blocks * l.BlockBytes(), Window: l.Regions()}
+	var err error
+	if th.FiRmaBwGBps, err = fiRmaBw(ctx, fabtests, lib, sc.Provider, th.MessageBytes, th.Window); err != nil {
+		return nil, err
+	}
+	if th.AgentGBps, th.Libfabric, err = agentThroughput(ctx, sc, []string{lib}, l); err != nil {
+		return nil, err
+	}
+	if th.AgentInstalledGBps, th.Installed, err = agentThroughput(ctx, sc, nil, l); err != nil {
+		return nil, err
+	}
+	th.AgentOverFiRmaBw = th.AgentGBps / th.FiRmaBwGBps
+	return th, nil
+}
+
+// fiRmaBw runs fi_rma_bw's server and client on loopback (unidirectional writedata,
+// like a push) and returns the client's GB/s.
+func fiRmaBw(ctx context.Context, fabtests, lib, provider string, size, window int) (float64, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	bin := filepath.Join(fabtests, "bin", "fi_rma_bw")
+	args := []string{"-p", provider, "-e", "rdm", "-o", "writedata", "-S", strconv.Itoa(size),
+		"-W", strconv.Itoa(window), "-I", strconv.Itoa(window * throughputWindows), "-E=" + strconv.Itoa(port)}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	server := exec.CommandContext(ctx, bin, args...)
+	server.Env = append(server.Environ(), lib)
+	var serverOut strings.Builder
+	server.Stdout, server.Stderr = &serverOut, &serverOut
+	if err := server.Start(); err != nil {
+		return 0, fmt.Errorf("fi_rma_bw: %w", err)
+	}
+	defer func() { _ = server.Wait() }()
+	// The client fails at once while the server is not yet listening: try again.
+	var out []byte
+	for attempt := 0; ; attempt++ {
+		client := exec.CommandContext(ctx, bin, append(args, "127.0.0.1")...)
+		client.Env = append(client.Environ(), lib)
+		if out, err = client.CombinedOutput(); err == nil {
+			break
+		}
+		if attempt == 50 || ctx.Err() != nil {
+			return 0, fmt.Errorf("fi_rma_bw client: %v\n%s\nserver:\n%s", err, out, serverOut.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return parseFiRmaBw(string(out))
+}
+
+// parseFiRmaBw reads the MB/sec column (10^6 bytes) of fi_rma_bw's result line.
+func parseFiRmaBw(out string) (float64, error) {
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	for i, l := range lines {
+		head := strings.Fields(l)
+		col := -1
+		for j, h := range head {
+			if h == "MB/sec" {
+				col = j
+			}
+		}
+		if col < 0 || i+1 >= len(lines) {
+			continue
+		}
+		row := strings.Fields(lines[i+1])
+		if col >= len(row) {
+			break
+		}
+		mb, err := strconv.ParseFloat(row[col], 64)
+		if err != nil {
+			break
+		}
+		return mb / 1000, nil
+	}
+	return 0, fmt.Errorf("fi_rma_bw: no MB/sec in its output:\n%s", out)
+}
+
+var libfabricVersion = regexp.MustCompile(`"libfabric":"([^"]+)"`)
+
+// agentThroughput pushes requests through two agents (run with env), one rank of layout
+// l, each request one window: every region written with one write of all l.Blocks
+// blocks. It returns the bytes over the time from SourceReady to DELIVERED, summed over
+// the requests, and the libfabric the agents reported.
+func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine.Layout) (float64, string, error) {
+	a, b, err := agentproc.StartPairEnv(sc.AgentBin, filepath.Join(sc.WorkDir, fmt.Sprintf("throughput-%d", len(env))), sc.Provider, env)
+	if err != nil {
+		return 0, "", err
+	}
+	defer a.Stop()
+	defer b.Stop()
+	version := ""
+	if m := libfabricVersion.FindStringSubmatch(a.Log()); m != nil {
+		version = m[1]
+	}
+	n := l.Blocks // fresh allocators hand out one contiguous run: one write per region
+	var engines []*simengine.Engine
+	defer func() {
+		for _, e := range engines {
+			e.Stop()
+		}
+	}()
+	for _, x := range []struct {
+		p    *agentproc.Proc
+		role agentv1.Role
+	}{{a, agentv1.Role_ROLE_PREFILL}, {b, agentv1.Role_ROLE_DECODE}} {
+		e, err := simengine.Start(ctx, simengine.Config{ID: "throughput-" + strings.ToLower(x.role.String()), Role: x.role, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: x.p.Socket})
+		if err != nil {
+			return 0, "", err
+		}
+		engines = append(engines, e)
+	}
+	P, D := engines[0], engines[1]
+	src, err := P.Allocate(n)
+	if err != nil {
+		return 0, "", err
+	}
+	dst, err := D.Allocate(n)
+	if err != nil {
+		return 0, "", err
+	}
+	var bytes float64
+	var took time.Duration
+	for i := range throughputWindows + 1 {
+		req := fmt.Sprintf("throughput-%d", i)
+		if i == 0 {
+			P.Cache.Fill(req, src) // the first, a warm-up, is also checked byte for byte
+		}
+		if err := D.RegisterDestination(ctx, req, 1, dst, P.Self); err != nil {
+			return 0, "", err
+		}
+		start := time.Now()
+		if err := P.SourceReady(ctx, req, 0, src, true); err != nil {
+			return 0, "", err
+		}
+		wctx, cancel := context.WithTimeout(ctx, waitLimit)
+		ev, err := D.Wait(wctx, req, 1)
+		cancel()
+		if err != nil {
+			return 0, "", err
+		}
+		if ev.Type != agentv1.Event_DELIVERED {
+			return 0, "", fmt.Errorf("%s: %s: %s", req, ev.Type, ev.Reason)
+		}
+		end := time.Now()
+		if i == 0 {
+			if err := D.Cache.Verify(req, dst); err != nil {
+				return 0, "", err
+			}
+			continue
+		}
+		bytes += float64(n * l.BlockBytes() * l.Regions())
+		took += end.Sub(start)
+		wctx, cancel = context.WithTimeout(ctx, waitLimit)
+		_, err = P.Wait(wctx, req, 1) // SOURCE_DONE: the blocks are the source's again
+		cancel()
+		if err != nil {
+			return 0, "", err
+		}
+	}
+	return bytes / took.Seconds() / 1e9, version, nil
+}
