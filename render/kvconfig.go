@@ -29,6 +29,8 @@ type extraConfig struct {
 	Mode   string `json:"mode,omitempty"`
 	Role   string `json:"role,omitempty"`
 	Socket string `json:"socket,omitempty"`
+	// LayerStreaming: a push prefill engine reports each layer as it is computed.
+	LayerStreaming bool `json:"layer_streaming,omitempty"`
 }
 
 // The kvhandoff vLLM connector (vllm-connector/), which executor Agent renders: its class,
@@ -69,6 +71,7 @@ func KVTransferConfig(role kvv1.Role, spec *kvv1.EngineSpec, policy *kvv1.KVTran
 		cfg.ExtraConfig.Mode = strings.ToLower(string(policy.Mode))
 		cfg.ExtraConfig.Role = strings.ToLower(string(role))
 		cfg.ExtraConfig.Socket = AgentSocket
+		cfg.ExtraConfig.LayerStreaming = policy.LayerStreaming && role == kvv1.RolePrefill
 	}
 	data, err := json.Marshal(cfg)
 	if err != nil {

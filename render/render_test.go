@@ -69,7 +69,7 @@ func TestGolden(t *testing.T) {
 			name:    "executor-agent",
 			prefill: builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").Policy("agent"),
 			decode:  builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").Policy("agent"),
-			policy:  builder.Policy("agent").Executor(kvv1.ExecutorAgent),
+			policy:  builder.Policy("agent").Executor(kvv1.ExecutorAgent).LayerStreaming(true),
 		},
 	}
 	for _, c := range cases {

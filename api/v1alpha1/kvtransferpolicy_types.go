@@ -107,6 +107,7 @@ type FabricSpec struct {
 // +kubebuilder:validation:XValidation:rule="!(self.mode == 'Push' && self.bidirectional)",message="mode: Push does not support bidirectional KV (bidirectional: true): push writes only from prefill into decode; use mode: Pull to send KV back to prefill"
 // +kubebuilder:validation:XValidation:rule="self.registrationTimeoutSeconds >= self.leaseSeconds",message="registrationTimeoutSeconds must be greater than or equal to leaseSeconds: a registration must be able to outlive one lease period"
 // +kubebuilder:validation:XValidation:rule="self.executor != 'Agent' || self.backend == 'Libfabric'",message="executor: Agent moves KV with the kvhandoff transfer agent, which speaks libfabric only; set backend: Libfabric or executor: Engine"
+// +kubebuilder:validation:XValidation:rule="!self.layerStreaming || (self.mode == 'Push' && self.executor == 'Agent')",message="layerStreaming needs mode: Push and executor: Agent: the kvhandoff connector streams each layer into a push registration as it is computed; a pull reads whole blocks after prefill, and vLLM's own connectors do not stream layers"
 type KVTransferPolicySpec struct {
 	// mode is Push (decode pre-registers memory, prefill writes into it) or Pull (decode
 	// reads from prefill after prefill finishes).
@@ -164,6 +165,13 @@ type KVTransferPolicySpec struct {
 	// +kubebuilder:default=false
 	// +optional
 	Bidirectional bool `json:"bidirectional,omitempty"`
+
+	// layerStreaming has prefill engines report each layer's KV to the transfer agent as
+	// the forward pass computes it, so the agent writes a layer while later ones compute
+	// and only the last is left to move when prefill ends. Push with executor Agent only.
+	// +kubebuilder:default=false
+	// +optional
+	LayerStreaming bool `json:"layerStreaming,omitempty"`
 }
 
 // KVTransferPolicyStatus is the observed state of a KVTransferPolicy.

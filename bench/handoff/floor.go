@@ -12,6 +12,8 @@ import (
 	"slices"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
 )
 
@@ -22,10 +24,12 @@ type wirePair struct {
 	srcReg, dstReg *fabric.Region
 	peer           fabric.Peer
 	buf            []fabric.Completion
+	// cpus binds both sides' threads, as the agents are bound (nil: anywhere).
+	cpus *unix.CPUSet
 }
 
-func newWirePair(provider string, size int) (*wirePair, error) {
-	w := &wirePair{buf: make([]fabric.Completion, 16)}
+func newWirePair(provider string, size int, cpus *unix.CPUSet) (*wirePair, error) {
+	w := &wirePair{buf: make([]fabric.Completion, 16), cpus: cpus}
 	var err error
 	if w.src, err = fabric.Open(provider); err != nil {
 		return nil, err
@@ -72,12 +76,17 @@ func (w *wirePair) close() {
 // by its own goroutine, as each agent drives its own endpoint: one thread polling both
 // would do the sender's and the receiver's copies in turn, and the floor would be slower
 // than the agents it bounds.
-func (w *wirePair) write(n, chunk, window int) (time.Duration, error) {
+func (w *wirePair) write(n, chunk, window int) (d time.Duration, err error) {
+	pinned(w.cpus, func() { d, err = w.writePinned(n, chunk, window) })
+	return d, err
+}
+
+func (w *wirePair) writePinned(n, chunk, window int) (time.Duration, error) {
 	start := time.Now()
 	arrived := make(chan error, 1)
 	stop := make(chan struct{})
 	defer close(stop)
-	go func() {
+	go pinned(w.cpus, func() {
 		buf := make([]fabric.Completion, 16)
 		for {
 			select {
@@ -92,7 +101,7 @@ func (w *wirePair) write(n, chunk, window int) (time.Duration, error) {
 				}
 			}
 		}
-	}()
+	})
 	posted, done := 0, 0
 	pending := 0
 	for off := 0; off < n; {
@@ -177,8 +186,8 @@ func (w *wirePair) reap() (int, error) {
 
 // MeasureBandwidth is the provider's bandwidth in bytes/s: the median of several writes
 // of size bytes.
-func MeasureBandwidth(provider string, size int) (float64, error) {
-	w, err := newWirePair(provider, size)
+func MeasureBandwidth(provider string, size int, cpus *unix.CPUSet) (float64, error) {
+	w, err := newWirePair(provider, size, cpus)
 	if err != nil {
 		return 0, err
 	}
@@ -199,8 +208,8 @@ func MeasureBandwidth(provider string, size int) (float64, error) {
 }
 
 // wireFloor is the median time of a plain write of n bytes, signalled, on the provider.
-func wireFloor(provider string, n int) (time.Duration, error) {
-	w, err := newWirePair(provider, n)
+func wireFloor(provider string, n int, cpus *unix.CPUSet) (time.Duration, error) {
+	w, err := newWirePair(provider, n, cpus)
 	if err != nil {
 		return 0, fmt.Errorf("wire floor: %w", err)
 	}
@@ -223,11 +232,11 @@ func wireFloor(provider string, n int) (time.Duration, error) {
 // wireFloorParallel is the median time for tp endpoint pairs to each write n/tp bytes at
 // once, in writes equal writes all in flight, signalled: the same bytes spread over as
 // many endpoints, in as many writes, as a TP handoff's merged writes (one per region).
-func wireFloorParallel(provider string, n, tp, writes int) (time.Duration, error) {
+func wireFloorParallel(provider string, n, tp, writes int, cpus *unix.CPUSet) (time.Duration, error) {
 	chunk := (n/tp + writes - 1) / writes
 	pairs := make([]*wirePair, tp)
 	for i := range pairs {
-		w, err := newWirePair(provider, n/tp)
+		w, err := newWirePair(provider, n/tp, cpus)
 		if err != nil {
 			return 0, fmt.Errorf("wire floor: %w", err)
 		}

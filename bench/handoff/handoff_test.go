@@ -14,7 +14,8 @@ var agentBin string
 
 func TestMain(m *testing.M) { os.Exit(agentproc.RunTests(m, &agentBin)) }
 
-// An overloaded benchmark must finish and account for every request. 50 QPS into caches
+// An overloaded benchmark must finish and account for every request, in every mode
+// (push, push-layered in four groups, pull). 50 QPS into caches
 // of two requests, with timeouts shorter than a request takes, make push registrations
 // and sources expire and pull holds run out; every failed request's blocks must come
 // back (after the agent's answer), or the requests behind it wait for blocks forever — as
@@ -23,7 +24,7 @@ func TestAnOverloadedRunFinishesAndReturnsEveryBlock(t *testing.T) {
 	var log strings.Builder
 	sc := Scenario{
 		Provider: "tcp;ofi_rxm", QPS: 50, PromptTokens: 2048, TP: 2, Duration: time.Second,
-		LoadFraction: 0.5, Utilisation: 0.65, CacheRequests: 2, Seed: 3,
+		LoadFraction: 0.5, Utilisation: 0.65, CacheRequests: 2, LayerGroups: 4, Seed: 3,
 		// A registration timeout near one prefill's time and a hold TTL shorter than a
 		// pull's round trip: many requests must fail, on both sides and in both modes.
 		Lease: 20 * time.Millisecond, RegistrationTimeout: 20 * time.Millisecond, BlocksTTL: 5 * time.Millisecond,

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
@@ -64,7 +66,7 @@ func (el *engineLoad) run(ctx context.Context, qps float64, seed uint64) error {
 }
 
 // floorUnderLoad measures the TP-pairs wire floor while the engines' CPU work runs.
-func floorUnderLoad(sc Scenario, l simengine.Layout, blocksPerRequest int, bytes int) (time.Duration, error) {
+func floorUnderLoad(sc Scenario, l simengine.Layout, blocksPerRequest int, bytes int, cpus *unix.CPUSet) (time.Duration, error) {
 	el, err := newEngineLoad(l, sc.TP, blocksPerRequest)
 	if err != nil {
 		return 0, err
@@ -72,7 +74,7 @@ func floorUnderLoad(sc Scenario, l simengine.Layout, blocksPerRequest int, bytes
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- el.run(ctx, sc.QPS, sc.Seed) }()
-	d, err := wireFloorParallel(sc.Provider, bytes, sc.TP, l.Regions())
+	d, err := wireFloorParallel(sc.Provider, bytes, sc.TP, l.Regions(), cpus)
 	cancel()
 	if lerr := <-done; err == nil {
 		err = lerr

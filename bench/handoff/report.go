@@ -12,7 +12,11 @@ import (
 func (r *Report) Markdown(w io.Writer) {
 	fmt.Fprintf(w, "Provider `%s`, measured %.2f GB/s over one endpoint pair and %.2f GB/s over %d pairs at once; offered load %.0f%% of the latter; TP %d; prefill %.1f ms per request.\n",
 		r.Provider, r.BandwidthGBps, r.BandwidthTPGBps, r.TP, r.OfferedLoad*100, r.TP, r.PrefillMs)
-	fmt.Fprintf(w, "KV layout (scaled): %s.\n\n", r.Layout)
+	fmt.Fprintf(w, "KV layout (scaled): %s.\n", r.Layout)
+	if r.AgentCPUs != "" {
+		fmt.Fprintf(w, "The agents, the floors' threads and fi_rma_bw ran on CPUs %s; the simulated engines, which produce and check the KV, on the others.\n", r.AgentCPUs)
+	}
+	fmt.Fprintln(w)
 	fmt.Fprintln(w, "| mode | QPS | prompt tokens | MB/request | TTFT p50 / p90 / p99 (ms) | handoff p50 / p90 / p99 (ms) | wire floor, TP pairs (ms) | coordination overhead p50 / p99 (ms) | wire floor, one pair (ms) | descriptors/request | verified | failed |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, m := range r.Results {

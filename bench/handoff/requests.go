@@ -30,8 +30,10 @@ type prefillServer struct {
 
 // waitLimit bounds every wait of the benchmark (free blocks, an agent's answer): under
 // overload requests fail and are counted, they never hang the run. It is above the
-// agents' default lease and TTLs, after which an agent answers on its own.
-const waitLimit = 90 * time.Second
+// decode agent's own deadline for an outcome that never came (by default the 60 s
+// registration timeout, then a quarantine of the 30 s lease and a second: 91.2 s), after
+// which an agent answers on its own; a wait that runs out means an agent broke that rule.
+const waitLimit = 150 * time.Second
 
 type prefillJob struct {
 	req    string

@@ -47,7 +47,7 @@ func MeasureThroughput(ctx context.Context, sc Scenario, fabtests string, l sime
 	lib := "LD_LIBRARY_PATH=" + strings.TrimSuffix(filepath.Join(fabtests, "lib")+":"+os.Getenv("LD_LIBRARY_PATH"), ":")
 	th := &Throughput{MessageBytes: l.Blocks * l.BlockBytes(), Window: l.Regions()}
 	var err error
-	if th.FiRmaBwGBps, err = fiRmaBw(ctx, fabtests, lib, sc.Provider, th.MessageBytes, th.Window); err != nil {
+	if th.FiRmaBwGBps, err = fiRmaBw(ctx, fabtests, lib, sc, th.MessageBytes, th.Window); err != nil {
 		return nil, err
 	}
 	if th.AgentGBps, th.Libfabric, err = agentThroughput(ctx, sc, []string{lib}, l); err != nil {
@@ -62,7 +62,7 @@ func MeasureThroughput(ctx context.Context, sc Scenario, fabtests string, l sime
 
 // fiRmaBw runs fi_rma_bw's server and client on loopback (unidirectional writedata,
 // like a push) and returns the client's GB/s.
-func fiRmaBw(ctx context.Context, fabtests, lib, provider string, size, window int) (float64, error) {
+func fiRmaBw(ctx context.Context, fabtests, lib string, sc Scenario, size, window int) (float64, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
@@ -70,11 +70,17 @@ func fiRmaBw(ctx context.Context, fabtests, lib, provider string, size, window i
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
 	bin := filepath.Join(fabtests, "bin", "fi_rma_bw")
-	args := []string{"-p", provider, "-e", "rdm", "-o", "writedata", "-S", strconv.Itoa(size),
+	args := []string{"-p", sc.Provider, "-e", "rdm", "-o", "writedata", "-S", strconv.Itoa(size),
 		"-W", strconv.Itoa(window), "-I", strconv.Itoa(window * throughputWindows), "-E=" + strconv.Itoa(port)}
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	server := exec.CommandContext(ctx, bin, args...)
+	command := func(args ...string) *exec.Cmd {
+		if sc.AgentCPUs != "" { // on the agents' CPUs, like with like
+			return exec.CommandContext(ctx, "taskset", append([]string{"-c", sc.AgentCPUs, bin}, args...)...)
+		}
+		return exec.CommandContext(ctx, bin, args...)
+	}
+	server := command(args...)
 	server.Env = append(server.Environ(), lib)
 	var serverOut strings.Builder
 	server.Stdout, server.Stderr = &serverOut, &serverOut
@@ -85,7 +91,7 @@ func fiRmaBw(ctx context.Context, fabtests, lib, provider string, size, window i
 	// The client fails at once while the server is not yet listening: try again.
 	var out []byte
 	for attempt := 0; ; attempt++ {
-		client := exec.CommandContext(ctx, bin, append(args, "127.0.0.1")...)
+		client := command(append(args, "127.0.0.1")...)
 		client.Env = append(client.Environ(), lib)
 		if out, err = client.CombinedOutput(); err == nil {
 			break
@@ -132,7 +138,7 @@ var libfabricVersion = regexp.MustCompile(`"libfabric":"([^"]+)"`)
 // blocks. It returns the bytes over the time from SourceReady to DELIVERED, summed over
 // the requests, and the libfabric the agents reported.
 func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine.Layout) (float64, string, error) {
-	a, b, err := agentproc.StartPairEnv(sc.AgentBin, filepath.Join(sc.WorkDir, fmt.Sprintf("throughput-%d", len(env))), sc.Provider, env)
+	a, b, err := agentproc.StartPairWith(sc.AgentBin, filepath.Join(sc.WorkDir, fmt.Sprintf("throughput-%d", len(env))), sc.Provider, agentproc.Options{Env: env, CPUs: sc.AgentCPUs})
 	if err != nil {
 		return 0, "", err
 	}

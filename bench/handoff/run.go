@@ -6,8 +6,11 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvhandoff/kvhandoff/bench/report"
 	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
@@ -37,6 +40,11 @@ type Scenario struct {
 	// agents' defaults).
 	Lease, RegistrationTimeout, BlocksTTL time.Duration
 
+	// AgentCPUs, when set, is the CPU list the agents (and the floors' threads) run on;
+	// the caller runs the benchmark's process, whose simulated engines fill and verify
+	// KV, on the others (cmd/bench-handoff does), so that work does not compete with the
+	// transfers timed.
+	AgentCPUs string
 	// Fabtests, when set, is a fabtests install (hack/fabtests.sh): the agent's write
 	// throughput is then measured beside its fi_rma_bw.
 	Fabtests string
@@ -105,7 +113,10 @@ type Report struct {
 	TP              int     `json:"tp"`
 	Layout          string  `json:"layout"`
 	PrefillMs       float64 `json:"prefill_ms"`
-	DurationS       float64 `json:"arrivals_s_per_mode"`
+	// AgentCPUs are the CPUs the agents and floors ran on, the engines on the others
+	// (empty: all shared).
+	AgentCPUs string  `json:"agent_cpus,omitempty"`
+	DurationS float64 `json:"arrivals_s_per_mode"`
 	// LeakedRanks counts ranks' blocks held back because an agent never answered.
 	LeakedRanks      int64    `json:"leaked_rank_blocks"`
 	Results          []Result `json:"results"`
@@ -143,13 +154,20 @@ func (sc Scenario) logf(format string, args ...any) {
 
 // Run measures the wire, sizes the model to the offered load, and runs push then pull.
 func Run(ctx context.Context, sc Scenario) (*Report, error) {
-	bw, err := MeasureBandwidth(sc.Provider, 64<<20)
+	var cpus *unix.CPUSet
+	if sc.AgentCPUs != "" {
+		var err error
+		if cpus, err = ParseCPUs(sc.AgentCPUs); err != nil {
+			return nil, err
+		}
+	}
+	bw, err := MeasureBandwidth(sc.Provider, 64<<20, cpus)
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth: %w", err)
 	}
 	// The load is sized from what TP pairs move together, the run's own parallelism: one
 	// pair's figure overstates what each rank gets when all of them write at once.
-	sizing, err := wireFloorParallel(sc.Provider, 64<<20, sc.TP, 16) // 4 MiB writes
+	sizing, err := wireFloorParallel(sc.Provider, 64<<20, sc.TP, 16, cpus) // 4 MiB writes
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth over %d pairs: %w", sc.TP, err)
 	}
@@ -158,23 +176,23 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	blocksPerRequest := (sc.PromptTokens + l.BlockSize - 1) / l.BlockSize
 	l.Blocks = blocksPerRequest * sc.CacheRequests
 	bytesPerRequest := uint64(l.BytesPerToken()) * uint64(blocksPerRequest*l.BlockSize)
-	floor, err := wireFloor(sc.Provider, int(bytesPerRequest))
+	floor, err := wireFloor(sc.Provider, int(bytesPerRequest), cpus)
 	if err != nil {
 		return nil, err
 	}
-	floorTP, err := wireFloorParallel(sc.Provider, int(bytesPerRequest), sc.TP, l.Regions())
+	floorTP, err := wireFloorParallel(sc.Provider, int(bytesPerRequest), sc.TP, l.Regions(), cpus)
 	if err != nil {
 		return nil, err
 	}
 	sc.logf("wire floor over %d endpoint pairs at once: %.1f ms", sc.TP, ms(floorTP))
-	floorLoaded, err := floorUnderLoad(sc, l, blocksPerRequest, int(bytesPerRequest))
+	floorLoaded, err := floorUnderLoad(sc, l, blocksPerRequest, int(bytesPerRequest), cpus)
 	if err != nil {
 		return nil, err
 	}
 	sc.logf("the same under the engines' CPU work at %.0f QPS: %.1f ms", sc.QPS, ms(floorLoaded))
 	var floorGroup time.Duration
 	if sc.LayerGroups > 1 {
-		if floorGroup, err = wireFloorParallel(sc.Provider, int(bytesPerRequest)/sc.LayerGroups, sc.TP, l.Regions()/sc.LayerGroups); err != nil {
+		if floorGroup, err = wireFloorParallel(sc.Provider, int(bytesPerRequest)/sc.LayerGroups, sc.TP, l.Regions()/sc.LayerGroups, cpus); err != nil {
 			return nil, err
 		}
 		sc.logf("the last of %d layer groups over %d endpoint pairs: %.1f ms", sc.LayerGroups, sc.TP, ms(floorGroup))
@@ -185,12 +203,12 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 		Provider: sc.Provider, BandwidthGBps: bw / 1e9, BandwidthTPGBps: bwTP / 1e9, TP: sc.TP,
 		OfferedLoad: sc.QPS * float64(bytesPerRequest) / bwTP,
 		Layout:      fmt.Sprintf("%d layers × K,V × %d KV heads × head dim %d × %d B, block %d tokens: %d B/token", l.Layers, l.KVHeads, l.HeadDim, l.DTypeBytes, l.BlockSize, l.BytesPerToken()),
-		PrefillMs:   ms(prefill), DurationS: sc.Duration.Seconds(),
+		PrefillMs:   ms(prefill), DurationS: sc.Duration.Seconds(), AgentCPUs: sc.AgentCPUs,
 	}
 	sc.logf("provider %s: %.2f GB/s one pair, %.2f GB/s over %d pairs; %d bytes per request (%.0f%% of the wire at %.0f QPS); wire floor %.1f ms (one pair %.1f ms); prefill %.1f ms per request",
 		sc.Provider, bw/1e9, bwTP/1e9, sc.TP, bytesPerRequest, rep.OfferedLoad*100, sc.QPS, ms(floorTP), ms(floor), ms(prefill))
 
-	a, b, err := agentproc.StartPair(sc.AgentBin, sc.WorkDir, sc.Provider)
+	a, b, err := agentproc.StartPairWith(sc.AgentBin, sc.WorkDir, sc.Provider, agentproc.Options{CPUs: sc.AgentCPUs})
 	if err != nil {
 		return nil, err
 	}
@@ -217,6 +235,16 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 		r.StagesMs = stageMeans(m.agent, before, scrape(a, b))
 		sc.logf("%s: agent stage means per rank (ms): %v", r.Mode, r.StagesMs)
 		rep.Results = append(rep.Results, *r)
+	}
+	if rep.LeakedRanks > 0 {
+		// An agent broke its promise to answer: keep what the agents said about it.
+		for _, p := range []*agentproc.Proc{a, b} {
+			for _, line := range strings.Split(p.Log(), "\n") {
+				if strings.Contains(line, `"level":"WARN"`) || strings.Contains(line, `"level":"ERROR"`) {
+					sc.logf("%s: %s", p.Name, line)
+				}
+			}
+		}
 	}
 	byName := map[string]*Result{}
 	for i := range rep.Results {

@@ -5,9 +5,11 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 
 	"github.com/kvhandoff/kvhandoff/bench/handoff"
@@ -28,7 +30,14 @@ func main() {
 	out := flag.String("out", "bench/results", "folder for handoff.json and handoff.png")
 	demo := flag.Bool("demo", false, "instead of the benchmark, push one verified request through two agents (make demo)")
 	flag.StringVar(&agentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")
+	flag.StringVar(&sc.AgentCPUs, "agent-cpus", "", "run the agents (and the floors) on these CPUs (taskset's list, e.g. 0-7) and the simulated engines on the others")
 	flag.Parse()
+	if sc.AgentCPUs != "" {
+		if err := onOtherCPUs(sc.AgentCPUs); err != nil {
+			fmt.Fprintln(os.Stderr, "bench-handoff:", err)
+			os.Exit(1)
+		}
+	}
 	run := run
 	if *demo {
 		run = runDemo
@@ -40,6 +49,42 @@ func main() {
 }
 
 var agentBin string
+
+// pinnedEnv marks the process already running on the CPUs the agents leave.
+const pinnedEnv = "KVHANDOFF_BENCH_PINNED"
+
+// onOtherCPUs runs this command again under taskset on the CPUs that agentCPUs leaves,
+// so every thread of the simulated engines (which fill and verify the KV) stays off the
+// agents' cores; it returns only in the re-run process.
+func onOtherCPUs(agentCPUs string) error {
+	if os.Getenv(pinnedEnv) != "" {
+		return nil
+	}
+	set, err := handoff.ParseCPUs(agentCPUs)
+	if err != nil {
+		return fmt.Errorf("--agent-cpus: %w", err)
+	}
+	others := handoff.OtherCPUs(set)
+	if others == "" {
+		return fmt.Errorf("--agent-cpus %s leaves no CPU for the simulated engines", agentCPUs)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command("taskset", append([]string{"-c", others, self}, os.Args[1:]...)...)
+	cmd.Env = append(os.Environ(), pinnedEnv+"=1")
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	if err := cmd.Run(); err != nil {
+		var exit *exec.ExitError
+		if errors.As(err, &exit) {
+			os.Exit(exit.ExitCode())
+		}
+		return err
+	}
+	os.Exit(0)
+	return nil
+}
 
 // agent returns the agent binary to run: --agent-bin, or one built into work.
 func agent(work string) (string, error) {

@@ -73,6 +73,10 @@ func (b *PolicyBuilder) Bidirectional(on bool) *PolicyBuilder {
 	b.obj.Spec.Bidirectional = on
 	return b
 }
+func (b *PolicyBuilder) LayerStreaming(on bool) *PolicyBuilder {
+	b.obj.Spec.LayerStreaming = on
+	return b
+}
 func (b *PolicyBuilder) Lease(seconds int32) *PolicyBuilder {
 	b.obj.Spec.LeaseSeconds = seconds
 	return b

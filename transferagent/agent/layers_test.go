@@ -36,6 +36,9 @@ func TestLayerGroupsLandAsTheyAreReported(t *testing.T) {
 		t.Fatal(err)
 	}
 	expect(t, wait(t, P, "layers", 1), agentv1.Event_SOURCE_DONE)
+	if n := p.A.Metric(t, `kvhandoff_agent_source_parts_total{kind="layer_group"}`); n != 2 {
+		t.Errorf("%v layer groups counted, want 2", n)
+	}
 }
 
 // A cancel between two groups: nothing lands in the cancelled attempt's blocks after the

@@ -71,7 +71,9 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 	}
 	now := time.Now()
 	part := rendezvous.Part{Request: r.RequestId, Offset: int(r.Offset), Blocks: r.BlockIds, Final: r.Final}
+	kind := "blocks"
 	if r.RegionCount != 0 {
+		kind = "layer_group"
 		if s.mode == agentv1.Mode_MODE_PULL {
 			return status.Error(codes.InvalidArgument, "region_count: layer groups are for push; a pull reads whole blocks once prefill is over")
 		}
@@ -85,6 +87,7 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 		if err := ps.holds.Ready(now, part); err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
+		s.a.metrics.parts.WithLabelValues(kind).Inc()
 		return nil
 	}
 	acts, err := ps.table.SourceReady(now, part)
@@ -94,6 +97,7 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 	if err != nil {
 		return status.Errorf(codes.InvalidArgument, "block_ids: %v", err)
 	}
+	s.a.metrics.parts.WithLabelValues(kind).Inc()
 	ps.handle(now, acts)
 	return nil
 }

@@ -52,10 +52,20 @@ type Proc struct {
 // (reusing a dir restarts "the same node's" agent) and waits until it serves. flags
 // come last, so they override the defaults here.
 func Start(bin, name, dir, provider string, flags ...string) (*Proc, error) {
-	return start(bin, name, dir, provider, nil, flags...)
+	return start(bin, name, dir, provider, Options{}, flags...)
 }
 
-func start(bin, name, dir, provider string, env []string, flags ...string) (*Proc, error) {
+// Options are how agents are run beyond their flags.
+type Options struct {
+	// Env is added to the agents' environment (such as LD_LIBRARY_PATH, to run them on
+	// another libfabric).
+	Env []string
+	// CPUs, when set, is the CPU list (taskset's syntax, such as "0-7") the agents run
+	// on, so that what else runs on the machine does not compete with them.
+	CPUs string
+}
+
+func start(bin, name, dir, provider string, o Options, flags ...string) (*Proc, error) {
 	token := filepath.Join(dir, "token")
 	if err := os.WriteFile(token, []byte(Token), 0o600); err != nil {
 		return nil, err
@@ -65,9 +75,13 @@ func start(bin, name, dir, provider string, env []string, flags ...string) (*Pro
 		"--provider", provider, "--socket", p.Socket,
 		"--peer-listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--peer-token-file", token,
 	}, flags...)
+	if o.CPUs != "" {
+		args = append([]string{"-c", o.CPUs, bin}, args...)
+		bin = "taskset"
+	}
 	p.cmd = exec.Command(bin, args...)
-	if env != nil {
-		p.cmd.Env = append(os.Environ(), env...)
+	if o.Env != nil {
+		p.cmd.Env = append(os.Environ(), o.Env...)
 	}
 	p.cmd.Dir = dir // libinfinipath drops *.btr files in the working directory on crashes
 	stderr, err := p.cmd.StderrPipe()
@@ -182,18 +196,17 @@ func (p *Proc) Metric(series string) (float64, error) {
 // StartPair starts the two agents of a prefill node and a decode node, each in its own
 // folder under dir, as the benchmarks and demos run them. Stop both when done.
 func StartPair(bin, dir, provider string) (prefill, decode *Proc, err error) {
-	return StartPairEnv(bin, dir, provider, nil)
+	return StartPairWith(bin, dir, provider, Options{})
 }
 
-// StartPairEnv is StartPair with variables added to the agents' environment (such as
-// LD_LIBRARY_PATH, to run them on another libfabric).
-func StartPairEnv(bin, dir, provider string, env []string) (prefill, decode *Proc, err error) {
+// StartPairWith is StartPair with options.
+func StartPairWith(bin, dir, provider string, o Options) (prefill, decode *Proc, err error) {
 	node := func(name string) (*Proc, error) {
 		d := filepath.Join(dir, name)
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return nil, err
 		}
-		return start(bin, name, d, provider, env)
+		return start(bin, name, d, provider, o)
 	}
 	if prefill, err = node("prefill-node"); err != nil {
 		return nil, nil, err

@@ -92,6 +92,12 @@ class Session:
         _call(self._stub.SourceReady, pb.SourceReadyRequest(
             session=self.session, request_id=key, offset=offset, block_ids=blocks, final=final))
 
+    def source_regions_ready(self, key: str, blocks: list[int], first: int, count: int, final: bool) -> None:
+        """One layer group of a push: regions first .. first+count-1 of every block."""
+        _call(self._stub.SourceReady, pb.SourceReadyRequest(
+            session=self.session, request_id=key, block_ids=blocks, final=final,
+            first_region=first, region_count=count))
+
     def pull(self, key: str, attempt: int, source: pb.EngineRef, src: list[int], dst: list[int]) -> None:
         _call(self._stub.Pull, pb.PullRequest(
             session=self.session, request_id=key, attempt=attempt, source=source,

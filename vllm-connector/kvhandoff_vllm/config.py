@@ -7,7 +7,11 @@ The manager renders them (render/kvconfig.go); by hand they look like:
      "kv_role": "kv_both", "engine_id": "prefill-0.default",
      "kv_connector_extra_config": {"mode": "push", "role": "prefill",
         "socket": "/var/run/kvhandoff/agent.sock", "kv_lease_duration": 30,
-        "push_registration_timeout": 480, "decoder_kv_blocks_ttl": 480}}
+        "push_registration_timeout": 480, "decoder_kv_blocks_ttl": 480,
+        "layer_streaming": true}}
+
+layer_streaming (push prefill only) reports a request's KV to the agent layer by layer as
+the forward pass computes it, so the agent writes each layer while the next computes.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class Config:
     lease: int
     registration_timeout: int
     blocks_ttl: int
+    # layer_streaming: push prefill reports each layer's KV as it is computed.
+    layer_streaming: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "Config":
@@ -57,6 +63,11 @@ class Config:
                 raise ConfigError(f"kv_connector_extra_config.{name}: must be whole seconds in 0..86400, not {v!r}")
             return v
 
+        streaming = extra.get("layer_streaming", False)
+        if not isinstance(streaming, bool):
+            raise ConfigError(f"kv_connector_extra_config.layer_streaming: must be true or false, not {streaming!r}")
+        if streaming and mode != "push":
+            raise ConfigError("kv_connector_extra_config.layer_streaming: streams layers into a push; a pull reads whole blocks once prefill is over")
         return cls(
             engine_id=engine_id,
             mode=mode,
@@ -65,4 +76,5 @@ class Config:
             lease=seconds("kv_lease_duration"),
             registration_timeout=seconds("push_registration_timeout"),
             blocks_ttl=seconds("decoder_kv_blocks_ttl"),
+            layer_streaming=streaming,
         )

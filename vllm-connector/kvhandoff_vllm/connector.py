@@ -32,7 +32,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
         self._s: SchedulerSide | None = None
         self._w: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._s = SchedulerSide(cfg, tp)
+            self._s = SchedulerSide(cfg, tp, vllm_config.cache_config.block_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -58,7 +58,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return
+        self._w.save_layer(self._get_connector_metadata(), layer_name)
 
     def wait_for_save(self):
         self._w.save(self._get_connector_metadata())

@@ -33,12 +33,25 @@ class Send:
     req_id: str
     key: str
     blocks: list[int]
+    # streamed: its layers were reported as they were computed; only the bookkeeping is left.
+    streamed: bool = False
+
+
+@dataclass
+class Stream:
+    """Push prefill with layer streaming: a request whose prefill completes in this step;
+    the worker reports each layer's blocks to the agent as the forward computes it."""
+
+    req_id: str
+    key: str
+    blocks: list[int]
 
 
 @dataclass
 class KVHandoffMetadata(KVConnectorMetadata):
     receives: list[Receive] = field(default_factory=list)
     sends: list[Send] = field(default_factory=list)
+    streams: list[Stream] = field(default_factory=list)
     # (request id, key): a decode request aborted while its KV was on its way, or a
     # prefill request aborted before its blocks were ready.
     cancels: list[tuple[str, str]] = field(default_factory=list)

@@ -14,6 +14,11 @@ router (and vLLM's own P/D proxies) drive it unchanged:
   ``remote_block_ids`` and ``remote_request_id``. The request waits for its KV
   (WAITING_FOR_REMOTE_KVS) while the agent brings it; an abort meanwhile cancels through
   the agent, and vLLM frees the blocks only once the agent acknowledged.
+
+With layer_streaming (push prefill), a request whose whole prompt is scheduled in one step
+is handed to the workers in that step (metadata.streams), and they report each layer to the
+agent as the forward pass computes it; a prompt computed in chunks is reported whole when
+the request finishes, as without streaming.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import logging
 
 from .config import Config
-from .metadata import Handshake, KVHandoffMetadata, Receive, Send
+from .metadata import Handshake, KVHandoffMetadata, Receive, Send, Stream
 
 log = logging.getLogger("kvhandoff_vllm")
 
@@ -41,9 +46,14 @@ def join_agent(host, port) -> str:
 
 
 class SchedulerSide:
-    def __init__(self, cfg: Config, tp_size: int):
+    def __init__(self, cfg: Config, tp_size: int, block_size: int):
         self.cfg = cfg
         self.tp_size = tp_size
+        self.block_size = block_size
+        # Layer streaming: push prefill requests not yet scheduled (request id -> key),
+        # and those whose layers the workers are reporting as they are computed.
+        self._streamable: dict[str, str] = {}
+        self._streamed: set[str] = set()
         self.agent: str | None = None  # this engine's agent, from the workers' handshake
         self._meta = KVHandoffMetadata()
         # Decode requests whose KV is on its way: request id -> key.
@@ -73,6 +83,9 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if self.cfg.layer_streaming and self.cfg.role == "prefill" and params and params.get("do_remote_decode"):
+            self._streamable[request.request_id] = str(params.get("transfer_id") or request.request_id)
+            return
         if self.cfg.role != "decode" or not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return
         local = list(blocks.get_unhashed_block_ids())
@@ -98,6 +111,16 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> KVHandoffMetadata:
         meta, self._meta = self._meta, KVHandoffMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            key = self._streamable.pop(new.req_id, None)
+            if key is None:
+                continue
+            prompt = len(new.prompt_token_ids or ())
+            if new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0) < prompt:
+                continue  # computed in chunks: reported whole when it finishes
+            n = -(-prompt // self.block_size)  # the prompt's blocks, which decode registers
+            meta.streams.append(Stream(req_id=new.req_id, key=key, blocks=list(new.block_ids[0][:n])))
+            self._streamed.add(new.req_id)
         return meta
 
     def request_finished(self, request, block_ids: list[int]):
@@ -105,6 +128,9 @@ class SchedulerSide:
         if not params:
             return False, None
         rid = request.request_id
+        self._streamable.pop(rid, None)
+        streamed = rid in self._streamed
+        self._streamed.discard(rid)
         if rid in self._receiving:
             # Finished (aborted) while its KV was on its way: vLLM holds the blocks until
             # the worker reports the receive over, which the agent's acknowledgement of
@@ -125,7 +151,7 @@ class SchedulerSide:
         blocks = list(block_ids)
         if not blocks:
             return False, None
-        self._meta.sends.append(Send(req_id=rid, key=key, blocks=blocks))
+        self._meta.sends.append(Send(req_id=rid, key=key, blocks=blocks, streamed=streamed))
         if self.cfg.mode == "push":
             return True, None
         if self.agent is None:

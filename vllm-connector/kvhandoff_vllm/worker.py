@@ -7,12 +7,19 @@ memfd to the agent (memory socket, SCM_RIGHTS) and registers one region per laye
 blocks at their stride in the memfd); the agent maps the same pages. Nothing is copied:
 prefill's attention writes the KV the agent then sends, and the agent writes (push) or
 reads (pull) straight into the blocks decode's attention reads.
+
+Layer streaming (push prefill): for the requests whose prefill completes in this step,
+``save_layer`` reports each layer's region to the agent right after the forward pass wrote
+it (vLLM calls ``save_kv_layer`` after each attention layer), from a sender thread so the
+forward never waits on the agent; the agent writes that layer while the next computes, and
+tells decode only once every layer has landed.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 
 from ._api import agent_pb2 as pb
@@ -44,7 +51,15 @@ class WorkerSide:
         self._recvd: set[str] = set()
         self._failed: set[str] = set()
         self._finished: set[str] = set()  # of those, the ones the scheduler has finished
-        self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0}
+        self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0, "layers_streamed": 0}
+        # Layer streaming: each layer's region index (by vLLM's layer name), the regions
+        # reported so far per request key in this step, and the sender thread's queue
+        # (FIFO, so a request's final layer goes out last).
+        self._region_of: dict[str, int] = {}
+        self._regions = 0
+        self._layers_sent: dict[str, set[int]] = {}
+        self._outbox: queue.Queue | None = None
+        self._sender: threading.Thread | None = None
 
     def mem_pool_context(self):
         return kv_allocation(f"kvhandoff-kv-{self.cfg.engine_id}-{self.rank}", self.memory)
@@ -56,11 +71,12 @@ class WorkerSide:
                 "context, so the agent cannot map it; this connector supports vLLM's CPU backend from "
                 "vLLM 0.32 (CUDA KV needs the agent's dmabuf path, which is not built yet)")
         mem = self.memory[0]
-        regions, seen, dtype_bytes = [], set(), 0
+        regions, seen, dtype_bytes, offset_of = [], set(), 0, {}
         for name, t in kv_caches.items():
             off = mem.offset_of(t)
             if off is None:
                 raise RuntimeError(f"kvhandoff connector: layer {name}'s KV is outside the shared memory")
+            offset_of[name] = off
             if off in seen:
                 continue  # layers sharing a KV cache
             seen.add(off)
@@ -68,6 +84,9 @@ class WorkerSide:
             regions.append((off, block_len * t.shape[0], block_len, t.shape[0]))
             dtype_bytes = t.element_size()
         regions.sort()
+        index = {r[0]: i for i, r in enumerate(regions)}
+        self._region_of = {name: index[off] for name, off in offset_of.items()}
+        self._regions = len(regions)
         self.session = Session(self.cfg.socket, pb.RegisterEngineRequest(
             engine_id=self.cfg.engine_id,
             role=pb.ROLE_PREFILL if self.cfg.role == "prefill" else pb.ROLE_DECODE,
@@ -123,10 +142,56 @@ class WorkerSide:
             except AgentError as e:
                 log.warning("kvhandoff: heartbeat: %s", e)
 
+    def save_layer(self, meta: KVHandoffMetadata, layer_name: str) -> None:
+        """Reports one layer of this step's streamed requests: its KV is in the cache now."""
+        idx = self._region_of.get(layer_name)
+        if idx is None or not meta.streams:
+            return
+        for s in meta.streams:
+            self._stream(s, [idx])
+
+    def _stream(self, s, regions: list[int]) -> None:
+        sent = self._layers_sent.get(s.key)
+        if sent is None:
+            sent = self._layers_sent[s.key] = set()
+            self._keys[s.key] = (s.req_id, "send")
+            self._sending.add(s.req_id)
+        for idx in regions:
+            if idx in sent:
+                continue  # layers sharing one KV cache: one region
+            sent.add(idx)
+            self._send_later(s.key, s.blocks, idx, final=len(sent) == self._regions)
+
+    def _send_later(self, key: str, blocks: list[int], region: int, final: bool) -> None:
+        if self._outbox is None:
+            self._outbox = queue.Queue()
+            self._sender = threading.Thread(target=self._send_loop, name="kvhandoff-layers", daemon=True)
+            self._sender.start()
+        self._outbox.put((key, blocks, region, final))
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            key, blocks, region, final = item
+            try:
+                self.session.source_regions_ready(key, blocks, region, 1, final)
+                self.stats["layers_streamed"] += 1
+            except AgentError as e:
+                # The agent answers for the request through its events (FAILED).
+                log.warning("kvhandoff: streaming layer %d of %s: %s", region, key, e)
+
     def save(self, meta: KVHandoffMetadata) -> None:
+        # Streamed requests whose layers did not all pass through save_layer this step
+        # (vLLM skips it for a layer without attention metadata): the forward is over, so
+        # the rest is complete now.
+        for s in meta.streams:
+            self._stream(s, list(range(self._regions)))  # sends only what is missing
+            del self._layers_sent[s.key]
         # The blocks were computed in an earlier step (vLLM finishes a request after the
         # forward that produced its last token), so they are complete in memory now.
         for s in meta.sends:
+            if s.streamed:
+                continue  # reported layer by layer as it was computed
+
             self._keys[s.key] = (s.req_id, "send")
             self._sending.add(s.req_id)
             try:
@@ -195,5 +260,8 @@ class WorkerSide:
         self._beating.clear()
 
     def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put(None)
+            self._sender.join(timeout=30)
         if self.session is not None:
             self.session.close()

@@ -124,11 +124,15 @@ class Agent(Proc):
 
 
 def kv_config(mode: str, role: str, engine_id: str, socket_path: str) -> str:
+    """mode push-layered is push with the prefill engine streaming its layers."""
+    extra = {"mode": mode.removesuffix("-layered"), "role": role, "socket": socket_path,
+             "kv_lease_duration": 30, "push_registration_timeout": 60, "decoder_kv_blocks_ttl": 60}
+    if mode == "push-layered" and role == "prefill":
+        extra["layer_streaming"] = True
     return json.dumps({
         "kv_connector": "KVHandoffConnector", "kv_connector_module_path": "kvhandoff_vllm.connector",
         "kv_role": "kv_both", "engine_id": engine_id, "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"mode": mode, "role": role, "socket": socket_path,
-                                      "kv_lease_duration": 30, "push_registration_timeout": 60, "decoder_kv_blocks_ttl": 60},
+        "kv_connector_extra_config": extra,
     })
 
 
@@ -159,7 +163,7 @@ class Router(Proc):
         host, _, port = prefill_agent.peer.rpartition(":")
         endpoints = os.path.join(log_dir, "endpoints.json")
         with open(endpoints, "w") as f:
-            json.dump({"mode": mode.capitalize(),
+            json.dump({"mode": mode.removesuffix("-layered").capitalize(),
                        # For executor Agent a prefill engine's KV side channel is its agent.
                        "prefill": [{"url": f"http://127.0.0.1:{prefill.port}", "engineID": "prefill-0.default",
                                     "host": host, "sideChannelPort": int(port), "tensorParallelSize": 1}],

@@ -1,7 +1,8 @@
 """Real vLLM engines through the transfer agents: greedy generation on one engine alone,
 then on a prefill and a decode engine behind the kvhandoff router, each engine with its
-own agent (two "nodes" on loopback, tcp;ofi_rxm), in push and in pull. The token ids must
-be identical, request by request, also under concurrency, cancels and preemption."""
+own agent (two "nodes" on loopback, tcp;ofi_rxm), in push, in push with the prefill engine
+streaming its layers, and in pull. The token ids must be identical, request by request,
+also under concurrency, cancels and preemption."""
 
 import concurrent.futures
 import http.client
@@ -14,7 +15,7 @@ import pytest
 from stack import MAX_TOKENS, PROMPTS, Stack, complete
 
 
-@pytest.fixture(scope="module", params=["push", "pull"])
+@pytest.fixture(scope="module", params=["push", "push-layered", "pull"])
 def stack(request, bins, tiny_model, tmp_path_factory):
     s = Stack(bins, tiny_model, str(tmp_path_factory.mktemp(request.param)), request.param)
     yield request.param, s
@@ -22,17 +23,27 @@ def stack(request, bins, tiny_model, tmp_path_factory):
 
 
 def moved(s: Stack, mode: str) -> float:
+    mode = mode.removesuffix("-layered")
     return s.b.metrics().get(f'kvhandoff_agent_transferred_bytes_total{{mode="{mode}"}}', 0) + \
         s.a.metrics().get(f'kvhandoff_agent_transferred_bytes_total{{mode="{mode}"}}', 0)
 
 
+def layer_groups(s: Stack) -> float:
+    return s.a.metrics().get('kvhandoff_agent_source_parts_total{kind="layer_group"}', 0)
+
+
 def test_p_d_through_the_agents_generates_what_one_engine_does(stack, reference):
     mode, s = stack
-    before = moved(s, mode)
+    before, groups = moved(s, mode), layer_groups(s)
     for p in PROMPTS:
         assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r}\n{s.logs()}"
-    # The KV crossed through the agents.
+    # The KV crossed through the agents; push-layered's, layer by layer (the tiny model's
+    # two layers: two layer groups per prompt), the others' whole.
     assert moved(s, mode) > before
+    if mode == "push-layered":
+        assert layer_groups(s) - groups == 2 * len(PROMPTS), s.logs()
+    else:
+        assert layer_groups(s) == groups
 
 
 def test_concurrent_requests_each_get_their_own_tokens(stack, reference):

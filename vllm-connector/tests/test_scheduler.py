@@ -22,7 +22,7 @@ EOS = 2
 _ids = itertools.count(1)
 
 
-def scheduler(model: str, mode: str, role: str, num_blocks: int = 100) -> Scheduler:
+def scheduler(model: str, mode: str, role: str, num_blocks: int = 100, **extra) -> Scheduler:
     cfg = VllmConfig(
         model_config=ModelConfig(model=model, dtype="float32", seed=0),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
@@ -31,7 +31,7 @@ def scheduler(model: str, mode: str, role: str, num_blocks: int = 100) -> Schedu
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVHandoffConnector", kv_connector_module_path="kvhandoff_vllm.connector",
             kv_role="kv_both", engine_id=f"{role}-0.default",
-            kv_connector_extra_config={"mode": mode, "role": role, "kv_lease_duration": 30}),
+            kv_connector_extra_config={"mode": mode, "role": role, "kv_lease_duration": 30, **extra}),
         device_config=DeviceConfig("cpu"),
     )
     cfg.cache_config.num_gpu_blocks = num_blocks
@@ -173,9 +173,41 @@ def test_an_aborted_push_prefill_cancels_at_the_agent_and_frees_at_once(tiny_mod
     ({"mode": "both", "role": "decode"}, "mode"),
     ({"mode": "push", "role": "router"}, "role"),
     ({"mode": "push", "role": "decode", "kv_lease_duration": -1}, "kv_lease_duration"),
+    ({"mode": "pull", "role": "prefill", "layer_streaming": True}, "layer_streaming"),
+    ({"mode": "push", "role": "prefill", "layer_streaming": "yes"}, "layer_streaming"),
 ])
 def test_invalid_settings_are_refused_naming_the_field(extra, field):
     from kvhandoff_vllm.config import Config, ConfigError
 
     with pytest.raises(ConfigError, match=field):
         Config.from_fields("e", extra)
+
+
+def test_layer_streaming_hands_a_whole_prompt_to_the_workers_in_its_step(tiny_model):
+    s = scheduler(tiny_model, "push", "prefill", layer_streaming=True)
+    r = request(40, dict(do_remote_decode=True, do_remote_prefill=False, transfer_id="t-9"), max_tokens=1)
+    s.add_request(r)
+    out = s.schedule()
+    # In the step that computes the prompt, so each layer can go as it is computed.
+    (stream,) = out.kv_connector_metadata.streams
+    assert (stream.key, stream.blocks) == ("t-9", s.kv_cache_manager.get_block_ids(r.request_id)[0][:3])
+    s.update_from_output(out, output([r]))
+    (send,) = s.schedule().kv_connector_metadata.sends
+    assert send.streamed and send.key == "t-9"  # the worker reported it already
+
+
+def test_a_prompt_computed_in_chunks_is_reported_whole_when_it_finishes(tiny_model):
+    s = scheduler(tiny_model, "push", "prefill", layer_streaming=True)
+    r = request(300, dict(do_remote_decode=True, do_remote_prefill=False, transfer_id="t-10"), max_tokens=1)
+    s.add_request(r)
+    out = s.schedule()  # 256 of 300 tokens: max_num_batched_tokens
+    assert out.num_scheduled_tokens == {r.request_id: 256} and not out.kv_connector_metadata.streams
+    partial = output([r])
+    partial.sampled_token_ids = [[]]  # a partial prefill samples nothing
+    s.update_from_output(out, partial)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {r.request_id: 44}
+    assert not out.kv_connector_metadata.streams
+    s.update_from_output(out, output([r]))
+    (send,) = s.schedule().kv_connector_metadata.sends
+    assert not send.streamed and len(send.blocks) == 19
