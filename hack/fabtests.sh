@@ -20,13 +20,7 @@ missing=()
 for tool in autoconf automake libtoolize; do
   command -v "$tool" >/dev/null || missing+=("${tool/libtoolize/libtool}")
 done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "installing Debian packages: ${missing[*]}" >&2
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo=sudo
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+"$(dirname "$0")/apt-install.sh" ${missing[@]+"${missing[@]}"}
 start=$(date +%s)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -18,12 +18,6 @@ missing=()
 for pkg in "${!want[@]}"; do
   [ -e "${want[$pkg]}" ] || missing+=("$pkg")
 done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "installing Debian packages: ${missing[*]}" >&2
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo=sudo
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+"$here/apt-install.sh" ${missing[@]+"${missing[@]}"}
 
 "$here/control-plane-bins.sh" "$@" >/dev/null

@@ -9,11 +9,7 @@ set -euo pipefail
 req=$1
 cache=${KVHANDOFF_CACHE:-$HOME/.cache/kvhandoff}
 if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-  echo "installing Debian packages: python3-venv" >&2
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo=sudo
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+  "$(dirname "$0")/apt-install.sh" python3-venv
 fi
 hash=$( (python3 --version; cat "$req") | sha256sum | cut -c1-16)
 venv=$cache/venv/$(basename "$req" .txt)-$hash

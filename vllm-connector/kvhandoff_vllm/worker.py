@@ -58,6 +58,9 @@ class WorkerSide:
         self._region_of: dict[str, int] = {}
         self._regions = 0
         self._layers_sent: dict[str, set[int]] = {}
+        # Streamed prefills aborted before vLLM held their blocks: vLLM freed them and
+        # forgot the request, so their end at the agent must never be reported to it.
+        self._abandoned: set[str] = set()
         self._outbox: queue.Queue | None = None
         self._sender: threading.Thread | None = None
 
@@ -129,6 +132,13 @@ class WorkerSide:
                 self.session.cancel(key, ATTEMPT)
             except AgentError as e:
                 log.warning("kvhandoff: cancelling request %s: %s", rid, e)
+            if rid not in self._sending and (self._keys.get(key, ("", ""))[1] == "send" or rid in self._sent):
+                # A streamed prefill, aborted: vLLM did not hold its blocks (only a
+                # finished request's are held), so it must not hear that it finished
+                # sending — it asserts the request still exists.
+                self._sent.discard(rid)
+                if key in self._keys:
+                    self._abandoned.add(rid)
         self._heartbeat()
 
     def _heartbeat(self) -> None:
@@ -154,8 +164,9 @@ class WorkerSide:
         sent = self._layers_sent.get(s.key)
         if sent is None:
             sent = self._layers_sent[s.key] = set()
+            # Its events are ours from now on; it counts as sending (reported to vLLM once
+            # over) only when vLLM holds its blocks, at its Send.
             self._keys[s.key] = (s.req_id, "send")
-            self._sending.add(s.req_id)
         for idx in regions:
             if idx in sent:
                 continue  # layers sharing one KV cache: one region
@@ -190,8 +201,8 @@ class WorkerSide:
         # forward that produced its last token), so they are complete in memory now.
         for s in meta.sends:
             if s.streamed:
-                continue  # reported layer by layer as it was computed
-
+                self._sending.add(s.req_id)  # reported layer by layer; now vLLM holds it
+                continue
             self._keys[s.key] = (s.req_id, "send")
             self._sending.add(s.req_id)
             try:
@@ -237,6 +248,9 @@ class WorkerSide:
                 self.stats["delivered" if ev.type == pb.Event.DELIVERED else "cancelled" if ev.type == pb.Event.CANCEL_ACKED else "failed"] += 1
             elif kind == "send" and ev.type in _SEND_OVER:
                 del self._keys[ev.request_id]
+                if rid in self._abandoned:
+                    self._abandoned.discard(rid)
+                    continue
                 if ev.type == pb.Event.FAILED:
                     log.warning("kvhandoff: request %s: the decode side did not take its KV: %s", rid, ev.reason)
                 self._sent.add(rid)
