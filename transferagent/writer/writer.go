@@ -50,7 +50,15 @@ type Writer struct {
 	// OnPost, when set, runs after each write is posted and before any completion is
 	// reaped (the agent times the post stage with it; tests land a cancel there).
 	OnPost func(req string, attempt uint64)
+	// SignalPatience bounds how long Signal waits for the provider to take a signal.
+	SignalPatience time.Duration
 }
+
+// DefaultSignalPatience: a live peer's queue makes room within microseconds of reaping; a
+// provider that refuses a signal for a second is facing an endpoint that is gone (a
+// decode engine restarted mid-transfer), and waiting longer would stall the rank's pump,
+// and every request on it, for good.
+const DefaultSignalPatience = time.Second
 
 type queued struct {
 	req     string
@@ -62,7 +70,7 @@ type queued struct {
 // New returns a writer posting from the local regions (by Region.ID).
 func New(ep *fabric.Endpoint, table *rendezvous.Table, local map[int]*fabric.Region, layout []Region) *Writer {
 	return &Writer{
-		ep: ep, table: table, MaxInFlight: 64, MaxMessage: ep.Limits().MaxMsgSize,
+		ep: ep, table: table, MaxInFlight: 64, MaxMessage: ep.Limits().MaxMsgSize, SignalPatience: DefaultSignalPatience,
 		src: local, layout: layout, dests: map[rendezvous.Engine]Destination{},
 		pending: map[uint64]queued{}, buf: make([]fabric.Completion, 64),
 	}
@@ -203,17 +211,22 @@ func (w *Writer) Poll(now time.Time) ([]rendezvous.Action, []Failure, error) {
 // Signal tells a decode engine's agent that a delivered request's KV has landed: a
 // zero-length write carrying data (the request's token) into its completion queue.
 // Posted after the request's writes completed, it arrives after their data; the local
-// completion of a write alone does not mean the data is there.
+// completion of a write alone does not mean the data is there. A provider that does not
+// take it within SignalPatience makes it an error: the caller reports the attempt failed.
 func (w *Writer) Signal(engine rendezvous.Engine, data uint64) error {
 	d, ok := w.dests[engine]
 	if !ok || len(d.Regions) == 0 {
 		return fmt.Errorf("writer: no memory known for decode engine %s epoch %d", engine.ID, engine.Epoch)
 	}
+	deadline := time.Now().Add(w.SignalPatience)
 	for {
 		w.nextID++
 		err := w.ep.WriteData(d.Peer, data, d.Regions[0].Addr, d.Regions[0].Key, w.nextID)
 		if !errors.Is(err, fabric.ErrAgain) {
 			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("writer: the provider did not take the signal for decode engine %s within %s: %w", engine.ID, w.SignalPatience, err)
 		}
 		// Reap to make room; completions of other requests' writes are kept for Poll.
 		w.reaped = append(w.reaped, w.buf[:w.ep.Poll(w.buf)]...)

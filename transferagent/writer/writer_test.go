@@ -284,3 +284,44 @@ func TestWritesAndSignalsReachOnlyTheIncarnationTheyWereFor(t *testing.T) {
 		t.Fatalf("signal carried %d, want 78 (the new incarnation's own)", got)
 	}
 }
+
+// A signal to an endpoint that is gone (a decode engine restarted mid-transfer) is an
+// error after the writer's patience, never a wait without end: the rank's pump, which
+// sends it, serves every request of the rank. Before, Signal retried "again" forever, and
+// the agent's restart test hung with its prefill rank spinning in it.
+func TestASignalToAnEndpointThatIsGoneFailsInsteadOfWaitingForever(t *testing.T) {
+	r := newRig(t)
+	gone, err := fabric.Open("tcp;ofi_rxm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, err := gone.Address()
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer, err := r.src.AddPeer(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone.Close()
+	restarted := rendezvous.Engine{ID: decode.ID, Epoch: decode.Epoch + 1}
+	r.w.AddDestination(restarted, Destination{Peer: peer, Regions: r.w.dests[decode].Regions})
+	r.w.SignalPatience = 100 * time.Millisecond
+	done := make(chan error, 1)
+	go func() {
+		var err error
+		for i := 0; err == nil && i < 1000; i++ { // the provider queues some before it pushes back
+			err = r.w.Signal(restarted, 1)
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("a thousand signals to a closed endpoint were all taken")
+		}
+		t.Log(err)
+	case <-time.After(time.Minute):
+		t.Fatal("Signal to a closed endpoint did not return within a minute")
+	}
+}
