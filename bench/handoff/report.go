@@ -38,8 +38,8 @@ func (r *Report) Markdown(w io.Writer) {
 		}
 	}
 	if t := r.Throughput; t != nil {
-		fmt.Fprintf(w, "Write throughput, one rank, windows of %d writes of %d bytes (one request's share) on libfabric %s: the agent %.2f GB/s, fabtests' fi_rma_bw %.2f GB/s: %.2f× (target ≥ 0.95×). The agent on the installed libfabric %s: %.2f GB/s.\n",
-			t.Window, t.MessageBytes, t.Libfabric, t.AgentGBps, t.FiRmaBwGBps, t.AgentOverFiRmaBw, t.Installed, t.AgentInstalledGBps)
+		fmt.Fprintf(w, "Write throughput, one rank, windows of %d writes of %d bytes (one request's share) on libfabric %s: the agent %.2f GB/s (SourceReady to DELIVERED; its writes alone, pairing to the last completion, %.2f GB/s), fabtests' fi_rma_bw %.2f GB/s: %.2f× (target ≥ 0.95×). The agent on the installed libfabric %s: %.2f GB/s.\n",
+			t.Window, t.MessageBytes, t.Libfabric, t.AgentGBps, t.AgentWritesGBps, t.FiRmaBwGBps, t.AgentOverFiRmaBw, t.Installed, t.AgentInstalledGBps)
 	}
 	if r.LeakedRanks > 0 {
 		fmt.Fprintf(w, "%d ranks' blocks were held back because an agent never answered for them.\n", r.LeakedRanks)

@@ -28,7 +28,12 @@ type Throughput struct {
 	MessageBytes int     `json:"message_bytes"`
 	Window       int     `json:"window"`
 	FiRmaBwGBps  float64 `json:"fi_rma_bw_gb_per_s"`
-	AgentGBps    float64 `json:"agent_gb_per_s"`
+	// AgentGBps is what an engine sees: the bytes over SourceReady → DELIVERED.
+	AgentGBps float64 `json:"agent_gb_per_s"`
+	// AgentWritesGBps is the agent's writes alone: the bytes over its post and wire
+	// stages (pairing until the last write completed), without the engine's calls, the
+	// delivery signal and the event back — where the rest of the gap to fi_rma_bw is.
+	AgentWritesGBps float64 `json:"agent_writes_gb_per_s"`
 	// AgentOverFiRmaBw is the target's ratio (≥ 0.95).
 	AgentOverFiRmaBw float64 `json:"agent_over_fi_rma_bw"`
 	// AgentInstalledGBps is the agent on the machine's own libfabric, for context.
@@ -50,12 +55,16 @@ func MeasureThroughput(ctx context.Context, sc Scenario, fabtests string, l sime
 	if th.FiRmaBwGBps, err = fiRmaBw(ctx, fabtests, lib, sc, th.MessageBytes, th.Window); err != nil {
 		return nil, err
 	}
-	if th.AgentGBps, th.Libfabric, err = agentThroughput(ctx, sc, []string{lib}, l); err != nil {
+	onFabtests, err := agentThroughput(ctx, sc, []string{lib}, l)
+	if err != nil {
 		return nil, err
 	}
-	if th.AgentInstalledGBps, th.Installed, err = agentThroughput(ctx, sc, nil, l); err != nil {
+	th.AgentGBps, th.AgentWritesGBps, th.Libfabric = onFabtests.endToEnd, onFabtests.writes, onFabtests.libfabric
+	installed, err := agentThroughput(ctx, sc, nil, l)
+	if err != nil {
 		return nil, err
 	}
+	th.AgentInstalledGBps, th.Installed = installed.endToEnd, installed.libfabric
 	th.AgentOverFiRmaBw = th.AgentGBps / th.FiRmaBwGBps
 	return th, nil
 }
@@ -133,14 +142,21 @@ func parseFiRmaBw(out string) (float64, error) {
 
 var libfabricVersion = regexp.MustCompile(`"libfabric":"([^"]+)"`)
 
+// agentRate is the agent's throughput in GB/s, measured two ways, and the libfabric it
+// ran on.
+type agentRate struct {
+	endToEnd, writes float64
+	libfabric        string
+}
+
 // agentThroughput pushes requests through two agents (run with env), one rank of layout
 // l, each request one window: every region written with one write of all l.Blocks
-// blocks. It returns the bytes over the time from SourceReady to DELIVERED, summed over
-// the requests, and the libfabric the agents reported.
-func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine.Layout) (float64, string, error) {
+// blocks. It measures the bytes over the time from SourceReady to DELIVERED, summed over
+// the requests, and over the prefill agent's own post and wire stages.
+func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine.Layout) (rate agentRate, err error) {
 	a, b, err := agentproc.StartPairWith(sc.AgentBin, filepath.Join(sc.WorkDir, fmt.Sprintf("throughput-%d", len(env))), sc.Provider, agentproc.Options{Env: env, CPUs: sc.AgentCPUs})
 	if err != nil {
-		return 0, "", err
+		return rate, err
 	}
 	defer a.Stop()
 	defer b.Stop()
@@ -161,57 +177,69 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 	}{{a, agentv1.Role_ROLE_PREFILL}, {b, agentv1.Role_ROLE_DECODE}} {
 		e, err := simengine.Start(ctx, simengine.Config{ID: "throughput-" + strings.ToLower(x.role.String()), Role: x.role, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: x.p.Socket})
 		if err != nil {
-			return 0, "", err
+			return rate, err
 		}
 		engines = append(engines, e)
 	}
 	P, D := engines[0], engines[1]
 	src, err := P.Allocate(n)
 	if err != nil {
-		return 0, "", err
+		return rate, err
 	}
 	dst, err := D.Allocate(n)
 	if err != nil {
-		return 0, "", err
+		return rate, err
 	}
 	var bytes float64
 	var took time.Duration
+	var before map[string]float64
 	for i := range throughputWindows + 1 {
 		req := fmt.Sprintf("throughput-%d", i)
 		if i == 0 {
 			P.Cache.Fill(req, src) // the first, a warm-up, is also checked byte for byte
 		}
 		if err := D.RegisterDestination(ctx, req, 1, dst, P.Self); err != nil {
-			return 0, "", err
+			return rate, err
 		}
 		start := time.Now()
 		if err := P.SourceReady(ctx, req, 0, src, true); err != nil {
-			return 0, "", err
+			return rate, err
 		}
 		wctx, cancel := context.WithTimeout(ctx, waitLimit)
 		ev, err := D.Wait(wctx, req, 1)
 		cancel()
 		if err != nil {
-			return 0, "", err
+			return rate, err
 		}
 		if ev.Type != agentv1.Event_DELIVERED {
-			return 0, "", fmt.Errorf("%s: %s: %s", req, ev.Type, ev.Reason)
+			return rate, fmt.Errorf("%s: %s: %s", req, ev.Type, ev.Reason)
 		}
 		end := time.Now()
-		if i == 0 {
-			if err := D.Cache.Verify(req, dst); err != nil {
-				return 0, "", err
-			}
-			continue
-		}
-		bytes += float64(n * l.BlockBytes() * l.Regions())
-		took += end.Sub(start)
 		wctx, cancel = context.WithTimeout(ctx, waitLimit)
 		_, err = P.Wait(wctx, req, 1) // SOURCE_DONE: the blocks are the source's again
 		cancel()
 		if err != nil {
-			return 0, "", err
+			return rate, err
 		}
+		if i == 0 {
+			if err := D.Cache.Verify(req, dst); err != nil {
+				return rate, err
+			}
+			before = scrape(a) // its stages are recorded by SOURCE_DONE
+			continue
+		}
+		bytes += float64(n * l.BlockBytes() * l.Regions())
+		took += end.Sub(start)
 	}
-	return bytes / took.Seconds() / 1e9, version, nil
+	after := scrape(a)
+	var writing float64
+	for _, stage := range []string{"post", "wire"} {
+		series := fmt.Sprintf(`kvhandoff_agent_handoff_stage_seconds_sum{mode="push",stage="%s"}`, stage)
+		writing += after[series] - before[series]
+	}
+	rate = agentRate{endToEnd: bytes / took.Seconds() / 1e9, libfabric: version}
+	if writing > 0 {
+		rate.writes = bytes / writing / 1e9
+	}
+	return rate, nil
 }
