@@ -152,7 +152,9 @@ func (sc Scenario) logf(format string, args ...any) {
 	}
 }
 
-// Run measures the wire, sizes the model to the offered load, and runs push then pull.
+// Run measures the wire, sizes the model to the offered load, runs every mode (push,
+// push-layered, pull) on the same arrivals and, with Fabtests, measures the agent's write
+// throughput beside fi_rma_bw.
 func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	var cpus *unix.CPUSet
 	if sc.AgentCPUs != "" {
@@ -222,14 +224,15 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 		}
 		rep.LeakedRanks += leaked
 		r.BytesPerRequest, r.WireFloorMs, r.WireFloorOnePairMs, r.WireFloorUnderEngineLoadMs = bytesPerRequest, ms(floorTP), ms(floor), ms(floorLoaded)
-		floor := ms(floorTP)
+		// What is left to move at prefill end: the request, or its last layer group.
+		left := r.WireFloorMs
 		if m.groups > 1 {
 			r.LayerGroups, r.WireFloorLastGroupMs = m.groups, ms(floorGroup)
-			floor = r.WireFloorLastGroupMs
+			left = r.WireFloorLastGroupMs
 		}
 		over := make([]float64, len(r.handoffs))
 		for i, h := range r.handoffs {
-			over[i] = h - floor
+			over[i] = h - left
 		}
 		r.CoordinationOverhead = report.Of(over)
 		r.StagesMs = stageMeans(m.agent, before, scrape(a, b))

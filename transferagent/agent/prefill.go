@@ -87,18 +87,17 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 		if err := ps.holds.Ready(now, part); err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
-		s.a.metrics.parts.WithLabelValues(kind).Inc()
-		return nil
-	}
-	acts, err := ps.table.SourceReady(now, part)
-	if errors.Is(err, rendezvous.ErrSourceGone) {
-		return status.Errorf(codes.FailedPrecondition, "request_id: %s: %v", r.RequestId, err)
-	}
-	if err != nil {
-		return status.Errorf(codes.InvalidArgument, "block_ids: %v", err)
+	} else {
+		acts, err := ps.table.SourceReady(now, part)
+		if errors.Is(err, rendezvous.ErrSourceGone) {
+			return status.Errorf(codes.FailedPrecondition, "request_id: %s: %v", r.RequestId, err)
+		}
+		if err != nil {
+			return status.Errorf(codes.InvalidArgument, "block_ids: %v", err)
+		}
+		ps.handle(now, acts)
 	}
 	s.a.metrics.parts.WithLabelValues(kind).Inc()
-	ps.handle(now, acts)
 	return nil
 }
 

@@ -91,7 +91,8 @@ type Transfer struct {
 	Attempt  uint64
 	Decode   Engine
 	Src, Dst []uint32
-	// Regions are the regions to write, always set.
+	// Regions are the regions to write (the table always sets them; the zero Span means
+	// all, as in Part).
 	Regions Span
 	// Paired marks the attempt's first transfer, the moment both halves were present;
 	// SourceWait is then how long the source had waited for the registration since its
@@ -163,11 +164,9 @@ type attempt struct {
 
 // request is one request's state: its source parts and its attempts.
 type request struct {
-	id  string
-	src map[int]uint32 // position → source block
-	// ready marks, per position, the regions reported ready (a bit per region index); a
-	// region is reported once.
-	ready map[int][]uint64
+	id string
+	// src is, per token-order position, its source block and the regions reported ready.
+	src map[int]*source
 	// parts are the parts in arrival order: every attempt is handed them in that order.
 	parts []Part
 	final int       // number of positions, once the final part arrived; -1 before
@@ -229,9 +228,16 @@ func (t *Table) request(id string) *request {
 	return r
 }
 
+// source is one position's source block and which of its regions are ready (a bit per
+// region index; each is reported once).
+type source struct {
+	block uint32
+	ready []uint64
+}
+
 // dropSource forgets the request's source parts.
 func (r *request) dropSource() {
-	r.src, r.ready, r.parts, r.final = map[int]uint32{}, map[int][]uint64{}, nil, -1
+	r.src, r.parts, r.final = map[int]*source{}, nil, -1
 }
 
 // regions is how many regions every block is written into.
@@ -302,23 +308,33 @@ func (t *Table) SourceReady(now time.Time, p Part) ([]Action, error) {
 	}
 	// Check the whole part before recording any of it: a refused part changes nothing.
 	for i, b := range p.Blocks {
-		pos := p.Offset + i
-		if reg, twice := anySet(r.ready[pos], p.Regions); twice {
-			return nil, fmt.Errorf("%w: position %d region %d reported twice", ErrBadBlocks, pos, reg)
+		src := r.src[p.Offset+i]
+		if src == nil {
+			continue
 		}
-		if src, ok := r.src[pos]; ok && src != b {
-			return nil, fmt.Errorf("%w: position %d was block %d in an earlier part, now %d", ErrBadBlocks, pos, src, b)
+		if reg, twice := anySet(src.ready, p.Regions); twice {
+			return nil, fmt.Errorf("%w: position %d region %d reported twice", ErrBadBlocks, p.Offset+i, reg)
+		}
+		if src.block != b {
+			return nil, fmt.Errorf("%w: position %d was block %d in an earlier part, now %d", ErrBadBlocks, p.Offset+i, src.block, b)
 		}
 	}
+	// New positions share two allocations per part, not two each: a 16k-token part is
+	// 1024 positions, recorded on the rank's pump.
+	words := (t.regions() + 63) / 64
+	var fresh []source
+	var bitsets []uint64
 	for i, b := range p.Blocks {
-		pos := p.Offset + i
-		r.src[pos] = b
-		w := r.ready[pos]
-		if w == nil {
-			w = make([]uint64, (t.regions()+63)/64)
-			r.ready[pos] = w
+		src := r.src[p.Offset+i]
+		if src == nil {
+			if fresh == nil {
+				fresh, bitsets = make([]source, len(p.Blocks)), make([]uint64, len(p.Blocks)*words)
+			}
+			src = &fresh[i]
+			src.block, src.ready = b, bitsets[i*words:(i+1)*words:(i+1)*words]
+			r.src[p.Offset+i] = src
 		}
-		setAll(w, p.Regions)
+		setAll(src.ready, p.Regions)
 	}
 	r.parts = append(r.parts, p)
 	if r.first.IsZero() {
@@ -663,7 +679,7 @@ func spanMask(i int, span Span) uint64 {
 	return (^uint64(0) >> (64 - (hi - lo))) << lo
 }
 
-// anySet finds a region of span already set in set (nil: none set).
+// anySet finds a region of span already set in set.
 func anySet(set []uint64, span Span) (int, bool) {
 	for i, w := range set {
 		if hit := w & spanMask(i, span); hit != 0 {

@@ -681,3 +681,19 @@ func TestLayerGroupsAcrossWordBoundaries(t *testing.T) {
 	}
 	expect(t, acts, Delivered{Request: "r1", Attempt: 1, Decode: dec})
 }
+
+// BenchmarkSourceReady16k records a 16k-token request's source (1024 blocks, Qwen3-32B's
+// 128 regions) in one part, as a prefill rank's pump does for every request.
+func BenchmarkSourceReady16k(b *testing.B) {
+	blocks := make([]uint32, 1024)
+	for i := range blocks {
+		blocks[i] = uint32(i)
+	}
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		tb := New(Config{Lease: time.Hour, RegistrationTimeout: time.Hour, Regions: 128})
+		if _, err := tb.SourceReady(t0, Part{Request: "r", Blocks: blocks, Final: true}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -103,9 +103,8 @@ func (w *Writer) HasDestination(engine rendezvous.Engine) bool {
 }
 
 // Submit plans a transfer into its span of regions (the zero span: all) and queues its
-// writes, returning how many writes (descriptors
-// after merging) and bytes it queued. A transfer that does not fit the regions is refused
-// whole.
+// writes, returning how many writes (descriptors after merging) and bytes it queued. A
+// transfer that does not fit the regions is refused whole.
 func (w *Writer) Submit(t rendezvous.Transfer) (writes int, bytes uint64, err error) {
 	d, ok := w.dests[t.Decode]
 	if !ok {

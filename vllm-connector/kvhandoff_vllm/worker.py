@@ -58,9 +58,10 @@ class WorkerSide:
         self._region_of: dict[str, int] = {}
         self._regions = 0
         self._layers_sent: dict[str, set[int]] = {}
-        # Streamed prefills aborted before vLLM held their blocks: vLLM freed them and
-        # forgot the request, so their end at the agent must never be reported to it.
-        self._abandoned: set[str] = set()
+        # Streamed prefills vLLM does not hold yet (request id -> key): their end at the
+        # agent is kept for when it does (their Send), and dropped if vLLM aborts them —
+        # it then frees their blocks and forgets the request, and must never hear of it.
+        self._streaming: dict[str, str] = {}
         self._outbox: queue.Queue | None = None
         self._sender: threading.Thread | None = None
 
@@ -132,13 +133,8 @@ class WorkerSide:
                 self.session.cancel(key, ATTEMPT)
             except AgentError as e:
                 log.warning("kvhandoff: cancelling request %s: %s", rid, e)
-            if rid not in self._sending and (self._keys.get(key, ("", ""))[1] == "send" or rid in self._sent):
-                # A streamed prefill, aborted: vLLM did not hold its blocks (only a
-                # finished request's are held), so it must not hear that it finished
-                # sending — it asserts the request still exists.
-                self._sent.discard(rid)
-                if key in self._keys:
-                    self._abandoned.add(rid)
+            if self._streaming.pop(rid, None) is not None:
+                self._sent.discard(rid)  # vLLM asserts a finished send's request exists
         self._heartbeat()
 
     def _heartbeat(self) -> None:
@@ -167,6 +163,7 @@ class WorkerSide:
             # Its events are ours from now on; it counts as sending (reported to vLLM once
             # over) only when vLLM holds its blocks, at its Send.
             self._keys[s.key] = (s.req_id, "send")
+            self._streaming[s.req_id] = s.key
         for idx in regions:
             if idx in sent:
                 continue  # layers sharing one KV cache: one region
@@ -201,6 +198,7 @@ class WorkerSide:
         # forward that produced its last token), so they are complete in memory now.
         for s in meta.sends:
             if s.streamed:
+                self._streaming.pop(s.req_id, None)
                 self._sending.add(s.req_id)  # reported layer by layer; now vLLM holds it
                 continue
             self._keys[s.key] = (s.req_id, "send")
@@ -248,9 +246,8 @@ class WorkerSide:
                 self.stats["delivered" if ev.type == pb.Event.DELIVERED else "cancelled" if ev.type == pb.Event.CANCEL_ACKED else "failed"] += 1
             elif kind == "send" and ev.type in _SEND_OVER:
                 del self._keys[ev.request_id]
-                if rid in self._abandoned:
-                    self._abandoned.discard(rid)
-                    continue
+                if rid not in self._sending and rid not in self._streaming:
+                    continue  # a streamed prefill vLLM aborted
                 if ev.type == pb.Event.FAILED:
                     log.warning("kvhandoff: request %s: the decode side did not take its KV: %s", rid, ev.reason)
                 self._sent.add(rid)

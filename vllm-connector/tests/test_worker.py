@@ -82,4 +82,4 @@ def test_an_aborted_streamed_request_is_never_reported_to_vllm():
         for _ in range(2):
             sent |= step(w, KVHandoffMetadata(), finished={"r2"})[0]
         assert sent == set(), f"event first {event_first}: vLLM told a forgotten request finished sending"
-        assert ("cancel", "t-2") in w.session.calls and not w._sent and not w._abandoned and not w._keys
+        assert ("cancel", "t-2") in w.session.calls and not w._sent and not w._streaming and not w._keys
