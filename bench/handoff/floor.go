@@ -28,13 +28,13 @@ type wirePair struct {
 	cpus *unix.CPUSet
 }
 
-func newWirePair(provider string, size int, cpus *unix.CPUSet) (*wirePair, error) {
+func newWirePair(provider string, rails, size int, cpus *unix.CPUSet) (*wirePair, error) {
 	w := &wirePair{buf: make([]fabric.Completion, 16), cpus: cpus}
 	var err error
-	if w.src, err = fabric.Open(provider); err != nil {
+	if w.src, err = fabric.OpenRails(provider, rails); err != nil {
 		return nil, err
 	}
-	if w.dst, err = fabric.Open(provider); err != nil {
+	if w.dst, err = fabric.OpenRails(provider, rails); err != nil {
 		return nil, err
 	}
 	if w.from, err = fabric.Alloc(size); err != nil {
@@ -52,15 +52,17 @@ func newWirePair(provider string, size int, cpus *unix.CPUSet) (*wirePair, error
 	if w.dstReg, err = w.dst.Register(w.to, fabric.Target); err != nil {
 		return nil, err
 	}
-	addr, err := w.dst.Address()
+	addrs, err := w.dst.Addresses()
 	if err != nil {
 		return nil, err
 	}
-	w.peer, err = w.src.AddPeer(addr)
+	w.peer, err = w.src.AddPeer(addrs...)
 	return w, err
 }
 
 func (w *wirePair) close() {
+	w.src.Quiesce()
+	w.dst.Quiesce()
 	w.srcReg.Close()
 	w.dstReg.Close()
 	w.src.Close()
@@ -108,7 +110,7 @@ func (w *wirePair) writePinned(n, chunk, window int) (time.Duration, error) {
 		l := min(chunk, n-off)
 		var err error
 		if pending < window {
-			err = w.src.Write(w.peer, w.srcReg, uint64(off), uint64(l), w.dstReg.RemoteAddr(uint64(off)), w.dstReg.Key, uint64(posted+1))
+			err = w.src.Write(w.peer, w.srcReg, uint64(off), uint64(l), w.dstReg.RemoteAddr(uint64(off)), w.dstReg.Keys, uint64(posted+1))
 		}
 		if pending >= window || errors.Is(err, fabric.ErrAgain) {
 			d, err := w.reap()
@@ -134,7 +136,7 @@ func (w *wirePair) writePinned(n, chunk, window int) (time.Duration, error) {
 		done += d
 	}
 	for {
-		err := w.src.WriteData(w.peer, 1, w.dstReg.RemoteAddr(0), w.dstReg.Key, 1<<40)
+		err := w.src.WriteData(w.peer, 1, w.dstReg.RemoteAddr(0), w.dstReg.Keys, 1<<40)
 		if err == nil {
 			break
 		}
@@ -184,10 +186,10 @@ func (w *wirePair) reap() (int, error) {
 	return d, nil
 }
 
-// MeasureBandwidth is the provider's bandwidth in bytes/s: the median of several writes
-// of size bytes.
-func MeasureBandwidth(provider string, size int, cpus *unix.CPUSet) (float64, error) {
-	w, err := newWirePair(provider, size, cpus)
+// MeasureBandwidth is the provider's bandwidth in bytes/s over one endpoint pair of
+// rails rails: the median of several writes of size bytes.
+func MeasureBandwidth(provider string, rails, size int, cpus *unix.CPUSet) (float64, error) {
+	w, err := newWirePair(provider, rails, size, cpus)
 	if err != nil {
 		return 0, err
 	}
@@ -208,8 +210,8 @@ func MeasureBandwidth(provider string, size int, cpus *unix.CPUSet) (float64, er
 }
 
 // wireFloor is the median time of a plain write of n bytes, signalled, on the provider.
-func wireFloor(provider string, n int, cpus *unix.CPUSet) (time.Duration, error) {
-	w, err := newWirePair(provider, n, cpus)
+func wireFloor(provider string, rails, n int, cpus *unix.CPUSet) (time.Duration, error) {
+	w, err := newWirePair(provider, rails, n, cpus)
 	if err != nil {
 		return 0, fmt.Errorf("wire floor: %w", err)
 	}
@@ -232,11 +234,11 @@ func wireFloor(provider string, n int, cpus *unix.CPUSet) (time.Duration, error)
 // wireFloorParallel is the median time for tp endpoint pairs to each write n/tp bytes at
 // once, in writes equal writes all in flight, signalled: the same bytes spread over as
 // many endpoints, in as many writes, as a TP handoff's merged writes (one per region).
-func wireFloorParallel(provider string, n, tp, writes int, cpus *unix.CPUSet) (time.Duration, error) {
+func wireFloorParallel(provider string, rails, n, tp, writes int, cpus *unix.CPUSet) (time.Duration, error) {
 	chunk := (n/tp + writes - 1) / writes
 	pairs := make([]*wirePair, tp)
 	for i := range pairs {
-		w, err := newWirePair(provider, n/tp, cpus)
+		w, err := newWirePair(provider, rails, n/tp, cpus)
 		if err != nil {
 			return 0, fmt.Errorf("wire floor: %w", err)
 		}

@@ -74,7 +74,7 @@ func floorUnderLoad(sc Scenario, l simengine.Layout, blocksPerRequest int, bytes
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- el.run(ctx, sc.QPS, sc.Seed) }()
-	d, err := wireFloorParallel(sc.Provider, bytes, sc.TP, l.Regions(), cpus)
+	d, err := wireFloorParallel(sc.Provider, sc.Rails, bytes, sc.TP, l.Regions(), cpus)
 	cancel()
 	if lerr := <-done; err == nil {
 		err = lerr

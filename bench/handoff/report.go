@@ -41,6 +41,13 @@ func (r *Report) Markdown(w io.Writer) {
 		fmt.Fprintf(w, "Write throughput, one rank, windows of %d writes of %d bytes (one request's share) on libfabric %s: the agent %.2f GB/s (SourceReady to DELIVERED; its writes alone, pairing to the last completion, %.2f GB/s), fabtests' fi_rma_bw %.2f GB/s: %.2f× (target ≥ 0.95×). The agent on the installed libfabric %s: %.2f GB/s.\n",
 			t.Window, t.MessageBytes, t.Libfabric, t.AgentGBps, t.AgentWritesGBps, t.FiRmaBwGBps, t.AgentOverFiRmaBw, t.Installed, t.AgentInstalledGBps)
 	}
+	if g := r.RailsGain; g != nil {
+		fmt.Fprintf(w, "One rank's share of a request (one write per region), on one rail against two (--rails 2: two endpoints, which on loopback share the one interface): a plain endpoint pair %.2f against %.2f GB/s (%.2f×); the agent %.2f against %.2f GB/s (%.2f×; its writes alone %.2f against %.2f GB/s).\n",
+			g.PairOneRailGBps, g.PairTwoRailsGBps, g.PairTwoRailsGBps/g.PairOneRailGBps, g.AgentOneRailGBps, g.AgentTwoRailsGBps, g.AgentTwoRailsGBps/g.AgentOneRailGBps, g.AgentWritesOneRailGBps, g.AgentWritesTwoRailsGBps)
+	}
+	if r.Rails > 1 {
+		fmt.Fprintf(w, "Every engine rank's agent session, and every floor pair, ran on %d rails.\n", r.Rails)
+	}
 	if r.LeakedRanks > 0 {
 		fmt.Fprintf(w, "%d ranks' blocks were held back because an agent never answered for them.\n", r.LeakedRanks)
 	}

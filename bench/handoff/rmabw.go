@@ -154,7 +154,7 @@ type agentRate struct {
 // blocks. It measures the bytes over the time from SourceReady to DELIVERED, summed over
 // the requests, and over the prefill agent's own post and wire stages.
 func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine.Layout) (rate agentRate, err error) {
-	a, b, err := agentproc.StartPairWith(sc.AgentBin, filepath.Join(sc.WorkDir, fmt.Sprintf("throughput-%d", len(env))), sc.Provider, agentproc.Options{Env: env, CPUs: sc.AgentCPUs})
+	a, b, err := agentproc.StartPairWith(sc.AgentBin, filepath.Join(sc.WorkDir, fmt.Sprintf("throughput-%d", len(env))), sc.Provider, agentproc.Options{Env: env, CPUs: sc.AgentCPUs, Flags: sc.agents().Flags})
 	if err != nil {
 		return rate, err
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -33,6 +34,9 @@ type Scenario struct {
 	Utilisation float64
 	// CacheRequests sizes each rank's KV cache, in requests.
 	CacheRequests int
+	// Rails is how many endpoints each engine rank's session opens (the agents'
+	// --rails); the floors use as many per pair.
+	Rails int
 	// LayerGroups is how many layer groups push-layered reports a request in (0: that
 	// mode is not run).
 	LayerGroups int
@@ -58,7 +62,7 @@ type Scenario struct {
 // Default is the issue's scenario: 8 QPS of 16k-token prompts at TP 8, 30% of the wire.
 func Default() Scenario {
 	return Scenario{Provider: "tcp;ofi_rxm", QPS: 8, PromptTokens: 16384, TP: 8, Duration: 20 * time.Second,
-		LoadFraction: 0.30, Utilisation: 0.65, CacheRequests: 8, LayerGroups: 8, Seed: 1}
+		LoadFraction: 0.30, Utilisation: 0.65, CacheRequests: 8, Rails: 1, LayerGroups: 8, Seed: 1}
 }
 
 // Percentiles are in milliseconds.
@@ -105,6 +109,8 @@ type Result struct {
 // Report is the whole run.
 type Report struct {
 	Provider string `json:"provider"`
+	// Rails is the endpoints per engine rank (and per floor pair).
+	Rails int `json:"rails"`
 	// BandwidthGBps is one endpoint pair's; BandwidthTPGBps TP pairs' together, which
 	// the load is sized from (the run's own parallelism).
 	BandwidthGBps   float64 `json:"bandwidth_gb_per_s"`
@@ -127,6 +133,13 @@ type Report struct {
 	PushOverLayeredP50 float64 `json:"push_over_push_layered_handoff_p50,omitempty"`
 	// Throughput is the agent's write throughput against fi_rma_bw (with Fabtests).
 	Throughput *Throughput `json:"throughput,omitempty"`
+	// RailsGain is one rank's throughput on one rail against two.
+	RailsGain *RailsGain `json:"rails_gain,omitempty"`
+}
+
+// agents are the options the scenario's agents run with.
+func (sc Scenario) agents() agentproc.Options {
+	return agentproc.Options{CPUs: sc.AgentCPUs, Flags: []string{"--rails", strconv.Itoa(max(sc.Rails, 1))}}
 }
 
 // mode is one way of handing off a request: the agents' mode, and for push how many
@@ -156,6 +169,7 @@ func (sc Scenario) logf(format string, args ...any) {
 // push-layered, pull) on the same arrivals and, with Fabtests, measures the agent's write
 // throughput beside fi_rma_bw.
 func Run(ctx context.Context, sc Scenario) (*Report, error) {
+	sc.Rails = max(sc.Rails, 1)
 	var cpus *unix.CPUSet
 	if sc.AgentCPUs != "" {
 		var err error
@@ -163,13 +177,13 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 			return nil, err
 		}
 	}
-	bw, err := MeasureBandwidth(sc.Provider, 64<<20, cpus)
+	bw, err := MeasureBandwidth(sc.Provider, sc.Rails, 64<<20, cpus)
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth: %w", err)
 	}
 	// The load is sized from what TP pairs move together, the run's own parallelism: one
 	// pair's figure overstates what each rank gets when all of them write at once.
-	sizing, err := wireFloorParallel(sc.Provider, 64<<20, sc.TP, 16, cpus) // 4 MiB writes
+	sizing, err := wireFloorParallel(sc.Provider, sc.Rails, 64<<20, sc.TP, 16, cpus) // 4 MiB writes
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth over %d pairs: %w", sc.TP, err)
 	}
@@ -178,11 +192,11 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	blocksPerRequest := (sc.PromptTokens + l.BlockSize - 1) / l.BlockSize
 	l.Blocks = blocksPerRequest * sc.CacheRequests
 	bytesPerRequest := uint64(l.BytesPerToken()) * uint64(blocksPerRequest*l.BlockSize)
-	floor, err := wireFloor(sc.Provider, int(bytesPerRequest), cpus)
+	floor, err := wireFloor(sc.Provider, sc.Rails, int(bytesPerRequest), cpus)
 	if err != nil {
 		return nil, err
 	}
-	floorTP, err := wireFloorParallel(sc.Provider, int(bytesPerRequest), sc.TP, l.Regions(), cpus)
+	floorTP, err := wireFloorParallel(sc.Provider, sc.Rails, int(bytesPerRequest), sc.TP, l.Regions(), cpus)
 	if err != nil {
 		return nil, err
 	}
@@ -194,7 +208,7 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	sc.logf("the same under the engines' CPU work at %.0f QPS: %.1f ms", sc.QPS, ms(floorLoaded))
 	var floorGroup time.Duration
 	if sc.LayerGroups > 1 {
-		if floorGroup, err = wireFloorParallel(sc.Provider, int(bytesPerRequest)/sc.LayerGroups, sc.TP, l.Regions()/sc.LayerGroups, cpus); err != nil {
+		if floorGroup, err = wireFloorParallel(sc.Provider, sc.Rails, int(bytesPerRequest)/sc.LayerGroups, sc.TP, l.Regions()/sc.LayerGroups, cpus); err != nil {
 			return nil, err
 		}
 		sc.logf("the last of %d layer groups over %d endpoint pairs: %.1f ms", sc.LayerGroups, sc.TP, ms(floorGroup))
@@ -202,7 +216,7 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	speedup := simengine.SpeedupFor(sc.TP, 1, sc.QPS, sc.PromptTokens, sc.Utilisation)
 	prefill := simengine.Prefill{TP: sc.TP, Speedup: speedup}.Time(sc.PromptTokens)
 	rep := &Report{
-		Provider: sc.Provider, BandwidthGBps: bw / 1e9, BandwidthTPGBps: bwTP / 1e9, TP: sc.TP,
+		Provider: sc.Provider, Rails: sc.Rails, BandwidthGBps: bw / 1e9, BandwidthTPGBps: bwTP / 1e9, TP: sc.TP,
 		OfferedLoad: sc.QPS * float64(bytesPerRequest) / bwTP,
 		Layout:      fmt.Sprintf("%d layers × K,V × %d KV heads × head dim %d × %d B, block %d tokens: %d B/token", l.Layers, l.KVHeads, l.HeadDim, l.DTypeBytes, l.BlockSize, l.BytesPerToken()),
 		PrefillMs:   ms(prefill), DurationS: sc.Duration.Seconds(), AgentCPUs: sc.AgentCPUs,
@@ -210,7 +224,7 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	sc.logf("provider %s: %.2f GB/s one pair, %.2f GB/s over %d pairs; %d bytes per request (%.0f%% of the wire at %.0f QPS); wire floor %.1f ms (one pair %.1f ms); prefill %.1f ms per request",
 		sc.Provider, bw/1e9, bwTP/1e9, sc.TP, bytesPerRequest, rep.OfferedLoad*100, sc.QPS, ms(floorTP), ms(floor), ms(prefill))
 
-	a, b, err := agentproc.StartPairWith(sc.AgentBin, sc.WorkDir, sc.Provider, agentproc.Options{CPUs: sc.AgentCPUs})
+	a, b, err := agentproc.StartPairWith(sc.AgentBin, sc.WorkDir, sc.Provider, sc.agents())
 	if err != nil {
 		return nil, err
 	}
@@ -259,14 +273,18 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	if l := byName["push-layered"]; l != nil && l.Handoff.P50 > 0 {
 		rep.PushOverLayeredP50 = push.Handoff.P50 / l.Handoff.P50
 	}
+	one := l // one rank, one request
+	one.Blocks = blocksPerRequest
 	if sc.Fabtests != "" {
-		one := l
-		one.Blocks = blocksPerRequest
 		if rep.Throughput, err = MeasureThroughput(ctx, sc, sc.Fabtests, one); err != nil {
 			return nil, fmt.Errorf("throughput against fi_rma_bw: %w", err)
 		}
 		sc.logf("throughput: %+v", *rep.Throughput)
 	}
+	if rep.RailsGain, err = MeasureRailsGain(ctx, sc, one, cpus); err != nil {
+		return nil, fmt.Errorf("one rail against two: %w", err)
+	}
+	sc.logf("one rail against two: %+v", *rep.RailsGain)
 	return rep, nil
 }
 

@@ -127,7 +127,7 @@ func arrivals(sc Scenario) []arrival {
 
 // Run measures the wire, sizes the KV, and runs push then pull on the same arrivals.
 func Run(ctx context.Context, sc Scenario) (*Report, error) {
-	bw, err := handoff.MeasureBandwidth(sc.Provider, 64<<20, nil)
+	bw, err := handoff.MeasureBandwidth(sc.Provider, 1, 64<<20, nil)
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth: %w", err)
 	}

@@ -26,6 +26,7 @@ func main() {
 	flag.Float64Var(&sc.LoadFraction, "load", sc.LoadFraction, "offered load as a fraction of the measured bandwidth")
 	flag.Float64Var(&sc.Utilisation, "prefill-utilisation", sc.Utilisation, "how busy the prefill engine is")
 	flag.StringVar(&sc.Fabtests, "fabtests", "", "a fabtests install (hack/fabtests.sh): measure the agent's write throughput beside its fi_rma_bw")
+	flag.IntVar(&sc.Rails, "rails", sc.Rails, "endpoints per engine rank (the agents' --rails) and per floor pair")
 	flag.IntVar(&sc.LayerGroups, "layer-groups", sc.LayerGroups, "layer groups push-layered reports a request in (0: skip that mode)")
 	out := flag.String("out", "bench/results", "folder for handoff.json and handoff.png")
 	demo := flag.Bool("demo", false, "instead of the benchmark, push one verified request through two agents (make demo)")

@@ -29,6 +29,9 @@ import (
 type Config struct {
 	// Provider is the libfabric provider: "efa" on AWS, "tcp;ofi_rxm" or "shm" here.
 	Provider string
+	// Rails is how many endpoints each engine rank's session opens (one per NIC; a P5en
+	// GPU has two); a rank's writes and reads are split over them. 0 means 1.
+	Rails int
 	// Socket is the engine API's Unix socket.
 	Socket string
 	// PeerListen is the TCP address peers connect to; Advertise is how they name it
@@ -92,6 +95,12 @@ func (c *Config) defaults() error {
 	if c.Provider == "" {
 		return errors.New("agent: no libfabric provider configured")
 	}
+	if c.Rails == 0 {
+		c.Rails = 1
+	}
+	if c.Rails < 1 || c.Rails > fabric.MaxRails {
+		return fmt.Errorf("agent: rails: %d is outside 1 to %d", c.Rails, fabric.MaxRails)
+	}
 	if len(c.Token) == 0 {
 		return errors.New("agent: no peer token configured; agents must authenticate each other")
 	}
@@ -154,13 +163,13 @@ func New(cfg Config) (*Agent, error) {
 	a.nextEpoch = a.epoch
 	a.metrics = newMetrics(cfg.Registry)
 	var err error
-	a.limits, a.providerErr = probe(cfg.Provider)
+	a.limits, a.providerErr = probe(cfg.Provider, cfg.Rails)
 	if a.providerErr != nil {
 		a.log.Error("libfabric provider unavailable; not ready", "provider", cfg.Provider, "err", a.providerErr)
 	} else {
 		maj, minor := fabric.Version()
 		a.log.Info("libfabric provider ready", "provider", a.limits.Provider, "libfabric", fmt.Sprintf("%d.%d", maj, minor),
-			"rma_iov_limit", a.limits.RMAIovLimit, "max_msg_size", a.limits.MaxMsgSize, "cq_data_size", a.limits.CQDataSize)
+			"rma_iov_limit", a.limits.RMAIovLimit, "max_msg_size", a.limits.MaxMsgSize, "cq_data_size", a.limits.CQDataSize, "rails", a.cfg.Rails)
 		a.metrics.provider.WithLabelValues(a.limits.Provider).Set(1)
 	}
 
@@ -215,15 +224,15 @@ func listenUnix(network, path string) (net.Listener, error) {
 // maxRequest bounds an engine API message: a registration of wire.MaxBlocks blocks fits.
 const maxRequest = 8 << 20
 
-// probe opens and closes an endpoint on the provider, to learn its limits and whether it
-// is there at all.
-func probe(provider string) (fabric.Limits, error) {
+// probe opens and closes an endpoint of the configured rails on the provider, to learn
+// its limits and whether it is there at all (rails need delivery-complete writes).
+func probe(provider string, rails int) (fabric.Limits, error) {
 	if provider == "efa" {
 		if maj, minor := fabric.Version(); maj < 1 || (maj == 1 && minor < 18) {
 			return fabric.Limits{}, fmt.Errorf("efa RDMA write needs libfabric >= 1.18; this node loaded %d.%d", maj, minor)
 		}
 	}
-	ep, err := fabric.Open(provider)
+	ep, err := fabric.OpenRails(provider, rails)
 	if err != nil {
 		return fabric.Limits{}, err
 	}

@@ -30,7 +30,7 @@ type decodeSide struct {
 type readOp struct {
 	key    landing.Key
 	peer   fabric.Peer
-	remote wire.RegionInfo
+	remote writer.RemoteRegion
 	w      writer.Write
 }
 
@@ -226,7 +226,7 @@ func (ds *decodeSide) step(now time.Time) bool {
 		op := ds.reads[0]
 		ds.nextID++
 		local := s.regions[uint32(op.w.Region)]
-		err := s.ep.Read(op.peer, local.reg, op.w.DstOff, op.w.Len, op.remote.Addr+op.w.SrcOff, op.remote.Key, ds.nextID)
+		err := s.ep.Read(op.peer, local.reg, op.w.DstOff, op.w.Len, op.remote.Addr+op.w.SrcOff, op.remote.Keys, ds.nextID)
 		if errors.Is(err, fabric.ErrAgain) {
 			break
 		}

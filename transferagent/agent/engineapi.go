@@ -129,7 +129,7 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 	if err := a.Ready(); err != nil {
 		return nil, status.Error(codes.Unavailable, err.Error())
 	}
-	ep, err := fabric.Open(a.cfg.Provider)
+	ep, err := fabric.OpenRails(a.cfg.Provider, a.cfg.Rails)
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "opening a fabric endpoint: %v", err)
 	}

@@ -13,6 +13,7 @@ type metrics struct {
 	failures    *prometheus.CounterVec
 	refused     *prometheus.CounterVec
 	parts       *prometheus.CounterVec
+	rails       *prometheus.CounterVec
 	sessions    prometheus.Gauge
 	peers       prometheus.Gauge
 	provider    *prometheus.GaugeVec
@@ -47,12 +48,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		parts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_source_parts_total", Help: "SourceReady parts accepted: layer_group (a span of regions, layer-streamed push) or blocks (runs of whole blocks).",
 		}, []string{"kind"}),
+		rails: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_rail_bytes_total", Help: "Bytes of RMA writes and reads posted, by rail (--rails): how a rank's transfers split over its endpoints.",
+		}, []string{"rail"}),
 		sessions: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_engine_sessions", Help: "Engine ranks registered."}),
 		peers:    prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_peer_connections", Help: "Connections to other agents."}),
 		provider: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvhandoff_agent_provider_info", Help: "1 for the libfabric provider the agent runs on.",
 		}, []string{"provider"}),
 	}
-	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.failures, m.refused, m.parts, m.sessions, m.peers, m.provider)
+	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
 	return m
 }

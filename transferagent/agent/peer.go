@@ -266,7 +266,9 @@ func (p *peer) describe(s *session) {
 	p.sentInfo[s.key] = s.epoch
 	p.mu.Unlock()
 	if !sent {
-		p.send(s.info())
+		for _, m := range s.describe() {
+			p.send(m)
+		}
 	}
 }
 
@@ -316,6 +318,22 @@ func (a *Agent) dispatch(p *peer, m wire.Message) {
 		p.mu.Lock()
 		p.infos[m.Engine] = m
 		p.mu.Unlock()
+	case *wire.Rails:
+		// It follows its engine's EngineInfo on the same connection, before any message
+		// that names the engine; rails that do not fit it are refused and the engine is
+		// reached over its first rail alone.
+		p.mu.Lock()
+		var err error
+		if info := p.infos[m.Engine]; info == nil {
+			err = fmt.Errorf("rails of %s before its memory", m.Engine)
+		} else if info, err = info.WithRails(m); err == nil {
+			p.infos[m.Engine] = info
+		}
+		p.mu.Unlock()
+		if err != nil {
+			a.metrics.refused.WithLabelValues("peer", "Malformed").Inc()
+			a.log.Warn("refused a peer's rails", "peer", p.addr, "err", err)
+		}
 	case *wire.Register:
 		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onRegister(p, m) })
 	case *wire.Acquire:

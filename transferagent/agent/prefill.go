@@ -172,8 +172,7 @@ func (ps *prefillSide) addDestination(info *wire.EngineInfo) error {
 	}
 	d := writer.Destination{Peer: fp}
 	for _, r := range regions {
-		ri := byID[r.ID]
-		d.Regions = append(d.Regions, writer.RemoteRegion{Region: r, Addr: ri.Addr, Key: ri.Key})
+		d.Regions = append(d.Regions, byID[r.ID])
 	}
 	ps.w.AddDestination(rendezvous.Engine{ID: info.Engine, Epoch: info.Epoch}, d)
 	return nil

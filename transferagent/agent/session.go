@@ -4,6 +4,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,6 +61,7 @@ type session struct {
 	buf       []fabric.Completion
 	lastTick  time.Time
 	remotes   map[string]remoteEngine // fabric peers by engine key
+	railBytes []uint64                // RailBytes already counted in the metric
 }
 
 // side is what a session does for its role: prefillSide (a source: push writes, pull
@@ -218,6 +220,7 @@ func (s *session) run() {
 		if now.Sub(s.lastTick) >= s.pol.Tick {
 			s.lastTick = now
 			s.side.watchdog(now)
+			s.countRails()
 		}
 		if !closing {
 			select {
@@ -296,6 +299,8 @@ func (s *session) runCommands() bool {
 }
 
 func (s *session) teardown() {
+	s.countRails()
+	s.ep.Quiesce() // no rail thread moves data into memory unmapped below
 	s.dropDeposits()
 	for _, r := range s.regions {
 		if err := r.reg.Close(); err != nil {
@@ -306,6 +311,21 @@ func (s *session) teardown() {
 	s.ep.Close()
 	s.a.forget(s)
 	s.a.log.Info("engine session ended", "engine", s.key, "reason", s.closeReason())
+}
+
+// countRails adds what each rail carried since the last count to the rail metric.
+func (s *session) countRails() {
+	now := s.ep.RailBytes()
+	for i, b := range now {
+		var before uint64
+		if i < len(s.railBytes) {
+			before = s.railBytes[i]
+		}
+		if b > before {
+			s.a.metrics.rails.WithLabelValues(strconv.Itoa(i)).Add(float64(b - before))
+		}
+	}
+	s.railBytes = now
 }
 
 // addRegion registers a region on the rank's endpoint, with the access the side allows
@@ -353,26 +373,39 @@ func (s *session) checkBlocks(field string, ids []uint32) error {
 // bytesFor is what a request of n blocks moves on this rank.
 func (s *session) bytesFor(n int) uint64 { return s.blockLen * uint64(n) }
 
-// info describes the rank's memory to a peer.
-func (s *session) info() *wire.EngineInfo {
-	addr, err := s.ep.Address()
+// describe is what tells a peer how to reach the rank's memory: its EngineInfo (rail 0),
+// then, when the rank has more rails, their addresses and keys.
+func (s *session) describe() []wire.Message {
+	addrs, err := s.ep.Addresses()
 	if err != nil {
-		s.a.log.Error("reading the endpoint's address", "engine", s.key, "err", err)
+		s.a.log.Error("reading the endpoint's addresses", "engine", s.key, "err", err)
+		addrs = make([][]byte, s.ep.Rails())
 	}
-	m := &wire.EngineInfo{Engine: s.key, Epoch: s.epoch, Address: string(addr)}
+	m := &wire.EngineInfo{Engine: s.key, Epoch: s.epoch, Address: string(addrs[0])}
+	rails := &wire.Rails{Engine: s.key, Epoch: s.epoch, Rails: make([]wire.Rail, len(addrs)-1)}
+	for i := range rails.Rails {
+		rails.Rails[i].Address = string(addrs[i+1])
+	}
 	for _, l := range s.layout {
 		r := s.regions[uint32(l.ID)]
-		m.Regions = append(m.Regions, wire.RegionInfo{ID: uint64(r.id), BlockLen: r.blockLen, Blocks: uint64(r.blocks), Addr: r.reg.RemoteAddr(0), Key: r.reg.Key})
+		m.Regions = append(m.Regions, wire.RegionInfo{ID: uint64(r.id), BlockLen: r.blockLen, Blocks: uint64(r.blocks), Addr: r.reg.RemoteAddr(0), Key: r.reg.Keys[0]})
+		for i := range rails.Rails {
+			rails.Rails[i].Keys = append(rails.Rails[i].Keys, r.reg.Keys[i+1])
+		}
 	}
-	return m
+	if len(rails.Rails) == 0 {
+		return []wire.Message{m}
+	}
+	return []wire.Message{m, rails}
 }
 
-// remote returns the fabric peer of a remote engine, inserting its address once per epoch.
+// remote returns the fabric peer of a remote engine, inserting its addresses (one per
+// rail it described) once per epoch.
 func (s *session) remote(info *wire.EngineInfo) (fabric.Peer, error) {
 	if r, ok := s.remotes[info.Engine]; ok && r.epoch == info.Epoch {
 		return r.peer, nil
 	}
-	p, err := s.ep.AddPeer([]byte(info.Address))
+	p, err := s.ep.AddPeer(info.Addresses()...)
 	if err != nil {
 		return 0, err
 	}
@@ -380,13 +413,14 @@ func (s *session) remote(info *wire.EngineInfo) (fabric.Peer, error) {
 	return p, nil
 }
 
-// remoteLayout is a peer engine's regions as the planner sees them, with their keys.
-func remoteLayout(info *wire.EngineInfo) ([]writer.Region, map[int]wire.RegionInfo) {
+// remoteLayout is a peer engine's regions as the planner sees them, and by ID with their
+// addresses and keys.
+func remoteLayout(info *wire.EngineInfo) ([]writer.Region, map[int]writer.RemoteRegion) {
 	regions := make([]writer.Region, len(info.Regions))
-	byID := make(map[int]wire.RegionInfo, len(info.Regions))
+	byID := make(map[int]writer.RemoteRegion, len(info.Regions))
 	for i, r := range info.Regions {
 		regions[i] = writer.Region{ID: int(r.ID), BlockLen: r.BlockLen, Blocks: uint32(min(r.Blocks, 1<<32-1))}
-		byID[int(r.ID)] = r
+		byID[int(r.ID)] = writer.RemoteRegion{Region: regions[i], Addr: r.Addr, Keys: info.Keys(i)}
 	}
 	return regions, byID
 }

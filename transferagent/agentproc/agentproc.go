@@ -63,6 +63,8 @@ type Options struct {
 	// CPUs, when set, is the CPU list (taskset's syntax, such as "0-7") the agents run
 	// on, so that what else runs on the machine does not compete with them.
 	CPUs string
+	// Flags are more agent flags (such as --rails 2).
+	Flags []string
 }
 
 func start(bin, name, dir, provider string, o Options, flags ...string) (*Proc, error) {
@@ -74,7 +76,7 @@ func start(bin, name, dir, provider string, o Options, flags ...string) (*Proc, 
 	args := append([]string{
 		"--provider", provider, "--socket", p.Socket,
 		"--peer-listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--peer-token-file", token,
-	}, flags...)
+	}, append(o.Flags, flags...)...)
 	if o.CPUs != "" {
 		args = append([]string{"-c", o.CPUs, bin}, args...)
 		bin = "taskset"

@@ -36,6 +36,7 @@ func Run(args []string, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	var cfg agent.Config
 	fs.StringVar(&cfg.Provider, "provider", "efa", `libfabric provider: "efa" on AWS; "tcp;ofi_rxm" or "shm" for development. Never falls back to another.`)
+	fs.IntVar(&cfg.Rails, "rails", 1, "endpoints per engine rank, each a rail its writes and reads are split over (one per EFA NIC: 2 on P5en). Above 1 every agent of the cluster must know the rails message (this release and later)")
 	fs.StringVar(&cfg.Socket, "socket", client.DefaultSocket, "the engine API's Unix socket (created 0660)")
 	socketGID := fs.Int("socket-gid", -1, "group to own the engine and memory sockets and their folder; engines run in it (the manager adds it to engine pods' supplementalGroups); -1 keeps the agent's")
 	fs.StringVar(&cfg.PeerListen, "peer-listen", ":7470", "TCP address other agents connect to (the agent runs with hostNetwork)")

@@ -4,7 +4,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-int kvh_open(const char *provider, kvh_ep *e) {
+// kvh_open opens an RDM endpoint on provider. rail asks for what one rail of several
+// needs: writes that complete locally only once their data is placed at the target (a
+// signal on one rail must not overtake writes on another; EFA always asks for it), and
+// thread safety, since a rail's completions are read by its own thread while the owner
+// posts on it.
+int kvh_open(const char *provider, int rail, kvh_ep *e) {
 	memset(e, 0, sizeof(*e));
 	struct fi_info *hints = fi_allocinfo();
 	if (!hints) return -FI_ENOMEM;
@@ -17,7 +22,8 @@ int kvh_open(const char *provider, kvh_ep *e) {
 		// EFA-style mr_mode made tcp;ofi_rxm hang here (LIBFABRIC-NOTES 6): ask for basic keys.
 		hints->domain_attr->mr_mode = FI_MR_VIRT_ADDR | FI_MR_PROV_KEY | FI_MR_ALLOCATED;
 	}
-	if (strcmp(provider, "efa") == 0) {
+	if (rail) hints->domain_attr->threading = FI_THREAD_SAFE;
+	if (rail || strcmp(provider, "efa") == 0) {
 		// EFA completes a write locally before the data is placed; ask for completion on
 		// delivery, so the signal that follows a request's writes cannot overtake them.
 		hints->tx_attr->op_flags |= FI_DELIVERY_COMPLETE;

@@ -17,7 +17,7 @@ typedef struct kvh_ep {
 	int waitable;
 } kvh_ep;
 
-int kvh_open(const char *provider, kvh_ep *e);
+int kvh_open(const char *provider, int rail, kvh_ep *e);
 void kvh_close(kvh_ep *e);
 const char *kvh_provider(kvh_ep *e);
 uint64_t kvh_mr_mode(kvh_ep *e);

@@ -2,6 +2,8 @@ package fabric
 
 import (
 	"bytes"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 )
@@ -40,6 +42,7 @@ func region(t *testing.T, e *Endpoint, size int, access Access) (Memory, *Region
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
+		e.Quiesce()
 		if err := r.Close(); err != nil {
 			t.Error(err)
 		}
@@ -109,7 +112,7 @@ func TestWriteThenSignalDeliversEveryByte(t *testing.T) {
 			l := &link{t: t, src: src, dst: dst}
 			for off := uint64(0); off < size; off += piece {
 				l.post(func() error {
-					return src.Write(peer, srcRegion, off, piece, dstRegion.RemoteAddr(off), dstRegion.Key, off/piece+1)
+					return src.Write(peer, srcRegion, off, piece, dstRegion.RemoteAddr(off), dstRegion.Keys, off/piece+1)
 				})
 			}
 			l.until("the writes' completions", func() bool { return len(l.s) == size/piece })
@@ -119,7 +122,7 @@ func TestWriteThenSignalDeliversEveryByte(t *testing.T) {
 				}
 			}
 
-			l.post(func() error { return src.WriteData(peer, 42, dstRegion.RemoteAddr(0), dstRegion.Key, 1000) })
+			l.post(func() error { return src.WriteData(peer, 42, dstRegion.RemoteAddr(0), dstRegion.Keys, 1000) })
 			l.until("the signal at the target", func() bool { return len(l.d) > 0 })
 			if c := l.d[0]; !c.Remote || c.Data != 42 {
 				t.Fatalf("target completion %+v, want remote data 42", c)
@@ -128,6 +131,110 @@ func TestWriteThenSignalDeliversEveryByte(t *testing.T) {
 				t.Fatal("the target's memory differs from the source after the signal arrived")
 			}
 		})
+	}
+}
+
+// railPair opens two endpoints of srcRails and dstRails rails that know each other.
+func railPair(t *testing.T, provider string, srcRails, dstRails int) (src, dst *Endpoint, peer Peer) {
+	t.Helper()
+	var err error
+	if src, err = OpenRails(provider, srcRails); err != nil {
+		t.Fatalf("opening %s with %d rails: %v", provider, srcRails, err)
+	}
+	t.Cleanup(src.Close)
+	if dst, err = OpenRails(provider, dstRails); err != nil {
+		t.Fatalf("opening %s with %d rails: %v", provider, dstRails, err)
+	}
+	t.Cleanup(dst.Close)
+	addrs, err := dst.Addresses()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(addrs) != dstRails {
+		t.Fatalf("%d addresses for %d rails", len(addrs), dstRails)
+	}
+	if peer, err = src.AddPeer(addrs...); err != nil {
+		t.Fatal(err)
+	}
+	return src, dst, peer
+}
+
+// TestRailsSplitWritesAndEachCompletesOnlyOnceLanded: two rails share a request's writes,
+// and every write's local completion means its bytes are in the target's memory — the
+// promise that lets the signal on rail 0 follow writes that went over rail 1. The target
+// memory is checked at the moment each completion is read, before the target polls again.
+func TestRailsSplitWritesAndEachCompletesOnlyOnceLanded(t *testing.T) {
+	for _, provider := range []string{"tcp;ofi_rxm", "sockets"} {
+		t.Run(provider, func(t *testing.T) {
+			src, dst, peer := railPair(t, provider, 2, 2)
+			const size, piece = 64 << 20, 8 << 20
+			from, s := region(t, src, size, Source)
+			to, d := region(t, dst, size, Target)
+			if len(d.Keys) != 2 {
+				t.Fatalf("region keys %v, want one per rail", d.Keys)
+			}
+			for i := range from {
+				from[i] = byte(i*11 + i>>20)
+			}
+			l := &link{t: t, src: src, dst: dst}
+			for off := uint64(0); off < size; off += piece {
+				l.post(func() error { return src.Write(peer, s, off, piece, d.RemoteAddr(off), d.Keys, off/piece+1) })
+			}
+			checked := 0
+			l.until("the writes' completions", func() bool {
+				for ; checked < len(l.s); checked++ {
+					off := (l.s[checked].ID - 1) * piece
+					if !bytes.Equal(from[off:off+piece], to[off:off+piece]) {
+						t.Fatalf("write %d completed at the source before its bytes were at the target", l.s[checked].ID)
+					}
+				}
+				return checked == size/piece
+			})
+			sent := src.RailBytes()
+			// Each write goes to the rail with fewer bytes in flight, which completions
+			// reaped between posts change: split, not necessarily evenly.
+			if sent[0]+sent[1] != size || sent[0] < size/4 || sent[1] < size/4 {
+				t.Fatalf("rails carried %v bytes; want the %d bytes split over both", sent, size)
+			}
+			l.post(func() error { return src.WriteData(peer, 9, d.RemoteAddr(0), d.Keys, 1000) })
+			l.until("the signal at the target", func() bool { return len(l.d) > 0 })
+			if c := l.d[0]; !c.Remote || c.Data != 9 {
+				t.Fatalf("target completion %+v, want remote data 9", c)
+			}
+		})
+	}
+}
+
+// TestRailsMeetAPeerWithFewer: an endpoint of two rails writing to a peer of one uses
+// the one rail they share.
+func TestRailsMeetAPeerWithFewer(t *testing.T) {
+	src, dst, peer := railPair(t, "tcp;ofi_rxm", 2, 1)
+	from, s := region(t, src, 1<<20, Source)
+	to, d := region(t, dst, 1<<20, Target)
+	for i := range from {
+		from[i] = byte(i * 3)
+	}
+	l := &link{t: t, src: src, dst: dst}
+	for i := range uint64(4) {
+		l.post(func() error { return src.Write(peer, s, i<<18, 1<<18, d.RemoteAddr(i<<18), d.Keys, i+1) })
+	}
+	l.until("the writes' completions", func() bool { return len(l.s) == 4 })
+	l.post(func() error { return src.WriteData(peer, 1, d.RemoteAddr(0), d.Keys, 99) })
+	l.until("the signal", func() bool { return len(l.d) > 0 })
+	if !bytes.Equal(from, to) {
+		t.Fatal("data missing after the signal")
+	}
+	if sent := src.RailBytes(); sent[1] != 0 {
+		t.Fatalf("rail 1 carried %d bytes to a peer without it", sent[1])
+	}
+}
+
+func TestRailsAreRefusedWhereThereAreNone(t *testing.T) {
+	if _, err := OpenRails("shm", 2); err == nil || !strings.Contains(err.Error(), "no rails") {
+		t.Fatalf("two shm rails: %v", err)
+	}
+	if _, err := OpenRails("tcp;ofi_rxm", MaxRails+1); err == nil {
+		t.Fatal("opened more rails than MaxRails")
 	}
 }
 
@@ -141,16 +248,23 @@ func TestWriteRefusesLocalBounds(t *testing.T) {
 	src, dst, peer := pair(t, "tcp;ofi_rxm")
 	_, s := region(t, src, 4096, Source)
 	_, d := region(t, dst, 4096, Target)
-	if err := src.Write(peer, s, 4000, 200, d.RemoteAddr(0), d.Key, 1); err == nil {
+	if err := src.Write(peer, s, 4000, 200, d.RemoteAddr(0), d.Keys, 1); err == nil {
 		t.Fatal("wrote past the end of the source region")
 	}
 }
 
 // TestWaitMovesDataAndWakes: on tcp;ofi_rxm the target's Wait sleeps in the kernel and
 // still moves incoming data (incoming RMA raises no completion, so only the signal ends
-// the wait), and Wake ends a Wait from another goroutine at once.
+// the wait), and Wake ends a Wait from another goroutine at once — on one rail, and on
+// two, where rail 1's data moves in its own thread while the owner sleeps in rail 0's.
 func TestWaitMovesDataAndWakes(t *testing.T) {
-	src, dst, peer := pair(t, "tcp;ofi_rxm")
+	for _, rails := range []int{1, 2} {
+		t.Run(fmt.Sprintf("%d rails", rails), func(t *testing.T) { waitMovesDataAndWakes(t, rails) })
+	}
+}
+
+func waitMovesDataAndWakes(t *testing.T, rails int) {
+	src, dst, peer := railPair(t, "tcp;ofi_rxm", rails, rails)
 	if !dst.Waitable() {
 		t.Fatal("tcp;ofi_rxm endpoints should have a wait object")
 	}
@@ -173,24 +287,37 @@ func TestWaitMovesDataAndWakes(t *testing.T) {
 		}
 	}()
 	buf := make([]Completion, 16)
+	done := 0 // writes completed, counted wherever their completions are read
+	reap := func() {
+		for _, c := range buf[:src.Poll(buf)] {
+			if c.Err != nil {
+				t.Fatal(c.Err)
+			}
+			if c.ID == 1 || c.ID == 2 {
+				done++
+			}
+		}
+	}
 	post := func(op func() error) {
 		for err := op(); err != nil; err = op() {
 			if err != ErrAgain {
 				t.Fatal(err)
 			}
-			src.Poll(buf)
+			reap()
 		}
 	}
-	post(func() error { return src.Write(peer, s, 0, size, d.RemoteAddr(0), d.Key, 1) })
-	for done := false; !done; {
-		for _, c := range buf[:src.Poll(buf)] {
-			if c.Err != nil {
-				t.Fatal(c.Err)
-			}
-			done = done || c.ID == 1
-		}
+	const piece = size / 2
+	for i := range uint64(2) {
+		post(func() error { return src.Write(peer, s, i*piece, piece, d.RemoteAddr(i*piece), d.Keys, i+1) })
 	}
-	post(func() error { return src.WriteData(peer, 7, d.RemoteAddr(0), d.Key, 2) })
+	for done < 2 {
+		reap()
+	}
+	if sent := src.RailBytes(); sent[rails-1] == 0 {
+		t.Fatalf("rail %d carried nothing: %v", rails-1, sent)
+	}
+
+	post(func() error { return src.WriteData(peer, 7, d.RemoteAddr(0), d.Keys, 2) })
 	for {
 		src.Poll(buf)
 		select {

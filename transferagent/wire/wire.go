@@ -33,6 +33,8 @@ const (
 	MaxString = 1024
 	// MaxRegions bounds the regions of one engine (vLLM has 2 per layer).
 	MaxRegions = 4096
+	// MaxRails bounds an engine rank's endpoints (one per NIC).
+	MaxRails = 16
 )
 
 // Kind says what a frame carries.
@@ -51,6 +53,7 @@ const (
 	KindAcquired
 	KindRelease
 	KindWriting
+	KindRails
 )
 
 // Message is a pointer to one of the message structs below.
@@ -117,6 +120,62 @@ type EngineInfo struct {
 	Epoch   uint64
 	Address string
 	Regions []RegionInfo
+
+	// Rails are the engine's further rails, from the Rails message that follows this one
+	// (they are not part of EngineInfo's frame).
+	Rails []Rail
+}
+
+// Rails describes an engine rank's endpoints beyond the first (one per NIC), sent right
+// after its EngineInfo when it has more than one. It is a message of its own so that
+// EngineInfo's frame stays what agents without rails speak; an agent that predates it
+// refuses the frame (unknown kind), so rails are turned on only once every agent of the
+// cluster knows it.
+type Rails struct {
+	Engine string
+	Epoch  uint64
+	Rails  []Rail
+}
+
+// Rail is one further rail: its fabric address, and the keys of the engine's regions on
+// it in EngineInfo's region order.
+type Rail struct {
+	Address string
+	Keys    []uint64
+}
+
+// Addresses are the engine's fabric addresses, by rail.
+func (m *EngineInfo) Addresses() [][]byte {
+	out := [][]byte{[]byte(m.Address)}
+	for _, r := range m.Rails {
+		out = append(out, []byte(r.Address))
+	}
+	return out
+}
+
+// Keys are region i's keys, by rail.
+func (m *EngineInfo) Keys(i int) []uint64 {
+	out := []uint64{m.Regions[i].Key}
+	for _, r := range m.Rails {
+		out = append(out, r.Keys[i])
+	}
+	return out
+}
+
+// WithRails returns a copy of m with r's rails, or an error when r does not describe
+// m's engine and epoch, or names a region key count other than m's.
+func (m *EngineInfo) WithRails(r *Rails) (*EngineInfo, error) {
+	if r.Engine != m.Engine || r.Epoch != m.Epoch {
+		return nil, fmt.Errorf("wire: rails of %s epoch %d follow the memory of %s epoch %d", r.Engine, r.Epoch, m.Engine, m.Epoch)
+	}
+	for i, rail := range r.Rails {
+		if len(rail.Keys) != len(m.Regions) {
+			return nil, fmt.Errorf("wire: rail %d of %s has %d region keys for %d regions", i+1, r.Engine, len(rail.Keys), len(m.Regions))
+		}
+	}
+	c := *m
+	c.Rails = r.Rails
+	return &c, nil
 }
 
 // Register forwards decode's registration to the prefill agent. Token is what the
@@ -211,6 +270,7 @@ func (*Failed) Kind() Kind      { return KindFailed }
 func (*Acquire) Kind() Kind     { return KindAcquire }
 func (*Acquired) Kind() Kind    { return KindAcquired }
 func (*Release) Kind() Kind     { return KindRelease }
+func (*Rails) Kind() Kind       { return KindRails }
 
 func (m *Hello) fields(c codec) { c.str(&m.Agent); c.num(&m.Epoch); c.str(&m.Nonce) }
 func (m *Auth) fields(c codec)  { c.str(&m.MAC) }
@@ -230,6 +290,27 @@ func (m *EngineInfo) fields(c codec) {
 		c.num(&r.Blocks)
 		c.num(&r.Addr)
 		c.num(&r.Key)
+	}
+}
+func (m *Rails) fields(c codec) {
+	c.str(&m.Engine)
+	c.num(&m.Epoch)
+	n := uint64(len(m.Rails))
+	c.count(&n, MaxRails-1, 2)
+	if uint64(len(m.Rails)) != n {
+		m.Rails = make([]Rail, n)
+	}
+	for i := range m.Rails {
+		r := &m.Rails[i]
+		c.str(&r.Address)
+		k := uint64(len(r.Keys))
+		c.count(&k, MaxRegions, 1)
+		if uint64(len(r.Keys)) != k {
+			r.Keys = make([]uint64, k)
+		}
+		for j := range r.Keys {
+			c.num(&r.Keys[j])
+		}
 	}
 }
 func (m *Register) fields(c codec) {
@@ -305,6 +386,8 @@ func newMessage(k Kind) Message {
 		return &Release{}
 	case KindWriting:
 		return &Writing{}
+	case KindRails:
+		return &Rails{}
 	}
 	return nil
 }

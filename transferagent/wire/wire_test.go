@@ -26,6 +26,36 @@ var samples = []Message{
 	&Acquired{Request: "req-1", Attempt: 1, Engine: "d/0", LeaseMillis: 30000},
 	&Release{Request: "req-1", Attempt: 1, Source: "p/0", Failed: 0},
 	&Writing{Request: "req-1", Attempt: 2, Engine: "d/0"},
+	&Rails{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Rails: []Rail{{Address: "fi-address-rail-1", Keys: []uint64{19, 20}}}},
+}
+
+// TestRailsJoinTheirEngineInfo: a Rails message completes the EngineInfo of its engine
+// and epoch, rail by rail; one of another incarnation, or with a key per region missing,
+// is refused.
+func TestRailsJoinTheirEngineInfo(t *testing.T) {
+	info, rails := samples[2].(*EngineInfo), samples[len(samples)-1].(*Rails)
+	got, err := info.WithRails(rails)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := got.Addresses(); len(a) != 2 || string(a[0]) != info.Address || string(a[1]) != "fi-address-rail-1" {
+		t.Fatalf("addresses %q", a)
+	}
+	if k := got.Keys(1); !reflect.DeepEqual(k, []uint64{18, 20}) {
+		t.Fatalf("region 1's keys %v, want [18 20]", k)
+	}
+	if info.Rails != nil {
+		t.Fatal("WithRails changed the EngineInfo it was given")
+	}
+	stale := *rails
+	stale.Epoch = 8
+	if _, err := info.WithRails(&stale); err == nil {
+		t.Fatal("rails of another epoch were accepted")
+	}
+	short := Rails{Engine: rails.Engine, Epoch: rails.Epoch, Rails: []Rail{{Address: "x", Keys: []uint64{19}}}}
+	if _, err := info.WithRails(&short); err == nil || !strings.Contains(err.Error(), "1 region keys for 2 regions") {
+		t.Fatalf("a rail with a missing key: %v", err)
+	}
 }
 
 func TestRoundTripOverAStream(t *testing.T) {
@@ -70,6 +100,8 @@ func TestMalformedFramesAreRefused(t *testing.T) {
 		"bad varint":              {Version, byte(KindHeartbeat), 1, 'r', 0xff},
 		"more blocks than bytes":  {Version, byte(KindRegister), 1, 'r', 1, 1, 'e', 1, 1, 's', 1, 100, 1},
 		"block id over 32 bits":   cat([]byte{Version, byte(KindRegister), 1, 'r', 1, 1, 'e', 1, 1, 's', 1, 1}, uv(1<<33)),
+		"more rails than allowed": cat([]byte{Version, byte(KindRails), 1, 'e', 1}, uv(MaxRails), bytes.Repeat([]byte{0, 0}, MaxRails)),
+		"more keys than bytes":    {Version, byte(KindRails), 1, 'e', 1, 1, 1, 'a', 50, 1},
 		"more regions than bytes": cat([]byte{Version, byte(KindEngineInfo), 1, 'e', 1, 1, 'a'}, uv(MaxRegions), []byte{1, 2, 3, 4, 5}),
 	}
 	for name, body := range bodies {

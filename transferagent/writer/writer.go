@@ -10,10 +10,11 @@ import (
 )
 
 // RemoteRegion is a destination region as a peer agent announced it: its layout, the
-// address its provider expects for offset 0, and its key.
+// address its provider expects for offset 0, and its keys by rail.
 type RemoteRegion struct {
 	Region
-	Addr, Key uint64
+	Addr uint64
+	Keys []uint64
 }
 
 // Destination is one decode engine's memory, exchanged once per peer and engine epoch.
@@ -161,7 +162,7 @@ func (w *Writer) Poll(now time.Time) ([]rendezvous.Action, []Failure, error) {
 		}
 		remote := q.dest.byID[q.w.Region] // Plan checked every region exists on both sides
 		w.nextID++
-		err := w.ep.Write(q.dest.Peer, w.src[q.w.Region], q.w.SrcOff, q.w.Len, remote.Addr+q.w.DstOff, remote.Key, w.nextID)
+		err := w.ep.Write(q.dest.Peer, w.src[q.w.Region], q.w.SrcOff, q.w.Len, remote.Addr+q.w.DstOff, remote.Keys, w.nextID)
 		if err != nil {
 			// Not posted: hand the admission back. "Again" is retried on a later Poll,
 			// after reaping; anything else fails the attempt.
@@ -220,7 +221,7 @@ func (w *Writer) Signal(engine rendezvous.Engine, data uint64) error {
 	deadline := time.Now().Add(w.SignalPatience)
 	for {
 		w.nextID++
-		err := w.ep.WriteData(d.Peer, data, d.Regions[0].Addr, d.Regions[0].Key, w.nextID)
+		err := w.ep.WriteData(d.Peer, data, d.Regions[0].Addr, d.Regions[0].Keys, w.nextID)
 		if !errors.Is(err, fabric.ErrAgain) {
 			return err
 		}

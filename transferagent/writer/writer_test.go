@@ -69,7 +69,7 @@ func newRig(t *testing.T) *rig {
 			t.Fatal(err)
 		}
 		local[id] = s
-		dest.Regions = append(dest.Regions, RemoteRegion{Region: layout[id], Addr: d.RemoteAddr(0), Key: d.Key})
+		dest.Regions = append(dest.Regions, RemoteRegion{Region: layout[id], Addr: d.RemoteAddr(0), Keys: d.Keys})
 		r.from, r.to = append(r.from, from), append(r.to, to)
 		t.Cleanup(func() { _ = s.Close(); _ = d.Close(); _ = from.Free(); _ = to.Free() })
 	}
