@@ -48,8 +48,9 @@ fmt: ## go fmt the module.
 	go fmt ./...
 
 .PHONY: vet
-vet: ## go vet the module.
+vet: ## go vet the module, the GPU tests included (they compile everywhere, run with test-gpu).
 	go vet ./...
+	go vet -tags gpu ./transferagent/cuda/
 
 .PHONY: verify-generated
 verify-generated: controller-gen protoc-gen-go ## Fail when committed generated files differ from a fresh generation.
@@ -67,6 +68,11 @@ test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on th
 	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./... -count=1 -timeout 30m
 	$(MAKE) test-kubelet
 	$(MAKE) test-vllm
+
+.PHONY: test-gpu
+test-gpu: ## On a host with NVIDIA GPUs: the CUDA layer for real (IPC across processes, copies, events); results in bench/results/gpu/. KVH_CUDA_PEER=0 runs it within one GPU.
+	mkdir -p bench/results/gpu
+	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v ./transferagent/cuda/
 
 .PHONY: test-kubelet
 test-kubelet: ## The device plugin against the kubelet's own device manager (its own module; needs root for a private mount namespace).

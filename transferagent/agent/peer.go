@@ -33,7 +33,10 @@ type peer struct {
 	a        *Agent
 	conn     net.Conn
 	outbound bool
-	addr     string // the address dialled (outbound) or the remote's advertised one
+	// local: one end of the in-process pipe between this agent's own engines (a prefill
+	// and a decode engine on the same node), which needs no handshake.
+	local bool
+	addr  string // the address dialled (outbound) or the remote's advertised one
 	epoch    uint64 // the remote agent's epoch
 	out      chan wire.Message
 	ready    chan struct{} // closed once the handshake is done
@@ -62,6 +65,9 @@ func (a *Agent) dial(addr string) *peer {
 	if p, ok := a.peers[addr]; ok {
 		return p
 	}
+	if addr == a.self {
+		return a.dialSelf()
+	}
 	p := newPeer(a, nil, true, addr)
 	a.peers[addr] = p
 	a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
@@ -76,6 +82,24 @@ func (a *Agent) dial(addr string) *peer {
 		p.conn = conn
 		p.serve()
 	}()
+	return p
+}
+
+// dialSelf connects this agent's decode engines to its own prefill engines (a pair on one
+// node): both ends of an in-process pipe are served as peers, so the protocol, its fences
+// and its failure handling are the same as between nodes; nothing leaves the process, so
+// there is no handshake. The caller holds a.mu.
+func (a *Agent) dialSelf() *peer {
+	dc, pc := net.Pipe()
+	p := newPeer(a, dc, true, a.self)
+	q := newPeer(a, pc, false, a.self)
+	p.local, q.local = true, true
+	a.peers[a.self] = p
+	a.inbound[q] = struct{}{}
+	a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
+	a.wg.Add(2)
+	go func() { defer a.wg.Done(); p.serve() }()
+	go func() { defer a.wg.Done(); q.serve() }()
 	return p
 }
 
@@ -107,18 +131,23 @@ func (a *Agent) acceptPeers() {
 	}
 }
 
-// serve authenticates the connection, then reads and dispatches frames until it fails.
+// serve authenticates the connection (a local pipe needs none), then reads and
+// dispatches frames until it fails.
 func (p *peer) serve() {
-	err := p.handshake()
-	if !p.outbound {
-		p.a.mu.Lock()
-		p.a.handshaking--
-		p.a.mu.Unlock()
-	}
-	if err != nil {
-		p.a.metrics.refused.WithLabelValues("peer", "Unauthenticated").Inc()
-		p.fail(fmt.Errorf("handshake with %s: %w", p.conn.RemoteAddr(), err))
-		return
+	if p.local {
+		p.epoch = p.a.epoch
+	} else {
+		err := p.handshake()
+		if !p.outbound {
+			p.a.mu.Lock()
+			p.a.handshaking--
+			p.a.mu.Unlock()
+		}
+		if err != nil {
+			p.a.metrics.refused.WithLabelValues("peer", "Unauthenticated").Inc()
+			p.fail(fmt.Errorf("handshake with %s: %w", p.conn.RemoteAddr(), err))
+			return
+		}
 	}
 	close(p.ready)
 	go p.writeLoop()

@@ -1,0 +1,119 @@
+// C side of package cuda: the driver API through function pointers that kvh_cu_load
+// resolves from libcuda.so.1 at run time, so nothing links against CUDA.
+#include "cuda.h"
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+static struct {
+	int (*init)(unsigned int);
+	int (*get_error_string)(int, const char **);
+	int (*device_get_count)(int *);
+	int (*device_get)(kvh_CUdevice *, int);
+	int (*primary_ctx_retain)(kvh_CUcontext *, kvh_CUdevice);
+	int (*primary_ctx_release)(kvh_CUdevice);
+	int (*ctx_set_current)(kvh_CUcontext);
+	int (*mem_alloc)(kvh_CUdeviceptr *, size_t);
+	int (*mem_free)(kvh_CUdeviceptr);
+	int (*ipc_get_mem_handle)(kvh_CUipcMemHandle *, kvh_CUdeviceptr);
+	int (*ipc_open_mem_handle)(kvh_CUdeviceptr *, kvh_CUipcMemHandle, unsigned int);
+	int (*ipc_close_mem_handle)(kvh_CUdeviceptr);
+	int (*stream_create)(kvh_CUstream *, unsigned int);
+	int (*stream_destroy)(kvh_CUstream);
+	int (*stream_synchronize)(kvh_CUstream);
+	int (*memcpy_async)(kvh_CUdeviceptr, kvh_CUdeviceptr, size_t, kvh_CUstream);
+	int (*memcpy_htod)(kvh_CUdeviceptr, const void *, size_t);
+	int (*memcpy_dtoh)(void *, kvh_CUdeviceptr, size_t);
+	int (*event_create)(kvh_CUevent *, unsigned int);
+	int (*event_destroy)(kvh_CUevent);
+	int (*event_record)(kvh_CUevent, kvh_CUstream);
+	int (*event_query)(kvh_CUevent);
+	int (*event_synchronize)(kvh_CUevent);
+	int (*device_can_access_peer)(int *, kvh_CUdevice, kvh_CUdevice);
+	int (*ctx_enable_peer_access)(kvh_CUcontext, unsigned int);
+} cu;
+
+// kvh_cu_load resolves every entry point, naming the first missing one in missing.
+int kvh_cu_load(const char *path, char *missing, size_t missing_len) {
+	void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!lib) {
+		snprintf(missing, missing_len, "%s", dlerror());
+		return KVH_NO_DRIVER;
+	}
+#define SYM(field, name) \
+	if (!(*(void **)&cu.field = dlsym(lib, name))) { snprintf(missing, missing_len, "%s", name); return KVH_NO_SYMBOL; }
+	SYM(init, "cuInit");
+	SYM(get_error_string, "cuGetErrorString");
+	SYM(device_get_count, "cuDeviceGetCount");
+	SYM(device_get, "cuDeviceGet");
+	SYM(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+	SYM(primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
+	SYM(ctx_set_current, "cuCtxSetCurrent");
+	SYM(mem_alloc, "cuMemAlloc_v2");
+	SYM(mem_free, "cuMemFree_v2");
+	SYM(ipc_get_mem_handle, "cuIpcGetMemHandle");
+	SYM(ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
+	SYM(ipc_close_mem_handle, "cuIpcCloseMemHandle");
+	SYM(stream_create, "cuStreamCreate");
+	SYM(stream_destroy, "cuStreamDestroy_v2");
+	SYM(stream_synchronize, "cuStreamSynchronize");
+	SYM(memcpy_async, "cuMemcpyAsync");
+	SYM(memcpy_htod, "cuMemcpyHtoD_v2");
+	SYM(memcpy_dtoh, "cuMemcpyDtoH_v2");
+	SYM(event_create, "cuEventCreate");
+	SYM(event_destroy, "cuEventDestroy_v2");
+	SYM(event_record, "cuEventRecord");
+	SYM(event_query, "cuEventQuery");
+	SYM(event_synchronize, "cuEventSynchronize");
+	SYM(device_can_access_peer, "cuDeviceCanAccessPeer");
+	SYM(ctx_enable_peer_access, "cuCtxEnablePeerAccess");
+#undef SYM
+	return KVH_CUDA_SUCCESS;
+}
+
+const char *kvh_cu_error(int res) {
+	const char *s = NULL;
+	if (cu.get_error_string && cu.get_error_string(res, &s) == 0 && s) return s;
+	return "unknown CUDA error";
+}
+
+int kvh_cu_init(void) { return cu.init(0); }
+int kvh_cu_device_count(int *n) { return cu.device_get_count(n); }
+
+int kvh_cu_primary_ctx(int ordinal, kvh_CUcontext *ctx) {
+	kvh_CUdevice dev;
+	int r = cu.device_get(&dev, ordinal);
+	return r ? r : cu.primary_ctx_retain(ctx, dev);
+}
+
+int kvh_cu_release_ctx(int ordinal) {
+	kvh_CUdevice dev;
+	int r = cu.device_get(&dev, ordinal);
+	return r ? r : cu.primary_ctx_release(dev);
+}
+
+// Every call that needs a context makes it current on the calling thread first, within
+// the same C call: Go moves goroutines between threads, so a context set by an earlier
+// call may be on another thread by now.
+#define ON(ctx) do { int r_ = cu.ctx_set_current(ctx); if (r_) return r_; } while (0)
+int kvh_cu_alloc(kvh_CUcontext ctx, kvh_CUdeviceptr *p, size_t n) { ON(ctx); return cu.mem_alloc(p, n); }
+int kvh_cu_free(kvh_CUcontext ctx, kvh_CUdeviceptr p) { ON(ctx); return cu.mem_free(p); }
+int kvh_cu_ipc_get(kvh_CUcontext ctx, kvh_CUipcMemHandle *h, kvh_CUdeviceptr p) { ON(ctx); return cu.ipc_get_mem_handle(h, p); }
+// CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS (1): the importer may be another GPU than the owner.
+int kvh_cu_ipc_open(kvh_CUcontext ctx, kvh_CUdeviceptr *p, const kvh_CUipcMemHandle *h) { ON(ctx); return cu.ipc_open_mem_handle(p, *h, 1); }
+int kvh_cu_ipc_close(kvh_CUcontext ctx, kvh_CUdeviceptr p) { ON(ctx); return cu.ipc_close_mem_handle(p); }
+// CU_STREAM_NON_BLOCKING (1): no implicit ordering with the legacy default stream.
+int kvh_cu_stream_create(kvh_CUcontext ctx, kvh_CUstream *s) { ON(ctx); return cu.stream_create(s, 1); }
+int kvh_cu_stream_destroy(kvh_CUcontext ctx, kvh_CUstream s) { ON(ctx); return cu.stream_destroy(s); }
+int kvh_cu_stream_sync(kvh_CUcontext ctx, kvh_CUstream s) { ON(ctx); return cu.stream_synchronize(s); }
+int kvh_cu_copy_async(kvh_CUcontext ctx, kvh_CUdeviceptr dst, kvh_CUdeviceptr src, size_t n, kvh_CUstream s) { ON(ctx); return cu.memcpy_async(dst, src, n, s); }
+int kvh_cu_htod(kvh_CUcontext ctx, kvh_CUdeviceptr dst, const void *src, size_t n) { ON(ctx); return cu.memcpy_htod(dst, src, n); }
+int kvh_cu_dtoh(kvh_CUcontext ctx, void *dst, kvh_CUdeviceptr src, size_t n) { ON(ctx); return cu.memcpy_dtoh(dst, src, n); }
+// CU_EVENT_DISABLE_TIMING (2): completion only, the cheapest kind.
+int kvh_cu_event_create(kvh_CUcontext ctx, kvh_CUevent *e) { ON(ctx); return cu.event_create(e, 2); }
+int kvh_cu_event_destroy(kvh_CUcontext ctx, kvh_CUevent e) { ON(ctx); return cu.event_destroy(e); }
+int kvh_cu_event_record(kvh_CUcontext ctx, kvh_CUevent e, kvh_CUstream s) { ON(ctx); return cu.event_record(e, s); }
+int kvh_cu_event_query(kvh_CUcontext ctx, kvh_CUevent e) { ON(ctx); return cu.event_query(e); }
+int kvh_cu_event_sync(kvh_CUcontext ctx, kvh_CUevent e) { ON(ctx); return cu.event_synchronize(e); }
+int kvh_cu_can_access_peer(int *can, int dev, int peer) { return cu.device_can_access_peer(can, dev, peer); }
+int kvh_cu_enable_peer(kvh_CUcontext ctx, kvh_CUcontext peer) { ON(ctx); return cu.ctx_enable_peer_access(peer, 0); }

@@ -1,0 +1,242 @@
+// Package cuda is kvhandoff's only use of the CUDA driver API, loaded at run time
+// (dlopen of libcuda.so.1) so that the project builds, and its CPU tests run, on
+// machines without CUDA. It offers what moving KV between GPUs of one node needs:
+// device memory, CUDA IPC handles (export in the engine, open in the agent), copies on a
+// stream and completion by events.
+//
+// A CUDA context belongs to a thread, and Go moves goroutines between threads: every
+// call here makes its context current within the same C call (cuda.c), so callers never
+// pin threads.
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <stdlib.h>
+#include <string.h>
+#include "cuda.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"unsafe"
+)
+
+// ErrNoDriver means libcuda.so.1 could not be loaded: no NVIDIA driver on this machine,
+// or none visible to this container (NVIDIA_VISIBLE_DEVICES, the driver's libraries).
+var ErrNoDriver = errors.New("cuda: no NVIDIA driver (libcuda.so.1) could be loaded")
+
+// Error is a failed driver call.
+type Error struct {
+	Op   string
+	Code int
+	Msg  string
+}
+
+func (e *Error) Error() string { return fmt.Sprintf("cuda: %s: %s (%d)", e.Op, e.Msg, e.Code) }
+
+func check(op string, r C.int) error {
+	if r == C.KVH_CUDA_SUCCESS {
+		return nil
+	}
+	return &Error{Op: op, Code: int(r), Msg: C.GoString(C.kvh_cu_error(r))}
+}
+
+var loaded struct {
+	once sync.Once
+	err  error
+}
+
+// Load loads and initialises the driver, once: libcuda.so.1, or the file named by
+// KVHANDOFF_LIBCUDA.
+func Load() error {
+	loaded.once.Do(func() {
+		path := os.Getenv("KVHANDOFF_LIBCUDA")
+		if path == "" {
+			path = "libcuda.so.1"
+		}
+		loaded.err = load(path)
+	})
+	return loaded.err
+}
+
+func load(path string) error {
+	p := C.CString(path)
+	defer C.free(unsafe.Pointer(p))
+	var missing [256]C.char
+	switch r := C.kvh_cu_load(p, &missing[0], C.size_t(len(missing))); r {
+	case C.KVH_CUDA_SUCCESS:
+	case C.KVH_NO_DRIVER:
+		return fmt.Errorf("%w: %s", ErrNoDriver, C.GoString(&missing[0]))
+	default:
+		return fmt.Errorf("%w: %s lacks %s (a driver older than CUDA 11?)", ErrNoDriver, path, C.GoString(&missing[0]))
+	}
+	return check("cuInit", C.kvh_cu_init())
+}
+
+// DeviceCount is how many GPUs this process sees.
+func DeviceCount() (int, error) {
+	if err := Load(); err != nil {
+		return 0, err
+	}
+	var n C.int
+	return int(n), check("cuDeviceGetCount", C.kvh_cu_device_count(&n))
+}
+
+// Context is a GPU's primary context, retained.
+type Context struct {
+	Ordinal int
+	c       C.kvh_CUcontext
+}
+
+// Open retains the primary context of GPU ordinal.
+func Open(ordinal int) (*Context, error) {
+	if err := Load(); err != nil {
+		return nil, err
+	}
+	c := &Context{Ordinal: ordinal}
+	if err := check(fmt.Sprintf("retaining GPU %d's context", ordinal), C.kvh_cu_primary_ctx(C.int(ordinal), &c.c)); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Close releases the context.
+func (c *Context) Close() error {
+	return check("releasing the context", C.kvh_cu_release_ctx(C.int(c.Ordinal)))
+}
+
+// Ptr is a device address (CUdeviceptr).
+type Ptr uint64
+
+// Alloc allocates n bytes of device memory.
+func (c *Context) Alloc(n uint64) (Ptr, error) {
+	var p C.kvh_CUdeviceptr
+	err := check(fmt.Sprintf("allocating %d bytes on GPU %d", n, c.Ordinal), C.kvh_cu_alloc(c.c, &p, C.size_t(n)))
+	return Ptr(p), err
+}
+
+// Free frees memory from Alloc.
+func (c *Context) Free(p Ptr) error { return check("freeing", C.kvh_cu_free(c.c, C.kvh_CUdeviceptr(p))) }
+
+// IPCHandle names an allocation to another process (cuIpcGetMemHandle).
+type IPCHandle [64]byte
+
+// Export is the IPC handle of an allocation from Alloc (its start: CUDA IPC names whole
+// allocations).
+func (c *Context) Export(p Ptr) (IPCHandle, error) {
+	var h C.kvh_CUipcMemHandle
+	err := check("cuIpcGetMemHandle", C.kvh_cu_ipc_get(c.c, &h, C.kvh_CUdeviceptr(p)))
+	var out IPCHandle
+	copy(out[:], C.GoBytes(unsafe.Pointer(&h), 64))
+	return out, err
+}
+
+// Import maps another process's allocation into this context (lazily enabling peer
+// access when it lives on another GPU).
+func (c *Context) Import(h IPCHandle) (Ptr, error) {
+	var ch C.kvh_CUipcMemHandle
+	C.memcpy(unsafe.Pointer(&ch), unsafe.Pointer(&h[0]), 64)
+	var p C.kvh_CUdeviceptr
+	err := check("cuIpcOpenMemHandle", C.kvh_cu_ipc_open(c.c, &p, &ch))
+	return Ptr(p), err
+}
+
+// Unimport unmaps an allocation from Import.
+func (c *Context) Unimport(p Ptr) error {
+	return check("cuIpcCloseMemHandle", C.kvh_cu_ipc_close(c.c, C.kvh_CUdeviceptr(p)))
+}
+
+// Upload copies b to device memory at dst, synchronously.
+func (c *Context) Upload(dst Ptr, b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	return check("copying to the GPU", C.kvh_cu_htod(c.c, C.kvh_CUdeviceptr(dst), unsafe.Pointer(&b[0]), C.size_t(len(b))))
+}
+
+// Download copies len(b) bytes from device memory at src into b, synchronously.
+func (c *Context) Download(b []byte, src Ptr) error {
+	if len(b) == 0 {
+		return nil
+	}
+	return check("copying from the GPU", C.kvh_cu_dtoh(c.c, unsafe.Pointer(&b[0]), C.kvh_CUdeviceptr(src), C.size_t(len(b))))
+}
+
+// CanAccessPeer reports whether this GPU can address peer's memory directly (NVLink or
+// PCIe peer to peer).
+func (c *Context) CanAccessPeer(peer int) (bool, error) {
+	var can C.int
+	err := check("cuDeviceCanAccessPeer", C.kvh_cu_can_access_peer(&can, C.int(c.Ordinal), C.int(peer)))
+	return can != 0, err
+}
+
+// EnablePeer lets this context address memory allocated in peer's (within one process;
+// Import enables it itself).
+func (c *Context) EnablePeer(peer *Context) error {
+	return check("cuCtxEnablePeerAccess", C.kvh_cu_enable_peer(c.c, peer.c))
+}
+
+// Stream is a non-blocking stream of c.
+type Stream struct {
+	ctx *Context
+	s   C.kvh_CUstream
+}
+
+// NewStream creates a stream.
+func (c *Context) NewStream() (*Stream, error) {
+	s := &Stream{ctx: c}
+	return s, check("cuStreamCreate", C.kvh_cu_stream_create(c.c, &s.s))
+}
+
+// Close destroys the stream once its work is done.
+func (s *Stream) Close() error {
+	return check("cuStreamDestroy", C.kvh_cu_stream_destroy(s.ctx.c, s.s))
+}
+
+// Copy queues a copy of n bytes from src to dst, which may be on different GPUs (unified
+// addressing: the driver picks the peer path).
+func (s *Stream) Copy(dst, src Ptr, n uint64) error {
+	return check("cuMemcpyAsync", C.kvh_cu_copy_async(s.ctx.c, C.kvh_CUdeviceptr(dst), C.kvh_CUdeviceptr(src), C.size_t(n), s.s))
+}
+
+// Sync waits until everything queued on the stream is done.
+func (s *Stream) Sync() error { return check("cuStreamSynchronize", C.kvh_cu_stream_sync(s.ctx.c, s.s)) }
+
+// Event marks a point in a stream: done once everything queued before it is.
+type Event struct {
+	ctx *Context
+	e   C.kvh_CUevent
+}
+
+// Record marks the stream's current end.
+func (s *Stream) Record() (*Event, error) {
+	e := &Event{ctx: s.ctx}
+	if err := check("cuEventCreate", C.kvh_cu_event_create(s.ctx.c, &e.e)); err != nil {
+		return nil, err
+	}
+	if err := check("cuEventRecord", C.kvh_cu_event_record(s.ctx.c, e.e, s.s)); err != nil {
+		e.Close()
+		return nil, err
+	}
+	return e, nil
+}
+
+// Done reports, without waiting, whether the work before the event has finished; an
+// error is a copy that failed.
+func (e *Event) Done() (bool, error) {
+	r := C.kvh_cu_event_query(e.ctx.c, e.e)
+	if r == C.KVH_CUDA_ERROR_NOT_READY {
+		return false, nil
+	}
+	return true, check("cuEventQuery", r)
+}
+
+// Wait blocks until the work before the event has finished.
+func (e *Event) Wait() error { return check("cuEventSynchronize", C.kvh_cu_event_sync(e.ctx.c, e.e)) }
+
+// Close destroys the event.
+func (e *Event) Close() error { return check("cuEventDestroy", C.kvh_cu_event_destroy(e.ctx.c, e.e)) }
