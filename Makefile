@@ -50,7 +50,7 @@ fmt: ## go fmt the module.
 .PHONY: vet
 vet: ## go vet the module, the GPU tests included (they compile everywhere, run with test-gpu).
 	go vet ./...
-	go vet -tags gpu ./transferagent/cuda/
+	go vet -tags gpu ./transferagent/cuda/ ./transferagent/agent/
 
 .PHONY: verify-generated
 verify-generated: controller-gen protoc-gen-go ## Fail when committed generated files differ from a fresh generation.
@@ -70,9 +70,15 @@ test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on th
 	$(MAKE) test-vllm
 
 .PHONY: test-gpu
-test-gpu: ## On a host with NVIDIA GPUs: the CUDA layer for real (IPC across processes, copies, events); results in bench/results/gpu/. KVH_CUDA_PEER=0 runs it within one GPU.
+test-gpu: ## On a host with two NVIDIA GPUs: the CUDA layer (IPC across processes), then push, pull and cancels between engines whose KV is GPU memory; results in bench/results/gpu/. KVH_CUDA_PEER=0 runs it within one GPU.
 	mkdir -p bench/results/gpu
 	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v ./transferagent/cuda/
+	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./transferagent/agent/
+
+.PHONY: bench-handoff-gpu
+bench-handoff-gpu: ## On a host with two NVIDIA GPUs: a push handoff of Qwen3-32B's KV (16k tokens, one TP-8 rank) against a raw copy of the same bytes; bench/results/gpu/handoff.json.
+	mkdir -p bench/results/gpu
+	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v -run '^TestGPUHandoffAgainstARawCopy$$' ./transferagent/agent/
 
 .PHONY: test-kubelet
 test-kubelet: ## The device plugin against the kubelet's own device manager (its own module; needs root for a private mount namespace).

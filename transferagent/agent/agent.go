@@ -139,6 +139,7 @@ type Agent struct {
 	engines   map[string]*session // by engine key (id/rank), the live incarnation
 	nextEpoch uint64
 	memory    memoryIndex
+	gpus      gpus             // CUDA contexts and opened IPC allocations (engines with GPU KV)
 	peers     map[string]*peer // outbound, by address
 	inbound   map[*peer]struct{}
 	// handshaking counts inbound connections not yet authenticated.

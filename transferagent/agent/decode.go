@@ -32,6 +32,7 @@ type readOp struct {
 	peer   fabric.Peer
 	remote writer.RemoteRegion
 	w      writer.Write
+	copy   bool // GPU memory on this node: a device copy, not an RMA read
 }
 
 func newDecodeSide(s *session) *decodeSide {
@@ -183,12 +184,23 @@ func (ds *decodeSide) onAcquired(pr *peer, m *wire.Acquired) {
 		fail(fmt.Sprintf("prefill engine %s did not describe its memory", g.Source))
 		return
 	}
-	fp, err := s.remote(info)
+	devices, err := s.openPeerGPU(pr, info)
 	if err != nil {
-		fail(fmt.Sprintf("adding prefill engine %s's fabric address: %v", g.Source, err))
+		s.a.metrics.refused.WithLabelValues("peer", "Pull").Inc()
+		fail(fmt.Sprintf("prefill engine %s: %v", g.Source, err))
 		return
 	}
+	var fp fabric.Peer
+	if devices == nil {
+		if fp, err = s.remote(info); err != nil {
+			fail(fmt.Sprintf("adding prefill engine %s's fabric address: %v", g.Source, err))
+			return
+		}
+	}
 	src, byID := remoteLayout(info)
+	for _, d := range devices {
+		byID[d.ID] = d
+	}
 	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, src, s.layout, s.ep.Limits().MaxMsgSize)
 	if err != nil {
 		s.a.metrics.refused.WithLabelValues("peer", "Pull").Inc()
@@ -197,10 +209,16 @@ func (ds *decodeSide) onAcquired(pr *peer, m *wire.Acquired) {
 	}
 	var bytes uint64
 	for _, w := range plan {
-		ds.reads = append(ds.reads, readOp{key: k, peer: fp, remote: byID[w.Region], w: w})
+		ds.reads = append(ds.reads, readOp{key: k, peer: fp, remote: byID[w.Region], w: w, copy: devices != nil})
 		bytes += w.Len
 	}
 	ds.table.Planned(k, len(plan), bytes)
+}
+
+// onSignal takes a prefill agent's delivery or fence signal: remote CQ data, or for a
+// pair on this node the notice its copies completed.
+func (ds *decodeSide) onSignal(now time.Time, data uint64) {
+	ds.handle(now, ds.table.Signal(data))
 }
 
 func (ds *decodeSide) dropReads(k landing.Key) int {
@@ -226,7 +244,12 @@ func (ds *decodeSide) step(now time.Time) bool {
 		op := ds.reads[0]
 		ds.nextID++
 		local := s.regions[uint32(op.w.Region)]
-		err := s.ep.Read(op.peer, local.reg, op.w.DstOff, op.w.Len, op.remote.Addr+op.w.SrcOff, op.remote.Keys, ds.nextID)
+		var err error
+		if op.copy {
+			err = s.gpu.copier.Copy(uint64(local.dev.ptr)+op.w.DstOff, op.remote.Addr+op.w.SrcOff, op.w.Len, ds.nextID)
+		} else {
+			err = s.ep.Read(op.peer, local.reg, op.w.DstOff, op.w.Len, op.remote.Addr+op.w.SrcOff, op.remote.Keys, ds.nextID)
+		}
 		if errors.Is(err, fabric.ErrAgain) {
 			break
 		}
@@ -241,11 +264,14 @@ func (ds *decodeSide) step(now time.Time) bool {
 	}
 	n := s.ep.Poll(s.buf)
 	done := append(ds.waited, s.buf[:n]...)
+	if s.gpu != nil && s.gpu.copier != nil {
+		done = append(done, s.buf[:s.gpu.copier.Poll(s.buf)]...)
+	}
 	ds.waited = nil
 	for _, c := range done {
 		worked = true
 		if c.Remote {
-			ds.handle(now, ds.table.Signal(c.Data))
+			ds.onSignal(now, c.Data)
 			continue
 		}
 		op, ok := ds.pending[c.ID]

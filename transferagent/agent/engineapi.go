@@ -191,6 +191,12 @@ func (e *engineAPI) RegisterRegion(ctx context.Context, r *agentv1.RegisterRegio
 	switch r.Kind {
 	case agentv1.MemoryKind_MEMORY_KIND_HOST:
 	case agentv1.MemoryKind_MEMORY_KIND_CUDA, agentv1.MemoryKind_MEMORY_KIND_NEURON:
+		if r.Kind == agentv1.MemoryKind_MEMORY_KIND_CUDA && len(r.CudaIpcHandle) > 0 {
+			if err := e.registerGPURegion(s, r); err != nil {
+				return nil, err
+			}
+			return &agentv1.RegisterRegionResponse{}, nil
+		}
 		// The dmabuf path needs libfabric's FI_MR_DMABUF at build time and the fd in
 		// this process; without either, say so rather than register something else.
 		if !fabric.HasDmabuf() {

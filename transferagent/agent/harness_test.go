@@ -101,17 +101,18 @@ func until(t *testing.T, what string, cond func() bool) {
 
 // sentinel overwrites blocks of every region of e with a pattern no request writes, after
 // their attempt was acknowledged cancelled; untouched checks later that nothing landed.
-func sentinel(e *simengine.Engine, blocks []uint32) {
-	bb := e.Cache.Layout.BlockBytes()
-	for _, region := range e.Cache.Regions {
-		for _, b := range blocks {
-			copy(region[int(b)*bb:int(b+1)*bb], bytes.Repeat([]byte{0xEE}, bb))
-		}
+func sentinel(t *testing.T, e *simengine.Engine, blocks []uint32) {
+	t.Helper()
+	if err := e.Cache.Set(blocks, 0xEE); err != nil {
+		t.Fatal(err)
 	}
 }
 
 func untouched(t *testing.T, e *simengine.Engine, blocks []uint32) {
 	t.Helper()
+	if err := e.Cache.Load(blocks); err != nil {
+		t.Fatal(err)
+	}
 	bb := e.Cache.Layout.BlockBytes()
 	for r, region := range e.Cache.Regions {
 		for _, b := range blocks {

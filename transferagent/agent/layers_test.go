@@ -59,7 +59,7 @@ func TestACancelBetweenLayerGroupsAndARetry(t *testing.T) {
 		t.Fatal(err)
 	}
 	expect(t, wait(t, D, "cancel-between", 1), agentv1.Event_CANCEL_ACKED)
-	sentinel(D, first)
+	sentinel(t, D, first)
 	if err := P.SourceRegionsReady(bg, "cancel-between", 2, 2, src, true); err != nil {
 		t.Fatal(err)
 	}

@@ -37,12 +37,12 @@ type peer struct {
 	// and a decode engine on the same node), which needs no handshake.
 	local bool
 	addr  string // the address dialled (outbound) or the remote's advertised one
-	epoch    uint64 // the remote agent's epoch
-	out      chan wire.Message
-	ready    chan struct{} // closed once the handshake is done
-	done     chan struct{}
-	once     sync.Once
-	err      error
+	epoch uint64 // the remote agent's epoch
+	out   chan wire.Message
+	ready chan struct{} // closed once the handshake is done
+	done  chan struct{}
+	once  sync.Once
+	err   error
 
 	mu       sync.Mutex
 	sentInfo map[string]uint64           // engine key → epoch whose EngineInfo was sent
@@ -295,7 +295,7 @@ func (p *peer) describe(s *session) {
 	p.sentInfo[s.key] = s.epoch
 	p.mu.Unlock()
 	if !sent {
-		for _, m := range s.describe() {
+		for _, m := range s.describe(p.local) {
 			p.send(m)
 		}
 	}
@@ -305,6 +305,26 @@ func (p *peer) info(key string) *wire.EngineInfo {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.infos[key]
+}
+
+// amend completes the EngineInfo of engine with a message that follows it on the same
+// connection, before any message naming the engine. One that does not fit is refused,
+// and with forget the engine is forgotten.
+func (p *peer) amend(engine, what string, forget bool, with func(*wire.EngineInfo) (*wire.EngineInfo, error)) {
+	p.mu.Lock()
+	var err error
+	if info := p.infos[engine]; info == nil {
+		err = fmt.Errorf("%s of %s before its memory", what, engine)
+	} else if info, err = with(info); err == nil {
+		p.infos[engine] = info
+	} else if forget {
+		delete(p.infos, engine)
+	}
+	p.mu.Unlock()
+	if err != nil {
+		p.a.metrics.refused.WithLabelValues("peer", "Malformed").Inc()
+		p.a.log.Warn("refused a peer's description of an engine", "peer", p.addr, "what", what, "err", err)
+	}
 }
 
 func (p *peer) fail(err error) {
@@ -348,21 +368,13 @@ func (a *Agent) dispatch(p *peer, m wire.Message) {
 		p.infos[m.Engine] = m
 		p.mu.Unlock()
 	case *wire.Rails:
-		// It follows its engine's EngineInfo on the same connection, before any message
-		// that names the engine; rails that do not fit it are refused and the engine is
-		// reached over its first rail alone.
-		p.mu.Lock()
-		var err error
-		if info := p.infos[m.Engine]; info == nil {
-			err = fmt.Errorf("rails of %s before its memory", m.Engine)
-		} else if info, err = info.WithRails(m); err == nil {
-			p.infos[m.Engine] = info
-		}
-		p.mu.Unlock()
-		if err != nil {
-			a.metrics.refused.WithLabelValues("peer", "Malformed").Inc()
-			a.log.Warn("refused a peer's rails", "peer", p.addr, "err", err)
-		}
+		// Rails that do not fit their EngineInfo leave the engine reached over its first
+		// rail alone.
+		p.amend(m.Engine, "rails", false, func(info *wire.EngineInfo) (*wire.EngineInfo, error) { return info.WithRails(m) })
+	case *wire.GPU:
+		// Without a GPU message that fits, the engine's region addresses mean nothing:
+		// forget it, so what names it is refused rather than written to.
+		p.amend(m.Engine, "GPU memory", true, func(info *wire.EngineInfo) (*wire.EngineInfo, error) { return info.WithGPU(m) })
 	case *wire.Register:
 		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onRegister(p, m) })
 	case *wire.Acquire:

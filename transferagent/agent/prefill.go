@@ -52,10 +52,15 @@ func (ps *prefillSide) freeze() {
 	ps.table = rendezvous.New(rendezvous.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout, BlocksTTL: s.pol.BlocksTTL, Regions: len(s.regions)})
 	local := make(map[int]*fabric.Region, len(s.regions))
 	for id, r := range s.regions {
-		local[int(id)] = r.reg
+		if r.reg != nil {
+			local[int(id)] = r.reg
+		}
 	}
 	ps.w = writer.New(s.ep, ps.table, local, s.layout)
 	ps.w.OnPost = ps.onPost
+	if s.gpu != nil {
+		ps.w.UseCopier(s.gpu.copier, s.devices())
+	}
 	// A request's merged writes (one per region and run: 128 for a contiguous Qwen3
 	// request) go out at once; the window only bounds pathological fragmentation.
 	ps.w.MaxInFlight = 512
@@ -141,7 +146,7 @@ func (ps *prefillSide) onRegister(p *peer, m *wire.Register) {
 	now := time.Now()
 	decode := rendezvous.Engine{ID: m.Engine, Epoch: m.EngineEpoch}
 	if !ps.w.HasDestination(decode) {
-		if err := ps.addDestination(info); err != nil {
+		if err := ps.addDestination(p, info); err != nil {
 			refuse("decode engine %s: %v", m.Engine, err)
 			return
 		}
@@ -158,7 +163,7 @@ func (ps *prefillSide) onRegister(p *peer, m *wire.Register) {
 
 // addDestination checks a decode engine's regions against this rank's (same ids and
 // block lengths: the planner maps region to region) and makes it a write target.
-func (ps *prefillSide) addDestination(info *wire.EngineInfo) error {
+func (ps *prefillSide) addDestination(p *peer, info *wire.EngineInfo) error {
 	regions, byID := remoteLayout(info)
 	for _, l := range ps.s.layout {
 		r, ok := byID[l.ID]
@@ -166,13 +171,24 @@ func (ps *prefillSide) addDestination(info *wire.EngineInfo) error {
 			return fmt.Errorf("its region %d does not match this engine's (%d-byte blocks)", l.ID, l.BlockLen)
 		}
 	}
-	fp, err := ps.s.remote(info)
-	if err != nil {
+	var d writer.Destination
+	devices, err := ps.s.openPeerGPU(p, info)
+	switch {
+	case err != nil:
 		return err
-	}
-	d := writer.Destination{Peer: fp}
-	for _, r := range regions {
-		d.Regions = append(d.Regions, byID[r.ID])
+	case devices != nil:
+		// A pair on this node: copies, and a notice to the decode rank in this agent.
+		a := ps.s.a
+		d = writer.Destination{Regions: devices, Notify: func(data uint64) error { return a.notifyDecode(info.Engine, info.Epoch, data) }}
+	default:
+		fp, err := ps.s.remote(info)
+		if err != nil {
+			return err
+		}
+		d = writer.Destination{Peer: fp}
+		for _, r := range regions {
+			d.Regions = append(d.Regions, byID[r.ID])
+		}
 	}
 	ps.w.AddDestination(rendezvous.Engine{ID: info.Engine, Epoch: info.Epoch}, d)
 	return nil

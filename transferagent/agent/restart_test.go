@@ -144,7 +144,7 @@ func TestARestartedDecodeEngineGetsNothingMeantForItsPredecessor(t *testing.T) {
 		}
 	} else {
 		expect(t, ev, agentv1.Event_CANCEL_ACKED)
-		sentinel(D2, dst)
+		sentinel(t, D2, dst)
 	}
 	// Another request into the other half, verified; then the sentinel must be intact.
 	transfer(t, P, D2, "new-after")

@@ -120,6 +120,13 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 	refused(t, "a region past the memfd's end", region(0, 60<<10, 16<<10, host), codes.InvalidArgument, "size")
 	refused(t, "blocks that do not fit the size", region(0, 0, 8<<10, host), codes.InvalidArgument, "size")
 	refused(t, "device memory without FI_MR_DMABUF", region(0, 0, 16<<10, agentv1.MemoryKind_MEMORY_KIND_CUDA), codes.FailedPrecondition, "FI_MR_DMABUF")
+	gpuRegion := func(handle, uuid []byte) error {
+		_, err := api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, Kind: agentv1.MemoryKind_MEMORY_KIND_CUDA,
+			CudaIpcHandle: handle, CudaDeviceUuid: uuid, Size: 16 << 10, BlockLen: 1024, BlockCount: 16})
+		return err
+	}
+	refused(t, "a short CUDA IPC handle", gpuRegion(make([]byte, 63), make([]byte, 16)), codes.InvalidArgument, "cuda_ipc_handle")
+	refused(t, "a short GPU UUID", gpuRegion(make([]byte, 64), make([]byte, 4)), codes.InvalidArgument, "cuda_device_uuid")
 	h := pass(e.Session, fd)
 	if err := register(0, h, 0, 16<<10, host); err != nil {
 		t.Fatal(err)

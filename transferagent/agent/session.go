@@ -61,6 +61,7 @@ type session struct {
 	buf       []fabric.Completion
 	lastTick  time.Time
 	remotes   map[string]remoteEngine // fabric peers by engine key
+	gpu       *sessionGPU             // nil unless the regions are GPU memory
 	railBytes []uint64                // RailBytes already counted in the metric
 }
 
@@ -84,7 +85,8 @@ type side interface {
 type localRegion struct {
 	id       uint32
 	m        *mapping
-	reg      *fabric.Region
+	reg      *fabric.Region // host memory: registered on the endpoint
+	dev      *gpuRegion     // GPU memory: opened from its IPC handle
 	blockLen uint64
 	blocks   uint32
 }
@@ -243,7 +245,8 @@ func (s *session) run() {
 		}
 		idle++
 		hot := s.side.hot()
-		if (hot || s.side.warm() || closing) && s.ep.Waitable() {
+		// A rank of GPU memory moves its bytes by copies, which no provider wait notices.
+		if (hot || s.side.warm() || closing) && s.ep.Waitable() && s.gpu == nil {
 			// Sleep in the provider until it has work (data to move, a completion) or a
 			// command wakes us: no spinning, and no sub-millisecond timers, which the Go
 			// runtime rounds up to a millisecond.
@@ -263,8 +266,10 @@ func (s *session) run() {
 		switch {
 		case hot:
 			// Data is moving: poll again at once a few times, then nap, so that many hot
-			// ranks sharing few cores leave the cores to the ones moving data.
-			if idle < hotSpins {
+			// ranks sharing few cores leave the cores to the ones moving data. GPU copies
+			// take a millisecond or so and use no core: poll them without a nap, which
+			// the Go runtime would stretch to about as long as the copies.
+			if idle < hotSpins || (s.gpu != nil && s.gpu.copier != nil && s.gpu.copier.busy()) {
 				runtime.Gosched()
 				continue
 			}
@@ -302,7 +307,11 @@ func (s *session) teardown() {
 	s.countRails()
 	s.ep.Quiesce() // no rail thread moves data into memory unmapped below
 	s.dropDeposits()
+	s.closeGPU()
 	for _, r := range s.regions {
+		if r.reg == nil {
+			continue
+		}
 		if err := r.reg.Close(); err != nil {
 			s.a.log.Warn("deregistering memory", "engine", s.key, "region", r.id, "err", err)
 		}
@@ -334,18 +343,26 @@ func (s *session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error 
 	if s.frozen {
 		return status.Error(codes.FailedPrecondition, "region_id: regions are fixed once the engine's first transfer started")
 	}
+	if s.gpu != nil {
+		return status.Error(codes.FailedPrecondition, "kind: an engine rank's regions must all be host memory or all on one GPU")
+	}
 	reg, err := s.ep.Register(m.mem, s.side.access())
 	if err != nil {
 		return status.Errorf(codes.Internal, "registering region %d: %v", r.RegionId, err)
 	}
-	s.regions[r.RegionId] = &localRegion{id: r.RegionId, m: m, reg: reg, blockLen: r.BlockLen, blocks: r.BlockCount}
+	s.track(r, &localRegion{id: r.RegionId, m: m, reg: reg, blockLen: r.BlockLen, blocks: r.BlockCount})
+	return nil
+}
+
+// track adds a registered region to the rank's layout.
+func (s *session) track(r *agentv1.RegisterRegionRequest, l *localRegion) {
+	s.regions[r.RegionId] = l
 	s.layout = append(s.layout, writer.Region{ID: int(r.RegionId), BlockLen: r.BlockLen, Blocks: r.BlockCount})
 	slices.SortFunc(s.layout, func(a, b writer.Region) int { return a.ID - b.ID })
 	if s.minBlocks == 0 || r.BlockCount < s.minBlocks {
 		s.minBlocks = r.BlockCount
 	}
 	s.blockLen += r.BlockLen
-	return nil
 }
 
 // freeze fixes the regions at the first transfer: peers are told about them once.
@@ -354,6 +371,9 @@ func (s *session) freeze() error {
 		return status.Error(codes.FailedPrecondition, "session: register the engine's KV regions before its first transfer")
 	}
 	if !s.frozen {
+		if err := s.startCopies(); err != nil {
+			return status.Errorf(codes.Internal, "a CUDA stream for the rank's copies: %v", err)
+		}
 		s.frozen = true
 		s.side.freeze()
 	}
@@ -374,8 +394,9 @@ func (s *session) checkBlocks(field string, ids []uint32) error {
 func (s *session) bytesFor(n int) uint64 { return s.blockLen * uint64(n) }
 
 // describe is what tells a peer how to reach the rank's memory: its EngineInfo (rail 0),
-// then, when the rank has more rails, their addresses and keys.
-func (s *session) describe() []wire.Message {
+// then, when the rank has more rails, their addresses and keys, and when its memory is on
+// a GPU, that (with the IPC handles for a peer within this agent).
+func (s *session) describe(local bool) []wire.Message {
 	addrs, err := s.ep.Addresses()
 	if err != nil {
 		s.a.log.Error("reading the endpoint's addresses", "engine", s.key, "err", err)
@@ -388,15 +409,25 @@ func (s *session) describe() []wire.Message {
 	}
 	for _, l := range s.layout {
 		r := s.regions[uint32(l.ID)]
-		m.Regions = append(m.Regions, wire.RegionInfo{ID: uint64(r.id), BlockLen: r.blockLen, Blocks: uint64(r.blocks), Addr: r.reg.RemoteAddr(0), Key: r.reg.Keys[0]})
+		ri := wire.RegionInfo{ID: uint64(r.id), BlockLen: r.blockLen, Blocks: uint64(r.blocks)}
+		if r.reg != nil {
+			ri.Addr, ri.Key = r.reg.RemoteAddr(0), r.reg.Keys[0]
+		}
+		m.Regions = append(m.Regions, ri)
 		for i := range rails.Rails {
-			rails.Rails[i].Keys = append(rails.Rails[i].Keys, r.reg.Keys[i+1])
+			if r.reg != nil {
+				rails.Rails[i].Keys = append(rails.Rails[i].Keys, r.reg.Keys[i+1])
+			}
 		}
 	}
-	if len(rails.Rails) == 0 {
-		return []wire.Message{m}
+	out := []wire.Message{m}
+	if len(rails.Rails) > 0 && s.gpu == nil {
+		out = append(out, rails)
 	}
-	return []wire.Message{m, rails}
+	if s.gpu != nil {
+		out = append(out, s.gpuInfo(local))
+	}
+	return out
 }
 
 // remote returns the fabric peer of a remote engine, inserting its addresses (one per

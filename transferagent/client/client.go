@@ -125,6 +125,19 @@ func (e *Engine) RegisterRegion(ctx context.Context, r Region) error {
 	return nil
 }
 
+// RegisterGPURegion registers a region of GPU memory: r.Size bytes at r.Offset of the
+// allocation handle names (cuIpcGetMemHandle), on the GPU with UUID device. r.FD is unused.
+func (e *Engine) RegisterGPURegion(ctx context.Context, r Region, handle [64]byte, device [16]byte) error {
+	_, err := e.c.API.RegisterRegion(ctx, &agentv1.RegisterRegionRequest{
+		Session: e.Session, RegionId: r.ID, Kind: agentv1.MemoryKind_MEMORY_KIND_CUDA,
+		CudaIpcHandle: handle[:], CudaDeviceUuid: device[:], Offset: r.Offset, Size: r.Size, BlockLen: r.BlockLen, BlockCount: r.BlockCount,
+	})
+	if err != nil {
+		return fmt.Errorf("registering region %d: %w", r.ID, err)
+	}
+	return nil
+}
+
 // RegisterDestination (push, decode) names where a request's KV goes.
 func (e *Engine) RegisterDestination(ctx context.Context, req string, attempt uint64, blocks []uint32, source *agentv1.EngineRef) error {
 	_, err := e.c.API.RegisterDestination(ctx, &agentv1.RegisterDestinationRequest{

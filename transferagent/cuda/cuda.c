@@ -31,6 +31,8 @@ static struct {
 	int (*event_synchronize)(kvh_CUevent);
 	int (*device_can_access_peer)(int *, kvh_CUdevice, kvh_CUdevice);
 	int (*ctx_enable_peer_access)(kvh_CUcontext, unsigned int);
+	int (*device_get_uuid)(unsigned char *, kvh_CUdevice);
+	int (*mem_get_address_range)(kvh_CUdeviceptr *, size_t *, kvh_CUdeviceptr);
 } cu;
 
 // kvh_cu_load resolves every entry point, naming the first missing one in missing.
@@ -67,6 +69,8 @@ int kvh_cu_load(const char *path, char *missing, size_t missing_len) {
 	SYM(event_synchronize, "cuEventSynchronize");
 	SYM(device_can_access_peer, "cuDeviceCanAccessPeer");
 	SYM(ctx_enable_peer_access, "cuCtxEnablePeerAccess");
+	SYM(device_get_uuid, "cuDeviceGetUuid");
+	SYM(mem_get_address_range, "cuMemGetAddressRange_v2");
 #undef SYM
 	return KVH_CUDA_SUCCESS;
 }
@@ -116,4 +120,15 @@ int kvh_cu_event_record(kvh_CUcontext ctx, kvh_CUevent e, kvh_CUstream s) { ON(c
 int kvh_cu_event_query(kvh_CUcontext ctx, kvh_CUevent e) { ON(ctx); return cu.event_query(e); }
 int kvh_cu_event_sync(kvh_CUcontext ctx, kvh_CUevent e) { ON(ctx); return cu.event_synchronize(e); }
 int kvh_cu_can_access_peer(int *can, int dev, int peer) { return cu.device_can_access_peer(can, dev, peer); }
+
+int kvh_cu_device_uuid(int ordinal, unsigned char uuid[16]) {
+	kvh_CUdevice dev;
+	int r = cu.device_get(&dev, ordinal);
+	return r ? r : cu.device_get_uuid(uuid, dev);
+}
+
+int kvh_cu_address_range(kvh_CUcontext ctx, kvh_CUdeviceptr p, kvh_CUdeviceptr *base, size_t *size) {
+	ON(ctx);
+	return cu.mem_get_address_range(base, size, p);
+}
 int kvh_cu_enable_peer(kvh_CUcontext ctx, kvh_CUcontext peer) { ON(ctx); return cu.ctx_enable_peer_access(peer, 0); }

@@ -86,6 +86,38 @@ func DeviceCount() (int, error) {
 	return int(n), check("cuDeviceGetCount", C.kvh_cu_device_count(&n))
 }
 
+// UUID is a GPU's identity across processes and containers, which number GPUs each their
+// own way.
+type UUID [16]byte
+
+// DeviceByUUID is the ordinal, in this process, of the GPU with that UUID.
+func DeviceByUUID(u UUID) (int, error) {
+	n, err := DeviceCount()
+	if err != nil {
+		return 0, err
+	}
+	for i := range n {
+		var got [16]C.uchar
+		if err := check("cuDeviceGetUuid", C.kvh_cu_device_uuid(C.int(i), &got[0])); err != nil {
+			return 0, err
+		}
+		if UUID(C.GoBytes(unsafe.Pointer(&got[0]), 16)) == u {
+			return i, nil
+		}
+	}
+	return 0, fmt.Errorf("cuda: no GPU with UUID %x among the %d this process sees", u[:], n)
+}
+
+// DeviceUUID is GPU ordinal's UUID.
+func DeviceUUID(ordinal int) (UUID, error) {
+	if err := Load(); err != nil {
+		return UUID{}, err
+	}
+	var got [16]C.uchar
+	err := check("cuDeviceGetUuid", C.kvh_cu_device_uuid(C.int(ordinal), &got[0]))
+	return UUID(C.GoBytes(unsafe.Pointer(&got[0]), 16)), err
+}
+
 // Context is a GPU's primary context, retained.
 type Context struct {
 	Ordinal int
@@ -120,7 +152,9 @@ func (c *Context) Alloc(n uint64) (Ptr, error) {
 }
 
 // Free frees memory from Alloc.
-func (c *Context) Free(p Ptr) error { return check("freeing", C.kvh_cu_free(c.c, C.kvh_CUdeviceptr(p))) }
+func (c *Context) Free(p Ptr) error {
+	return check("freeing", C.kvh_cu_free(c.c, C.kvh_CUdeviceptr(p)))
+}
 
 // IPCHandle names an allocation to another process (cuIpcGetMemHandle).
 type IPCHandle [64]byte
@@ -143,6 +177,17 @@ func (c *Context) Import(h IPCHandle) (Ptr, error) {
 	var p C.kvh_CUdeviceptr
 	err := check("cuIpcOpenMemHandle", C.kvh_cu_ipc_open(c.c, &p, &ch))
 	return Ptr(p), err
+}
+
+// Extent is the size of the allocation p points into, from p on: what a region starting
+// at p may span.
+func (c *Context) Extent(p Ptr) (uint64, error) {
+	var base C.kvh_CUdeviceptr
+	var size C.size_t
+	if err := check("cuMemGetAddressRange", C.kvh_cu_address_range(c.c, C.kvh_CUdeviceptr(p), &base, &size)); err != nil {
+		return 0, err
+	}
+	return uint64(base) + uint64(size) - uint64(p), nil
 }
 
 // Unimport unmaps an allocation from Import.
@@ -204,7 +249,9 @@ func (s *Stream) Copy(dst, src Ptr, n uint64) error {
 }
 
 // Sync waits until everything queued on the stream is done.
-func (s *Stream) Sync() error { return check("cuStreamSynchronize", C.kvh_cu_stream_sync(s.ctx.c, s.s)) }
+func (s *Stream) Sync() error {
+	return check("cuStreamSynchronize", C.kvh_cu_stream_sync(s.ctx.c, s.s))
+}
 
 // Event marks a point in a stream: done once everything queued before it is.
 type Event struct {

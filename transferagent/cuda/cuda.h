@@ -43,5 +43,7 @@ int kvh_cu_event_record(kvh_CUcontext ctx, kvh_CUevent e, kvh_CUstream s);
 int kvh_cu_event_query(kvh_CUcontext ctx, kvh_CUevent e);
 int kvh_cu_event_sync(kvh_CUcontext ctx, kvh_CUevent e);
 int kvh_cu_can_access_peer(int *can, int dev, int peer);
+int kvh_cu_device_uuid(int ordinal, unsigned char uuid[16]);
+int kvh_cu_address_range(kvh_CUcontext ctx, kvh_CUdeviceptr p, kvh_CUdeviceptr *base, size_t *size);
 int kvh_cu_enable_peer(kvh_CUcontext ctx, kvh_CUcontext peer);
 #endif

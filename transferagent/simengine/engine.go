@@ -24,6 +24,9 @@ type Config struct {
 	// Lease, RegistrationTimeout and BlocksTTL are the engine's policy's timeouts, sent in
 	// RegisterEngine as a vLLM connector sends its kv_transfer_config's (0: the agent's).
 	Lease, RegistrationTimeout, BlocksTTL time.Duration
+	// GPU, when set, keeps the KV cache in that GPU's memory, handed to the agent as a
+	// CUDA IPC handle, instead of in a memfd.
+	GPU *int
 }
 
 // Engine is a simulated engine rank: its KV cache lives in a sealed memfd the agent maps,
@@ -56,12 +59,22 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	regionBytes := l.Blocks * l.BlockBytes()
 	size := l.Regions() * regionBytes
-	fd, mem, err := client.NewMemory(fmt.Sprintf("kv-%s-%d", cfg.ID, cfg.Rank), size)
-	if err != nil {
-		return nil, err
+	var fd int
+	var mem []byte
+	var dev *device
+	var err error
+	if cfg.GPU != nil {
+		mem = make([]byte, size) // the host mirror
+		if dev, err = newDevice(*cfg.GPU, uint64(size), uint64(regionBytes)); err != nil {
+			return nil, err
+		}
+	} else {
+		if fd, mem, err = client.NewMemory(fmt.Sprintf("kv-%s-%d", cfg.ID, cfg.Rank), size); err != nil {
+			return nil, err
+		}
+		// The agent keeps its own reference to the memfd once the regions are registered.
+		defer syscall.Close(fd)
 	}
-	// The agent keeps its own reference to the memfd once the regions are registered.
-	defer syscall.Close(fd)
 	regions := make([][]byte, l.Regions())
 	for i := range regions {
 		regions[i] = mem[i*regionBytes : (i+1)*regionBytes]
@@ -70,6 +83,7 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
+	cache.dev = dev
 	e := &Engine{Cache: cache, cfg: cfg, mem: mem, waiters: map[waitKey]chan *agentv1.Event{}, early: map[waitKey]*agentv1.Event{}, freed: make(chan struct{})}
 	for b := l.Blocks - 1; b >= 0; b-- {
 		e.free = append(e.free, uint32(b))
@@ -88,10 +102,15 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 		return fail(err)
 	}
 	for i := range regions {
-		err := e.RegisterRegion(ctx, client.Region{
+		r := client.Region{
 			ID: uint32(i), FD: fd, Offset: uint64(i * regionBytes), Size: uint64(regionBytes),
 			BlockLen: uint64(l.BlockBytes()), BlockCount: uint32(l.Blocks),
-		})
+		}
+		if dev != nil {
+			err = e.RegisterGPURegion(ctx, r, dev.handle, dev.uuid)
+		} else {
+			err = e.RegisterRegion(ctx, r)
+		}
 		if err != nil {
 			e.Engine.Close()
 			return fail(err)
@@ -104,6 +123,10 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 func (e *Engine) release() {
 	if e.cl != nil {
 		e.cl.Close()
+	}
+	if d := e.Cache.dev; d != nil {
+		_ = d.ctx.Free(d.base)
+		return
 	}
 	_ = syscall.Munmap(e.mem)
 }

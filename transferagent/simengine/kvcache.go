@@ -52,10 +52,13 @@ func (l Layout) Validate() error {
 }
 
 // Cache is a rank's KV cache: one byte slice per region (callers allocate them, off the
-// Go heap when they are registered with the fabric).
+// Go heap when they are registered with the fabric). With a device, the regions live in
+// GPU memory and the slices are their host mirror: Fill uploads what it wrote, Verify
+// checks what it downloads.
 type Cache struct {
 	Layout  Layout
 	Regions [][]byte
+	dev     *device
 }
 
 // NewCache checks that regions fit the layout.
@@ -113,6 +116,8 @@ func requestSeed(request string) uint64 {
 // Fill writes request's pattern into blocks, which hold token-order positions 0, 1, …
 // of the request — what a prefill engine produces.
 func (c *Cache) Fill(request string, blocks []uint32) {
+	c.dev.lock()
+	defer c.dev.unlock()
 	seed := requestSeed(request)
 	body := c.body(seed)
 	bb := c.Layout.BlockBytes()
@@ -123,6 +128,32 @@ func (c *Cache) Fill(request string, blocks []uint32) {
 			binary.LittleEndian.PutUint64(block, blockBase(seed, r, pos))
 		}
 	}
+	if err := c.dev.upload(c, blocks); err != nil {
+		panic(fmt.Sprintf("simengine: filling GPU memory: %v", err)) // a test or benchmark cannot go on
+	}
+}
+
+// Set overwrites blocks of every region with b (tests: a sentinel that must stay).
+func (c *Cache) Set(blocks []uint32, b byte) error {
+	c.dev.lock()
+	defer c.dev.unlock()
+	bb := c.Layout.BlockBytes()
+	for _, region := range c.Regions {
+		for _, blk := range blocks {
+			for i := int(blk) * bb; i < (int(blk)+1)*bb; i++ {
+				region[i] = b
+			}
+		}
+	}
+	return c.dev.upload(c, blocks)
+}
+
+// Load brings blocks of every region into Regions (GPU memory: downloads them; host
+// memory is there already).
+func (c *Cache) Load(blocks []uint32) error {
+	c.dev.lock()
+	defer c.dev.unlock()
+	return c.dev.download(c, blocks, 0, len(c.Regions))
 }
 
 // Verify checks that blocks hold request's pattern for positions 0, 1, … — what a decode
@@ -133,6 +164,11 @@ func (c *Cache) Verify(request string, blocks []uint32) error {
 
 // VerifyRegions is Verify for regions lo..hi-1 only: one layer group.
 func (c *Cache) VerifyRegions(request string, blocks []uint32, lo, hi int) error {
+	c.dev.lock()
+	defer c.dev.unlock()
+	if err := c.dev.download(c, blocks, lo, hi); err != nil {
+		return err
+	}
 	seed := requestSeed(request)
 	body := c.body(seed)
 	bb := c.Layout.BlockBytes()

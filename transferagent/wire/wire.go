@@ -54,6 +54,7 @@ const (
 	KindRelease
 	KindWriting
 	KindRails
+	KindGPU
 )
 
 // Message is a pointer to one of the message structs below.
@@ -121,9 +122,47 @@ type EngineInfo struct {
 	Address string
 	Regions []RegionInfo
 
-	// Rails are the engine's further rails, from the Rails message that follows this one
-	// (they are not part of EngineInfo's frame).
+	// Rails are the engine's further rails, and GPU its GPU memory, from the Rails and GPU
+	// messages that follow this one (they are not part of EngineInfo's frame).
 	Rails []Rail
+	GPU   *GPU
+}
+
+// GPU says an engine rank's regions are GPU memory, sent right after its EngineInfo (whose
+// region addresses and keys then mean nothing). To the engine's own agent (a pair on one
+// node, over the in-process pipe) it carries each region's CUDA IPC handle and offset, so
+// the agent can copy to and from it; to any other agent none, since a handle opens only
+// on its own node: that agent learns the memory is out of its reach.
+type GPU struct {
+	Engine string
+	Epoch  uint64
+	// Device is the GPU's UUID (16 bytes).
+	Device string
+	// Handles and Offsets are, by region in EngineInfo's order, the IPC handle (64 bytes)
+	// of the allocation holding it and where in it the region starts; empty off the node.
+	Handles []string
+	Offsets []uint64
+}
+
+// WithGPU returns a copy of m with its GPU description, or an error when g does not
+// describe m's engine and epoch or names other than one handle and offset per region.
+func (m *EngineInfo) WithGPU(g *GPU) (*EngineInfo, error) {
+	switch {
+	case g.Engine != m.Engine || g.Epoch != m.Epoch:
+		return nil, fmt.Errorf("wire: GPU memory of %s epoch %d follows the memory of %s epoch %d", g.Engine, g.Epoch, m.Engine, m.Epoch)
+	case len(g.Device) != 16:
+		return nil, fmt.Errorf("wire: GPU memory of %s names a %d-byte device UUID", g.Engine, len(g.Device))
+	case len(g.Handles) != len(g.Offsets) || (len(g.Handles) != 0 && len(g.Handles) != len(m.Regions)):
+		return nil, fmt.Errorf("wire: GPU memory of %s has %d handles and %d offsets for %d regions", g.Engine, len(g.Handles), len(g.Offsets), len(m.Regions))
+	}
+	for i, h := range g.Handles {
+		if len(h) != 64 {
+			return nil, fmt.Errorf("wire: GPU memory of %s: region %d's IPC handle has %d bytes, not 64", g.Engine, i, len(h))
+		}
+	}
+	c := *m
+	c.GPU = g
+	return &c, nil
 }
 
 // Rails describes an engine rank's endpoints beyond the first (one per NIC), sent right
@@ -271,6 +310,7 @@ func (*Acquire) Kind() Kind     { return KindAcquire }
 func (*Acquired) Kind() Kind    { return KindAcquired }
 func (*Release) Kind() Kind     { return KindRelease }
 func (*Rails) Kind() Kind       { return KindRails }
+func (*GPU) Kind() Kind         { return KindGPU }
 
 func (m *Hello) fields(c codec) { c.str(&m.Agent); c.num(&m.Epoch); c.str(&m.Nonce) }
 func (m *Auth) fields(c codec)  { c.str(&m.MAC) }
@@ -311,6 +351,20 @@ func (m *Rails) fields(c codec) {
 		for j := range r.Keys {
 			c.num(&r.Keys[j])
 		}
+	}
+}
+func (m *GPU) fields(c codec) {
+	c.str(&m.Engine)
+	c.num(&m.Epoch)
+	c.str(&m.Device)
+	n := uint64(len(m.Handles))
+	c.count(&n, MaxRegions, 66) // a 64-byte handle and its offset
+	if uint64(len(m.Handles)) != n {
+		m.Handles, m.Offsets = make([]string, n), make([]uint64, n)
+	}
+	for i := range m.Handles {
+		c.str(&m.Handles[i])
+		c.num(&m.Offsets[i])
 	}
 }
 func (m *Register) fields(c codec) {
@@ -388,6 +442,8 @@ func newMessage(k Kind) Message {
 		return &Writing{}
 	case KindRails:
 		return &Rails{}
+	case KindGPU:
+		return &GPU{}
 	}
 	return nil
 }

@@ -21,6 +21,10 @@ type RemoteRegion struct {
 type Destination struct {
 	Peer    fabric.Peer
 	Regions []RemoteRegion
+	// Notify, when set, makes this a destination of device copies (a pair on one node):
+	// the regions' Addr are device addresses in this process, the writer's Copier moves
+	// the bytes, and Notify delivers the signal in place of a write carrying data.
+	Notify func(data uint64) error
 	// byID indexes Regions by region ID and layout lists them for the planner, both
 	// built once by AddDestination.
 	byID   map[int]RemoteRegion
@@ -53,7 +57,22 @@ type Writer struct {
 	OnPost func(req string, attempt uint64)
 	// SignalPatience bounds how long Signal waits for the provider to take a signal.
 	SignalPatience time.Duration
+
+	// copier and srcDev move bytes to destinations with Notify (UseCopier).
+	copier Copier
+	srcDev map[int]uint64
 }
+
+// Copier moves bytes by device copies (CUDA within a node) in place of RMA writes. A copy
+// completes, through Poll, once its bytes are in the destination's memory.
+type Copier interface {
+	Copy(dst, src, n, id uint64) error
+	Poll(out []fabric.Completion) int
+}
+
+// UseCopier lets the writer serve destinations with Notify: c copies from the local
+// regions, whose device addresses by region ID are src.
+func (w *Writer) UseCopier(c Copier, src map[int]uint64) { w.copier, w.srcDev = c, src }
 
 // DefaultSignalPatience: a live peer's queue makes room within microseconds of reaping; a
 // provider that refuses a signal for a second is facing an endpoint that is gone (a
@@ -162,7 +181,16 @@ func (w *Writer) Poll(now time.Time) ([]rendezvous.Action, []Failure, error) {
 		}
 		remote := q.dest.byID[q.w.Region] // Plan checked every region exists on both sides
 		w.nextID++
-		err := w.ep.Write(q.dest.Peer, w.src[q.w.Region], q.w.SrcOff, q.w.Len, remote.Addr+q.w.DstOff, remote.Keys, w.nextID)
+		var err error
+		if q.dest.Notify != nil {
+			if w.copier == nil {
+				err = errors.New("writer: a destination of device copies, but this rank's memory is not on a GPU")
+			} else {
+				err = w.copier.Copy(remote.Addr+q.w.DstOff, w.srcDev[q.w.Region]+q.w.SrcOff, q.w.Len, w.nextID)
+			}
+		} else {
+			err = w.ep.Write(q.dest.Peer, w.src[q.w.Region], q.w.SrcOff, q.w.Len, remote.Addr+q.w.DstOff, remote.Keys, w.nextID)
+		}
 		if err != nil {
 			// Not posted: hand the admission back. "Again" is retried on a later Poll,
 			// after reaping; anything else fails the attempt.
@@ -188,6 +216,9 @@ func (w *Writer) Poll(now time.Time) ([]rendezvous.Action, []Failure, error) {
 	}
 	n := w.ep.Poll(w.buf)
 	done := append(w.reaped, w.buf[:n]...)
+	if w.copier != nil {
+		done = append(done, w.buf[:w.copier.Poll(w.buf)]...)
+	}
 	w.reaped = nil
 	for _, c := range done {
 		q, ok := w.pending[c.ID]
@@ -217,6 +248,9 @@ func (w *Writer) Signal(engine rendezvous.Engine, data uint64) error {
 	d, ok := w.dests[engine]
 	if !ok || len(d.Regions) == 0 {
 		return fmt.Errorf("writer: no memory known for decode engine %s epoch %d", engine.ID, engine.Epoch)
+	}
+	if d.Notify != nil {
+		return d.Notify(data) // the copies before it completed: their bytes are in place
 	}
 	deadline := time.Now().Add(w.SignalPatience)
 	for {

@@ -595,9 +595,17 @@ type RegisterRegionRequest struct {
 	// dmabuf_fd is reserved for device memory (CUDA, Neuron) exported as a dmabuf. The
 	// agent refuses device memory when its libfabric lacks FI_MR_DMABUF (Debian's 1.17 does)
 	// and says so in the error.
-	DmabufFd      int32 `protobuf:"varint,9,opt,name=dmabuf_fd,json=dmabufFd,proto3" json:"dmabuf_fd,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	DmabufFd int32 `protobuf:"varint,9,opt,name=dmabuf_fd,json=dmabufFd,proto3" json:"dmabuf_fd,omitempty"`
+	// cuda_ipc_handle is, for MEMORY_KIND_CUDA moved within the node, the allocation that
+	// holds the region at offset, as cuIpcGetMemHandle exported it (64 bytes): the agent
+	// opens it and copies to and from it with CUDA, for engine pairs on its own node.
+	CudaIpcHandle []byte `protobuf:"bytes,11,opt,name=cuda_ipc_handle,json=cudaIpcHandle,proto3" json:"cuda_ipc_handle,omitempty"`
+	// cuda_device_uuid is the UUID of the GPU the allocation lives on (16 bytes, as
+	// cuDeviceGetUuid gives it): the agent numbers GPUs differently from the engine's
+	// container, which sees only its own.
+	CudaDeviceUuid []byte `protobuf:"bytes,12,opt,name=cuda_device_uuid,json=cudaDeviceUuid,proto3" json:"cuda_device_uuid,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *RegisterRegionRequest) Reset() {
@@ -691,6 +699,20 @@ func (x *RegisterRegionRequest) GetDmabufFd() int32 {
 		return x.DmabufFd
 	}
 	return 0
+}
+
+func (x *RegisterRegionRequest) GetCudaIpcHandle() []byte {
+	if x != nil {
+		return x.CudaIpcHandle
+	}
+	return nil
+}
+
+func (x *RegisterRegionRequest) GetCudaDeviceUuid() []byte {
+	if x != nil {
+		return x.CudaDeviceUuid
+	}
+	return nil
 }
 
 type RegisterRegionResponse struct {
@@ -1288,7 +1310,7 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x121\n" +
 	"\x04self\x18\x03 \x01(\v2\x1d.kvhandoff.agent.v1.EngineRefR\x04self\x12\x1a\n" +
-	"\bprovider\x18\x04 \x01(\tR\bprovider\"\xba\x02\n" +
+	"\bprovider\x18\x04 \x01(\tR\bprovider\"\x8c\x03\n" +
 	"\x15RegisterRegionRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1b\n" +
 	"\tregion_id\x18\x02 \x01(\rR\bregionId\x122\n" +
@@ -1300,7 +1322,9 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\tblock_len\x18\a \x01(\x04R\bblockLen\x12\x1f\n" +
 	"\vblock_count\x18\b \x01(\rR\n" +
 	"blockCount\x12\x1b\n" +
-	"\tdmabuf_fd\x18\t \x01(\x05R\bdmabufFdJ\x04\b\x04\x10\x05R\x04path\"\x18\n" +
+	"\tdmabuf_fd\x18\t \x01(\x05R\bdmabufFd\x12&\n" +
+	"\x0fcuda_ipc_handle\x18\v \x01(\fR\rcudaIpcHandle\x12(\n" +
+	"\x10cuda_device_uuid\x18\f \x01(\fR\x0ecudaDeviceUuidJ\x04\b\x04\x10\x05R\x04path\"\x18\n" +
 	"\x16RegisterRegionResponse\"\xc3\x01\n" +
 	"\x1aRegisterDestinationRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1d\n" +

@@ -1,0 +1,190 @@
+package agent
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/kvhandoff/kvhandoff/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
+)
+
+// gpus is the agent's CUDA state: a context per GPU it has used, and the allocations it
+// has opened from IPC handles, shared by the sessions that name them (a handle opens once
+// per context and process).
+type gpus struct {
+	mu      sync.Mutex
+	ctxs    map[int]*cuda.Context
+	imports map[importKey]*imported
+}
+
+type importKey struct {
+	handle cuda.IPCHandle
+	gpu    int
+}
+
+type imported struct {
+	ptr    cuda.Ptr
+	extent uint64
+	refs   int
+}
+
+// context is GPU ordinal's context, retained once for the agent's life.
+func (g *gpus) context(ordinal int) (*cuda.Context, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if c, ok := g.ctxs[ordinal]; ok {
+		return c, nil
+	}
+	c, err := cuda.Open(ordinal)
+	if err != nil {
+		return nil, err
+	}
+	if g.ctxs == nil {
+		g.ctxs, g.imports = map[int]*cuda.Context{}, map[importKey]*imported{}
+	}
+	g.ctxs[ordinal] = c
+	return c, nil
+}
+
+// open maps the allocation of handle into GPU ordinal's context (once, then counted) and
+// returns where it starts and how long it is.
+func (g *gpus) open(h cuda.IPCHandle, ordinal int) (cuda.Ptr, uint64, error) {
+	c, err := g.context(ordinal)
+	if err != nil {
+		return 0, 0, err
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	k := importKey{h, ordinal}
+	if m, ok := g.imports[k]; ok {
+		m.refs++
+		return m.ptr, m.extent, nil
+	}
+	p, err := c.Import(h)
+	if err != nil {
+		return 0, 0, err
+	}
+	extent, err := c.Extent(p)
+	if err != nil {
+		_ = c.Unimport(p)
+		return 0, 0, err
+	}
+	g.imports[k] = &imported{ptr: p, extent: extent, refs: 1}
+	return p, extent, nil
+}
+
+// close drops one use of an opened allocation, unmapping it after the last.
+func (g *gpus) close(h cuda.IPCHandle, ordinal int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	k := importKey{h, ordinal}
+	m, ok := g.imports[k]
+	if !ok {
+		return
+	}
+	if m.refs--; m.refs == 0 {
+		delete(g.imports, k)
+		_ = g.ctxs[ordinal].Unimport(m.ptr)
+	}
+}
+
+// gpuRegion is a region of GPU memory as a session holds it.
+type gpuRegion struct {
+	handle cuda.IPCHandle
+	off    uint64
+	ptr    cuda.Ptr // the region's start in this process
+}
+
+// openRegion opens a region of size bytes at off of handle's allocation on GPU ordinal,
+// refusing one that does not fit the allocation.
+func (g *gpus) openRegion(h cuda.IPCHandle, ordinal int, off, size uint64) (*gpuRegion, error) {
+	p, extent, err := g.open(h, ordinal)
+	if err != nil {
+		return nil, err
+	}
+	if off > extent || size > extent-off {
+		g.close(h, ordinal)
+		return nil, fmt.Errorf("%d bytes at offset %d do not fit the %d-byte allocation", size, off, extent)
+	}
+	return &gpuRegion{handle: h, off: off, ptr: p + cuda.Ptr(off)}, nil
+}
+
+// copier moves one rank's bytes with copies on one stream of its GPU: the writer's Copier
+// (push) and the decode side's reads (pull). Copies queued since the last Poll share one
+// event, recorded by that Poll: the stream runs them in order, so the event's completion
+// completes them all, at one driver call per batch instead of two per copy.
+type copier struct {
+	stream   *cuda.Stream
+	unfenced []uint64 // ids of copies queued since the last event
+	pending  []batch  // in stream order
+}
+
+type batch struct {
+	ids []uint64
+	ev  *cuda.Event
+}
+
+func newCopier(c *cuda.Context) (*copier, error) {
+	s, err := c.NewStream()
+	if err != nil {
+		return nil, err
+	}
+	return &copier{stream: s}, nil
+}
+
+func (c *copier) Copy(dst, src, n, id uint64) error {
+	if err := c.stream.Copy(cuda.Ptr(dst), cuda.Ptr(src), n); err != nil {
+		return err
+	}
+	c.unfenced = append(c.unfenced, id)
+	return nil
+}
+
+// Poll fences what was queued since the last call and reports the copies of finished
+// batches, in order; a batch whose event failed reports each of its copies failed.
+func (c *copier) Poll(out []fabric.Completion) int {
+	if len(c.unfenced) > 0 {
+		ev, err := c.stream.Record()
+		if err != nil {
+			n := 0
+			for ; n < len(out) && len(c.unfenced) > 0; n++ {
+				out[n] = fabric.Completion{ID: c.unfenced[0], Err: err}
+				c.unfenced = c.unfenced[1:]
+			}
+			return n
+		}
+		c.pending = append(c.pending, batch{ids: c.unfenced, ev: ev})
+		c.unfenced = nil
+	}
+	n := 0
+	for n < len(out) && len(c.pending) > 0 {
+		b := &c.pending[0]
+		done, err := b.ev.Done()
+		if !done {
+			break
+		}
+		for n < len(out) && len(b.ids) > 0 {
+			out[n] = fabric.Completion{ID: b.ids[0], Err: err}
+			b.ids = b.ids[1:]
+			n++
+		}
+		if len(b.ids) == 0 {
+			_ = b.ev.Close()
+			c.pending = c.pending[1:]
+		}
+	}
+	return n
+}
+
+// busy reports copies queued or running.
+func (c *copier) busy() bool { return len(c.unfenced) > 0 || len(c.pending) > 0 }
+
+// close waits for what is queued and releases the stream.
+func (c *copier) close() {
+	_ = c.stream.Sync()
+	for _, b := range c.pending {
+		_ = b.ev.Close()
+	}
+	c.pending, c.unfenced = nil, nil
+	_ = c.stream.Close()
+}

@@ -1,0 +1,167 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/transferagent/wire"
+	"github.com/kvhandoff/kvhandoff/transferagent/writer"
+)
+
+// sessionGPU is a session whose regions are GPU memory (CUDA IPC): the GPU they are on,
+// the stream the rank's copies run on, and the peers' allocations it opened.
+type sessionGPU struct {
+	ordinal int
+	uuid    cuda.UUID
+	copier  *copier
+	opened  []importKey
+}
+
+// registerGPURegion checks and opens a CUDA region an engine exported as an IPC handle.
+func (e *engineAPI) registerGPURegion(s *session, r *agentv1.RegisterRegionRequest) error {
+	if len(r.CudaIpcHandle) != 64 {
+		return invalid("cuda_ipc_handle", "must be the 64 bytes of a cuIpcGetMemHandle, got %d", len(r.CudaIpcHandle))
+	}
+	if len(r.CudaDeviceUuid) != 16 {
+		return invalid("cuda_device_uuid", "must be the 16 bytes of a cuDeviceGetUuid, got %d", len(r.CudaDeviceUuid))
+	}
+	ordinal, err := cuda.DeviceByUUID(cuda.UUID(r.CudaDeviceUuid))
+	if errors.Is(err, cuda.ErrNoDriver) {
+		return status.Errorf(codes.FailedPrecondition, "kind MEMORY_KIND_CUDA: %v (the agent's pod needs NVIDIA_VISIBLE_DEVICES=all and the driver's libraries)", err)
+	}
+	if err != nil {
+		return invalid("cuda_device_uuid", "%v", err)
+	}
+	h := cuda.IPCHandle(r.CudaIpcHandle)
+	gr, err := e.a.gpus.openRegion(h, ordinal, r.Offset, r.Size)
+	if err != nil {
+		return status.Errorf(codes.InvalidArgument, "cuda_ipc_handle: %v", err)
+	}
+	// The claim index sees the allocation as a file named by its handle: no two regions
+	// of any engine may overlap in it.
+	f := fnv.New64a()
+	f.Write(h[:])
+	m := &mapping{file: fileID{dev: ^uint64(0), ino: f.Sum64()}, off: r.Offset, size: r.Size}
+	if err := e.a.claim(s, r.RegionId, m); err != nil {
+		e.a.gpus.close(h, ordinal)
+		return status.Error(codes.AlreadyExists, err.Error())
+	}
+	if err := s.call(func() error { return s.addGPURegion(r, m, gr, ordinal) }); err != nil {
+		e.a.release(s, r.RegionId)
+		e.a.gpus.close(h, ordinal)
+		return err
+	}
+	return nil
+}
+
+// addGPURegion adds an opened GPU region: a rank's regions are all host memory or all on
+// one GPU.
+func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr *gpuRegion, ordinal int) error {
+	if s.frozen {
+		return status.Error(codes.FailedPrecondition, "region_id: regions are fixed once the engine's first transfer started")
+	}
+	if (s.gpu == nil && len(s.regions) > 0) || (s.gpu != nil && s.gpu.ordinal != ordinal) {
+		return status.Error(codes.FailedPrecondition, "kind: an engine rank's regions must all be host memory or all on one GPU")
+	}
+	if s.gpu == nil {
+		s.gpu = &sessionGPU{ordinal: ordinal, uuid: cuda.UUID(r.CudaDeviceUuid)}
+	}
+	s.track(r, &localRegion{id: r.RegionId, m: m, dev: gr, blockLen: r.BlockLen, blocks: r.BlockCount})
+	return nil
+}
+
+// startCopies makes the stream the rank's copies run on, at its first transfer.
+func (s *session) startCopies() error {
+	if s.gpu == nil || s.gpu.copier != nil {
+		return nil
+	}
+	c, err := s.a.gpus.context(s.gpu.ordinal)
+	if err != nil {
+		return err
+	}
+	s.gpu.copier, err = newCopier(c)
+	return err
+}
+
+// devices are the rank's regions' device addresses by region ID.
+func (s *session) devices() map[int]uint64 {
+	out := make(map[int]uint64, len(s.regions))
+	for id, r := range s.regions {
+		out[int(id)] = uint64(r.dev.ptr)
+	}
+	return out
+}
+
+// gpuInfo describes the rank's GPU memory to a peer: with the handles to a peer within
+// this agent, without them to any other (a handle opens only on its own node).
+func (s *session) gpuInfo(local bool) *wire.GPU {
+	g := &wire.GPU{Engine: s.key, Epoch: s.epoch, Device: string(s.gpu.uuid[:])}
+	if local {
+		for _, l := range s.layout {
+			r := s.regions[uint32(l.ID)]
+			g.Handles = append(g.Handles, string(r.dev.handle[:]))
+			g.Offsets = append(g.Offsets, r.dev.off)
+		}
+	}
+	return g
+}
+
+// openPeerGPU opens a same-node peer engine's GPU regions in this rank's GPU context and
+// returns them with their device addresses; it refuses memory off this node and pairs of
+// host and GPU memory.
+func (s *session) openPeerGPU(p *peer, info *wire.EngineInfo) ([]writer.RemoteRegion, error) {
+	switch {
+	case info.GPU == nil && s.gpu == nil:
+		return nil, nil
+	case info.GPU == nil || s.gpu == nil:
+		return nil, errors.New("one engine's KV is in GPU memory and the other's in host memory: such pairs are not supported")
+	case !p.local || len(info.GPU.Handles) == 0:
+		return nil, fmt.Errorf("its KV is in GPU memory on another node; moving GPU memory between nodes needs the EFA dmabuf path, which this agent does not have")
+	}
+	regions, _ := remoteLayout(info)
+	out := make([]writer.RemoteRegion, len(regions))
+	for i, r := range regions {
+		h := cuda.IPCHandle([]byte(info.GPU.Handles[i]))
+		gr, err := s.a.gpus.openRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], r.BlockLen*uint64(r.Blocks))
+		if err != nil {
+			return nil, fmt.Errorf("region %d: %w", r.ID, err)
+		}
+		s.gpu.opened = append(s.gpu.opened, importKey{h, s.gpu.ordinal})
+		out[i] = writer.RemoteRegion{Region: r, Addr: uint64(gr.ptr)}
+	}
+	return out, nil
+}
+
+// closeGPU waits for the rank's copies and closes what it opened (teardown).
+func (s *session) closeGPU() {
+	if s.gpu == nil {
+		return
+	}
+	if s.gpu.copier != nil {
+		s.gpu.copier.close()
+	}
+	for _, k := range s.gpu.opened {
+		s.a.gpus.close(k.handle, k.gpu)
+	}
+	for _, r := range s.regions {
+		s.a.gpus.close(r.dev.handle, s.gpu.ordinal)
+	}
+}
+
+// notifyDecode delivers a signal to a decode engine of this agent, as a write carrying
+// data would: only to the incarnation it was meant for.
+func (a *Agent) notifyDecode(engine string, epoch, data uint64) error {
+	s := a.engine(engine)
+	if s == nil || s.epoch != epoch || s.decode() == nil {
+		return fmt.Errorf("decode engine %s epoch %d is gone", engine, epoch)
+	}
+	s.post(func() { s.decode().onSignal(time.Now(), data) })
+	return nil
+}
