@@ -116,11 +116,19 @@ func TestGPUHandoffAgainstARawCopy(t *testing.T) {
 	}
 	raw := rawCopy(t, 0, peerGPU(), blocks*l.BlockBytes(), l.Regions())
 	mean := sum / (rounds - 1)
+	// The agent's own stages, mean per request over every round (its metrics).
+	stages := map[string]float64{}
+	for _, stage := range []string{"post", "wire", "notify"} {
+		series := fmt.Sprintf(`kvhandoff_agent_handoff_stage_seconds_%%s{mode="push",stage="%s"}`, stage)
+		if n := p.A.Metric(t, fmt.Sprintf(series, "count")); n > 0 {
+			stages[stage+"_ms"] = p.A.Metric(t, fmt.Sprintf(series, "sum")) / n * 1000
+		}
+	}
 	res := map[string]any{
 		"layout": "Qwen3-32B, TP 8, one rank", "tokens": blocks * l.BlockSize, "bytes": bytes, "source_gpu": 0, "destination_gpu": peerGPU(),
 		"handoff_mean_ms": ms(mean), "handoff_best_ms": ms(best), "handoff_gb_per_s": bytes / mean.Seconds() / 1e9,
 		"raw_copy_ms": ms(raw), "raw_copy_gb_per_s": bytes / raw.Seconds() / 1e9,
-		"handoff_over_raw_copy": raw.Seconds() / mean.Seconds(),
+		"handoff_over_raw_copy": raw.Seconds() / mean.Seconds(), "agent_stage_mean": stages,
 	}
 	t.Logf("%+v", res)
 	if dir := os.Getenv("KVH_GPU_OUT"); dir != "" {

@@ -331,9 +331,6 @@ func (p *peer) fail(err error) {
 	p.once.Do(func() {
 		p.err = err
 		close(p.done)
-		if p.conn != nil {
-			p.conn.Close()
-		}
 		a := p.a
 		a.mu.Lock()
 		if a.peers[p.addr] == p {
@@ -341,6 +338,11 @@ func (p *peer) fail(err error) {
 		}
 		delete(a.inbound, p)
 		a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
+		// Closed only once the agent no longer counts it: whoever sees the connection end
+		// sees the agent's state without it.
+		if p.conn != nil {
+			p.conn.Close()
+		}
 		sessions := make([]*session, 0, len(a.sessions))
 		for _, s := range a.sessions {
 			sessions = append(sessions, s)

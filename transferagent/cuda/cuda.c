@@ -111,6 +111,16 @@ int kvh_cu_stream_create(kvh_CUcontext ctx, kvh_CUstream *s) { ON(ctx); return c
 int kvh_cu_stream_destroy(kvh_CUcontext ctx, kvh_CUstream s) { ON(ctx); return cu.stream_destroy(s); }
 int kvh_cu_stream_sync(kvh_CUcontext ctx, kvh_CUstream s) { ON(ctx); return cu.stream_synchronize(s); }
 int kvh_cu_copy_async(kvh_CUcontext ctx, kvh_CUdeviceptr dst, kvh_CUdeviceptr src, size_t n, kvh_CUstream s) { ON(ctx); return cu.memcpy_async(dst, src, n, s); }
+// kvh_cu_copy_batch queues count copies with one call from Go and one context switch;
+// queued is how many were queued before an error.
+int kvh_cu_copy_batch(kvh_CUcontext ctx, const uint64_t *dst, const uint64_t *src, const uint64_t *n, int count, kvh_CUstream s, int *queued) {
+	ON(ctx);
+	for (*queued = 0; *queued < count; (*queued)++) {
+		int r = cu.memcpy_async(dst[*queued], src[*queued], n[*queued], s);
+		if (r) return r;
+	}
+	return 0;
+}
 int kvh_cu_htod(kvh_CUcontext ctx, kvh_CUdeviceptr dst, const void *src, size_t n) { ON(ctx); return cu.memcpy_htod(dst, src, n); }
 int kvh_cu_dtoh(kvh_CUcontext ctx, void *dst, kvh_CUdeviceptr src, size_t n) { ON(ctx); return cu.memcpy_dtoh(dst, src, n); }
 // CU_EVENT_DISABLE_TIMING (2): completion only, the cheapest kind.

@@ -248,6 +248,30 @@ func (s *Stream) Copy(dst, src Ptr, n uint64) error {
 	return check("cuMemcpyAsync", C.kvh_cu_copy_async(s.ctx.c, C.kvh_CUdeviceptr(dst), C.kvh_CUdeviceptr(src), C.size_t(n), s.s))
 }
 
+// Copies is a batch of copies for CopyAll: Dst[i] ← Src[i], Len[i] bytes.
+type Copies struct{ Dst, Src, Len []uint64 }
+
+// Add appends a copy.
+func (c *Copies) Add(dst, src Ptr, n uint64) {
+	c.Dst, c.Src, c.Len = append(c.Dst, uint64(dst)), append(c.Src, uint64(src)), append(c.Len, n)
+}
+
+// Reset empties the batch, keeping its memory.
+func (c *Copies) Reset() { c.Dst, c.Src, c.Len = c.Dst[:0], c.Src[:0], c.Len[:0] }
+
+// CopyAll queues a batch of copies in one call (a request's merged writes are a hundred
+// or more; each call from Go and each context switch costs microseconds). It returns how
+// many were queued before an error.
+func (s *Stream) CopyAll(c *Copies) (int, error) {
+	if len(c.Dst) == 0 {
+		return 0, nil
+	}
+	var queued C.int
+	r := C.kvh_cu_copy_batch(s.ctx.c, (*C.uint64_t)(unsafe.Pointer(&c.Dst[0])), (*C.uint64_t)(unsafe.Pointer(&c.Src[0])),
+		(*C.uint64_t)(unsafe.Pointer(&c.Len[0])), C.int(len(c.Dst)), s.s, &queued)
+	return int(queued), check("cuMemcpyAsync", r)
+}
+
 // Sync waits until everything queued on the stream is done.
 func (s *Stream) Sync() error {
 	return check("cuStreamSynchronize", C.kvh_cu_stream_sync(s.ctx.c, s.s))

@@ -35,6 +35,7 @@ int kvh_cu_stream_create(kvh_CUcontext ctx, kvh_CUstream *s);
 int kvh_cu_stream_destroy(kvh_CUcontext ctx, kvh_CUstream s);
 int kvh_cu_stream_sync(kvh_CUcontext ctx, kvh_CUstream s);
 int kvh_cu_copy_async(kvh_CUcontext ctx, kvh_CUdeviceptr dst, kvh_CUdeviceptr src, size_t n, kvh_CUstream s);
+int kvh_cu_copy_batch(kvh_CUcontext ctx, const uint64_t *dst, const uint64_t *src, const uint64_t *n, int count, kvh_CUstream s, int *queued);
 int kvh_cu_htod(kvh_CUcontext ctx, kvh_CUdeviceptr dst, const void *src, size_t n);
 int kvh_cu_dtoh(kvh_CUcontext ctx, void *dst, kvh_CUdeviceptr src, size_t n);
 int kvh_cu_event_create(kvh_CUcontext ctx, kvh_CUevent *e);
