@@ -114,7 +114,10 @@ func TestGPUHandoffAgainstARawCopy(t *testing.T) {
 		P.Free(src)
 		D.Free(dst)
 	}
-	raw := rawCopy(t, 0, peerGPU(), blocks*l.BlockBytes(), l.Regions())
+	// The raw copy as the agent makes it (a stream of the source GPU, as prefill pushes),
+	// and driven from the destination GPU instead, in case that way is faster.
+	raw := rawCopy(t, 0, peerGPU(), 0, blocks*l.BlockBytes(), l.Regions())
+	rawFromDst := rawCopy(t, 0, peerGPU(), peerGPU(), blocks*l.BlockBytes(), l.Regions())
 	mean := sum / (rounds - 1)
 	// The agent's own stages, mean per request over every round (its metrics).
 	stages := map[string]float64{}
@@ -128,6 +131,7 @@ func TestGPUHandoffAgainstARawCopy(t *testing.T) {
 		"layout": "Qwen3-32B, TP 8, one rank", "tokens": blocks * l.BlockSize, "bytes": bytes, "source_gpu": 0, "destination_gpu": peerGPU(),
 		"handoff_mean_ms": ms(mean), "handoff_best_ms": ms(best), "handoff_gb_per_s": bytes / mean.Seconds() / 1e9,
 		"raw_copy_ms": ms(raw), "raw_copy_gb_per_s": bytes / raw.Seconds() / 1e9,
+		"raw_copy_on_destination_gpu_ms": ms(rawFromDst), "raw_copy_on_destination_gpu_gb_per_s": bytes / rawFromDst.Seconds() / 1e9,
 		"handoff_over_raw_copy": raw.Seconds() / mean.Seconds(), "agent_stage_mean": stages,
 	}
 	t.Logf("%+v", res)
@@ -142,8 +146,8 @@ func TestGPUHandoffAgainstARawCopy(t *testing.T) {
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // rawCopy is the best of ten: pieces copies of piece bytes each from GPU src to GPU dst
-// within this process, on one stream, then a sync.
-func rawCopy(t *testing.T, src, dst, piece, pieces int) time.Duration {
+// within this process, on one stream of GPU on, then a sync.
+func rawCopy(t *testing.T, src, dst, on, piece, pieces int) time.Duration {
 	s, err := cuda.Open(src)
 	if err != nil {
 		t.Fatal(err)
@@ -153,9 +157,13 @@ func rawCopy(t *testing.T, src, dst, piece, pieces int) time.Duration {
 		t.Fatal(err)
 	}
 	if src != dst {
-		if err := d.EnablePeer(s); err != nil {
-			t.Fatal(err)
-		}
+		// Either way round, once per process (a second enable reports an error).
+		_ = d.EnablePeer(s)
+		_ = s.EnablePeer(d)
+	}
+	driver := s
+	if on == dst {
+		driver = d
 	}
 	n := uint64(piece * pieces)
 	from, err := s.Alloc(n)
@@ -168,7 +176,7 @@ func rawCopy(t *testing.T, src, dst, piece, pieces int) time.Duration {
 		t.Fatal(err)
 	}
 	defer d.Free(to)
-	st, err := s.NewStream()
+	st, err := driver.NewStream()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -410,24 +410,21 @@ func (s *session) describe(local bool) []wire.Message {
 	for _, l := range s.layout {
 		r := s.regions[uint32(l.ID)]
 		ri := wire.RegionInfo{ID: uint64(r.id), BlockLen: r.blockLen, Blocks: uint64(r.blocks)}
-		if r.reg != nil {
+		if r.reg != nil { // host memory; GPU memory is what the GPU message describes
 			ri.Addr, ri.Key = r.reg.RemoteAddr(0), r.reg.Keys[0]
-		}
-		m.Regions = append(m.Regions, ri)
-		for i := range rails.Rails {
-			if r.reg != nil {
+			for i := range rails.Rails {
 				rails.Rails[i].Keys = append(rails.Rails[i].Keys, r.reg.Keys[i+1])
 			}
 		}
+		m.Regions = append(m.Regions, ri)
 	}
-	out := []wire.Message{m}
-	if len(rails.Rails) > 0 && s.gpu == nil {
-		out = append(out, rails)
+	switch {
+	case s.gpu != nil:
+		return []wire.Message{m, s.gpuInfo(local)}
+	case len(rails.Rails) > 0:
+		return []wire.Message{m, rails}
 	}
-	if s.gpu != nil {
-		out = append(out, s.gpuInfo(local))
-	}
-	return out
+	return []wire.Message{m}
 }
 
 // remote returns the fabric peer of a remote engine, inserting its addresses (one per

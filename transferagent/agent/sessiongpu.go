@@ -125,6 +125,9 @@ func (s *session) openPeerGPU(p *peer, info *wire.EngineInfo) ([]writer.RemoteRe
 	case !p.local || len(info.GPU.Handles) == 0:
 		return nil, fmt.Errorf("its KV is in GPU memory on another node; moving GPU memory between nodes needs the EFA dmabuf path, which this agent does not have")
 	}
+	if err := s.a.gpus.reach(s.gpu.ordinal, cuda.UUID([]byte(info.GPU.Device))); err != nil {
+		return nil, err
+	}
 	regions, _ := remoteLayout(info)
 	out := make([]writer.RemoteRegion, len(regions))
 	for i, r := range regions {

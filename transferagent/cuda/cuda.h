@@ -16,6 +16,7 @@ typedef struct { char reserved[64]; } kvh_CUipcMemHandle;
 // Results the package tells apart.
 #define KVH_CUDA_SUCCESS 0
 #define KVH_CUDA_ERROR_NOT_READY 600
+#define KVH_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED 704
 // kvh_cu_load's own results: no driver, or a driver without a needed entry point.
 #define KVH_NO_DRIVER -1
 #define KVH_NO_SYMBOL -2
