@@ -76,7 +76,7 @@ test-gpu: ## On a host with two NVIDIA GPUs: the CUDA layer (IPC across processe
 	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./transferagent/agent/
 
 .PHONY: bench-handoff-gpu
-bench-handoff-gpu: ## On a host with two NVIDIA GPUs: a push handoff of Qwen3-32B's KV (16k tokens, one TP-8 rank) against a raw copy of the same bytes; bench/results/gpu/handoff.json.
+bench-handoff-gpu: ## On a host with two NVIDIA GPUs: push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes; bench/results/gpu/handoff.json.
 	mkdir -p bench/results/gpu
 	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v -run '^TestGPUHandoffAgainstARawCopy$$' ./transferagent/agent/
 
