@@ -187,9 +187,26 @@ func (w *wirePair) reap() (int, error) {
 }
 
 // MeasureBandwidth is the provider's bandwidth in bytes/s over one endpoint pair of
-// rails rails: the median of several writes of size bytes.
+// rails rails: size bytes over the median time of several writes of them.
 func MeasureBandwidth(provider string, rails, size int, cpus *unix.CPUSet) (float64, error) {
-	w, err := newWirePair(provider, rails, size, cpus)
+	d, err := medianWrite(provider, rails, size, 4<<20, 64, 5, cpus)
+	return float64(size) / d.Seconds(), err
+}
+
+// wireFloor is the median time of a plain write of n bytes, signalled, on the provider.
+func wireFloor(provider string, rails, n int, cpus *unix.CPUSet) (time.Duration, error) {
+	d, err := medianWrite(provider, rails, n, 4<<20, 64, 9, cpus)
+	if err != nil {
+		return 0, fmt.Errorf("wire floor: %w", err)
+	}
+	return d, nil
+}
+
+// medianWrite opens an endpoint pair of rails rails, forms its connection, and returns
+// the median time of rounds writes of n bytes, in chunk-byte writes with window in flight,
+// each signalled.
+func medianWrite(provider string, rails, n, chunk, window, rounds int, cpus *unix.CPUSet) (time.Duration, error) {
+	w, err := newWirePair(provider, rails, n, cpus)
 	if err != nil {
 		return 0, err
 	}
@@ -197,35 +214,11 @@ func MeasureBandwidth(provider string, rails, size int, cpus *unix.CPUSet) (floa
 	if _, err := w.write(1<<20, 1<<20, 1); err != nil { // connection setup
 		return 0, err
 	}
-	var rates []float64
-	for range 5 {
-		d, err := w.write(size, 4<<20, 64)
-		if err != nil {
+	ds := make([]time.Duration, rounds)
+	for i := range ds {
+		if ds[i], err = w.write(n, chunk, window); err != nil {
 			return 0, err
 		}
-		rates = append(rates, float64(size)/d.Seconds())
-	}
-	slices.Sort(rates)
-	return rates[len(rates)/2], nil
-}
-
-// wireFloor is the median time of a plain write of n bytes, signalled, on the provider.
-func wireFloor(provider string, rails, n int, cpus *unix.CPUSet) (time.Duration, error) {
-	w, err := newWirePair(provider, rails, n, cpus)
-	if err != nil {
-		return 0, fmt.Errorf("wire floor: %w", err)
-	}
-	defer w.close()
-	if _, err := w.write(1<<20, 1<<20, 1); err != nil {
-		return 0, err
-	}
-	var ds []time.Duration
-	for range 9 {
-		d, err := w.write(n, 4<<20, 64)
-		if err != nil {
-			return 0, err
-		}
-		ds = append(ds, d)
 	}
 	slices.Sort(ds)
 	return ds[len(ds)/2], nil

@@ -2,7 +2,6 @@ package handoff
 
 import (
 	"context"
-	"slices"
 
 	"golang.org/x/sys/unix"
 
@@ -22,50 +21,30 @@ type RailsGain struct {
 }
 
 // MeasureRailsGain measures RailsGain for one rank of layout l, with Blocks the blocks of
-// one request.
+// one request: the pair's writes are the agent's (one per region, all in flight).
 func MeasureRailsGain(ctx context.Context, sc Scenario, l simengine.Layout, cpus *unix.CPUSet) (*RailsGain, error) {
-	g := &RailsGain{}
 	n := l.Blocks * l.BlockBytes() * l.Regions()
-	for _, x := range []struct {
-		rails         int
-		pair, agent   *float64
-		agentWritesTo *float64
-	}{{1, &g.PairOneRailGBps, &g.AgentOneRailGBps, &g.AgentWritesOneRailGBps}, {2, &g.PairTwoRailsGBps, &g.AgentTwoRailsGBps, &g.AgentWritesTwoRailsGBps}} {
-		rate, err := pairThroughput(sc.Provider, x.rails, n, l.Regions(), cpus)
+	measure := func(rails int) (pair float64, agent agentRate, err error) {
+		d, err := medianWrite(sc.Provider, rails, n, (n+l.Regions()-1)/l.Regions(), l.Regions(), 9, cpus)
 		if err != nil {
-			return nil, err
+			return 0, agent, err
 		}
-		*x.pair = rate / 1e9
-		one := sc
-		one.Rails = x.rails
-		a, err := agentThroughput(ctx, one, nil, l)
-		if err != nil {
-			return nil, err
-		}
-		*x.agent, *x.agentWritesTo = a.endToEnd, a.writes
+		sc := sc
+		sc.Rails = rails
+		agent, err = agentThroughput(ctx, sc, nil, l)
+		return float64(n) / d.Seconds() / 1e9, agent, err
 	}
-	return g, nil
-}
-
-// pairThroughput is the median rate, in bytes/s, of n bytes in writes equal writes all in
-// flight, signalled, over one endpoint pair of rails rails.
-func pairThroughput(provider string, rails, n, writes int, cpus *unix.CPUSet) (float64, error) {
-	w, err := newWirePair(provider, rails, n, cpus)
+	pair1, agent1, err := measure(1)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	defer w.close()
-	if _, err := w.write(1<<20, 1<<20, 1); err != nil {
-		return 0, err
+	pair2, agent2, err := measure(2)
+	if err != nil {
+		return nil, err
 	}
-	var rates []float64
-	for range 9 {
-		d, err := w.write(n, (n+writes-1)/writes, writes)
-		if err != nil {
-			return 0, err
-		}
-		rates = append(rates, float64(n)/d.Seconds())
-	}
-	slices.Sort(rates)
-	return rates[len(rates)/2], nil
+	return &RailsGain{
+		PairOneRailGBps: pair1, PairTwoRailsGBps: pair2,
+		AgentOneRailGBps: agent1.endToEnd, AgentTwoRailsGBps: agent2.endToEnd,
+		AgentWritesOneRailGBps: agent1.writes, AgentWritesTwoRailsGBps: agent2.writes,
+	}, nil
 }

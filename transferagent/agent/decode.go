@@ -184,22 +184,18 @@ func (ds *decodeSide) onAcquired(pr *peer, m *wire.Acquired) {
 		fail(fmt.Sprintf("prefill engine %s did not describe its memory", g.Source))
 		return
 	}
-	devices, err := s.openPeerGPU(pr, info)
+	src, byID, onGPU, err := s.peerMemory(pr, info)
 	if err != nil {
 		s.a.metrics.refused.WithLabelValues("peer", "Pull").Inc()
 		fail(fmt.Sprintf("prefill engine %s: %v", g.Source, err))
 		return
 	}
 	var fp fabric.Peer
-	if devices == nil {
+	if !onGPU {
 		if fp, err = s.remote(info); err != nil {
 			fail(fmt.Sprintf("adding prefill engine %s's fabric address: %v", g.Source, err))
 			return
 		}
-	}
-	src, byID := remoteLayout(info)
-	for _, d := range devices {
-		byID[d.ID] = d
 	}
 	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, src, s.layout, s.ep.Limits().MaxMsgSize)
 	if err != nil {
@@ -209,7 +205,7 @@ func (ds *decodeSide) onAcquired(pr *peer, m *wire.Acquired) {
 	}
 	var bytes uint64
 	for _, w := range plan {
-		ds.reads = append(ds.reads, readOp{key: k, peer: fp, remote: byID[w.Region], w: w, copy: devices != nil})
+		ds.reads = append(ds.reads, readOp{key: k, peer: fp, remote: byID[w.Region], w: w, copy: onGPU})
 		bytes += w.Len
 	}
 	ds.table.Planned(k, len(plan), bytes)
@@ -264,7 +260,7 @@ func (ds *decodeSide) step(now time.Time) bool {
 	}
 	n := s.ep.Poll(s.buf)
 	done := append(ds.waited, s.buf[:n]...)
-	if s.gpu != nil && s.gpu.copier != nil {
+	if s.gpu != nil {
 		done = append(done, s.buf[:s.gpu.copier.Poll(s.buf)]...)
 	}
 	ds.waited = nil

@@ -46,24 +46,6 @@ func (g *gpus) context(ordinal int) (*cuda.Context, error) {
 	return c, nil
 }
 
-// reach lets GPU from's copies reach the GPU with UUID to directly (peer access), where
-// they differ.
-func (g *gpus) reach(from int, to cuda.UUID) error {
-	ordinal, err := cuda.DeviceByUUID(to)
-	if err != nil || ordinal == from {
-		return err
-	}
-	a, err := g.context(from)
-	if err != nil {
-		return err
-	}
-	b, err := g.context(ordinal)
-	if err != nil {
-		return err
-	}
-	return a.EnablePeer(b)
-}
-
 // open maps the allocation of handle into GPU ordinal's context (once, then counted) and
 // returns where it starts and how long it is.
 func (g *gpus) open(h cuda.IPCHandle, ordinal int) (cuda.Ptr, uint64, error) {

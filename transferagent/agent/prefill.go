@@ -164,7 +164,10 @@ func (ps *prefillSide) onRegister(p *peer, m *wire.Register) {
 // addDestination checks a decode engine's regions against this rank's (same ids and
 // block lengths: the planner maps region to region) and makes it a write target.
 func (ps *prefillSide) addDestination(p *peer, info *wire.EngineInfo) error {
-	regions, byID := remoteLayout(info)
+	regions, byID, onGPU, err := ps.s.peerMemory(p, info)
+	if err != nil {
+		return err
+	}
 	for _, l := range ps.s.layout {
 		r, ok := byID[l.ID]
 		if !ok || r.BlockLen != l.BlockLen {
@@ -172,23 +175,15 @@ func (ps *prefillSide) addDestination(p *peer, info *wire.EngineInfo) error {
 		}
 	}
 	var d writer.Destination
-	devices, err := ps.s.openPeerGPU(p, info)
-	switch {
-	case err != nil:
-		return err
-	case devices != nil:
+	if onGPU {
 		// A pair on this node: copies, and a notice to the decode rank in this agent.
 		a := ps.s.a
-		d = writer.Destination{Regions: devices, Notify: func(data uint64) error { return a.notifyDecode(info.Engine, info.Epoch, data) }}
-	default:
-		fp, err := ps.s.remote(info)
-		if err != nil {
-			return err
-		}
-		d = writer.Destination{Peer: fp}
-		for _, r := range regions {
-			d.Regions = append(d.Regions, byID[r.ID])
-		}
+		d.Notify = func(data uint64) error { return a.notifyDecode(info.Engine, info.Epoch, data) }
+	} else if d.Peer, err = ps.s.remote(info); err != nil {
+		return err
+	}
+	for _, r := range regions {
+		d.Regions = append(d.Regions, byID[r.ID])
 	}
 	ps.w.AddDestination(rendezvous.Engine{ID: info.Engine, Epoch: info.Epoch}, d)
 	return nil

@@ -269,7 +269,7 @@ func (s *session) run() {
 			// ranks sharing few cores leave the cores to the ones moving data. GPU copies
 			// take a millisecond or so and use no core: poll them without a nap, which
 			// the Go runtime would stretch to about as long as the copies.
-			if idle < hotSpins || (s.gpu != nil && s.gpu.copier != nil && s.gpu.copier.busy()) {
+			if idle < hotSpins || (s.gpu != nil && s.gpu.copier.busy()) {
 				runtime.Gosched()
 				continue
 			}
@@ -371,9 +371,6 @@ func (s *session) freeze() error {
 		return status.Error(codes.FailedPrecondition, "session: register the engine's KV regions before its first transfer")
 	}
 	if !s.frozen {
-		if err := s.startCopies(); err != nil {
-			return status.Errorf(codes.Internal, "a CUDA stream for the rank's copies: %v", err)
-		}
 		s.frozen = true
 		s.side.freeze()
 	}

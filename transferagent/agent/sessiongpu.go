@@ -16,7 +16,8 @@ import (
 )
 
 // sessionGPU is a session whose regions are GPU memory (CUDA IPC): the GPU they are on,
-// the stream the rank's copies run on, and the peers' allocations it opened.
+// the stream the rank's copies run on (made with its first region), and the peers'
+// allocations it opened.
 type sessionGPU struct {
 	ordinal int
 	uuid    cuda.UUID
@@ -71,23 +72,18 @@ func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr 
 		return status.Error(codes.FailedPrecondition, "kind: an engine rank's regions must all be host memory or all on one GPU")
 	}
 	if s.gpu == nil {
-		s.gpu = &sessionGPU{ordinal: ordinal, uuid: cuda.UUID(r.CudaDeviceUuid)}
+		c, err := s.a.gpus.context(ordinal)
+		if err != nil {
+			return status.Errorf(codes.Internal, "GPU %d: %v", ordinal, err)
+		}
+		cp, err := newCopier(c)
+		if err != nil {
+			return status.Errorf(codes.Internal, "a CUDA stream for the rank's copies: %v", err)
+		}
+		s.gpu = &sessionGPU{ordinal: ordinal, uuid: cuda.UUID(r.CudaDeviceUuid), copier: cp}
 	}
 	s.track(r, &localRegion{id: r.RegionId, m: m, dev: gr, blockLen: r.BlockLen, blocks: r.BlockCount})
 	return nil
-}
-
-// startCopies makes the stream the rank's copies run on, at its first transfer.
-func (s *session) startCopies() error {
-	if s.gpu == nil || s.gpu.copier != nil {
-		return nil
-	}
-	c, err := s.a.gpus.context(s.gpu.ordinal)
-	if err != nil {
-		return err
-	}
-	s.gpu.copier, err = newCopier(c)
-	return err
 }
 
 // devices are the rank's regions' device addresses by region ID.
@@ -113,33 +109,30 @@ func (s *session) gpuInfo(local bool) *wire.GPU {
 	return g
 }
 
-// openPeerGPU opens a same-node peer engine's GPU regions in this rank's GPU context and
-// returns them with their device addresses; it refuses memory off this node and pairs of
-// host and GPU memory.
-func (s *session) openPeerGPU(p *peer, info *wire.EngineInfo) ([]writer.RemoteRegion, error) {
+// peerMemory is a peer engine's regions as the planner sees them, and by ID with what
+// reaches them: fabric addresses and keys, or for GPU memory on this node device addresses
+// in this rank's GPU context (onGPU), its regions opened there. Pairs of host and GPU
+// memory, and GPU memory off this node, are refused.
+func (s *session) peerMemory(p *peer, info *wire.EngineInfo) (regions []writer.Region, byID map[int]writer.RemoteRegion, onGPU bool, err error) {
+	regions, byID = remoteLayout(info)
 	switch {
 	case info.GPU == nil && s.gpu == nil:
-		return nil, nil
+		return regions, byID, false, nil
 	case info.GPU == nil || s.gpu == nil:
-		return nil, errors.New("one engine's KV is in GPU memory and the other's in host memory: such pairs are not supported")
+		return nil, nil, false, errors.New("one engine's KV is in GPU memory and the other's in host memory: such pairs are not supported")
 	case !p.local || len(info.GPU.Handles) == 0:
-		return nil, fmt.Errorf("its KV is in GPU memory on another node; moving GPU memory between nodes needs the EFA dmabuf path, which this agent does not have")
+		return nil, nil, false, errors.New("its KV is in GPU memory on another node; moving GPU memory between nodes needs the EFA dmabuf path, which this agent does not have")
 	}
-	if err := s.a.gpus.reach(s.gpu.ordinal, cuda.UUID([]byte(info.GPU.Device))); err != nil {
-		return nil, err
-	}
-	regions, _ := remoteLayout(info)
-	out := make([]writer.RemoteRegion, len(regions))
 	for i, r := range regions {
 		h := cuda.IPCHandle([]byte(info.GPU.Handles[i]))
 		gr, err := s.a.gpus.openRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], r.BlockLen*uint64(r.Blocks))
 		if err != nil {
-			return nil, fmt.Errorf("region %d: %w", r.ID, err)
+			return nil, nil, false, fmt.Errorf("region %d: %w", r.ID, err)
 		}
 		s.gpu.opened = append(s.gpu.opened, importKey{h, s.gpu.ordinal})
-		out[i] = writer.RemoteRegion{Region: r, Addr: uint64(gr.ptr)}
+		byID[r.ID] = writer.RemoteRegion{Region: r, Addr: uint64(gr.ptr)}
 	}
-	return out, nil
+	return regions, byID, true, nil
 }
 
 // closeGPU waits for the rank's copies and closes what it opened (teardown).
@@ -147,9 +140,7 @@ func (s *session) closeGPU() {
 	if s.gpu == nil {
 		return
 	}
-	if s.gpu.copier != nil {
-		s.gpu.copier.close()
-	}
+	s.gpu.copier.close()
 	for _, k := range s.gpu.opened {
 		s.a.gpus.close(k.handle, k.gpu)
 	}

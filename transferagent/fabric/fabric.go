@@ -55,7 +55,7 @@ type Endpoint struct {
 
 	peers [][]C.fi_addr_t // by Peer: its address on each rail both sides have
 	load  []uint64        // bytes posted and not complete, by rail (under mu: rail threads complete operations)
-	sent  []uint64        // bytes posted, by rail, since Open (under mu)
+	sent  []uint64        // bytes completed, by rail, since Open (under mu)
 	first int             // the rail Poll reads first, rotated so none starves
 	last  int             // the rail of the last operation: ties go to the next
 	// done carries the completions the rail threads read; stop ends those threads.
@@ -397,12 +397,13 @@ func (e *Endpoint) context(o op) unsafe.Pointer {
 	e.mu.Lock()
 	e.ctxs[p] = o
 	e.load[o.rail] += o.bytes
-	e.sent[o.rail] += o.bytes
 	e.mu.Unlock()
 	return p
 }
 
-func (e *Endpoint) release(p unsafe.Pointer) (uint64, bool) {
+// release frees an operation's context, when it completed (done: its bytes count as
+// carried) or failed or was never taken.
+func (e *Endpoint) release(p unsafe.Pointer, done bool) uint64 {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	o, ok := e.ctxs[p]
@@ -410,21 +411,14 @@ func (e *Endpoint) release(p unsafe.Pointer) (uint64, bool) {
 		delete(e.ctxs, p)
 		C.free(p)
 		e.load[o.rail] -= o.bytes
+		if done {
+			e.sent[o.rail] += o.bytes
+		}
 	}
-	return o.id, ok
+	return o.id
 }
 
-// unpost releases the context of an operation the provider did not take.
-func (e *Endpoint) unpost(p unsafe.Pointer) {
-	e.mu.Lock()
-	if o, ok := e.ctxs[p]; ok {
-		e.sent[o.rail] -= o.bytes
-	}
-	e.mu.Unlock()
-	e.release(p)
-}
-
-// RailBytes is how many bytes of writes and reads each rail has carried since Open.
+// RailBytes is how many bytes of writes and reads each rail has completed since Open.
 func (e *Endpoint) RailBytes() []uint64 {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -440,8 +434,11 @@ func (e *Endpoint) rail(peer Peer, keys []uint64) (int, C.fi_addr_t, error) {
 	}
 	fis := e.peers[peer]
 	n := min(len(fis), len(keys))
-	if n == 0 {
+	switch n {
+	case 0:
 		return 0, 0, errors.New("fabric: no remote key")
+	case 1: // one rail: nothing to choose, and no lock to take on every write
+		return 0, fis[0], nil
 	}
 	e.mu.Lock() // the rail threads' completions lower the loads
 	defer e.mu.Unlock()
@@ -483,7 +480,7 @@ func (e *Endpoint) Write(peer Peer, src *Region, srcOff, length, dstAddr uint64,
 	ctx := e.context(op{id: id, rail: rail, bytes: length})
 	ret := C.kvh_write(e.rails[rail], buf, C.size_t(length), src.descs[rail], fi, C.uint64_t(dstAddr), C.uint64_t(dstKeys[rail]), ctx)
 	if ret != 0 {
-		e.unpost(ctx)
+		e.release(ctx, false)
 		return fiError("write", ret)
 	}
 	return nil
@@ -504,7 +501,7 @@ func (e *Endpoint) Read(peer Peer, dst *Region, dstOff, length, srcAddr uint64, 
 	ctx := e.context(op{id: id, rail: rail, bytes: length})
 	ret := C.kvh_read(e.rails[rail], buf, C.size_t(length), dst.descs[rail], fi, C.uint64_t(srcAddr), C.uint64_t(srcKeys[rail]), ctx)
 	if ret != 0 {
-		e.unpost(ctx)
+		e.release(ctx, false)
 		return fiError("read", ret)
 	}
 	return nil
@@ -521,7 +518,7 @@ func (e *Endpoint) WriteData(peer Peer, data, dstAddr uint64, dstKeys []uint64, 
 	ctx := e.context(op{id: id})
 	ret := C.kvh_writedata(e.rails[0], nil, 0, nil, C.uint64_t(data), e.peers[peer][0], C.uint64_t(dstAddr), C.uint64_t(dstKeys[0]), ctx)
 	if ret != 0 {
-		e.unpost(ctx)
+		e.release(ctx, false)
 		return fiError("writedata", ret)
 	}
 	return nil
@@ -616,7 +613,7 @@ func (e *Endpoint) read(rail int, out []Completion, timeoutMs int) int {
 		ret = C.kvh_sread(c, &entries[0], C.size_t(n), C.int(timeoutMs), &errCtx, &errCode)
 	}
 	if ret == -C.FI_EAVAIL {
-		id, _ := e.release(errCtx)
+		id := e.release(errCtx, false)
 		out[0] = Completion{ID: id, Err: fmt.Errorf("fabric: operation %d failed: %s", id, C.GoString(C.fi_strerror(errCode)))}
 		return 1
 	}
@@ -630,7 +627,7 @@ func (e *Endpoint) read(rail int, out []Completion, timeoutMs int) int {
 			out[i] = Completion{Remote: true, Data: uint64(en.data)}
 			continue
 		}
-		id, _ := e.release(en.op_context)
+		id := e.release(en.op_context, true)
 		out[i] = Completion{ID: id}
 	}
 	return int(ret)
