@@ -49,7 +49,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvhandoff_agent_source_parts_total", Help: "SourceReady parts accepted: layer_group (a span of regions, layer-streamed push) or blocks (runs of whole blocks).",
 		}, []string{"kind"}),
 		rails: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvhandoff_agent_rail_bytes_total", Help: "Bytes of RMA writes and reads posted, by rail (--rails): how a rank's transfers split over its endpoints.",
+			Name: "kvhandoff_agent_rail_bytes_total", Help: "Bytes of RMA writes and reads completed, by rail (--rails): how a rank's transfers split over its endpoints.",
 		}, []string{"rail"}),
 		sessions: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_engine_sessions", Help: "Engine ranks registered."}),
 		peers:    prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_peer_connections", Help: "Connections to other agents."}),
