@@ -119,6 +119,9 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 	if info, ok := instancetype.Lookup(spec.InstanceType); ok && info.Accelerator != spec.Accelerator.Type {
 		return problem(kvv1.ReasonInstanceTypeMismatch, "instanceType %s carries %s accelerators but accelerator.type is %s; change one of them", spec.InstanceType, info.Accelerator, spec.Accelerator.Type), warnings
 	}
+	if policy.SameNode != kvv1.SameNodeForbid && spec.Accelerator.Type != kvv1.AcceleratorNvidiaGPU {
+		return problem(kvv1.ReasonSameNodeUnsupported, "the policy's sameNode: %s lets a pair share a node, whose KV the transfer agent moves with CUDA IPC, and this pool's accelerators are %s; use sameNode: Forbid", policy.SameNode, spec.Accelerator.Type), warnings
+	}
 	if policy.Fabric.Provider == kvv1.ProviderEFA {
 		if _, err := instancetype.EFACount(Accelerators(spec), spec.InstanceType, policy.Fabric.EFAPerAccelerator); err != nil {
 			return problem(kvv1.ReasonUnknownInstanceType, "%s", err), warnings

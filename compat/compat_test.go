@@ -92,6 +92,7 @@ func TestCheckPool(t *testing.T) {
 	tcp := builder.Policy("p").Provider(kvv1.ProviderTCP).Obj().Spec
 	override := builder.Policy("p").EFAPerAccelerator(1).Obj().Spec
 	agent := builder.Policy("p").Executor(kvv1.ExecutorAgent).Obj().Spec
+	sameNode := builder.Policy("p").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodeAllow).Obj().Spec
 	cases := []struct {
 		name        string
 		pool        *builder.PoolBuilder[*kvv1.PrefillPool]
@@ -111,6 +112,9 @@ func TestCheckPool(t *testing.T) {
 		{"no instance type on EFA", builder.PrefillPool("p").InstanceType(""), &push, kvv1.ReasonUnknownInstanceType, "spec.instanceType", ""},
 		{"unknown instance type with an EFA override", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &override, "", "", ""},
 		{"unknown instance type without EFA", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &tcp, "", "", ""},
+		{"same-node pairs on GPUs", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0"), &sameNode, "", "", WarningDeviceMemoryUnsupported},
+		{"same-node pairs on Neuron devices", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").Accelerator(kvv1.AcceleratorNeuron, 4).InstanceType("trn2.48xlarge"), &sameNode,
+			kvv1.ReasonSameNodeUnsupported, "sameNode: Allow lets a pair share a node, whose KV the transfer agent moves with CUDA IPC, and this pool's accelerators are Neuron", WarningDeviceMemoryUnsupported},
 		{"GPU pool on a Trainium type", builder.PrefillPool("p").InstanceType("trn2.48xlarge"), &push, kvv1.ReasonInstanceTypeMismatch, "carries Neuron", ""},
 	}
 	for _, c := range cases {

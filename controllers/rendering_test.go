@@ -112,4 +112,41 @@ var _ = Describe("Rendering through the API server", func() {
 		}).Should(ConsistOf(HaveField("Agent", "192.168.0.7:7470")))
 	})
 
+	It("places decode beside prefill when the policy prefers it, and keeps it off prefill's nodes again when the policy forbids it", func() {
+		ns := freshNamespace()
+		policy := builder.Policy("nvlink").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodePrefer).Obj()
+		create(ns, policy,
+			builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").Policy("nvlink").Obj(),
+			builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").Policy("nvlink").Obj())
+		Eventually(func(g Gomega) {
+			spec := statefulSet(ns, "decode").Spec.Template.Spec
+			g.Expect(spec.HostPID).To(BeTrue())
+			g.Expect(spec.Affinity.PodAntiAffinity).To(BeNil())
+			preferred := spec.Affinity.PodAffinity.PreferredDuringSchedulingIgnoredDuringExecution
+			g.Expect(preferred).To(HaveLen(1))
+			g.Expect(preferred[0].PodAffinityTerm.TopologyKey).To(Equal("kubernetes.io/hostname"))
+			g.Expect(preferred[0].PodAffinityTerm.LabelSelector.MatchLabels).To(Equal(map[string]string{kvv1.LabelPool: "prefill", kvv1.LabelRole: "prefill"}))
+			g.Expect(statefulSet(ns, "prefill").Spec.Template.Spec.HostPID).To(BeTrue())
+		}).Should(Succeed())
+
+		update(policy, func(p *kvv1.KVTransferPolicy) { p.Spec.SameNode = kvv1.SameNodeForbid })
+		Eventually(func(g Gomega) {
+			spec := statefulSet(ns, "decode").Spec.Template.Spec
+			g.Expect(spec.HostPID).To(BeFalse())
+			g.Expect(spec.Affinity.PodAffinity.PreferredDuringSchedulingIgnoredDuringExecution).To(BeEmpty())
+			g.Expect(spec.Affinity.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution).To(HaveLen(1))
+		}).Should(Succeed())
+	})
+
+	It("reports same-node pairs on Neuron devices as SameNodeUnsupported and recovers when the policy forbids them", func() {
+		ns := freshNamespace()
+		policy := builder.Policy("p").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodeAllow).Obj()
+		pool := builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").Policy("p").TP(16).
+			Accelerator(kvv1.AcceleratorNeuron, 4).InstanceType("trn2.48xlarge").Obj()
+		create(ns, policy, pool)
+		expectNotReady(pool, kvv1.ReasonSameNodeUnsupported, "this pool's accelerators are Neuron")
+		expectEvent(pool, kvv1.ReasonSameNodeUnsupported)
+		update(policy, func(p *kvv1.KVTransferPolicy) { p.Spec.SameNode = kvv1.SameNodeForbid })
+		expectRecovered(pool)
+	})
 })

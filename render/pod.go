@@ -48,7 +48,13 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 	labels[kvv1.LabelCompatHash] = compat.Hash(in.Spec, in.Policy)
 	labels[kvv1.LabelTensorParallelSize] = strconv.Itoa(int(in.Spec.TensorParallelSize))
 	labels[kvv1.LabelPipelineParallelSize] = strconv.Itoa(int(in.Spec.PipelineParallelSize))
-	policyHash, err := hashJSON(in.Policy)
+	// sameNode at its default is left out of the hash, so the release that added the field
+	// rolls no engine whose policy does not set it (omitempty does that for the others).
+	hashed := *in.Policy
+	if hashed.SameNode == kvv1.SameNodeForbid {
+		hashed.SameNode = ""
+	}
+	policyHash, err := hashJSON(&hashed)
 	if err != nil {
 		return nil, err
 	}
@@ -112,6 +118,7 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			NodeSelector:    nodeSelector(in),
 			Tolerations:     tolerations(in.Spec.Accelerator.Type),
 			Affinity:        affinity(in),
+			HostPID:         sharesHostPID(in),
 			// A Service named like vLLM's own variables (a "vllm" Service sets VLLM_PORT)
 			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
 			EnableServiceLinks: ptr.To(false),
@@ -275,28 +282,55 @@ func tolerations(t kvv1.AcceleratorType) []corev1.Toleration {
 	return []corev1.Toleration{{Key: key, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}}
 }
 
-// affinity keeps EFA pairs workable: EFA has no intra-host loopback, so a decode engine
-// must not share a node with a prefill engine of its pair, and EFA does not cross
-// availability zones, so a pool stays in one zone and decode follows prefill into it.
+// affinity keeps EFA pairs workable and places same-node pairs. EFA has no intra-host
+// loopback, so unless the policy lets pairs share a node (their KV then moves over NVLink
+// through the agent) a decode engine must not share one with a prefill engine of its pair;
+// EFA does not cross availability zones, so a pool stays in one zone and decode follows
+// prefill into it. sameNode: Prefer asks for decode beside prefill with any provider.
 func affinity(in Input) *corev1.Affinity {
-	if in.Policy.Fabric.Provider != kvv1.ProviderEFA {
-		return nil
-	}
+	efa := in.Policy.Fabric.Provider == kvv1.ProviderEFA
 	if in.Role == kvv1.RolePrefill {
+		if !efa {
+			return nil
+		}
 		own := &metav1.LabelSelector{MatchLabels: SelectorLabels(kvv1.RolePrefill, in.Name)}
 		return &corev1.Affinity{PodAffinity: &corev1.PodAffinity{
 			RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{{LabelSelector: own, TopologyKey: labelZone}},
 		}}
 	}
 	prefill := &metav1.LabelSelector{MatchLabels: SelectorLabels(kvv1.RolePrefill, in.PrefillPool)}
-	return &corev1.Affinity{
-		PodAffinity: &corev1.PodAffinity{
+	a := &corev1.Affinity{}
+	if efa {
+		a.PodAffinity = &corev1.PodAffinity{
 			RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{{LabelSelector: prefill, TopologyKey: labelZone}},
-		},
-		PodAntiAffinity: &corev1.PodAntiAffinity{
-			RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{{LabelSelector: prefill, TopologyKey: labelHostname}},
-		},
+		}
 	}
+	switch in.Policy.SameNode {
+	case kvv1.SameNodeForbid:
+		if efa {
+			a.PodAntiAffinity = &corev1.PodAntiAffinity{
+				RequiredDuringSchedulingIgnoredDuringExecution: []corev1.PodAffinityTerm{{LabelSelector: prefill, TopologyKey: labelHostname}},
+			}
+		}
+	case kvv1.SameNodePrefer:
+		if a.PodAffinity == nil {
+			a.PodAffinity = &corev1.PodAffinity{}
+		}
+		a.PodAffinity.PreferredDuringSchedulingIgnoredDuringExecution = []corev1.WeightedPodAffinityTerm{{
+			Weight: 100, PodAffinityTerm: corev1.PodAffinityTerm{LabelSelector: prefill, TopologyKey: labelHostname},
+		}}
+	}
+	if a.PodAffinity == nil && a.PodAntiAffinity == nil {
+		return nil
+	}
+	return a
+}
+
+// sharesHostPID says whether engine pods join the host's PID namespace: pairs that may
+// share a node move GPU KV with CUDA IPC, and the driver opens a legacy IPC handle only in
+// a process of the exporter's PID namespace (the agent's DaemonSet runs with hostPID too).
+func sharesHostPID(in Input) bool {
+	return in.Policy.SameNode != kvv1.SameNodeForbid
 }
 
 func fieldEnv(name, path string) corev1.EnvVar {

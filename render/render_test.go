@@ -71,6 +71,12 @@ func TestGolden(t *testing.T) {
 			decode:  builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").Policy("agent"),
 			policy:  builder.Policy("agent").Executor(kvv1.ExecutorAgent).LayerStreaming(true),
 		},
+		{
+			name:    "p5en-same-node-prefer",
+			prefill: builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").TP(4).Policy("nvlink"),
+			decode:  builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").TP(4).Policy("nvlink"),
+			policy:  builder.Policy("nvlink").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodePrefer),
+		},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -286,5 +292,55 @@ func TestEnginesOfTheAgentExecutorJoinTheAgentsGroup(t *testing.T) {
 		if !strings.Contains(string(ds), flag) {
 			t.Errorf("config/agent/daemonset.yaml does not pass %s", flag)
 		}
+	}
+}
+
+// TestDecodePlacementFollowsSameNode checks each sameNode value against each kind of
+// provider: which node rules a decode pod gets, and whether engines share the host's PID
+// namespace (CUDA IPC needs it for pairs that may share a node).
+func TestDecodePlacementFollowsSameNode(t *testing.T) {
+	cases := []struct {
+		sameNode            kvv1.SameNodePolicy
+		provider            kvv1.FabricProvider
+		zone, avoid, prefer bool
+	}{
+		{kvv1.SameNodeForbid, kvv1.ProviderEFA, true, true, false},
+		{kvv1.SameNodeAllow, kvv1.ProviderEFA, true, false, false},
+		{kvv1.SameNodePrefer, kvv1.ProviderEFA, true, false, true},
+		{kvv1.SameNodeForbid, kvv1.ProviderTCP, false, false, false},
+		{kvv1.SameNodeAllow, kvv1.ProviderTCP, false, false, false},
+		{kvv1.SameNodePrefer, kvv1.ProviderTCP, false, false, true},
+	}
+	for _, c := range cases {
+		t.Run(string(c.sameNode)+"/"+string(c.provider), func(t *testing.T) {
+			image := "vllm/vllm-openai:v0.33.0"
+			pw, dw := pair(t, builder.PrefillPool("p").Image(image).Policy("x"), builder.DecodePool("d", "p").Image(image).Policy("x"),
+				builder.Policy("x").Executor(kvv1.ExecutorAgent).Provider(c.provider).SameNode(c.sameNode))
+			pod := dw.StatefulSet.Spec.Template.Spec
+			var zone, avoid, prefer bool
+			if a := pod.Affinity; a != nil {
+				if a.PodAffinity != nil {
+					zone = len(a.PodAffinity.RequiredDuringSchedulingIgnoredDuringExecution) == 1 &&
+						a.PodAffinity.RequiredDuringSchedulingIgnoredDuringExecution[0].TopologyKey == labelZone
+					prefer = len(a.PodAffinity.PreferredDuringSchedulingIgnoredDuringExecution) == 1 &&
+						a.PodAffinity.PreferredDuringSchedulingIgnoredDuringExecution[0].PodAffinityTerm.TopologyKey == labelHostname
+				}
+				avoid = a.PodAntiAffinity != nil && a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution[0].TopologyKey == labelHostname
+			}
+			if zone != c.zone || avoid != c.avoid || prefer != c.prefer {
+				t.Errorf("decode affinity %+v: zone %v, avoids prefill's nodes %v, prefers them %v; want %v, %v, %v", pod.Affinity, zone, avoid, prefer, c.zone, c.avoid, c.prefer)
+			}
+			shared := c.sameNode != kvv1.SameNodeForbid
+			if pod.HostPID != shared || pw.StatefulSet.Spec.Template.Spec.HostPID != shared {
+				t.Errorf("hostPID: decode %v, prefill %v; want %v", pod.HostPID, pw.StatefulSet.Spec.Template.Spec.HostPID, shared)
+			}
+		})
+	}
+	ds, err := os.ReadFile(filepath.Join("..", "config", "agent", "daemonset.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(ds), "hostPID: true") {
+		t.Error("config/agent/daemonset.yaml does not run the agent in the host's PID namespace, where engines' CUDA IPC handles open")
 	}
 }

@@ -278,6 +278,9 @@ const (
 	ReasonUnknownInstanceType = "UnknownInstanceType"
 	// ReasonInstanceTypeMismatch: the instance type carries another kind of accelerator than the pool asks for.
 	ReasonInstanceTypeMismatch = "InstanceTypeMismatch"
+	// ReasonSameNodeUnsupported: the policy lets pairs share a node, and the pool's
+	// accelerators have no intra-node transport in the agent (CUDA IPC is NVIDIA's).
+	ReasonSameNodeUnsupported = "SameNodeUnsupported"
 	// ReasonInvalidTemplate: spec.template has unknown fields, or the API server refused the
 	// engine workload it produced.
 	ReasonInvalidTemplate = "InvalidTemplate"

@@ -51,6 +51,7 @@ spec: {mode: Push}
 			BlocksTTLSeconds:           480,
 			LoadFailurePolicy:          kvv1.LoadFailureRecompute,
 			Bidirectional:              false,
+			SameNode:                   kvv1.SameNodeForbid,
 		}))
 	})
 

@@ -66,6 +66,23 @@ const (
 	LoadFailureRecompute LoadFailurePolicy = "Recompute"
 )
 
+// SameNodePolicy says whether a decode engine may run on a node that runs a prefill engine
+// of its pair.
+// +kubebuilder:validation:Enum=Forbid;Allow;Prefer
+type SameNodePolicy string
+
+const (
+	// SameNodeForbid keeps decode engines off the nodes of their prefill engines when the
+	// fabric is efa, which has no intra-host loopback. tcp and shm place no such rule.
+	SameNodeForbid SameNodePolicy = "Forbid"
+	// SameNodeAllow lets the scheduler put decode beside prefill; the transfer agent moves
+	// such pairs' KV between the GPUs of the node with CUDA IPC (NVLink on P5en).
+	SameNodeAllow SameNodePolicy = "Allow"
+	// SameNodePrefer asks the scheduler to put decode beside prefill where it can: a P5en's
+	// NVLink moves KV about eight times faster than its GPU's EFA NICs.
+	SameNodePrefer SameNodePolicy = "Prefer"
+)
+
 // FabricSpec is the network the KV travels over and what engine pods need for it.
 //
 // +kubebuilder:validation:XValidation:rule="!has(self.hugepages2Mi) || quantity(string(self.hugepages2Mi)).isGreaterThan(quantity('0'))",message="fabric.hugepages2Mi must be greater than zero when set; omit it for no hugepages"
@@ -107,6 +124,7 @@ type FabricSpec struct {
 // +kubebuilder:validation:XValidation:rule="!(self.mode == 'Push' && self.bidirectional)",message="mode: Push does not support bidirectional KV (bidirectional: true): push writes only from prefill into decode; use mode: Pull to send KV back to prefill"
 // +kubebuilder:validation:XValidation:rule="self.registrationTimeoutSeconds >= self.leaseSeconds",message="registrationTimeoutSeconds must be greater than or equal to leaseSeconds: a registration must be able to outlive one lease period"
 // +kubebuilder:validation:XValidation:rule="self.executor != 'Agent' || self.backend == 'Libfabric'",message="executor: Agent moves KV with the kvhandoff transfer agent, which speaks libfabric only; set backend: Libfabric or executor: Engine"
+// +kubebuilder:validation:XValidation:rule="self.sameNode == 'Forbid' || self.executor == 'Agent'",message="sameNode: Allow and Prefer need executor: Agent: pairs on one node move KV through the kvhandoff transfer agent's CUDA IPC transport; set executor: Agent or sameNode: Forbid"
 // +kubebuilder:validation:XValidation:rule="!self.layerStreaming || (self.mode == 'Push' && self.executor == 'Agent')",message="layerStreaming needs mode: Push and executor: Agent: the kvhandoff connector streams each layer into a push registration as it is computed; a pull reads whole blocks after prefill, and vLLM's own connectors do not stream layers"
 type KVTransferPolicySpec struct {
 	// mode is Push (decode pre-registers memory, prefill writes into it) or Pull (decode
@@ -172,6 +190,15 @@ type KVTransferPolicySpec struct {
 	// +kubebuilder:default=false
 	// +optional
 	LayerStreaming bool `json:"layerStreaming,omitempty"`
+
+	// sameNode says whether a decode engine may share a node with a prefill engine of its
+	// pair: Forbid (with provider efa, decode pods keep off prefill's nodes), Allow (no such
+	// rule) or Prefer (decode pods are placed beside prefill where they fit). Allow and
+	// Prefer need executor Agent, which moves those pairs' KV over NVLink with CUDA IPC;
+	// their engine pods share the host's PID namespace, which CUDA IPC needs.
+	// +kubebuilder:default=Forbid
+	// +optional
+	SameNode SameNodePolicy `json:"sameNode,omitempty"`
 }
 
 // KVTransferPolicyStatus is the observed state of a KVTransferPolicy.

@@ -40,6 +40,7 @@ func Policy(name string) *PolicyBuilder {
 			RegistrationTimeoutSeconds: 480,
 			BlocksTTLSeconds:           480,
 			LoadFailurePolicy:          kvv1.LoadFailureRecompute,
+			SameNode:                   kvv1.SameNodeForbid,
 		},
 	}}
 }
@@ -75,6 +76,10 @@ func (b *PolicyBuilder) Bidirectional(on bool) *PolicyBuilder {
 }
 func (b *PolicyBuilder) LayerStreaming(on bool) *PolicyBuilder {
 	b.obj.Spec.LayerStreaming = on
+	return b
+}
+func (b *PolicyBuilder) SameNode(sn kvv1.SameNodePolicy) *PolicyBuilder {
+	b.obj.Spec.SameNode = sn
 	return b
 }
 func (b *PolicyBuilder) Lease(seconds int32) *PolicyBuilder {
