@@ -74,6 +74,11 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 	if err := s.checkBlocks("block_ids", r.BlockIds); err != nil {
 		return err
 	}
+	// A request holds each block once, so it has no more positions than the rank has
+	// blocks; the tables keep positions in slices of that length.
+	if end := uint64(r.Offset) + uint64(len(r.BlockIds)); end > uint64(s.minBlocks) {
+		return invalid("offset", "positions %d..%d exceed the %d blocks of the engine's regions", r.Offset, end, s.minBlocks)
+	}
 	now := time.Now()
 	part := rendezvous.Part{Request: r.RequestId, Offset: int(r.Offset), Blocks: r.BlockIds, Final: r.Final}
 	kind := "blocks"

@@ -181,6 +181,7 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 	}
 	refused(t, "a position reported twice", ready(1, []uint32{3}), codes.InvalidArgument, "twice")
 	refused(t, "a source block outside the regions", ready(2, []uint32{64}), codes.InvalidArgument, "block_ids[0]")
+	refused(t, "positions beyond the engine's blocks", ready(1<<31, []uint32{3}), codes.InvalidArgument, "offset: positions 2147483648..2147483649")
 
 	if got := p.B.Metric(t, `kvhandoff_agent_refused_total{call="RegisterRegion",code="AlreadyExists"}`); got != 3 {
 		t.Errorf("refused RegisterRegion/AlreadyExists counted %v, want 3", got)

@@ -165,8 +165,11 @@ type attempt struct {
 // request is one request's state: its source parts and its attempts.
 type request struct {
 	id string
-	// src is, per token-order position, its source block and the regions reported ready.
-	src map[int]*source
+	// src is, per token-order position, its source block and the regions reported ready
+	// (nil for a position no part named yet). A slice, not a map: a 16k-token part is 1024
+	// positions, recorded on the rank's pump before its writes start. The caller bounds
+	// positions (the agent by the engine's block count).
+	src []*source
 	// parts are the parts in arrival order: every attempt is handed them in that order.
 	parts []Part
 	final int       // number of positions, once the final part arrived; -1 before
@@ -237,7 +240,7 @@ type source struct {
 
 // dropSource forgets the request's source parts.
 func (r *request) dropSource() {
-	r.src, r.parts, r.final = map[int]*source{}, nil, -1
+	r.src, r.parts, r.final = nil, nil, -1
 }
 
 // regions is how many regions every block is written into.
@@ -245,11 +248,7 @@ func (t *Table) regions() int { return max(t.cfg.Regions, 1) }
 
 // positions is how many token-order positions the source side has named so far.
 func (r *request) positions() int {
-	n := r.final
-	for pos := range r.src {
-		n = max(n, pos+1)
-	}
-	return n
+	return max(r.final, len(r.src))
 }
 
 // Register records decode's registration. A newer attempt fences the current one; its
@@ -308,6 +307,9 @@ func (t *Table) SourceReady(now time.Time, p Part) ([]Action, error) {
 	}
 	// Check the whole part before recording any of it: a refused part changes nothing.
 	for i, b := range p.Blocks {
+		if p.Offset+i >= len(r.src) {
+			break
+		}
 		src := r.src[p.Offset+i]
 		if src == nil {
 			continue
@@ -322,6 +324,9 @@ func (t *Table) SourceReady(now time.Time, p Part) ([]Action, error) {
 	// New positions share two allocations per part, not two each: a 16k-token part is
 	// 1024 positions, recorded on the rank's pump.
 	words := (t.regions() + 63) / 64
+	if end > len(r.src) {
+		r.src = append(r.src, make([]*source, end-len(r.src))...)
+	}
 	var fresh []source
 	var bitsets []uint64
 	for i, b := range p.Blocks {
@@ -362,10 +367,16 @@ func (t *Table) progress(now time.Time, r *request) []Action {
 	// next, and runs of positions with the same span merge into one transfer.
 	var trs []*Transfer
 	bySpan := map[Span]*Transfer{}
+	positions := map[Span]int{}
+	for _, p := range r.parts[cur.sent:] {
+		positions[p.Regions] += len(p.Blocks)
+	}
 	for _, p := range r.parts[cur.sent:] {
 		tr := bySpan[p.Regions]
 		if tr == nil {
-			tr = &Transfer{Request: cur.reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Regions: p.Regions}
+			n := positions[p.Regions]
+			tr = &Transfer{Request: cur.reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Regions: p.Regions,
+				Src: make([]uint32, 0, n), Dst: make([]uint32, 0, n)}
 			bySpan[p.Regions] = tr
 			trs = append(trs, tr)
 		}
@@ -659,6 +670,9 @@ func (t *Table) find(req string, att uint64) *attempt {
 
 // sortPairs orders a transfer by source block, so contiguous runs are easy to merge.
 func sortPairs(src, dst []uint32) {
+	if slices.IsSorted(src) {
+		return // the common case: a request's blocks were allocated in order
+	}
 	idx := make([]int, len(src))
 	for i := range idx {
 		idx[i] = i

@@ -682,6 +682,26 @@ func TestLayerGroupsAcrossWordBoundaries(t *testing.T) {
 	expect(t, acts, Delivered{Request: "r1", Attempt: 1, Decode: dec})
 }
 
+// BenchmarkPairedSourceReady16k is a push's SourceReady when decode registered first: the
+// source recorded and the transfer handed to the writer, sorted by source block.
+func BenchmarkPairedSourceReady16k(b *testing.B) {
+	src, dst := make([]uint32, 1024), make([]uint32, 1024)
+	for i := range src {
+		src[i], dst[i] = uint32(i), uint32(4096+i)
+	}
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		tb := New(Config{Lease: time.Hour, RegistrationTimeout: time.Hour, Regions: 128})
+		if _, err := tb.Register(t0, Registration{Request: "r", Attempt: 1, Decode: dec, Blocks: dst}); err != nil {
+			b.Fatal(err)
+		}
+		acts, err := tb.SourceReady(t0, Part{Request: "r", Blocks: src, Final: true})
+		if err != nil || len(acts) != 1 {
+			b.Fatal(acts, err)
+		}
+	}
+}
+
 // BenchmarkSourceReady16k records a 16k-token request's source (1024 blocks, Qwen3-32B's
 // 128 regions) in one part, as a prefill rank's pump does for every request.
 func BenchmarkSourceReady16k(b *testing.B) {
