@@ -167,7 +167,9 @@ func (c *copier) Poll(out []fabric.Completion) int {
 	return n
 }
 
-// flush queues the gathered copies behind one event. When the driver refuses a copy or
+// flush queues the gathered copies behind one event. The copies of one batch may run in
+// any order among themselves: no two write the same bytes, since an attempt's copies start
+// only once every older attempt of its request has drained. When the driver refuses a copy or
 // the event, it waits for what it did queue, so that no copy is reported done before its
 // bytes have landed, and reports the rest failed.
 func (c *copier) flush() {

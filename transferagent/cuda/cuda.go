@@ -77,6 +77,10 @@ func load(path string) error {
 	return check("cuInit", C.kvh_cu_init())
 }
 
+// BatchCopies reports whether the driver submits a batch of copies in one call
+// (cuMemcpyBatchAsync, CUDA 13 drivers); CopyAll queues them one by one otherwise.
+func BatchCopies() bool { return Load() == nil && C.kvh_cu_has_batch() != 0 }
+
 // DeviceCount is how many GPUs this process sees.
 func DeviceCount() (int, error) {
 	if err := Load(); err != nil {
@@ -267,8 +271,10 @@ func (c *Copies) Add(dst, src Ptr, n uint64) {
 func (c *Copies) Reset() { c.Dst, c.Src, c.Len = c.Dst[:0], c.Src[:0], c.Len[:0] }
 
 // CopyAll queues a batch of copies in one call (a request's merged writes are a hundred
-// or more; each call from Go and each context switch costs microseconds). It returns how
-// many were queued before an error.
+// or more; each call from Go and each context switch costs microseconds), submitted as one
+// batch where the driver can (BatchCopies). The copies may run in any order among
+// themselves, after what the stream ran before. It returns how many were queued before an
+// error.
 func (s *Stream) CopyAll(c *Copies) (int, error) {
 	if len(c.Dst) == 0 {
 		return 0, nil

@@ -12,6 +12,14 @@ typedef void *kvh_CUstream;
 typedef void *kvh_CUevent;
 typedef unsigned long long kvh_CUdeviceptr;
 typedef struct { char reserved[64]; } kvh_CUipcMemHandle;
+// CUmemcpyAttributes (CUDA 12.8+): source access order, source and destination location
+// hints (a CUmemLocation each: type and id), flags.
+typedef struct {
+	int src_access_order;
+	int src_hint_type, src_hint_id;
+	int dst_hint_type, dst_hint_id;
+	unsigned int flags;
+} kvh_CUmemcpyAttributes;
 
 // Results the package tells apart.
 #define KVH_CUDA_SUCCESS 0
@@ -36,6 +44,7 @@ int kvh_cu_stream_create(kvh_CUcontext ctx, kvh_CUstream *s);
 int kvh_cu_stream_destroy(kvh_CUcontext ctx, kvh_CUstream s);
 int kvh_cu_stream_sync(kvh_CUcontext ctx, kvh_CUstream s);
 int kvh_cu_copy_async(kvh_CUcontext ctx, kvh_CUdeviceptr dst, kvh_CUdeviceptr src, size_t n, kvh_CUstream s);
+int kvh_cu_has_batch(void);
 int kvh_cu_copy_batch(kvh_CUcontext ctx, const uint64_t *dst, const uint64_t *src, const uint64_t *n, int count, kvh_CUstream s, int *queued);
 int kvh_cu_htod(kvh_CUcontext ctx, kvh_CUdeviceptr dst, const void *src, size_t n);
 int kvh_cu_dtoh(kvh_CUcontext ctx, void *dst, kvh_CUdeviceptr src, size_t n);
