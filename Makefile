@@ -70,10 +70,13 @@ test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on th
 	$(MAKE) test-vllm
 
 .PHONY: test-gpu
-test-gpu: ## On a host with two NVIDIA GPUs: the CUDA layer (IPC across processes), then push, pull and cancels between engines whose KV is GPU memory; results in bench/results/gpu/. KVH_CUDA_PEER=0 runs it within one GPU.
+test-gpu: ## On a host with two NVIDIA GPUs: the CUDA layer (IPC across processes), push, pull and cancels between engines whose KV is GPU memory, and the vLLM connector's CUDA KV through the agent; results in bench/results/gpu/. KVH_CUDA_PEER=0 runs it within one GPU.
 	mkdir -p bench/results/gpu
 	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v ./transferagent/cuda/
 	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./transferagent/agent/
+	go build -o bin/ ./cmd/transfer-agent
+	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && cd vllm-connector && \
+		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" -m pytest -q -p no:cacheprovider gpu_tests
 
 .PHONY: bench-handoff-gpu
 bench-handoff-gpu: ## On a host with two NVIDIA GPUs: push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes; bench/results/gpu/handoff.json.

@@ -95,8 +95,9 @@ type Warning struct{ Reason, Message string }
 const (
 	// WarningEngineVersionUnknown: the image tag names no vLLM version to check.
 	WarningEngineVersionUnknown = "EngineVersionUnknown"
-	// WarningDeviceMemoryUnsupported: executor Agent on accelerators whose KV the agent
-	// cannot register yet (device memory needs its dmabuf path).
+	// WarningDeviceMemoryUnsupported: executor Agent where the agent cannot move the
+	// accelerators' KV, or not between every pair (device memory between nodes needs its
+	// dmabuf path; GPU memory within a node moves by CUDA IPC).
 	WarningDeviceMemoryUnsupported = "DeviceMemoryUnsupported"
 )
 
@@ -113,7 +114,14 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 	}
 	if policy.Executor == kvv1.ExecutorAgent {
 		// Rendered anyway, so the pool reports its engines' own error rather than none.
-		warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf("executor Agent: the transfer agent moves host memory only; vLLM on %s keeps its KV in device memory, which needs the agent's dmabuf path (not built yet), so the engines will stop at start saying so", spec.Accelerator.Type)})
+		switch {
+		case spec.Accelerator.Type != kvv1.AcceleratorNvidiaGPU:
+			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf("executor Agent: vLLM on %s keeps its KV in device memory, which the transfer agent cannot move yet (it needs the agent's dmabuf path), so the engines will stop at start saying so", spec.Accelerator.Type)})
+		case policy.SameNode == kvv1.SameNodeForbid:
+			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, "executor Agent: vLLM on NvidiaGPU keeps its KV in GPU memory, which the transfer agent moves only between engines on one node (CUDA IPC), and sameNode: Forbid keeps pairs apart (between nodes it needs the agent's EFA dmabuf path, not built yet), so the engines will stop at start saying so; set the policy's sameNode: Allow or Prefer"})
+		default:
+			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf("executor Agent: the transfer agent moves GPU KV only between engines on one node (CUDA IPC); a pair the scheduler places on two nodes cannot hand over (it needs the agent's EFA dmabuf path, not built yet) and its requests take loadFailurePolicy %s", policy.LoadFailurePolicy)})
+		}
 	}
 
 	if info, ok := instancetype.Lookup(spec.InstanceType); ok && info.Accelerator != spec.Accelerator.Type {

@@ -31,6 +31,9 @@ type extraConfig struct {
 	Socket string `json:"socket,omitempty"`
 	// LayerStreaming: a push prefill engine reports each layer as it is computed.
 	LayerStreaming bool `json:"layer_streaming,omitempty"`
+	// SameNode: pairs may share a node, where the agent moves GPU KV (CUDA IPC); without
+	// it the connector refuses GPU KV at start, which nothing could move.
+	SameNode bool `json:"same_node,omitempty"`
 }
 
 // The kvhandoff vLLM connector (vllm-connector/), which executor Agent renders: its class,
@@ -65,13 +68,15 @@ func KVTransferConfig(role kvv1.Role, spec *kvv1.EngineSpec, policy *kvv1.KVTran
 		cfg.ExtraConfig.PushRegistrationTimeout = policy.RegistrationTimeoutSeconds
 	}
 	if policy.Executor == kvv1.ExecutorAgent {
-		// The agent moves host memory today: the connector keeps the KV on the CPU side.
+		// The connector registers the KV where vLLM keeps it (host or GPU memory) with the
+		// agent; vLLM's own KV buffer setting does not apply.
 		cfg.KVConnector, cfg.KVConnectorModule, cfg.KVBufferDevice = AgentConnector, AgentConnectorModulePath, ""
 		cfg.ExtraConfig.Backends = nil
 		cfg.ExtraConfig.Mode = strings.ToLower(string(policy.Mode))
 		cfg.ExtraConfig.Role = strings.ToLower(string(role))
 		cfg.ExtraConfig.Socket = AgentSocket
 		cfg.ExtraConfig.LayerStreaming = policy.LayerStreaming && role == kvv1.RolePrefill
+		cfg.ExtraConfig.SameNode = policy.SameNode != kvv1.SameNodeForbid
 	}
 	data, err := json.Marshal(cfg)
 	if err != nil {

@@ -2,7 +2,8 @@
 
 The protocol is the agent's: transferagent/api/v1/agent.proto for the calls, and
 transferagent/api/v1/memory.go for the memory socket, which carries what gRPC cannot —
-the memfd holding the KV cache, passed with SCM_RIGHTS.
+the memfd holding host KV, passed with SCM_RIGHTS. GPU KV travels in RegisterRegion as
+CUDA IPC handles.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ class Session:
         _call(self._stub.RegisterRegion, pb.RegisterRegionRequest(
             session=self.session, region_id=region_id, kind=pb.MEMORY_KIND_HOST, memory_handle=handle,
             offset=offset, size=size, block_len=block_len, block_count=block_count))
+
+    def register_cuda_region(self, region_id: int, ipc_handle: bytes, device_uuid: bytes, offset: int, size: int,
+                             block_len: int, block_count: int) -> None:
+        """Registers GPU memory by its allocation's CUDA IPC handle; the agent opens it on
+        this node, for a peer engine on the same node."""
+        _call(self._stub.RegisterRegion, pb.RegisterRegionRequest(
+            session=self.session, region_id=region_id, kind=pb.MEMORY_KIND_CUDA, cuda_ipc_handle=ipc_handle,
+            cuda_device_uuid=device_uuid, offset=offset, size=size, block_len=block_len, block_count=block_count))
 
     def register_destination(self, key: str, attempt: int, blocks: list[int], source: pb.EngineRef) -> None:
         _call(self._stub.RegisterDestination, pb.RegisterDestinationRequest(

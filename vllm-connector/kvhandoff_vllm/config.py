@@ -8,10 +8,13 @@ The manager renders them (render/kvconfig.go); by hand they look like:
      "kv_connector_extra_config": {"mode": "push", "role": "prefill",
         "socket": "/var/run/kvhandoff/agent.sock", "kv_lease_duration": 30,
         "push_registration_timeout": 480, "decoder_kv_blocks_ttl": 480,
-        "layer_streaming": true}}
+        "layer_streaming": true, "same_node": false}}
 
 layer_streaming (push prefill only) reports a request's KV to the agent layer by layer as
 the forward pass computes it, so the agent writes each layer while the next computes.
+same_node says the policy lets a pair share a node (sameNode: Allow or Prefer): only then
+can the agent move KV held in GPU memory (CUDA IPC), so without it GPU KV is refused at
+start.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Config:
     blocks_ttl: int
     # layer_streaming: push prefill reports each layer's KV as it is computed.
     layer_streaming: bool = False
+    # same_node: pairs may share a node, the only place GPU KV can move today.
+    same_node: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "Config":
@@ -68,6 +73,9 @@ class Config:
             raise ConfigError(f"kv_connector_extra_config.layer_streaming: must be true or false, not {streaming!r}")
         if streaming and mode != "push":
             raise ConfigError("kv_connector_extra_config.layer_streaming: streams layers into a push; a pull reads whole blocks once prefill is over")
+        same_node = extra.get("same_node", False)
+        if not isinstance(same_node, bool):
+            raise ConfigError(f"kv_connector_extra_config.same_node: must be true or false, not {same_node!r}")
         return cls(
             engine_id=engine_id,
             mode=mode,
@@ -77,4 +85,5 @@ class Config:
             registration_timeout=seconds("push_registration_timeout"),
             blocks_ttl=seconds("decoder_kv_blocks_ttl"),
             layer_streaming=streaming,
+            same_node=same_node,
         )

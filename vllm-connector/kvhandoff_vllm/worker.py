@@ -8,6 +8,11 @@ blocks at their stride in the memfd); the agent maps the same pages. Nothing is 
 prefill's attention writes the KV the agent then sends, and the agent writes (push) or
 reads (pull) straight into the blocks decode's attention reads.
 
+Data path (CUDA KV, pairs on one node): vLLM's GPU worker allocates each layer's KV with
+the caching allocator; ``register_kv_caches`` exports each allocation as a CUDA IPC handle
+and registers K and V of every layer as regions in it (memory.py). The node's agent opens
+the handles and moves KV between the pair's GPUs with device copies (NVLink on P5en).
+
 Layer streaming (push prefill): for the requests whose prefill completes in this step,
 ``save_layer`` reports each layer's region to the agent right after the forward pass wrote
 it (vLLM calls ``save_kv_layer`` after each attention layer), from a sender thread so the
@@ -25,7 +30,7 @@ import time
 from ._api import agent_pb2 as pb
 from .agent import AgentError, Session, engine_ref
 from .config import Config
-from .memory import SealedMemory, kv_allocation
+from .memory import CudaAllocation, SealedMemory, block_major, kv_allocation
 from .metadata import Handshake, KVHandoffMetadata
 from .scheduler import ATTEMPT
 
@@ -52,10 +57,11 @@ class WorkerSide:
         self._failed: set[str] = set()
         self._finished: set[str] = set()  # of those, the ones the scheduler has finished
         self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0, "layers_streamed": 0}
-        # Layer streaming: each layer's region index (by vLLM's layer name), the regions
+        # Layer streaming: each layer's region indexes (by vLLM's layer name; K and V are
+        # two regions in CUDA layouts), the regions
         # reported so far per request key in this step, and the sender thread's queue
         # (FIFO, so a request's final layer goes out last).
-        self._region_of: dict[str, int] = {}
+        self._region_of: dict[str, list[int]] = {}
         self._regions = 0
         self._layers_sent: dict[str, set[int]] = {}
         # Streamed prefills vLLM does not hold yet (request id -> key): their end at the
@@ -69,41 +75,70 @@ class WorkerSide:
         return kv_allocation(f"kvhandoff-kv-{self.cfg.engine_id}-{self.rank}", self.memory)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        if not self.memory:
+        cuda = any(t.is_cuda for t in kv_caches.values())
+        if cuda and not self.cfg.same_node:
+            raise RuntimeError(
+                "kvhandoff connector: the agent moves KV held in GPU memory only between engines on one node "
+                "(CUDA IPC), and this engine's policy keeps pairs on different nodes, where GPU KV needs the "
+                "agent's EFA dmabuf path, which is not built yet; set the KVTransferPolicy's sameNode: Allow or Prefer")
+        if not cuda and not self.memory:
             raise RuntimeError(
                 "kvhandoff connector: the KV cache was not allocated through the connector's memory pool "
                 "context, so the agent cannot map it; this connector supports vLLM's CPU backend from "
-                "vLLM 0.32 (CUDA KV needs the agent's dmabuf path, which is not built yet)")
-        mem = self.memory[0]
-        regions, seen, dtype_bytes, offset_of = [], set(), 0, {}
+                "vLLM 0.32, and CUDA KV for pairs on one node")
+        # Each region is one block-major view of a layer's KV: (memory, offset, size, block
+        # length, block count), keyed by its address so that layers sharing a KV cache share
+        # its regions. Host regions are numbered in memfd order; CUDA regions, spread over
+        # allocations whose addresses differ between engines, in vLLM's layer order.
+        regions, layers, dtype_bytes = {}, {}, 0
+        allocations: list[CudaAllocation] = []
         for name, t in kv_caches.items():
-            off = mem.offset_of(t)
-            if off is None:
-                raise RuntimeError(f"kvhandoff connector: layer {name}'s KV is outside the shared memory")
-            offset_of[name] = off
-            if off in seen:
-                continue  # layers sharing a KV cache
-            seen.add(off)
-            block_len = t.stride(0) * t.element_size()
-            regions.append((off, block_len * t.shape[0], block_len, t.shape[0]))
-            dtype_bytes = t.element_size()
-        regions.sort()
-        index = {r[0]: i for i, r in enumerate(regions)}
-        self._region_of = {name: index[off] for name, off in offset_of.items()}
-        self._regions = len(regions)
+            layers[name] = []
+            for v in block_major(t, split_kv=cuda):
+                p = v.data_ptr()
+                layers[name].append(p)
+                if p in regions:
+                    continue
+                mem = self._cuda_allocation(allocations, v) if cuda else self.memory[0]
+                off = mem.offset_of(v)
+                if off is None:
+                    raise RuntimeError(f"kvhandoff connector: layer {name}'s KV is outside the shared memory")
+                block_len = v.stride(0) * v.element_size()
+                regions[p] = (mem, off, block_len * v.shape[0], block_len, v.shape[0])
+                dtype_bytes = v.element_size()
+        order = list(regions) if cuda else sorted(regions)
+        index = {p: i for i, p in enumerate(order)}
+        self._region_of = {name: [index[p] for p in ptrs] for name, ptrs in layers.items()}
+        self._regions = len(order)
         self.session = Session(self.cfg.socket, pb.RegisterEngineRequest(
             engine_id=self.cfg.engine_id,
             role=pb.ROLE_PREFILL if self.cfg.role == "prefill" else pb.ROLE_DECODE,
             mode=pb.MODE_PUSH if self.cfg.mode == "push" else pb.MODE_PULL,
             tp_rank=self.rank, tp_size=self.tp_size,
-            layout=pb.KVLayout(layers=len(regions), block_size=self.block_size, kv_heads=self.kv_heads,
+            layout=pb.KVLayout(layers=len(order), block_size=self.block_size, kv_heads=self.kv_heads,
                                head_dim=self.head_dim, dtype_bytes=dtype_bytes),
             lease_millis=self.cfg.lease * 1000, registration_timeout_millis=self.cfg.registration_timeout * 1000,
             blocks_ttl_millis=self.cfg.blocks_ttl * 1000))
-        for i, (off, size, block_len, count) in enumerate(regions):
-            self.session.register_region(i, mem.fd, off, size, block_len, count)
-        log.info("kvhandoff: %s rank %d registered %d regions (%d MiB) with the agent at %s (%s)",
-                 self.cfg.engine_id, self.rank, len(regions), mem.size >> 20, self.session.ref.agent, self.session.provider)
+        for i, p in enumerate(order):
+            mem, off, size, block_len, count = regions[p]
+            if cuda:
+                self.session.register_cuda_region(i, mem.handle, mem.device_uuid, off, size, block_len, count)
+            else:
+                self.session.register_region(i, mem.fd, off, size, block_len, count)
+        where = f"{len(allocations)} CUDA allocations" if cuda else f"{self.memory[0].size >> 20} MiB of host memory"
+        log.info("kvhandoff: %s rank %d registered %d regions (%s) with the agent at %s (%s)",
+                 self.cfg.engine_id, self.rank, len(order), where, self.session.ref.agent, self.session.provider)
+
+    @staticmethod
+    def _cuda_allocation(known: list[CudaAllocation], t) -> CudaAllocation:
+        """The exported allocation holding t: one IPC handle per allocation, however many
+        layers the caching allocator put in it."""
+        for a in known:
+            if a.offset_of(t) is not None:
+                return a
+        a = CudaAllocation(t.data_ptr())
+        known.append(a)
+        return a
 
     def handshake(self) -> Handshake | None:
         if self.session is None:
@@ -150,11 +185,11 @@ class WorkerSide:
 
     def save_layer(self, meta: KVHandoffMetadata, layer_name: str) -> None:
         """Reports one layer of this step's streamed requests: its KV is in the cache now."""
-        idx = self._region_of.get(layer_name)
-        if idx is None or not meta.streams:
+        regions = self._region_of.get(layer_name)
+        if regions is None or not meta.streams:
             return
         for s in meta.streams:
-            self._stream(s, [idx])
+            self._stream(s, regions)
 
     def _stream(self, s, regions: list[int]) -> None:
         sent = self._layers_sent.get(s.key)

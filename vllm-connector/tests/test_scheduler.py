@@ -175,6 +175,7 @@ def test_an_aborted_push_prefill_cancels_at_the_agent_and_frees_at_once(tiny_mod
     ({"mode": "push", "role": "decode", "kv_lease_duration": -1}, "kv_lease_duration"),
     ({"mode": "pull", "role": "prefill", "layer_streaming": True}, "layer_streaming"),
     ({"mode": "push", "role": "prefill", "layer_streaming": "yes"}, "layer_streaming"),
+    ({"mode": "push", "role": "prefill", "same_node": 1}, "same_node"),
 ])
 def test_invalid_settings_are_refused_naming_the_field(extra, field):
     from kvhandoff_vllm.config import Config, ConfigError

@@ -35,7 +35,7 @@ def worker() -> WorkerSide:
     cfg = Config.from_fields("prefill-0.default", {"mode": "push", "role": "prefill", "layer_streaming": True})
     w = WorkerSide(cfg, rank=0, tp_size=1, block_size=16, kv_heads=1, head_dim=1)
     w.session = RecordingSession()
-    w._region_of, w._regions = {"layer.0": 0, "layer.1": 1}, 2
+    w._region_of, w._regions = {"layer.0": [0], "layer.1": [1]}, 2
     return w
 
 

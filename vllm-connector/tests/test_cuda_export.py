@@ -1,0 +1,46 @@
+"""What of the CUDA KV path runs without a GPU: the split of vLLM's CUDA layouts into
+block-major regions, and the error a missing driver gives. gpu_tests/ runs the rest on GPUs."""
+
+import pytest
+import torch
+
+from kvhandoff_vllm import memory
+from kvhandoff_vllm.config import Config
+from kvhandoff_vllm.worker import WorkerSide
+
+
+def test_a_flash_attention_layer_is_two_block_major_regions():
+    t = torch.zeros((2, 10, 16, 4, 8), dtype=torch.bfloat16)
+    k, v = memory.block_major(t, split_kv=True)
+    block = 16 * 4 * 8 * 2
+    assert k.shape[0] == v.shape[0] == 10
+    assert k.stride(0) * k.element_size() == block
+    assert v.data_ptr() - k.data_ptr() == 10 * block
+
+
+def test_other_layouts_are_one_region():
+    blocks_first = torch.zeros((10, 2, 16, 4, 8))
+    assert memory.block_major(blocks_first, split_kv=True)[0] is blocks_first
+    host = torch.zeros((2, 10, 16, 4, 8))
+    assert memory.block_major(host, split_kv=False)[0] is host
+
+
+def test_cuda_kv_without_the_driver_names_the_library(monkeypatch):
+    monkeypatch.setattr(memory, "_LIBCUDA", None)
+    monkeypatch.setenv("KVHANDOFF_LIBCUDA", "/nonexistent/libcuda.so.1")
+    with pytest.raises(RuntimeError, match="CUDA KV needs the driver's /nonexistent/libcuda.so.1"):
+        memory.CudaAllocation(0x1000)
+
+
+class OnAGPU:
+    """Stands in for a CUDA tensor: the check comes before anything touches the memory."""
+
+    is_cuda = True
+
+
+def test_cuda_kv_is_refused_at_start_when_pairs_never_share_a_node():
+    cfg = Config.from_fields("prefill-0.default", {"mode": "push", "role": "prefill"})
+    w = WorkerSide(cfg, rank=0, tp_size=1, block_size=16, kv_heads=1, head_dim=1)
+    with pytest.raises(RuntimeError, match="set the KVTransferPolicy's sameNode: Allow or Prefer"):
+        w.register_kv_caches({"model.layers.0.self_attn.attn": OnAGPU()})
+    assert w.session is None
