@@ -16,6 +16,12 @@ import (
 	"github.com/kvhandoff/kvhandoff/deviceplugin/topology"
 )
 
+// EnvAcceleratorEFAs is set in containers given bundles: for each accelerator, its EFAs'
+// RDMA device names, "<accelerator>=<efa>,<efa>;…" in the order of the accelerator list
+// (NVIDIA_VISIBLE_DEVICES, AWS_NEURON_VISIBLE_DEVICES), the accelerator named as there.
+// kvhandoff's vLLM connector opens each rank's rails on its own accelerator's EFAs.
+const EnvAcceleratorEFAs = "KVHANDOFF_ACCELERATOR_EFAS"
+
 // Resource names.
 const (
 	ResourceEFA       = "vpc.amazonaws.com/efa"
@@ -64,21 +70,13 @@ func Resources(inv inventory.Inventory, bundles bool) []Resource {
 		anchor: func(m []inventory.Device) inventory.Device { return m[0] },
 	}}
 	if bundles {
-		rs = append(rs, bundle(ResourceGPUEFA, inventory.GPU, func(accs []inventory.Device) map[string]string {
-			ids := make([]string, len(accs))
-			for i, a := range accs {
-				ids[i] = a.UUID
-				if ids[i] == "" {
-					ids[i] = strconv.Itoa(a.Index)
-				}
+		rs = append(rs, bundle(ResourceGPUEFA, inventory.GPU, "NVIDIA_VISIBLE_DEVICES", func(a inventory.Device) string {
+			if a.UUID != "" {
+				return a.UUID
 			}
-			return map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(ids, ",")}
-		}), bundle(ResourceNeuronEFA, inventory.Neuron, func(accs []inventory.Device) map[string]string {
-			ids := make([]string, len(accs))
-			for i, a := range accs {
-				ids[i] = strconv.Itoa(a.Index)
-			}
-			return map[string]string{"AWS_NEURON_VISIBLE_DEVICES": strings.Join(ids, ",")}
+			return strconv.Itoa(a.Index)
+		}), bundle(ResourceNeuronEFA, inventory.Neuron, "AWS_NEURON_VISIBLE_DEVICES", func(a inventory.Device) string {
+			return strconv.Itoa(a.Index)
 		}))
 	}
 	// Advertise only what exists: a GPU node has no Neuron bundles, and with bundles a p5en
@@ -86,8 +84,10 @@ func Resources(inv inventory.Inventory, bundles bool) []Resource {
 	return slices.DeleteFunc(rs, func(r Resource) bool { return len(r.members(inv)) == 0 })
 }
 
-// bundle is a resource whose devices are an accelerator of kind with its local EFAs.
-func bundle(name string, kind inventory.Kind, env func(accs []inventory.Device) map[string]string) Resource {
+// bundle is a resource whose devices are an accelerator of kind with its local EFAs. An
+// allocation's container gets the accelerators in visible (named by id) and, in
+// EnvAcceleratorEFAs, each one's EFAs.
+func bundle(name string, kind inventory.Kind, visible string, id func(acc inventory.Device) string) Resource {
 	return Resource{
 		Name: name,
 		members: func(inv inventory.Inventory) map[string][]inventory.Device {
@@ -108,11 +108,16 @@ func bundle(name string, kind inventory.Kind, env func(accs []inventory.Device) 
 		},
 		anchor: func(m []inventory.Device) inventory.Device { return m[0] },
 		env: func(members [][]inventory.Device) map[string]string {
-			accs := make([]inventory.Device, len(members))
+			accs, efas := make([]string, len(members)), make([]string, len(members))
 			for i, m := range members {
-				accs[i] = m[0]
+				accs[i] = id(m[0])
+				nics := make([]string, len(m)-1)
+				for j, nic := range m[1:] {
+					nics[j] = nic.ID
+				}
+				efas[i] = accs[i] + "=" + strings.Join(nics, ",")
 			}
-			return env(accs)
+			return map[string]string{visible: strings.Join(accs, ","), EnvAcceleratorEFAs: strings.Join(efas, ";")}
 		},
 	}
 }

@@ -275,8 +275,33 @@ func TestGPUBundlesAllocateAGPUWithItsLocalEFAs(t *testing.T) {
 	if uverbs != 16 || nvidia != 8 {
 		t.Errorf("8 bundles gave %d uverbs and %d GPU nodes, want 16 and 8", uverbs, nvidia)
 	}
-	if got := strings.Split(r.Envs["NVIDIA_VISIBLE_DEVICES"], ","); len(got) != 8 || !strings.HasPrefix(got[0], "GPU-") {
+	gpus := strings.Split(r.Envs["NVIDIA_VISIBLE_DEVICES"], ",")
+	if len(gpus) != 8 || !strings.HasPrefix(gpus[0], "GPU-") {
 		t.Errorf("NVIDIA_VISIBLE_DEVICES = %q", r.Envs["NVIDIA_VISIBLE_DEVICES"])
+	}
+	// Each GPU with its own two EFAs, in the same order, every EFA once.
+	groups := strings.Split(r.Envs[EnvAcceleratorEFAs], ";")
+	seen := map[string]bool{}
+	for i, g := range groups {
+		gpu, nics, _ := strings.Cut(g, "=")
+		if i >= len(gpus) || gpu != gpus[i] || len(strings.Split(nics, ",")) != 2 {
+			t.Fatalf("%s group %d is %q, want GPU %s with two EFAs", EnvAcceleratorEFAs, i, g, gpus[min(i, len(gpus)-1)])
+		}
+		for _, nic := range strings.Split(nics, ",") {
+			if seen[nic] || !strings.HasPrefix(nic, "rdmap") {
+				t.Fatalf("%s names %q twice or not as an EFA: %q", EnvAcceleratorEFAs, nic, r.Envs[EnvAcceleratorEFAs])
+			}
+			seen[nic] = true
+		}
+	}
+	if len(groups) != 8 {
+		t.Errorf("%s = %q, want 8 groups", EnvAcceleratorEFAs, r.Envs[EnvAcceleratorEFAs])
+	}
+	for _, b := range fx.inv.Bundles {
+		acc, _ := fx.inv.Lookup(b.Accelerator)
+		if want := acc.UUID + "=" + strings.Join(b.EFAs, ","); !slices.Contains(groups, want) {
+			t.Errorf("%s lacks %q: the bundle's own EFAs", EnvAcceleratorEFAs, want)
+		}
 	}
 }
 

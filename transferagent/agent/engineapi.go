@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -97,6 +98,33 @@ func checkSource(field string, ref *agentv1.EngineRef, rank uint32) error {
 	return nil
 }
 
+// checkDomains checks the NICs an engine rank names for its rails: each a domain of the
+// provider, each once, no more than an endpoint's rails.
+func checkDomains(provider string, names []string) error {
+	if len(names) == 0 {
+		return nil
+	}
+	if len(names) > fabric.MaxRails {
+		return invalid("fabric_domains", "names %d domains; a rank has at most %d rails", len(names), fabric.MaxRails)
+	}
+	if len(names) > 1 && provider == "shm" {
+		return invalid("fabric_domains", "names %d domains; shm moves memory within a node and has no rails", len(names))
+	}
+	have, err := fabric.Domains(provider)
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "listing the provider's domains: %v", err)
+	}
+	for i, n := range names {
+		switch {
+		case !slices.Contains(have, n):
+			return invalid(fmt.Sprintf("fabric_domains[%d]", i), "%q is not a domain of provider %s (it has %s)", n, provider, strings.Join(have, ", "))
+		case slices.Index(names, n) != i:
+			return invalid(fmt.Sprintf("fabric_domains[%d]", i), "%q is named twice: one rail per NIC", n)
+		}
+	}
+	return nil
+}
+
 // maxTimeoutMillis bounds the timeouts an engine may ask for: a day, as the policy's API does.
 const maxTimeoutMillis = 24 * 3600 * 1000
 
@@ -129,7 +157,13 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 	if err := a.Ready(); err != nil {
 		return nil, status.Error(codes.Unavailable, err.Error())
 	}
+	if err := checkDomains(a.cfg.Provider, r.FabricDomains); err != nil {
+		return nil, err
+	}
 	ep, err := fabric.OpenRails(a.cfg.Provider, a.cfg.Rails)
+	if len(r.FabricDomains) > 0 {
+		ep, err = fabric.OpenDomains(a.cfg.Provider, r.FabricDomains)
+	}
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "opening a fabric endpoint: %v", err)
 	}
@@ -170,7 +204,7 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		}
 	})
 	go s.run()
-	a.log.Info("engine registered", "engine", key, "role", r.Role.String(), "mode", r.Mode.String(), "epoch", s.epoch)
+	a.log.Info("engine registered", "engine", key, "role", r.Role.String(), "mode", r.Mode.String(), "epoch", s.epoch, "rails", ep.Domains())
 	return &agentv1.RegisterEngineResponse{
 		Session: s.id, Epoch: s.epoch, Provider: a.limits.Provider,
 		Self: &agentv1.EngineRef{Agent: a.self, EngineId: r.EngineId, TpRank: r.TpRank},

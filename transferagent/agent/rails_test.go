@@ -1,12 +1,20 @@
 package agent_test
 
 import (
+	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/transferagent/agent"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
 // handOver moves one verified request from prefill rank 0 to decode rank 0 of p.
@@ -85,4 +93,55 @@ func TestRailsOutsideTheirRangeAreRefused(t *testing.T) {
 			t.Errorf("--rails %d: %v, want an error naming rails", n, err)
 		}
 	}
+}
+
+// TestRanksOpenTheNICsTheyName: a rank naming its NICs (RegisterEngine's fabric_domains)
+// gets one rail on each, whatever the agent's --rails, and a handoff between two such ranks
+// uses both; NICs the provider lacks, named twice, or too many are refused by field.
+func TestRanksOpenTheNICsTheyName(t *testing.T) {
+	const prov = "tcp;ofi_rxm"
+	have, err := fabric.Domains(prov)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nics := []string{have[len(have)-1], have[0]} // two NICs where the host has two (lo, eth0)
+	p := &pair{layout: testLayout(1, 256), dirA: t.TempDir(), dirB: t.TempDir(), mode: agentv1.Mode_MODE_PUSH}
+	p.A = startAgent(t, "prefill-node", p.dirA, "--provider", prov)
+	p.B = startAgent(t, "decode-node", p.dirB, "--provider", prov)
+	start := func(a *agentProc, id string, role agentv1.Role, domains []string) (*simengine.Engine, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: p.mode, Layout: p.layout, Socket: a.Socket, FabricDomains: domains})
+		if err == nil {
+			t.Cleanup(e.Stop)
+		}
+		return e, err
+	}
+	for _, c := range []struct {
+		domains []string
+		want    string
+	}{
+		{[]string{have[0], "no-such-nic"}, `fabric_domains[1]: "no-such-nic" is not a domain of provider tcp;ofi_rxm`},
+		{[]string{have[0], have[0]}, "fabric_domains[1]: " + fmt.Sprintf("%q", have[0]) + " is named twice"},
+		{slices.Repeat([]string{have[0]}, 17), "fabric_domains: names 17 domains; a rank has at most 16 rails"},
+	} {
+		if _, err := start(p.A, "refused-0.default", agentv1.Role_ROLE_PREFILL, c.domains); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("fabric_domains %v: %v, want InvalidArgument containing %q", c.domains, err, c.want)
+		}
+	}
+	P, err := start(p.A, "prefill-0.default", agentv1.Role_ROLE_PREFILL, nics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	D, err := start(p.B, "decode-0.default", agentv1.Role_ROLE_DECODE, nics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.P, p.D = append(p.P, P), append(p.D, D)
+	for i := range 8 {
+		handOver(t, p, fmt.Sprintf("nics-%d", i))
+	}
+	until(t, "both NICs to have carried bytes", func() bool {
+		return p.A.Metric(t, fmt.Sprintf(railBytes, 0)) > 0 && p.A.Metric(t, fmt.Sprintf(railBytes, 1)) > 0
+	})
 }

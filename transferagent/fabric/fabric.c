@@ -4,12 +4,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-// kvh_open opens an RDM endpoint on provider. rail asks for what one rail of several
+// kvh_open opens an RDM endpoint on provider, on the named domain (a NIC) or, with
+// domain NULL, the first the provider offers. rail asks for what one rail of several
 // needs: writes that complete locally only once their data is placed at the target (a
 // signal on one rail must not overtake writes on another; EFA always asks for it), and
 // thread safety, since a rail's completions are read by its own thread while the owner
 // posts on it.
-int kvh_open(const char *provider, int rail, kvh_ep *e) {
+int kvh_open(const char *provider, const char *domain, int rail, kvh_ep *e) {
 	memset(e, 0, sizeof(*e));
 	struct fi_info *hints = fi_allocinfo();
 	if (!hints) return -FI_ENOMEM;
@@ -29,9 +30,17 @@ int kvh_open(const char *provider, int rail, kvh_ep *e) {
 		hints->tx_attr->op_flags |= FI_DELIVERY_COMPLETE;
 	}
 	hints->fabric_attr->prov_name = strdup(provider);
-	int ret = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &e->info);
+	struct fi_info *all = NULL;
+	int ret = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &all);
 	fi_freeinfo(hints);
 	if (ret) return ret;
+	// The first match, or the first on the named domain: providers differ in whether they
+	// filter by a domain name in the hints (tcp;ofi_rxm and sockets do not, in 1.17).
+	struct fi_info *pick = all;
+	while (domain && pick && strcmp(pick->domain_attr->name, domain) != 0) pick = pick->next;
+	e->info = pick ? fi_dupinfo(pick) : NULL;
+	fi_freeinfo(all);
+	if (!e->info) return pick ? -FI_ENOMEM : -FI_ENODATA;
 	if ((ret = fi_fabric(e->info->fabric_attr, &e->fabric, NULL))) return ret;
 	if ((ret = fi_domain(e->fabric, e->info, &e->domain, NULL))) return ret;
 	struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
@@ -52,6 +61,37 @@ int kvh_open(const char *provider, int rail, kvh_ep *e) {
 	if ((ret = fi_ep_bind(e->ep, &e->av->fid, 0))) return ret;
 	if ((ret = fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV))) return ret;
 	return fi_enable(e->ep);
+}
+
+const char *kvh_domain(kvh_ep *e) { return e->info->domain_attr->name; }
+
+// kvh_domains writes the names of provider's RDM domains into out, each once, in the
+// order fi_getinfo gives them, each followed by a newline; it returns the length needed.
+int kvh_domains(const char *provider, char *out, size_t len) {
+	struct fi_info *hints = fi_allocinfo(), *info = NULL;
+	if (!hints) return -FI_ENOMEM;
+	hints->ep_attr->type = FI_EP_RDM;
+	hints->fabric_attr->prov_name = strdup(provider);
+	int ret = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &info);
+	fi_freeinfo(hints);
+	if (ret) return ret;
+	size_t used = 0;
+	if (len) out[0] = 0;
+	for (struct fi_info *i = info; i; i = i->next) {
+		const char *name = i->domain_attr->name;
+		size_t n = strlen(name);
+		int seen = 0;
+		for (struct fi_info *j = info; j != i && !seen; j = j->next) seen = strcmp(j->domain_attr->name, name) == 0;
+		if (seen) continue;
+		if (used + n + 2 <= len) {
+			memcpy(out + used, name, n);
+			out[used + n] = '\n';
+			out[used + n + 1] = 0;
+		}
+		used += n + 1;
+	}
+	fi_freeinfo(info);
+	return (int)used;
 }
 
 void kvh_close(kvh_ep *e) {

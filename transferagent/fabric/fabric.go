@@ -20,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -82,12 +83,40 @@ const MaxRails = 16
 // commonest EFA failure in the field.
 func Open(provider string) (*Endpoint, error) { return OpenRails(provider, 1) }
 
-// OpenRails opens an endpoint of n rails. With more than one, every rail completes a
-// write only once its data is placed at the target (FI_DELIVERY_COMPLETE): a request's
-// signal travels on rail 0 after its writes completed, and writes on another rail have no
-// ordering with it otherwise. A provider that cannot promise that is refused. Every rail
-// uses the provider's first domain; choosing one NIC per rail is the caller's to add.
-func OpenRails(provider string, n int) (*Endpoint, error) {
+// OpenRails opens an endpoint of n rails, all on the provider's first domain. With more
+// than one, every rail completes a write only once its data is placed at the target
+// (FI_DELIVERY_COMPLETE): a request's signal travels on rail 0 after its writes completed,
+// and writes on another rail have no ordering with it otherwise. A provider that cannot
+// promise that is refused.
+func OpenRails(provider string, n int) (*Endpoint, error) { return open(provider, n, nil) }
+
+// OpenDomains opens an endpoint of one rail on each named domain, in order: the NICs a
+// rank's traffic should use (efa's rdmap79s0-rdm; tcp's eth0). Rails as in OpenRails.
+func OpenDomains(provider string, domains []string) (*Endpoint, error) {
+	if len(domains) == 0 {
+		return nil, errors.New("fabric: no domains named")
+	}
+	return open(provider, len(domains), domains)
+}
+
+// Domains lists the provider's domains (its NICs), each once.
+func Domains(provider string) ([]string, error) {
+	name := C.CString(provider)
+	defer C.free(unsafe.Pointer(name))
+	buf := make([]byte, 4096)
+	for {
+		n := C.kvh_domains(name, (*C.char)(unsafe.Pointer(&buf[0])), C.size_t(len(buf)))
+		if n < 0 {
+			return nil, fiError("listing the domains of provider "+provider, C.ssize_t(n))
+		}
+		if int(n) < len(buf) {
+			return strings.Fields(string(buf[:n])), nil
+		}
+		buf = make([]byte, int(n)+1)
+	}
+}
+
+func open(provider string, n int, domains []string) (*Endpoint, error) {
 	if n < 1 || n > MaxRails {
 		return nil, fmt.Errorf("fabric: %d rails (1 to %d)", n, MaxRails)
 	}
@@ -101,13 +130,22 @@ func OpenRails(provider string, n int) (*Endpoint, error) {
 	defer C.free(unsafe.Pointer(name))
 	for i := range n {
 		c := (*C.kvh_ep)(C.calloc(1, C.sizeof_kvh_ep))
-		if ret := C.kvh_open(name, C.int(min(n-1, 1)), c); ret != 0 {
+		var domain *C.char
+		if domains != nil {
+			domain = C.CString(domains[i])
+		}
+		ret := C.kvh_open(name, domain, C.int(min(n-1, 1)), c)
+		C.free(unsafe.Pointer(domain))
+		if ret != 0 {
 			C.kvh_close(c)
 			C.free(unsafe.Pointer(c))
 			e.Close()
 			what := "opening provider " + provider
 			if n > 1 {
 				what = fmt.Sprintf("opening rail %d of %d (with delivery-complete writes) on provider %s", i, n, provider)
+			}
+			if domains != nil {
+				what += " on domain " + domains[i]
 			}
 			return nil, fiError(what, C.ssize_t(ret))
 		}
@@ -184,6 +222,15 @@ func (e *Endpoint) Close() {
 
 // Rails is how many rails the endpoint has.
 func (e *Endpoint) Rails() int { return len(e.rails) }
+
+// Domains are the domains (NICs) the rails opened, by rail.
+func (e *Endpoint) Domains() []string {
+	out := make([]string, len(e.rails))
+	for i, c := range e.rails {
+		out[i] = C.GoString(C.kvh_domain(c))
+	}
+	return out
+}
 
 // Limits are what the provider accepts.
 type Limits struct {

@@ -17,7 +17,9 @@ typedef struct kvh_ep {
 	int waitable;
 } kvh_ep;
 
-int kvh_open(const char *provider, int rail, kvh_ep *e);
+int kvh_open(const char *provider, const char *domain, int rail, kvh_ep *e);
+const char *kvh_domain(kvh_ep *e);
+int kvh_domains(const char *provider, char *out, size_t len);
 void kvh_close(kvh_ep *e);
 const char *kvh_provider(kvh_ep *e);
 uint64_t kvh_mr_mode(kvh_ep *e);

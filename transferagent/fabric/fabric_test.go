@@ -3,6 +3,7 @@ package fabric
 import (
 	"bytes"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -137,21 +138,28 @@ func TestWriteThenSignalDeliversEveryByte(t *testing.T) {
 // railPair opens two endpoints of srcRails and dstRails rails that know each other.
 func railPair(t *testing.T, provider string, srcRails, dstRails int) (src, dst *Endpoint, peer Peer) {
 	t.Helper()
+	return connect(t, func() (*Endpoint, error) { return OpenRails(provider, srcRails) }, func() (*Endpoint, error) { return OpenRails(provider, dstRails) })
+}
+
+// connect opens a source and a destination endpoint and makes the destination the
+// source's peer.
+func connect(t *testing.T, openSrc, openDst func() (*Endpoint, error)) (src, dst *Endpoint, peer Peer) {
+	t.Helper()
 	var err error
-	if src, err = OpenRails(provider, srcRails); err != nil {
-		t.Fatalf("opening %s with %d rails: %v", provider, srcRails, err)
+	if src, err = openSrc(); err != nil {
+		t.Fatalf("opening the source: %v", err)
 	}
 	t.Cleanup(src.Close)
-	if dst, err = OpenRails(provider, dstRails); err != nil {
-		t.Fatalf("opening %s with %d rails: %v", provider, dstRails, err)
+	if dst, err = openDst(); err != nil {
+		t.Fatalf("opening the destination: %v", err)
 	}
 	t.Cleanup(dst.Close)
 	addrs, err := dst.Addresses()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(addrs) != dstRails {
-		t.Fatalf("%d addresses for %d rails", len(addrs), dstRails)
+	if len(addrs) != dst.Rails() {
+		t.Fatalf("%d addresses for %d rails", len(addrs), dst.Rails())
 	}
 	if peer, err = src.AddPeer(addrs...); err != nil {
 		t.Fatal(err)
@@ -226,6 +234,50 @@ func TestRailsMeetAPeerWithFewer(t *testing.T) {
 	}
 	if sent := src.RailBytes(); sent[1] != 0 {
 		t.Fatalf("rail 1 carried %d bytes to a peer without it", sent[1])
+	}
+}
+
+// TestRailsOpenTheNamedDomains: each rail opens the domain (NIC) named for it, in order,
+// and a request's writes land over both; a domain the provider lacks is refused by name.
+// On loopback tcp's domains are the host's interfaces (lo, and eth0 where there is one).
+func TestRailsOpenTheNamedDomains(t *testing.T) {
+	const provider = "tcp;ofi_rxm"
+	domains, err := Domains(provider)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(domains, "lo") {
+		t.Fatalf("domains %v of %s lack the loopback interface", domains, provider)
+	}
+	named := []string{domains[len(domains)-1], domains[0]} // two NICs where the host has two
+	t.Logf("domains %v; rails on %v", domains, named)
+	open := func() (*Endpoint, error) { return OpenDomains(provider, named) }
+	src, dst, peer := connect(t, open, open)
+	if got := src.Domains(); !slices.Equal(got, named) {
+		t.Fatalf("rails opened domains %v, want %v", got, named)
+	}
+	// Pieces as large as the split test's: with small ones every write can finish on the
+	// rail whose connection came up first, before the other's does.
+	const size, piece = 64 << 20, 8 << 20
+	from, s := region(t, src, size, Source)
+	to, d := region(t, dst, size, Target)
+	for i := range from {
+		from[i] = byte(i*7 + i>>16)
+	}
+	l := &link{t: t, src: src, dst: dst}
+	for off := uint64(0); off < size; off += piece {
+		l.post(func() error { return src.Write(peer, s, off, piece, d.RemoteAddr(off), d.Keys, off/piece+1) })
+	}
+	l.until("the writes' completions", func() bool { return len(l.s) == size/piece })
+	if !bytes.Equal(from, to) {
+		t.Fatal("the target's memory differs from the source")
+	}
+	if sent := src.RailBytes(); sent[0] == 0 || sent[1] == 0 {
+		t.Fatalf("rails carried %v bytes; want both used", sent)
+	}
+
+	if _, err := OpenDomains(provider, []string{"lo", "no-such-nic"}); err == nil || !strings.Contains(err.Error(), "no-such-nic") {
+		t.Fatalf("a rail on a domain the provider lacks: %v", err)
 	}
 }
 

@@ -27,6 +27,8 @@ type Config struct {
 	// GPU, when set, keeps the KV cache in that GPU's memory, handed to the agent as a
 	// CUDA IPC handle, instead of in a memfd.
 	GPU *int
+	// FabricDomains are the NICs the rank's rails open (RegisterEngine's fabric_domains).
+	FabricDomains []string
 }
 
 // Engine is a simulated engine rank: its KV cache lives in a sealed memfd the agent maps,
@@ -95,7 +97,7 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	e.Engine, err = e.cl.RegisterEngine(ctx, &agentv1.RegisterEngineRequest{
 		EngineId: cfg.ID, Role: cfg.Role, Mode: cfg.Mode, TpRank: uint32(cfg.Rank), TpSize: uint32(l.TP),
 		LeaseMillis: uint32(cfg.Lease.Milliseconds()), RegistrationTimeoutMillis: uint32(cfg.RegistrationTimeout.Milliseconds()),
-		BlocksTtlMillis: uint32(cfg.BlocksTTL.Milliseconds()),
+		BlocksTtlMillis: uint32(cfg.BlocksTTL.Milliseconds()), FabricDomains: cfg.FabricDomains,
 		Layout:          &agentv1.KVLayout{Layers: uint32(l.Layers), BlockSize: uint32(l.BlockSize), KvHeads: uint32(l.KVHeads), HeadDim: uint32(l.HeadDim), DtypeBytes: uint32(l.DTypeBytes)},
 	})
 	if err != nil {

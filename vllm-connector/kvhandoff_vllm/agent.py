@@ -20,6 +20,21 @@ from ._api import agent_pb2_grpc as pbg
 
 MEMORY_SOCKET_NAME = "memory.sock"
 
+# Set by kvhandoff's device plugin in containers given GPU+EFA bundles: each accelerator
+# with its EFAs, "<accelerator>=<efa>,<efa>;…" (deviceplugin/server EnvAcceleratorEFAs).
+ACCELERATOR_EFAS_ENV = "KVHANDOFF_ACCELERATOR_EFAS"
+
+
+def rank_nics(env: str | None, accelerator: str | None, index: int) -> list[str]:
+    """The libfabric domains of a rank's own EFAs (efa names an RDM domain <device>-rdm):
+    those of its GPU (by UUID) where it has one, else those of the index-th accelerator;
+    none without the device plugin's bundles, and the agent's --rails apply."""
+    groups = [g.partition("=") for g in (env or "").split(";") if g]
+    for i, (acc, _, nics) in enumerate(groups):
+        if (acc == accelerator) if accelerator else (i == index):
+            return [n + "-rdm" for n in nics.split(",") if n]
+    return []
+
 
 class AgentError(RuntimeError):
     """The agent refused a call; the message is the agent's (it names the field)."""

@@ -136,6 +136,12 @@ class CudaAllocation:
         return None
 
 
+def gpu_uuid_string(raw: bytes) -> str:
+    """A GPU's 16-byte UUID as NVIDIA names it (NVIDIA_VISIBLE_DEVICES, nvidia-smi -L)."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
 def block_major(t: torch.Tensor, split_kv: bool) -> list[torch.Tensor]:
     """The views of one layer's KV cache whose first dimension is the block. vLLM's CUDA
     attention backends of the FlashAttention kind lay a layer out as (2, blocks, block size,

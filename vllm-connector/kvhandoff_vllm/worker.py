@@ -23,14 +23,15 @@ tells decode only once every layer has landed.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 
 from ._api import agent_pb2 as pb
-from .agent import AgentError, Session, engine_ref
+from .agent import ACCELERATOR_EFAS_ENV, AgentError, Session, engine_ref, rank_nics
 from .config import Config
-from .memory import CudaAllocation, SealedMemory, block_major, kv_allocation
+from .memory import CudaAllocation, SealedMemory, block_major, gpu_uuid_string, kv_allocation
 from .metadata import Handshake, KVHandoffMetadata
 from .scheduler import ATTEMPT
 
@@ -118,7 +119,11 @@ class WorkerSide:
             layout=pb.KVLayout(layers=len(order), block_size=self.block_size, kv_heads=self.kv_heads,
                                head_dim=self.head_dim, dtype_bytes=dtype_bytes),
             lease_millis=self.cfg.lease * 1000, registration_timeout_millis=self.cfg.registration_timeout * 1000,
-            blocks_ttl_millis=self.cfg.blocks_ttl * 1000))
+            blocks_ttl_millis=self.cfg.blocks_ttl * 1000,
+            # The rank's rails on its own accelerator's EFAs, where the device plugin's
+            # bundles say which those are.
+            fabric_domains=rank_nics(os.environ.get(ACCELERATOR_EFAS_ENV),
+                                     gpu_uuid_string(allocations[0].device_uuid) if cuda else None, self.rank)))
         for i, p in enumerate(order):
             mem, off, size, block_len, count = regions[p]
             if cuda:

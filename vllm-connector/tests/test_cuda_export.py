@@ -44,3 +44,18 @@ def test_cuda_kv_is_refused_at_start_when_pairs_never_share_a_node():
     with pytest.raises(RuntimeError, match="set the KVTransferPolicy's sameNode: Allow or Prefer"):
         w.register_kv_caches({"model.layers.0.self_attn.attn": OnAGPU()})
     assert w.session is None
+
+
+def test_a_rank_names_its_own_accelerators_efas():
+    from kvhandoff_vllm.agent import rank_nics
+
+    env = "GPU-aa=rdmap79s0,rdmap80s0;GPU-bb=rdmap81s0,rdmap82s0"
+    assert rank_nics(env, "GPU-bb", 0) == ["rdmap81s0-rdm", "rdmap82s0-rdm"]
+    assert rank_nics(env, None, 0) == ["rdmap79s0-rdm", "rdmap80s0-rdm"]  # host KV: by rank
+    assert rank_nics(env, "GPU-cc", 0) == []  # not this container's GPU
+    assert rank_nics(None, "GPU-aa", 0) == []  # no bundles: the agent's --rails
+
+
+def test_a_gpu_uuid_reads_as_nvidia_writes_it():
+    raw = bytes.fromhex("a312809c85eeabecaeaab8ea1ba91857")
+    assert memory.gpu_uuid_string(raw) == "GPU-a312809c-85ee-abec-aeaa-b8ea1ba91857"

@@ -402,8 +402,14 @@ type RegisterEngineRequest struct {
 	LeaseMillis               uint32 `protobuf:"varint,8,opt,name=lease_millis,json=leaseMillis,proto3" json:"lease_millis,omitempty"`
 	RegistrationTimeoutMillis uint32 `protobuf:"varint,9,opt,name=registration_timeout_millis,json=registrationTimeoutMillis,proto3" json:"registration_timeout_millis,omitempty"`
 	BlocksTtlMillis           uint32 `protobuf:"varint,10,opt,name=blocks_ttl_millis,json=blocksTtlMillis,proto3" json:"blocks_ttl_millis,omitempty"`
-	unknownFields             protoimpl.UnknownFields
-	sizeCache                 protoimpl.SizeCache
+	// fabric_domains names the libfabric domains (NICs) this rank's rails open, one rail
+	// each, in order: on a P5en the two EFAs of the rank's GPU (rdmap79s0-rdm,
+	// rdmap80s0-rdm), so that the ranks of a node spread over its NICs instead of sharing the
+	// first. Each must be a domain of the agent's provider, named once; at most 16. Empty:
+	// the agent's --rails rails, all on the provider's first domain.
+	FabricDomains []string `protobuf:"bytes,11,rep,name=fabric_domains,json=fabricDomains,proto3" json:"fabric_domains,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterEngineRequest) Reset() {
@@ -504,6 +510,13 @@ func (x *RegisterEngineRequest) GetBlocksTtlMillis() uint32 {
 		return x.BlocksTtlMillis
 	}
 	return 0
+}
+
+func (x *RegisterEngineRequest) GetFabricDomains() []string {
+	if x != nil {
+		return x.FabricDomains
+	}
+	return nil
 }
 
 type RegisterEngineResponse struct {
@@ -1293,7 +1306,7 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\tEngineRef\x12\x14\n" +
 	"\x05agent\x18\x01 \x01(\tR\x05agent\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +
-	"\atp_rank\x18\x03 \x01(\rR\x06tpRank\"\xb2\x03\n" +
+	"\atp_rank\x18\x03 \x01(\rR\x06tpRank\"\xd9\x03\n" +
 	"\x15RegisterEngineRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12,\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x18.kvhandoff.agent.v1.RoleR\x04role\x12,\n" +
@@ -1305,7 +1318,8 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\flease_millis\x18\b \x01(\rR\vleaseMillis\x12>\n" +
 	"\x1bregistration_timeout_millis\x18\t \x01(\rR\x19registrationTimeoutMillis\x12*\n" +
 	"\x11blocks_ttl_millis\x18\n" +
-	" \x01(\rR\x0fblocksTtlMillis\"\x97\x01\n" +
+	" \x01(\rR\x0fblocksTtlMillis\x12%\n" +
+	"\x0efabric_domains\x18\v \x03(\tR\rfabricDomains\"\x97\x01\n" +
 	"\x16RegisterEngineResponse\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x121\n" +
