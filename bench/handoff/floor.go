@@ -228,30 +228,39 @@ func medianWrite(provider string, rails, n, chunk, window, rounds int, cpus *uni
 // once, in writes equal writes all in flight, signalled: the same bytes spread over as
 // many endpoints, in as many writes, as a TP handoff's merged writes (one per region).
 func wireFloorParallel(provider string, rails, n, tp, writes int, cpus *unix.CPUSet) (time.Duration, error) {
+	ds, err := wireFloorRounds(provider, rails, n, tp, writes, 9, cpus)
+	if err != nil {
+		return 0, err
+	}
+	return ds[len(ds)/2], nil
+}
+
+// wireFloorRounds is wireFloorParallel's rounds, sorted.
+func wireFloorRounds(provider string, rails, n, tp, writes, rounds int, cpus *unix.CPUSet) ([]time.Duration, error) {
 	chunk := (n/tp + writes - 1) / writes
 	pairs := make([]*wirePair, tp)
 	for i := range pairs {
 		w, err := newWirePair(provider, rails, n/tp, cpus)
 		if err != nil {
-			return 0, fmt.Errorf("wire floor: %w", err)
+			return nil, fmt.Errorf("wire floor: %w", err)
 		}
 		defer w.close()
 		if _, err := w.write(1<<20, 1<<20, 1); err != nil {
-			return 0, err
+			return nil, err
 		}
 		pairs[i] = w
 	}
 	var ds []time.Duration
-	for range 9 {
+	for range rounds {
 		start := time.Now()
 		err := parallelPairs(pairs, func(w *wirePair) error { _, err := w.write(n/tp, chunk, writes); return err })
 		if err != nil {
-			return 0, err
+			return nil, err
 		}
 		ds = append(ds, time.Since(start))
 	}
 	slices.Sort(ds)
-	return ds[len(ds)/2], nil
+	return ds, nil
 }
 
 func parallelPairs(pairs []*wirePair, fn func(*wirePair) error) error {

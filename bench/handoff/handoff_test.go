@@ -51,3 +51,13 @@ func TestAnOverloadedRunFinishesAndReturnsEveryBlock(t *testing.T) {
 		t.Errorf("%d ranks' blocks were held back: an agent never answered", rep.LeakedRanks)
 	}
 }
+
+func TestAHandoffOverlapsOnlyAnotherThatSharesAnInstant(t *testing.T) {
+	at := func(ms int) time.Time { return time.Unix(0, 0).Add(time.Duration(ms) * time.Millisecond) }
+	spans := [][2]time.Time{{at(0), at(10)}, {at(5), at(15)}, {at(15), at(20)}, {at(30), at(40)}}
+	for i, want := range []bool{true, true, false, false} {
+		if got := overlaps(spans, i); got != want {
+			t.Errorf("span %d overlaps another: %v, want %v", i, got, want)
+		}
+	}
+}

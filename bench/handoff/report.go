@@ -26,9 +26,13 @@ func (r *Report) Markdown(w io.Writer) {
 			m.WireFloorMs, m.CoordinationOverhead.P50, m.CoordinationOverhead.P99, m.WireFloorOnePairMs,
 			m.DescriptorsPerRequest, m.VerifiedRequests, m.FailedRequests)
 	}
-	fmt.Fprintf(w, "\nWire floor: the request's bytes over %d endpoint pairs at once (each rank's share on its own pair, in as many writes as the handoff posts: one per region), each side of each pair polled by its own thread, signalled, measured in this run; the one-pair figure is context. ", r.TP)
+	fmt.Fprintf(w, "\nWire floor: the median of %d rounds (p90 %.1f ms, slowest %.1f ms) of the request's bytes over %d endpoint pairs at once (each rank's share on its own pair, in as many writes as the handoff posts: one per region), each side of each pair polled by its own thread, signalled, measured in this run; the one-pair figure is context. ", 31, r.WireFloorRounds.P90, r.WireFloorRounds.P99, r.TP)
 	if len(r.Results) > 0 {
 		fmt.Fprintf(w, "Measured again while the simulated engines' CPU work (each request's KV produced and checked on every rank, at the run's rate) ran beside it, the floor was %.1f ms.\n", r.Results[0].WireFloorUnderEngineLoadMs)
+	}
+	for _, m := range r.Results {
+		fmt.Fprintf(w, "%s: %d of %d handoffs overlapped no other; their coordination overhead p50 / p99 %.1f / %.1f ms, the others' (sharing the wire with another handoff) %.1f / %.1f ms. The last rank had the KV %.1f / %.1f ms (p50 / p99) after the first.\n",
+			m.Mode, m.HandoffsAlone, m.VerifiedRequests, m.CoordinationOverheadAlone.P50, m.CoordinationOverheadAlone.P99, m.CoordinationOverheadOverlapped.P50, m.CoordinationOverheadOverlapped.P99, m.RankSpread.P50, m.RankSpread.P99)
 	}
 	fmt.Fprintf(w, "Push and pull ran on the same seeded arrival sequence. Push handoff p50 is %.2f× the wire floor (target ≤ 1.25×); pull's p50 is %+.1f ms from push's.\n", r.PushOverFloorP50, r.PullMinusPushP50)
 	for _, m := range r.Results {
@@ -38,8 +42,8 @@ func (r *Report) Markdown(w io.Writer) {
 		}
 	}
 	if t := r.Throughput; t != nil {
-		fmt.Fprintf(w, "Write throughput, one rank, windows of %d writes of %d bytes (one request's share) on libfabric %s: the agent %.2f GB/s (SourceReady to DELIVERED; its writes alone, pairing to the last completion, %.2f GB/s), fabtests' fi_rma_bw %.2f GB/s: %.2f× (target ≥ 0.95×). The agent on the installed libfabric %s: %.2f GB/s.\n",
-			t.Window, t.MessageBytes, t.Libfabric, t.AgentGBps, t.AgentWritesGBps, t.FiRmaBwGBps, t.AgentOverFiRmaBw, t.Installed, t.AgentInstalledGBps)
+		fmt.Fprintf(w, "Write throughput, one rank, windows of %d writes of %d bytes (one request's share) on libfabric %s: the agent %.2f GB/s (SourceReady to DELIVERED; its writes alone, pairing to the last completion, %.2f GB/s), fabtests' fi_rma_bw %.2f GB/s: %.2f× (target ≥ 0.95×). The agent on the installed libfabric %s: %.2f GB/s. Busy CPU time of the whole machine (%d CPUs) per GB moved: the agent %.2f s, fi_rma_bw sleeping in the provider as the agents do (-c sread, %.2f GB/s) %.2f s.\n",
+			t.Window, t.MessageBytes, t.Libfabric, t.AgentGBps, t.AgentWritesGBps, t.FiRmaBwGBps, t.AgentOverFiRmaBw, t.Installed, t.AgentInstalledGBps, t.CPUs, t.AgentCPUPerGB, t.FiRmaBwSreadGBps, t.FiRmaBwSreadCPUPerGB)
 	}
 	if g := r.RailsGain; g != nil {
 		fmt.Fprintf(w, "One rank's share of a request (one write per region), on one rail against two (--rails 2: two endpoints, which on loopback share the one interface): a plain endpoint pair %.2f against %.2f GB/s (%.2f×); the agent %.2f against %.2f GB/s (%.2f×; its writes alone %.2f against %.2f GB/s).\n",

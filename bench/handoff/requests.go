@@ -234,13 +234,12 @@ func allocate(ctx context.Context, rk *ranks, blocks int, t turn) ([][]uint32, e
 // cancel first asks the agents to stop (the request failed elsewhere); known marks the
 // ranks whose agent knows the request, the others are freed at once. Blocks whose agent
 // never answers stay out of the pool, counted in leaked. It returns which ranks were
-// delivered, when the last one was, their descriptors and why the request failed.
-func settle(ctx context.Context, rk *ranks, req string, dst [][]uint32, known []bool, cancel bool, leaked *atomic.Int64) ([]bool, time.Time, uint64, error) {
+// delivered, when the first and the last one were, their descriptors and why the request
+// failed.
+func settle(ctx context.Context, rk *ranks, req string, dst [][]uint32, known []bool, cancel bool, leaked *atomic.Int64) (delivered []bool, first, last time.Time, desc uint64, err error) {
 	var mu sync.Mutex
-	var last time.Time
-	var desc uint64
-	delivered := make([]bool, len(rk.D))
-	err := parallel(len(rk.D), func(r int) error {
+	delivered = make([]bool, len(rk.D))
+	err = parallel(len(rk.D), func(r int) error {
 		if !known[r] {
 			rk.D[r].Free(dst[r])
 			return nil
@@ -265,11 +264,14 @@ func settle(ctx context.Context, rk *ranks, req string, dst [][]uint32, known []
 		if now.After(last) {
 			last = now
 		}
+		if first.IsZero() || now.Before(first) {
+			first = now
+		}
 		desc += ev.Descriptors
 		mu.Unlock()
 		return nil
 	})
-	return delivered, last, desc, err
+	return delivered, first, last, desc, err
 }
 
 // complete verifies and frees a delivered request; after a failure it frees the ranks
@@ -315,7 +317,7 @@ func pushRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, 
 	if err == nil {
 		err = res.err
 	}
-	delivered, ready, _, serr := settle(ctx, rk, req, dst, known, err != nil, &pf.leaked)
+	delivered, firstRank, ready, _, serr := settle(ctx, rk, req, dst, known, err != nil, &pf.leaked)
 	if err == nil {
 		err = serr
 	}
@@ -323,7 +325,7 @@ func pushRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, 
 	if err := complete(rk, req, dst, delivered, err); err != nil {
 		return outcome{err: err}
 	}
-	return outcome{ttft: ready.Sub(arrival), handoff: ready.Sub(res.end), descriptors: descriptors}
+	return outcome{ttft: ready.Sub(arrival), from: res.end, firstRank: firstRank, to: ready, descriptors: descriptors}
 }
 
 // pullRequest: after prefill the router relays the source block ids; only then does
@@ -345,7 +347,7 @@ func pullRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, 
 		known[r] = err == nil
 		return err
 	})
-	delivered, ready, desc, serr := settle(ctx, rk, req, dst, known, err != nil, &pf.leaked)
+	delivered, firstRank, ready, desc, serr := settle(ctx, rk, req, dst, known, err != nil, &pf.leaked)
 	if err == nil {
 		err = serr
 	}
@@ -353,5 +355,5 @@ func pullRequest(ctx context.Context, rk *ranks, pf *prefillServer, req string, 
 	if err := complete(rk, req, dst, delivered, err); err != nil {
 		return outcome{err: err}
 	}
-	return outcome{ttft: ready.Sub(arrival), handoff: ready.Sub(res.end), descriptors: desc}
+	return outcome{ttft: ready.Sub(arrival), from: res.end, firstRank: firstRank, to: ready, descriptors: desc}
 }

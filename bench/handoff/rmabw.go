@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -39,10 +40,19 @@ type Throughput struct {
 	// AgentInstalledGBps is the agent on the machine's own libfabric, for context.
 	AgentInstalledGBps float64 `json:"agent_on_installed_libfabric_gb_per_s"`
 	Installed          string  `json:"installed_libfabric"`
+	// The machine's busy CPU time per GB moved (every process and the kernel, from
+	// /proc/stat) for fi_rma_bw sleeping in the provider as the agents do (-c sread; spun,
+	// it keeps two cores busy whatever it moves) and for the agent end to end: where the
+	// machine has few cores, a data path that needs more CPU per byte runs out of CPU
+	// before it runs out of wire.
+	FiRmaBwSreadGBps     float64 `json:"fi_rma_bw_sread_gb_per_s"`
+	FiRmaBwSreadCPUPerGB float64 `json:"fi_rma_bw_sread_cpu_s_per_gb"`
+	AgentCPUPerGB        float64 `json:"agent_cpu_s_per_gb"`
+	CPUs                 int     `json:"cpus"`
 }
 
 // throughputWindows is how many windows each side moves.
-const throughputWindows = 30
+const throughputWindows = 100
 
 // MeasureThroughput runs fi_rma_bw from fabtests (an install prefix with bin/ and lib/,
 // built by hack/fabtests.sh) and the agent on that prefix's libfabric, then the agent on
@@ -50,16 +60,28 @@ const throughputWindows = 30
 func MeasureThroughput(ctx context.Context, sc Scenario, fabtests string, l simengine.Layout) (*Throughput, error) {
 	// Its libfabric first; what else it links comes from the path as it is.
 	lib := "LD_LIBRARY_PATH=" + strings.TrimSuffix(filepath.Join(fabtests, "lib")+":"+os.Getenv("LD_LIBRARY_PATH"), ":")
-	th := &Throughput{MessageBytes: l.Blocks * l.BlockBytes(), Window: l.Regions()}
+	th := &Throughput{MessageBytes: l.Blocks * l.BlockBytes(), Window: l.Regions(), CPUs: runtime.NumCPU()}
 	var err error
-	if th.FiRmaBwGBps, err = fiRmaBw(ctx, fabtests, lib, sc, th.MessageBytes, th.Window); err != nil {
+	iters := th.Window * throughputWindows
+	if th.FiRmaBwGBps, _, err = fiRmaBw(ctx, fabtests, lib, sc, th.MessageBytes, th.Window, iters); err != nil {
 		return nil, err
 	}
+	// Its CPU per GB is the difference between a run and one three times as long, which
+	// leaves out what starting, connecting and ending cost.
+	_, short, err := fiRmaBw(ctx, fabtests, lib, sc, th.MessageBytes, th.Window, iters, "-c", "sread")
+	if err != nil {
+		return nil, err
+	}
+	var long time.Duration
+	if th.FiRmaBwSreadGBps, long, err = fiRmaBw(ctx, fabtests, lib, sc, th.MessageBytes, th.Window, 3*iters, "-c", "sread"); err != nil {
+		return nil, err
+	}
+	th.FiRmaBwSreadCPUPerGB = (long - short).Seconds() / (float64(th.MessageBytes) * float64(2*iters) / 1e9)
 	onFabtests, err := agentThroughput(ctx, sc, []string{lib}, l)
 	if err != nil {
 		return nil, err
 	}
-	th.AgentGBps, th.AgentWritesGBps, th.Libfabric = onFabtests.endToEnd, onFabtests.writes, onFabtests.libfabric
+	th.AgentGBps, th.AgentWritesGBps, th.Libfabric, th.AgentCPUPerGB = onFabtests.endToEnd, onFabtests.writes, onFabtests.libfabric, onFabtests.cpuPerGB
 	installed, err := agentThroughput(ctx, sc, nil, l)
 	if err != nil {
 		return nil, err
@@ -70,17 +92,19 @@ func MeasureThroughput(ctx context.Context, sc Scenario, fabtests string, l sime
 }
 
 // fiRmaBw runs fi_rma_bw's server and client on loopback (unidirectional writedata,
-// like a push) and returns the client's GB/s.
-func fiRmaBw(ctx context.Context, fabtests, lib string, sc Scenario, size, window int) (float64, error) {
+// like a push) for iters writes, with extra options, and returns the client's GB/s and the
+// machine's busy CPU time over the client's run.
+func fiRmaBw(ctx context.Context, fabtests, lib string, sc Scenario, size, window, iters int, extra ...string) (gbps float64, busy time.Duration, err error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
 	bin := filepath.Join(fabtests, "bin", "fi_rma_bw")
 	args := []string{"-p", sc.Provider, "-e", "rdm", "-o", "writedata", "-S", strconv.Itoa(size),
-		"-W", strconv.Itoa(window), "-I", strconv.Itoa(window * throughputWindows), "-E=" + strconv.Itoa(port)}
+		"-W", strconv.Itoa(window), "-I", strconv.Itoa(iters), "-E=" + strconv.Itoa(port)}
+	args = append(args, extra...)
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	command := func(args ...string) *exec.Cmd {
@@ -94,7 +118,7 @@ func fiRmaBw(ctx context.Context, fabtests, lib string, sc Scenario, size, windo
 	var serverOut strings.Builder
 	server.Stdout, server.Stderr = &serverOut, &serverOut
 	if err := server.Start(); err != nil {
-		return 0, fmt.Errorf("fi_rma_bw: %w", err)
+		return 0, 0, fmt.Errorf("fi_rma_bw: %w", err)
 	}
 	defer func() { _ = server.Wait() }()
 	// The client fails at once while the server is not yet listening: try again.
@@ -102,15 +126,41 @@ func fiRmaBw(ctx context.Context, fabtests, lib string, sc Scenario, size, windo
 	for attempt := 0; ; attempt++ {
 		client := command(append(args, "127.0.0.1")...)
 		client.Env = append(client.Environ(), lib)
+		before := cpuBusy()
 		if out, err = client.CombinedOutput(); err == nil {
+			busy = cpuBusy() - before
 			break
 		}
 		if attempt == 50 || ctx.Err() != nil {
-			return 0, fmt.Errorf("fi_rma_bw client: %v\n%s\nserver:\n%s", err, out, serverOut.String())
+			return 0, 0, fmt.Errorf("fi_rma_bw client: %v\n%s\nserver:\n%s", err, out, serverOut.String())
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	return parseFiRmaBw(string(out))
+	gbps, err = parseFiRmaBw(string(out))
+	return gbps, busy, err
+}
+
+// cpuBusy is the machine's busy CPU time so far, every CPU summed (/proc/stat's first
+// line, in USER_HZ, which Linux fixes at 100 for it): around a measurement it counts the
+// kernel's TCP copies wherever they ran, which per-process times miss. 0 where there is
+// no /proc/stat.
+func cpuBusy() time.Duration {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	var jiffies int64
+	for i, v := range f[1:] {
+		n, _ := strconv.ParseInt(v, 10, 64)
+		switch i {
+		case 3, 4, 8, 9: // idle, iowait; guest time is already in user
+		default:
+			jiffies += n
+		}
+	}
+	return time.Duration(jiffies) * 10 * time.Millisecond
 }
 
 // parseFiRmaBw reads the MB/sec column (10^6 bytes) of fi_rma_bw's result line.
@@ -145,8 +195,8 @@ var libfabricVersion = regexp.MustCompile(`"libfabric":"([^"]+)"`)
 // agentRate is the agent's throughput in GB/s, measured two ways, and the libfabric it
 // ran on.
 type agentRate struct {
-	endToEnd, writes float64
-	libfabric        string
+	endToEnd, writes, cpuPerGB float64
+	libfabric                  string
 }
 
 // agentThroughput pushes requests through two agents (run with env), one rank of layout
@@ -191,7 +241,7 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 		return rate, err
 	}
 	var bytes float64
-	var took time.Duration
+	var took, busy time.Duration
 	var before map[string]float64
 	for i := range throughputWindows + 1 {
 		req := fmt.Sprintf("throughput-%d", i)
@@ -201,7 +251,7 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 		if err := D.RegisterDestination(ctx, req, 1, dst, P.Self); err != nil {
 			return rate, err
 		}
-		start := time.Now()
+		start, busyStart := time.Now(), cpuBusy()
 		if err := P.SourceReady(ctx, req, 0, src, true); err != nil {
 			return rate, err
 		}
@@ -214,7 +264,7 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 		if ev.Type != agentv1.Event_DELIVERED {
 			return rate, fmt.Errorf("%s: %s: %s", req, ev.Type, ev.Reason)
 		}
-		end := time.Now()
+		end, busyEnd := time.Now(), cpuBusy()
 		wctx, cancel = context.WithTimeout(ctx, waitLimit)
 		_, err = P.Wait(wctx, req, 1) // SOURCE_DONE: the blocks are the source's again
 		cancel()
@@ -230,6 +280,7 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 		}
 		bytes += float64(n * l.BlockBytes() * l.Regions())
 		took += end.Sub(start)
+		busy += busyEnd - busyStart
 	}
 	after := scrape(a)
 	var writing float64
@@ -237,7 +288,7 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 		series := fmt.Sprintf(`kvhandoff_agent_handoff_stage_seconds_sum{mode="push",stage="%s"}`, stage)
 		writing += after[series] - before[series]
 	}
-	rate = agentRate{endToEnd: bytes / took.Seconds() / 1e9, libfabric: version}
+	rate = agentRate{endToEnd: bytes / took.Seconds() / 1e9, cpuPerGB: busy.Seconds() / (bytes / 1e9), libfabric: version}
 	if writing > 0 {
 		rate.writes = bytes / writing / 1e9
 	}

@@ -102,8 +102,17 @@ type Result struct {
 	// UnreturnedBlocks is how many blocks were not back in the engines' pools once every
 	// request had ended: 0 unless an agent never answered (leaked_rank_blocks).
 	UnreturnedBlocks int `json:"unreturned_blocks"`
+	// The overhead split by whether a request's handoff overlapped another's: those that
+	// ran alone had the wire to themselves, as the floor does; the others shared it.
+	HandoffsAlone                  int         `json:"handoffs_alone"`
+	CoordinationOverheadAlone      Percentiles `json:"coordination_overhead_alone_ms"`
+	CoordinationOverheadOverlapped Percentiles `json:"coordination_overhead_overlapped_ms"`
+	// RankSpread is, per request, how long after its first rank its last rank had the KV:
+	// the handoff ends with the slowest of the TP ranks.
+	RankSpread Percentiles `json:"rank_spread_ms"`
 
 	handoffs []float64
+	spans    [][2]time.Time // each handoff's start and end, as handoffs
 }
 
 // Report is the whole run.
@@ -124,10 +133,13 @@ type Report struct {
 	AgentCPUs string  `json:"agent_cpus,omitempty"`
 	DurationS float64 `json:"arrivals_s_per_mode"`
 	// LeakedRanks counts ranks' blocks held back because an agent never answered.
-	LeakedRanks      int64    `json:"leaked_rank_blocks"`
-	Results          []Result `json:"results"`
-	PushOverFloorP50 float64  `json:"push_handoff_p50_over_wire_floor"`
-	PullMinusPushP50 float64  `json:"pull_minus_push_handoff_p50_ms"`
+	LeakedRanks int64 `json:"leaked_rank_blocks"`
+	// WireFloorRounds is the TP-pairs floor's 31 rounds (p99: the slowest): the wire's
+	// own spread, beside the handoffs' tails.
+	WireFloorRounds  Percentiles `json:"wire_floor_rounds_ms"`
+	Results          []Result    `json:"results"`
+	PushOverFloorP50 float64     `json:"push_handoff_p50_over_wire_floor"`
+	PullMinusPushP50 float64     `json:"pull_minus_push_handoff_p50_ms"`
 	// PushOverLayeredP50 is how many times shorter push-layered's handoff p50 is than
 	// whole-request push's (target ≥ 4).
 	PushOverLayeredP50 float64 `json:"push_over_push_layered_handoff_p50,omitempty"`
@@ -196,10 +208,12 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	if err != nil {
 		return nil, err
 	}
-	floorTP, err := wireFloorParallel(sc.Provider, sc.Rails, int(bytesPerRequest), sc.TP, l.Regions(), cpus)
+	// The floor's own spread, over more rounds, sets the handoffs' tails beside the wire's.
+	rounds, err := wireFloorRounds(sc.Provider, sc.Rails, int(bytesPerRequest), sc.TP, l.Regions(), 31, cpus)
 	if err != nil {
 		return nil, err
 	}
+	floorTP := rounds[len(rounds)/2]
 	sc.logf("wire floor over %d endpoint pairs at once: %.1f ms", sc.TP, ms(floorTP))
 	floorLoaded, err := floorUnderLoad(sc, l, blocksPerRequest, int(bytesPerRequest), cpus)
 	if err != nil {
@@ -221,6 +235,11 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 		Layout:      fmt.Sprintf("%d layers × K,V × %d KV heads × head dim %d × %d B, block %d tokens: %d B/token", l.Layers, l.KVHeads, l.HeadDim, l.DTypeBytes, l.BlockSize, l.BytesPerToken()),
 		PrefillMs:   ms(prefill), DurationS: sc.Duration.Seconds(), AgentCPUs: sc.AgentCPUs,
 	}
+	var roundsMs []float64
+	for _, d := range rounds {
+		roundsMs = append(roundsMs, ms(d))
+	}
+	rep.WireFloorRounds = report.Of(roundsMs)
 	sc.logf("provider %s: %.2f GB/s one pair, %.2f GB/s over %d pairs; %d bytes per request (%.0f%% of the wire at %.0f QPS); wire floor %.1f ms (one pair %.1f ms); prefill %.1f ms per request",
 		sc.Provider, bw/1e9, bwTP/1e9, sc.TP, bytesPerRequest, rep.OfferedLoad*100, sc.QPS, ms(floorTP), ms(floor), ms(prefill))
 
@@ -244,11 +263,17 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 			r.LayerGroups, r.WireFloorLastGroupMs = m.groups, ms(floorGroup)
 			left = r.WireFloorLastGroupMs
 		}
-		over := make([]float64, len(r.handoffs))
+		var over, alone, overlapped []float64
 		for i, h := range r.handoffs {
-			over[i] = h - left
+			over = append(over, h-left)
+			if overlaps(r.spans, i) {
+				overlapped = append(overlapped, h-left)
+			} else {
+				alone = append(alone, h-left)
+			}
 		}
 		r.CoordinationOverhead = report.Of(over)
+		r.HandoffsAlone, r.CoordinationOverheadAlone, r.CoordinationOverheadOverlapped = len(alone), report.Of(alone), report.Of(overlapped)
 		r.StagesMs = stageMeans(m.agent, before, scrape(a, b))
 		sc.logf("%s: agent stage means per rank (ms): %v", r.Mode, r.StagesMs)
 		rep.Results = append(rep.Results, *r)
@@ -332,6 +357,16 @@ func sizeLayout(sc Scenario, bw float64) simengine.Layout {
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
+// overlaps reports whether span i shares any instant with another span.
+func overlaps(spans [][2]time.Time, i int) bool {
+	for j, s := range spans {
+		if j != i && s[0].Before(spans[i][1]) && spans[i][0].Before(s[1]) {
+			return true
+		}
+	}
+	return false
+}
+
 // ranks is a mode's engines: one prefill and one decode engine per TP rank.
 type ranks struct {
 	P, D []*simengine.Engine
@@ -365,10 +400,13 @@ func (rk *ranks) stop() {
 }
 
 // outcome is one request's measurements.
+// outcome is one request's: its TTFT, and its handoff from prefill end (from) to the
+// decode side holding the KV (to), when its first rank had it.
 type outcome struct {
-	ttft, handoff time.Duration
-	descriptors   uint64
-	err           error
+	ttft                time.Duration
+	from, firstRank, to time.Time
+	descriptors         uint64
+	err                 error
 }
 
 // runMode runs one mode's arrivals; it also returns the ranks' blocks it had to hold
@@ -430,7 +468,7 @@ func runMode(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b 
 	for _, e := range append(rk.P, rk.D...) {
 		res.UnreturnedBlocks += l.Blocks - e.FreeBlocks()
 	}
-	var ttfts []float64
+	var ttfts, spread []float64
 	var desc uint64
 	for _, o := range outs {
 		if o.err != nil {
@@ -440,10 +478,12 @@ func runMode(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b 
 		}
 		res.VerifiedRequests++
 		ttfts = append(ttfts, ms(o.ttft))
-		res.handoffs = append(res.handoffs, ms(o.handoff))
+		res.handoffs = append(res.handoffs, ms(o.to.Sub(o.from)))
+		res.spans = append(res.spans, [2]time.Time{o.from, o.to})
+		spread = append(spread, ms(o.to.Sub(o.firstRank)))
 		desc += o.descriptors
 	}
-	res.TTFT, res.Handoff = report.Of(ttfts), report.Of(res.handoffs)
+	res.TTFT, res.Handoff, res.RankSpread = report.Of(ttfts), report.Of(res.handoffs), report.Of(spread)
 	if res.VerifiedRequests > 0 {
 		res.DescriptorsPerRequest = float64(desc) / float64(res.VerifiedRequests)
 	}

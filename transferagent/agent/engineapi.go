@@ -160,9 +160,12 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 	if err := checkDomains(a.cfg.Provider, r.FabricDomains); err != nil {
 		return nil, err
 	}
-	ep, err := fabric.OpenRails(a.cfg.Provider, a.cfg.Rails)
+	var ep *fabric.Endpoint
+	var err error
 	if len(r.FabricDomains) > 0 {
 		ep, err = fabric.OpenDomains(a.cfg.Provider, r.FabricDomains)
+	} else {
+		ep, err = fabric.OpenRails(a.cfg.Provider, a.cfg.Rails)
 	}
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "opening a fabric endpoint: %v", err)

@@ -59,9 +59,8 @@ class WorkerSide:
         self._finished: set[str] = set()  # of those, the ones the scheduler has finished
         self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0, "layers_streamed": 0}
         # Layer streaming: each layer's region indexes (by vLLM's layer name; K and V are
-        # two regions in CUDA layouts), the regions
-        # reported so far per request key in this step, and the sender thread's queue
-        # (FIFO, so a request's final layer goes out last).
+        # two regions in CUDA layouts), the regions reported so far per request key in this
+        # step, and the sender thread's queue (FIFO, so a request's final layer goes out last).
         self._region_of: dict[str, list[int]] = {}
         self._regions = 0
         self._layers_sent: dict[str, set[int]] = {}
