@@ -210,6 +210,11 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 	}
 	defer a.Stop()
 	defer b.Stop()
+	defer func() {
+		if err != nil { // what the agents said, for a measurement that could not finish
+			err = fmt.Errorf("%w\n%s", err, strings.Join(warnings(a, b), "\n"))
+		}
+	}()
 	version := ""
 	if m := libfabricVersion.FindStringSubmatch(a.Log()); m != nil {
 		version = m[1]

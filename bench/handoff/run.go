@@ -280,12 +280,8 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	}
 	if rep.LeakedRanks > 0 {
 		// An agent broke its promise to answer: keep what the agents said about it.
-		for _, p := range []*agentproc.Proc{a, b} {
-			for _, line := range strings.Split(p.Log(), "\n") {
-				if strings.Contains(line, `"level":"WARN"`) || strings.Contains(line, `"level":"ERROR"`) {
-					sc.logf("%s: %s", p.Name, line)
-				}
-			}
+		for _, line := range warnings(a, b) {
+			sc.logf("%s", line)
 		}
 	}
 	byName := map[string]*Result{}
@@ -356,6 +352,19 @@ func sizeLayout(sc Scenario, bw float64) simengine.Layout {
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// warnings are the agents' WARN and ERROR log lines, each after its agent's name.
+func warnings(agents ...*agentproc.Proc) []string {
+	var out []string
+	for _, p := range agents {
+		for _, line := range strings.Split(p.Log(), "\n") {
+			if strings.Contains(line, `"level":"WARN"`) || strings.Contains(line, `"level":"ERROR"`) {
+				out = append(out, p.Name+": "+line)
+			}
+		}
+	}
+	return out
+}
 
 // overlaps reports whether span i shares any instant with another span.
 func overlaps(spans [][2]time.Time, i int) bool {
