@@ -184,20 +184,13 @@ func (ds *decodeSide) onAcquired(pr *peer, m *wire.Acquired) {
 		fail(fmt.Sprintf("prefill engine %s did not describe its memory", g.Source))
 		return
 	}
-	src, byID, onGPU, err := s.peerMemory(pr, info)
+	re, err := s.reach(pr, info)
 	if err != nil {
 		s.a.metrics.refused.WithLabelValues("peer", "Pull").Inc()
 		fail(fmt.Sprintf("prefill engine %s: %v", g.Source, err))
 		return
 	}
-	var fp fabric.Peer
-	if !onGPU {
-		if fp, err = s.remote(info); err != nil {
-			fail(fmt.Sprintf("adding prefill engine %s's fabric address: %v", g.Source, err))
-			return
-		}
-	}
-	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, src, s.layout, s.ep.Limits().MaxMsgSize)
+	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, re.regions, s.layout, s.ep.Limits().MaxMsgSize)
 	if err != nil {
 		s.a.metrics.refused.WithLabelValues("peer", "Pull").Inc()
 		fail(err.Error())
@@ -205,7 +198,7 @@ func (ds *decodeSide) onAcquired(pr *peer, m *wire.Acquired) {
 	}
 	var bytes uint64
 	for _, w := range plan {
-		ds.reads = append(ds.reads, readOp{key: k, peer: fp, remote: byID[w.Region], w: w, copy: onGPU})
+		ds.reads = append(ds.reads, readOp{key: k, peer: re.peer, remote: re.byID[w.Region], w: w, copy: re.onGPU})
 		bytes += w.Len
 	}
 	ds.table.Planned(k, len(plan), bytes)

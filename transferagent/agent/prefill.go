@@ -169,26 +169,24 @@ func (ps *prefillSide) onRegister(p *peer, m *wire.Register) {
 // addDestination checks a decode engine's regions against this rank's (same ids and
 // block lengths: the planner maps region to region) and makes it a write target.
 func (ps *prefillSide) addDestination(p *peer, info *wire.EngineInfo) error {
-	regions, byID, onGPU, err := ps.s.peerMemory(p, info)
+	re, err := ps.s.reach(p, info)
 	if err != nil {
 		return err
 	}
 	for _, l := range ps.s.layout {
-		r, ok := byID[l.ID]
+		r, ok := re.byID[l.ID]
 		if !ok || r.BlockLen != l.BlockLen {
 			return fmt.Errorf("its region %d does not match this engine's (%d-byte blocks)", l.ID, l.BlockLen)
 		}
 	}
-	var d writer.Destination
-	if onGPU {
+	d := writer.Destination{Peer: re.peer}
+	if re.onGPU {
 		// A pair on this node: copies, and a notice to the decode rank in this agent.
 		a := ps.s.a
 		d.Notify = func(data uint64) error { return a.notifyDecode(info.Engine, info.Epoch, data) }
-	} else if d.Peer, err = ps.s.remote(info); err != nil {
-		return err
 	}
-	for _, r := range regions {
-		d.Regions = append(d.Regions, byID[r.ID])
+	for _, r := range re.regions {
+		d.Regions = append(d.Regions, re.byID[r.ID])
 	}
 	ps.w.AddDestination(rendezvous.Engine{ID: info.Engine, Epoch: info.Epoch}, d)
 	return nil

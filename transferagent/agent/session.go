@@ -60,7 +60,7 @@ type session struct {
 	frozen    bool
 	buf       []fabric.Completion
 	lastTick  time.Time
-	remotes   map[string]remoteEngine // fabric peers by engine key
+	remotes   map[string]*remoteEngine // peer engines' memory as reached, by engine key
 	gpu       *sessionGPU             // nil unless the regions are GPU memory
 	railBytes []uint64                // RailBytes already counted in the metric
 }
@@ -91,9 +91,17 @@ type localRegion struct {
 	blocks   uint32
 }
 
+// remoteEngine is a peer engine's memory as this rank reaches it, worked out once per
+// epoch of that engine: its regions as the planner sees them, and by ID with what reaches
+// them — fabric addresses and keys through peer, or for GPU memory on this node device
+// addresses in this rank's GPU context (onGPU), from the allocations it opened.
 type remoteEngine struct {
-	epoch uint64
-	peer  fabric.Peer
+	epoch   uint64
+	regions []writer.Region
+	byID    map[int]writer.RemoteRegion
+	onGPU   bool
+	peer    fabric.Peer
+	opened  []importKey
 }
 
 // requestTimeouts are the timeouts an engine sent (zero where it sent none).
@@ -108,7 +116,7 @@ func newSession(a *Agent, id, key string, epoch uint64, r *agentv1.RegisterEngin
 		pol:  requestTimeouts(r).complete(a.cfg.Timeouts),
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
-		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]remoteEngine{},
+		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]*remoteEngine{},
 		fds: map[uint64]*os.File{},
 	}
 	if r.Role == agentv1.Role_ROLE_PREFILL {
@@ -424,28 +432,32 @@ func (s *session) describe(local bool) []wire.Message {
 	return []wire.Message{m}
 }
 
-// remote returns the fabric peer of a remote engine, inserting its addresses (one per
-// rail it described) once per epoch.
-func (s *session) remote(info *wire.EngineInfo) (fabric.Peer, error) {
-	if r, ok := s.remotes[info.Engine]; ok && r.epoch == info.Epoch {
-		return r.peer, nil
+// reach is how this rank reaches a remote engine's memory, described by info on
+// connection p: worked out on the first transfer with that engine's epoch (the fabric
+// peer inserted, or its GPU allocations opened) and kept for the next ones. A newer epoch
+// replaces the older one's, releasing what it opened.
+func (s *session) reach(p *peer, info *wire.EngineInfo) (*remoteEngine, error) {
+	old := s.remotes[info.Engine]
+	if old != nil && old.epoch == info.Epoch {
+		return old, nil
 	}
-	p, err := s.ep.AddPeer(info.Addresses()...)
+	r := &remoteEngine{epoch: info.Epoch, regions: make([]writer.Region, len(info.Regions)), byID: make(map[int]writer.RemoteRegion, len(info.Regions))}
+	for i, ri := range info.Regions {
+		r.regions[i] = writer.Region{ID: int(ri.ID), BlockLen: ri.BlockLen, Blocks: uint32(min(ri.Blocks, 1<<32-1))}
+		r.byID[int(ri.ID)] = writer.RemoteRegion{Region: r.regions[i], Addr: ri.Addr, Keys: info.Keys(i)}
+	}
+	var err error
+	if info.GPU != nil || s.gpu != nil {
+		err = s.openPeerGPU(p, info, r)
+	} else {
+		r.peer, err = s.ep.AddPeer(info.Addresses()...)
+	}
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	s.remotes[info.Engine] = remoteEngine{epoch: info.Epoch, peer: p}
-	return p, nil
-}
-
-// remoteLayout is a peer engine's regions as the planner sees them, and by ID with their
-// addresses and keys.
-func remoteLayout(info *wire.EngineInfo) ([]writer.Region, map[int]writer.RemoteRegion) {
-	regions := make([]writer.Region, len(info.Regions))
-	byID := make(map[int]writer.RemoteRegion, len(info.Regions))
-	for i, r := range info.Regions {
-		regions[i] = writer.Region{ID: int(r.ID), BlockLen: r.BlockLen, Blocks: uint32(min(r.Blocks, 1<<32-1))}
-		byID[int(r.ID)] = writer.RemoteRegion{Region: regions[i], Addr: r.Addr, Keys: info.Keys(i)}
+	if old != nil {
+		s.release(old)
 	}
-	return regions, byID
+	s.remotes[info.Engine] = r
+	return r, nil
 }

@@ -16,13 +16,11 @@ import (
 )
 
 // sessionGPU is a session whose regions are GPU memory (CUDA IPC): the GPU they are on,
-// the stream the rank's copies run on (made with its first region), and the peers'
-// allocations it opened.
+// and the stream the rank's copies run on (made with its first region).
 type sessionGPU struct {
 	ordinal int
 	uuid    cuda.UUID
 	copier  *copier
-	opened  []importKey
 }
 
 // registerGPURegion checks and opens a CUDA region an engine exported as an IPC handle.
@@ -109,30 +107,36 @@ func (s *session) gpuInfo(local bool) *wire.GPU {
 	return g
 }
 
-// peerMemory is a peer engine's regions as the planner sees them, and by ID with what
-// reaches them: fabric addresses and keys, or for GPU memory on this node device addresses
-// in this rank's GPU context (onGPU), its regions opened there. Pairs of host and GPU
-// memory, and GPU memory off this node, are refused.
-func (s *session) peerMemory(p *peer, info *wire.EngineInfo) (regions []writer.Region, byID map[int]writer.RemoteRegion, onGPU bool, err error) {
-	regions, byID = remoteLayout(info)
+// openPeerGPU opens a peer engine's GPU regions in this rank's GPU context, making r's
+// addresses device addresses there. Pairs of host and GPU memory, and GPU memory off this
+// node, are refused.
+func (s *session) openPeerGPU(p *peer, info *wire.EngineInfo, r *remoteEngine) error {
 	switch {
-	case info.GPU == nil && s.gpu == nil:
-		return regions, byID, false, nil
 	case info.GPU == nil || s.gpu == nil:
-		return nil, nil, false, errors.New("one engine's KV is in GPU memory and the other's in host memory: such pairs are not supported")
+		return errors.New("one engine's KV is in GPU memory and the other's in host memory: such pairs are not supported")
 	case !p.local || len(info.GPU.Handles) == 0:
-		return nil, nil, false, errors.New("its KV is in GPU memory on another node; moving GPU memory between nodes needs the EFA dmabuf path, which this agent does not have")
+		return errors.New("its KV is in GPU memory on another node; moving GPU memory between nodes needs the EFA dmabuf path, which this agent does not have")
 	}
-	for i, r := range regions {
+	for i, reg := range r.regions {
 		h := cuda.IPCHandle([]byte(info.GPU.Handles[i]))
-		gr, err := s.a.gpus.openRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], r.BlockLen*uint64(r.Blocks))
+		gr, err := s.a.gpus.openRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], reg.BlockLen*uint64(reg.Blocks))
 		if err != nil {
-			return nil, nil, false, fmt.Errorf("region %d: %w", r.ID, err)
+			s.release(r)
+			return fmt.Errorf("region %d: %w", reg.ID, err)
 		}
-		s.gpu.opened = append(s.gpu.opened, importKey{h, s.gpu.ordinal})
-		byID[r.ID] = writer.RemoteRegion{Region: r, Addr: uint64(gr.ptr)}
+		r.opened = append(r.opened, importKey{h, s.gpu.ordinal})
+		r.byID[reg.ID] = writer.RemoteRegion{Region: reg, Addr: uint64(gr.ptr)}
 	}
-	return regions, byID, true, nil
+	r.onGPU = true
+	return nil
+}
+
+// release closes the GPU allocations a peer engine's memory held open here.
+func (s *session) release(r *remoteEngine) {
+	for _, k := range r.opened {
+		s.a.gpus.close(k.handle, k.gpu)
+	}
+	r.opened = nil
 }
 
 // closeGPU waits for the rank's copies and closes what it opened (teardown).
@@ -141,8 +145,8 @@ func (s *session) closeGPU() {
 		return
 	}
 	s.gpu.copier.close()
-	for _, k := range s.gpu.opened {
-		s.a.gpus.close(k.handle, k.gpu)
+	for _, r := range s.remotes {
+		s.release(r)
 	}
 	for _, r := range s.regions {
 		s.a.gpus.close(r.dev.handle, s.gpu.ordinal)
