@@ -32,7 +32,6 @@ static struct {
 	int (*event_destroy)(kvh_CUevent);
 	int (*event_record)(kvh_CUevent, kvh_CUstream);
 	int (*event_query)(kvh_CUevent);
-	int (*event_synchronize)(kvh_CUevent);
 	int (*device_can_access_peer)(int *, kvh_CUdevice, kvh_CUdevice);
 	int (*ctx_enable_peer_access)(kvh_CUcontext, unsigned int);
 	int (*device_get_uuid)(unsigned char *, kvh_CUdevice);
@@ -72,7 +71,6 @@ int kvh_cu_load(const char *path, char *missing, size_t missing_len) {
 	SYM(event_destroy, "cuEventDestroy_v2");
 	SYM(event_record, "cuEventRecord");
 	SYM(event_query, "cuEventQuery");
-	SYM(event_synchronize, "cuEventSynchronize");
 	SYM(device_can_access_peer, "cuDeviceCanAccessPeer");
 	SYM(ctx_enable_peer_access, "cuCtxEnablePeerAccess");
 	SYM(device_get_uuid, "cuDeviceGetUuid");
@@ -153,7 +151,6 @@ int kvh_cu_event_create(kvh_CUcontext ctx, kvh_CUevent *e) { ON(ctx); return cu.
 int kvh_cu_event_destroy(kvh_CUcontext ctx, kvh_CUevent e) { ON(ctx); return cu.event_destroy(e); }
 int kvh_cu_event_record(kvh_CUcontext ctx, kvh_CUevent e, kvh_CUstream s) { ON(ctx); return cu.event_record(e, s); }
 int kvh_cu_event_query(kvh_CUcontext ctx, kvh_CUevent e) { ON(ctx); return cu.event_query(e); }
-int kvh_cu_event_sync(kvh_CUcontext ctx, kvh_CUevent e) { ON(ctx); return cu.event_synchronize(e); }
 int kvh_cu_can_access_peer(int *can, int dev, int peer) { return cu.device_can_access_peer(can, dev, peer); }
 
 int kvh_cu_device_uuid(int ordinal, unsigned char uuid[16]) {

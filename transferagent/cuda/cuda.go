@@ -319,8 +319,5 @@ func (e *Event) Done() (bool, error) {
 	return true, check("cuEventQuery", r)
 }
 
-// Wait blocks until the work before the event has finished.
-func (e *Event) Wait() error { return check("cuEventSynchronize", C.kvh_cu_event_sync(e.ctx.c, e.e)) }
-
 // Close destroys the event.
 func (e *Event) Close() error { return check("cuEventDestroy", C.kvh_cu_event_destroy(e.ctx.c, e.e)) }

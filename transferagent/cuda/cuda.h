@@ -52,7 +52,6 @@ int kvh_cu_event_create(kvh_CUcontext ctx, kvh_CUevent *e);
 int kvh_cu_event_destroy(kvh_CUcontext ctx, kvh_CUevent e);
 int kvh_cu_event_record(kvh_CUcontext ctx, kvh_CUevent e, kvh_CUstream s);
 int kvh_cu_event_query(kvh_CUcontext ctx, kvh_CUevent e);
-int kvh_cu_event_sync(kvh_CUcontext ctx, kvh_CUevent e);
 int kvh_cu_can_access_peer(int *can, int dev, int peer);
 int kvh_cu_device_uuid(int ordinal, unsigned char uuid[16]);
 int kvh_cu_address_range(kvh_CUcontext ctx, kvh_CUdeviceptr p, kvh_CUdeviceptr *base, size_t *size);
