@@ -328,7 +328,8 @@ func affinity(in Input) *corev1.Affinity {
 
 // sharesHostPID says whether engine pods join the host's PID namespace: pairs that may
 // share a node move GPU KV with CUDA IPC, and the driver opens a legacy IPC handle only in
-// a process of the exporter's PID namespace (the agent's DaemonSet runs with hostPID too).
+// a process of the exporter's PID namespace, as UCX and NCCL report (the agent's DaemonSet
+// runs with hostPID too).
 func sharesHostPID(in Input) bool {
 	return in.Policy.SameNode != kvv1.SameNodeForbid
 }

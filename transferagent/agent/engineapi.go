@@ -98,31 +98,36 @@ func checkSource(field string, ref *agentv1.EngineRef, rank uint32) error {
 	return nil
 }
 
-// checkDomains checks the NICs an engine rank names for its rails: each a domain of the
-// provider, each once, no more than an endpoint's rails.
+// checkDomains checks the NICs an engine rank names for its rails: each once, no more
+// than an endpoint's rails. Whether the provider has them is what opening them tells
+// (openFailure).
 func checkDomains(provider string, names []string) error {
-	if len(names) == 0 {
-		return nil
-	}
 	if len(names) > fabric.MaxRails {
 		return invalid("fabric_domains", "names %d domains; a rank has at most %d rails", len(names), fabric.MaxRails)
 	}
 	if len(names) > 1 && provider == "shm" {
 		return invalid("fabric_domains", "names %d domains; shm moves memory within a node and has no rails", len(names))
 	}
-	have, err := fabric.Domains(provider)
-	if err != nil {
-		return status.Errorf(codes.Unavailable, "listing the provider's domains: %v", err)
-	}
 	for i, n := range names {
-		switch {
-		case !slices.Contains(have, n):
-			return invalid(fmt.Sprintf("fabric_domains[%d]", i), "%q is not a domain of provider %s (it has %s)", n, provider, strings.Join(have, ", "))
-		case slices.Index(names, n) != i:
+		if slices.Index(names, n) != i {
 			return invalid(fmt.Sprintf("fabric_domains[%d]", i), "%q is named twice: one rail per NIC", n)
 		}
 	}
 	return nil
+}
+
+// openFailure is the answer to an endpoint that would not open: a named domain the
+// provider lacks is the engine's mistake, named with the domains there are; anything
+// else is the provider's.
+func openFailure(provider string, names []string, err error) error {
+	if have, lerr := fabric.Domains(provider); lerr == nil {
+		for i, n := range names {
+			if !slices.Contains(have, n) {
+				return invalid(fmt.Sprintf("fabric_domains[%d]", i), "%q is not a domain of provider %s (it has %s)", n, provider, strings.Join(have, ", "))
+			}
+		}
+	}
+	return status.Errorf(codes.Unavailable, "opening a fabric endpoint: %v", err)
 }
 
 // maxTimeoutMillis bounds the timeouts an engine may ask for: a day, as the policy's API does.
@@ -168,7 +173,7 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		ep, err = fabric.OpenRails(a.cfg.Provider, a.cfg.Rails)
 	}
 	if err != nil {
-		return nil, status.Errorf(codes.Unavailable, "opening a fabric endpoint: %v", err)
+		return nil, openFailure(a.cfg.Provider, r.FabricDomains, err)
 	}
 	var id [16]byte
 	_, _ = rand.Read(id[:])
