@@ -86,6 +86,15 @@ func (l *link) post(op func() error) {
 	}
 }
 
+// writeAll writes size bytes of region s into the peer's region d in piece-byte writes
+// (ids 1, 2, …) and waits for their completions.
+func (l *link) writeAll(peer Peer, s, d *Region, size, piece uint64) {
+	for off := uint64(0); off < size; off += piece {
+		l.post(func() error { return l.src.Write(peer, s, off, piece, d.RemoteAddr(off), d.Keys, off/piece+1) })
+	}
+	l.until("the writes' completions", func() bool { return uint64(len(l.s)) == size/piece })
+}
+
 // until polls until cond holds, failing after a deadline instead of hanging.
 func (l *link) until(what string, cond func() bool) {
 	deadline := time.Now().Add(60 * time.Second)
@@ -111,12 +120,7 @@ func TestWriteThenSignalDeliversEveryByte(t *testing.T) {
 				from[i] = byte(i*7 + i>>16)
 			}
 			l := &link{t: t, src: src, dst: dst}
-			for off := uint64(0); off < size; off += piece {
-				l.post(func() error {
-					return src.Write(peer, srcRegion, off, piece, dstRegion.RemoteAddr(off), dstRegion.Keys, off/piece+1)
-				})
-			}
-			l.until("the writes' completions", func() bool { return len(l.s) == size/piece })
+			l.writeAll(peer, srcRegion, dstRegion, size, piece)
 			for i, c := range l.s {
 				if c.Remote || c.ID == 0 {
 					t.Fatalf("source completion %d is %+v", i, c)
@@ -265,10 +269,7 @@ func TestRailsOpenTheNamedDomains(t *testing.T) {
 		from[i] = byte(i*7 + i>>16)
 	}
 	l := &link{t: t, src: src, dst: dst}
-	for off := uint64(0); off < size; off += piece {
-		l.post(func() error { return src.Write(peer, s, off, piece, d.RemoteAddr(off), d.Keys, off/piece+1) })
-	}
-	l.until("the writes' completions", func() bool { return len(l.s) == size/piece })
+	l.writeAll(peer, s, d, size, piece)
 	if !bytes.Equal(from, to) {
 		t.Fatal("the target's memory differs from the source")
 	}
