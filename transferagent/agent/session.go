@@ -61,6 +61,7 @@ type session struct {
 	buf       []fabric.Completion
 	lastTick  time.Time
 	remotes   map[string]*remoteEngine // peer engines' memory as reached, by engine key
+	retired   []*remoteEngine          // older epochs' that hold GPU allocations open
 	gpu       *sessionGPU             // nil unless the regions are GPU memory
 	railBytes []uint64                // RailBytes already counted in the metric
 }
@@ -435,7 +436,8 @@ func (s *session) describe(local bool) []wire.Message {
 // reach is how this rank reaches a remote engine's memory, described by info on
 // connection p: worked out on the first transfer with that engine's epoch (the fabric
 // peer inserted, or its GPU allocations opened) and kept for the next ones. A newer epoch
-// replaces the older one's, releasing what it opened.
+// replaces the older one's; what that opened stays open until teardown, since copies of
+// the older epoch's fenced attempts may still be draining into it.
 func (s *session) reach(p *peer, info *wire.EngineInfo) (*remoteEngine, error) {
 	old := s.remotes[info.Engine]
 	if old != nil && old.epoch == info.Epoch {
@@ -455,8 +457,8 @@ func (s *session) reach(p *peer, info *wire.EngineInfo) (*remoteEngine, error) {
 	if err != nil {
 		return nil, err
 	}
-	if old != nil {
-		s.release(old)
+	if old != nil && len(old.opened) > 0 {
+		s.retired = append(s.retired, old)
 	}
 	s.remotes[info.Engine] = r
 	return r, nil

@@ -145,6 +145,9 @@ func (s *session) closeGPU() {
 		return
 	}
 	s.gpu.copier.close()
+	for _, r := range s.retired {
+		s.release(r)
+	}
 	for _, r := range s.remotes {
 		s.release(r)
 	}
