@@ -2,6 +2,7 @@ package handoff
 
 import (
 	"context"
+	"fmt"
 
 	"golang.org/x/sys/unix"
 
@@ -31,7 +32,9 @@ func MeasureRailsGain(ctx context.Context, sc Scenario, l simengine.Layout, cpus
 		}
 		sc := sc
 		sc.Rails = rails
-		agent, err = agentThroughput(ctx, sc, nil, l)
+		if agent, err = agentThroughput(ctx, sc, nil, l); err != nil {
+			err = fmt.Errorf("the agent on %d rails: %w", rails, err)
+		}
 		return float64(n) / d.Seconds() / 1e9, agent, err
 	}
 	pair1, agent1, err := measure(1)

@@ -212,7 +212,7 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 	defer b.Stop()
 	defer func() {
 		if err != nil { // what the agents said, for a measurement that could not finish
-			err = fmt.Errorf("%w\n%s", err, strings.Join(warnings(a, b), "\n"))
+			err = fmt.Errorf("%w\n%s's log:\n%s\n%s's log:\n%s", err, a.Name, a.Log(), b.Name, b.Log())
 		}
 	}()
 	version := ""
