@@ -27,7 +27,7 @@ help: ## Show this help.
 ##@ Development
 
 .PHONY: manifests
-manifests: controller-gen ## Generate CRDs and RBAC from the markers in api/ and controllers/.
+manifests: controller-gen ## Generate CRDs and RBAC from the markers in api/ and internal/controller/.
 	$(CONTROLLER_GEN) rbac:roleName=kvhandoff-manager crd:generateEmbeddedObjectMeta=true paths="./..." output:crd:artifacts:config=config/crd/bases
 
 .PHONY: generate
@@ -50,7 +50,7 @@ fmt: ## go fmt the module.
 .PHONY: vet
 vet: ## go vet the module, the GPU tests included (they compile everywhere, run with test-gpu).
 	go vet ./...
-	go vet -tags gpu ./transferagent/cuda/ ./transferagent/agent/
+	go vet -tags gpu ./internal/transferagent/cuda/ ./internal/transferagent/agent/
 
 .PHONY: verify-generated
 verify-generated: controller-gen protoc-gen-go ## Fail when committed generated files differ from a fresh generation.
@@ -72,8 +72,8 @@ test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on th
 .PHONY: test-gpu
 test-gpu: ## On a host with two NVIDIA GPUs: the CUDA layer (IPC across processes), push, pull and cancels between engines whose KV is GPU memory, and the vLLM connector's CUDA KV through the agent; results in bench/results/gpu/. KVH_CUDA_PEER=0 runs it within one GPU.
 	mkdir -p bench/results/gpu
-	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v ./transferagent/cuda/
-	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./transferagent/agent/
+	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v ./internal/transferagent/cuda/
+	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./internal/transferagent/agent/
 	go build -o bin/ ./cmd/transfer-agent
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && cd vllm-connector && \
 		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" -m pytest -q -p no:cacheprovider gpu_tests
@@ -81,7 +81,7 @@ test-gpu: ## On a host with two NVIDIA GPUs: the CUDA layer (IPC across processe
 .PHONY: bench-handoff-gpu
 bench-handoff-gpu: ## On a host with two NVIDIA GPUs: push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes; bench/results/gpu/handoff.json.
 	mkdir -p bench/results/gpu
-	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v -run '^TestGPUHandoffAgainstARawCopy$$' ./transferagent/agent/
+	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v -run '^TestGPUHandoffAgainstARawCopy$$' ./internal/transferagent/agent/
 
 .PHONY: test-kubelet
 test-kubelet: ## The device plugin against the kubelet's own device manager (its own module; needs root for a private mount namespace).

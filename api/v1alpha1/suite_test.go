@@ -11,7 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/kvhandoff/kvhandoff/controllers"
+	"github.com/kvhandoff/kvhandoff/internal/controller"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
@@ -35,7 +35,7 @@ var _ = BeforeSuite(func() {
 	SetDefaultEventuallyTimeout(30 * time.Second)
 	SetDefaultEventuallyPollingInterval(20 * time.Millisecond)
 	var err error
-	env, err = envtest.Start(controllers.NewScheme())
+	env, err = envtest.Start(controller.NewScheme())
 	Expect(err).NotTo(HaveOccurred())
 	k8s = env.Client
 })

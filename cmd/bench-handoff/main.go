@@ -12,8 +12,8 @@ import (
 	"os/exec"
 	"path/filepath"
 
-	"github.com/kvhandoff/kvhandoff/bench/handoff"
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	"github.com/kvhandoff/kvhandoff/internal/bench/handoff"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
 )
 
 func main() {

@@ -11,8 +11,8 @@ import (
 	"os"
 	"path/filepath"
 
-	"github.com/kvhandoff/kvhandoff/bench/serving"
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	"github.com/kvhandoff/kvhandoff/internal/bench/serving"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
 )
 
 func main() {

@@ -9,7 +9,7 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/cli"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/cli"
 )
 
 func main() {

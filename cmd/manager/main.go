@@ -10,8 +10,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
-	"github.com/kvhandoff/kvhandoff/controllers"
-	"github.com/kvhandoff/kvhandoff/render"
+	"github.com/kvhandoff/kvhandoff/internal/controller"
+	"github.com/kvhandoff/kvhandoff/internal/render"
 )
 
 func main() {
@@ -21,8 +21,8 @@ func main() {
 	metricsSecure := flag.Bool("metrics-secure", true, "serve metrics over HTTPS to callers the API server authenticates and authorizes for /metrics (false: plain HTTP to anyone)")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader, so that only one of several manager replicas reconciles")
-	var images controllers.Images
-	flag.StringVar(&images.Router, "router-image", controllers.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the router of this manager's version")
+	var images controller.Images
+	flag.StringVar(&images.Router, "router-image", controller.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the router of this manager's version")
 	flag.StringVar(&images.Connector, "connector-image", render.DefaultConnectorImage, "image of the vLLM connector init container for engines of a policy with executor Agent: the connector of this manager's version")
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
@@ -31,18 +31,18 @@ func main() {
 	log := ctrl.Log.WithName("setup")
 
 	mgr, err := ctrl.NewManager(ctrl.GetConfigOrDie(), ctrl.Options{
-		Scheme:                 controllers.NewScheme(),
-		Metrics:                controllers.MetricsOptions(metricsAddr, *metricsSecure),
+		Scheme:                 controller.NewScheme(),
+		Metrics:                controller.MetricsOptions(metricsAddr, *metricsSecure),
 		HealthProbeBindAddress: probeAddr,
 		LeaderElection:         leaderElect,
 		LeaderElectionID:       "kvhandoff-manager.kvhandoff.io",
-		Cache:                  controllers.CacheOptions(),
+		Cache:                  controller.CacheOptions(),
 	})
 	if err != nil {
 		log.Error(err, "creating the manager")
 		os.Exit(1)
 	}
-	if err := controllers.Setup(mgr, images); err != nil {
+	if err := controller.Setup(mgr, images); err != nil {
 		log.Error(err, "setting up the controllers")
 		os.Exit(1)
 	}

@@ -5,7 +5,7 @@ package main
 import (
 	"os"
 
-	"github.com/kvhandoff/kvhandoff/router/cli"
+	"github.com/kvhandoff/kvhandoff/internal/router/cli"
 )
 
 func main() { os.Exit(cli.Run(os.Args[1:], os.Stderr, nil)) }

@@ -13,7 +13,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/kvhandoff/kvhandoff/controllers"
+	"github.com/kvhandoff/kvhandoff/internal/controller"
 	"github.com/kvhandoff/kvhandoff/test/cluster"
 )
 
@@ -31,7 +31,7 @@ func run(path string) error {
 	if err != nil {
 		return err
 	}
-	c, err := client.New(cfg, client.Options{Scheme: controllers.NewScheme()})
+	c, err := client.New(cfg, client.Options{Scheme: controller.NewScheme()})
 	if err != nil {
 		return err
 	}

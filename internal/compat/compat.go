@@ -10,7 +10,7 @@ import (
 	"strings"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/instancetype"
+	"github.com/kvhandoff/kvhandoff/internal/instancetype"
 )
 
 // Problem is why a pool cannot be rendered as written: a condition reason and a message

@@ -1,4 +1,4 @@
-package controllers
+package controller
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/compat"
+	"github.com/kvhandoff/kvhandoff/internal/compat"
 )
 
 // apply makes the live object equal to desired with server-side apply, owned by the pool.

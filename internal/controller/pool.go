@@ -1,6 +1,6 @@
 // Package controllers holds the manager's reconcilers: PrefillPool and DecodePool become
 // engine StatefulSets wired by their KVTransferPolicy.
-package controllers
+package controller
 
 import (
 	"sigs.k8s.io/controller-runtime/pkg/client"

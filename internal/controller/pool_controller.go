@@ -1,4 +1,4 @@
-package controllers
+package controller
 
 import (
 	"context"
@@ -14,8 +14,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/compat"
-	"github.com/kvhandoff/kvhandoff/render"
+	"github.com/kvhandoff/kvhandoff/internal/compat"
+	"github.com/kvhandoff/kvhandoff/internal/render"
 )
 
 // FieldOwner is the server-side apply field manager of everything the manager writes.

@@ -1,4 +1,4 @@
-package controllers
+package controller
 
 import (
 	appsv1 "k8s.io/api/apps/v1"

@@ -5,7 +5,7 @@ import (
 	"strings"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/compat"
+	"github.com/kvhandoff/kvhandoff/internal/compat"
 )
 
 // kvTransferConfig is vLLM's --kv-transfer-config.

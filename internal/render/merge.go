@@ -13,7 +13,7 @@ import (
 	sigsjson "sigs.k8s.io/json"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/compat"
+	"github.com/kvhandoff/kvhandoff/internal/compat"
 )
 
 // mergeTemplate merges the pool's template over the rendered pod template with

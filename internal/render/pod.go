@@ -10,8 +10,8 @@ import (
 	"k8s.io/utils/ptr"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/compat"
-	"github.com/kvhandoff/kvhandoff/instancetype"
+	"github.com/kvhandoff/kvhandoff/internal/compat"
+	"github.com/kvhandoff/kvhandoff/internal/instancetype"
 )
 
 // Resource names and host paths the engines use.

@@ -17,7 +17,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/compat"
+	"github.com/kvhandoff/kvhandoff/internal/compat"
 )
 
 // Ports every engine listens on.

@@ -16,7 +16,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/compat"
+	"github.com/kvhandoff/kvhandoff/internal/compat"
 	"github.com/kvhandoff/kvhandoff/test/builder"
 )
 

@@ -13,7 +13,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/instancetype"
+	"github.com/kvhandoff/kvhandoff/internal/instancetype"
 )
 
 // RouterPort is where the router serves the OpenAI API, /metrics and its probes.

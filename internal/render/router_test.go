@@ -10,7 +10,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/instancetype"
+	"github.com/kvhandoff/kvhandoff/internal/instancetype"
 )
 
 func TestRouterGolden(t *testing.T) {

@@ -12,11 +12,11 @@ import (
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/router/discovery"
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
 )
 
 // These tests send requests through the router to simulated engines whose KV moves
@@ -36,16 +36,16 @@ func agentEngine(t *testing.T, a *agentproc.Proc, id string, role agentv1.Role, 
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	kv, err := openai.StartAgentKV(ctx, id, role, mode, l, a.Socket)
+	kv, err := vllmserver.StartAgentKV(ctx, id, role, mode, l, a.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(kv.Stop)
 	// The side channel tells decode engines where this engine's agent is.
-	sc := httptest.NewServer(openai.SideChannel(openai.SideChannelInfo{EngineID: id, Agent: kv.Agent(), TP: l.TP}))
+	sc := httptest.NewServer(vllmserver.SideChannel(vllmserver.SideChannelInfo{EngineID: id, Agent: kv.Agent(), TP: l.TP}))
 	t.Cleanup(sc.Close)
 	port, _ := strconv.Atoi(sc.URL[strings.LastIndexByte(sc.URL, ':')+1:])
-	s := openai.New(openai.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: port, TP: l.TP, KV: kv,
+	s := vllmserver.New(vllmserver.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: port, TP: l.TP, KV: kv,
 		PrefillTime: func(tokens int) time.Duration {
 			if tokens > 1000 {
 				return time.Hour // a prompt this engine hangs on, for abort tests
@@ -81,7 +81,7 @@ func TestKVMovesThroughTheAgentsInBothModes(t *testing.T) {
 				} else {
 					got = completionText(t, out)
 				}
-				if w := join(openai.Output(append([]string{"<user>"}, strings.Fields(prompt)...), 8)); got != w {
+				if w := join(vllmserver.Output(append([]string{"<user>"}, strings.Fields(prompt)...), 8)); got != w {
 					t.Errorf("request %d: got %q, want %q", i, got, w)
 				}
 			}

@@ -14,9 +14,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/router"
-	"github.com/kvhandoff/kvhandoff/router/discovery"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+	"github.com/kvhandoff/kvhandoff/internal/router"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
 func writeEndpoints(t *testing.T, path string, s discovery.Set) {
@@ -36,7 +36,7 @@ func writeEndpoints(t *testing.T, path string, s discovery.Set) {
 }
 
 func TestTheRouterFollowsItsEndpointsFile(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	p, d1, d2 := startEngine(t, "p-0", kv, 0), startEngine(t, "d-1", kv, 0), startEngine(t, "d-2", kv, 0)
 	path := filepath.Join(t.TempDir(), "endpoints.json")
 	writeEndpoints(t, path, discovery.Set{Mode: kvv1.TransferPush, Prefill: engines(p), Decode: engines(d1)})
@@ -110,7 +110,7 @@ func contains(s, sub string) bool {
 func TestLoadSpreadsOverEngines(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		t.Run(string(mode), func(t *testing.T) {
-			kv := openai.NewLocalKV()
+			kv := vllmserver.NewLocalKV()
 			// Prefill takes long enough that all requests are outstanding at once.
 			p1, p2 := startEngine(t, "p-1", kv, 300*time.Millisecond), startEngine(t, "p-2", kv, 300*time.Millisecond)
 			d1, d2 := startEngine(t, "d-1", kv, 0), startEngine(t, "d-2", kv, 0)
@@ -136,7 +136,7 @@ func TestLoadSpreadsOverEngines(t *testing.T) {
 }
 
 func TestDecodeSelectionAvoidsAnEngineItsMetricsSayIsBusy(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	p := startEngine(t, "p-0", kv, 0)
 	busy, idle := startEngine(t, "d-busy", kv, 0), startEngine(t, "d-idle", kv, 0)
 	// d-busy exports a long queue (requests from other routers, say).

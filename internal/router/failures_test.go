@@ -9,15 +9,15 @@ import (
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/router"
-	"github.com/kvhandoff/kvhandoff/router/discovery"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+	"github.com/kvhandoff/kvhandoff/internal/router"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
 const small = `{"model":"tiny","prompt":"one two three","max_tokens":3}`
 
 func TestNoEligibleEngineAnswers503NamingWhatIsMissing(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	d := startEngine(t, "d-0", kv, 0)
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		r := startRouter(t, mode, nil, engines(d))
@@ -44,7 +44,7 @@ func TestNoEligibleEngineAnswers503NamingWhatIsMissing(t *testing.T) {
 }
 
 func TestPullRetriesARefusedPrefillOnAnotherEngine(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	good, d := startEngine(t, "p-good", kv, 0), startEngine(t, "d-0", kv, 0)
 	// The dead engine is first: with equal load the router tries it first.
 	r := startRouter(t, kvv1.TransferPull, []discovery.Engine{deadEngine(t, "p-dead"), good.Engine}, engines(d))
@@ -61,7 +61,7 @@ func TestPullRetriesARefusedPrefillOnAnotherEngine(t *testing.T) {
 }
 
 func TestPushAbortsTheDecodeLegAndRetriesThePairWhenPrefillFails(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	// p-bad fails after 100 ms, when the decode leg is surely waiting for its KV.
 	bad, good := startEngine(t, "p-bad", kv, 100*time.Millisecond), startEngine(t, "p-good", kv, 0)
 	bad.Fail.Store(http.StatusInternalServerError)
@@ -90,7 +90,7 @@ func TestPushAbortsTheDecodeLegAndRetriesThePairWhenPrefillFails(t *testing.T) {
 }
 
 func TestAPrefillLegPastItsTimeoutIsRetried(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	slow, fast := startEngine(t, "p-slow", kv, time.Hour), startEngine(t, "p-fast", kv, 0)
 	d := startEngine(t, "d-0", kv, 0)
 	r := startRouter(t, kvv1.TransferPull, engines(slow, fast), engines(d), func(c *router.Config) { c.PrefillTimeout = 300 * time.Millisecond })
@@ -106,7 +106,7 @@ func TestAPrefillLegPastItsTimeoutIsRetried(t *testing.T) {
 
 func TestEveryPrefillFailingAnswers502NamingTheEngine(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
-		kv := openai.NewLocalKV()
+		kv := vllmserver.NewLocalKV()
 		a, b := startEngine(t, "p-a", kv, 0), startEngine(t, "p-b", kv, 0)
 		a.Fail.Store(http.StatusServiceUnavailable)
 		b.Fail.Store(http.StatusInternalServerError)
@@ -124,7 +124,7 @@ func TestEveryPrefillFailingAnswers502NamingTheEngine(t *testing.T) {
 
 func TestADecodeFailureAnswers502NamingTheEngine(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
-		kv := openai.NewLocalKV()
+		kv := vllmserver.NewLocalKV()
 		p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-broken", kv, 0)
 		d.Fail.Store(http.StatusInternalServerError)
 		r := startRouter(t, mode, engines(p), engines(d))
@@ -139,7 +139,7 @@ func TestADecodeFailureAnswers502NamingTheEngine(t *testing.T) {
 }
 
 func TestAnEngineRefusingTheRequestIsAnsweredAsItSaid(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
 	r := startRouter(t, kvv1.TransferPull, engines(p), engines(d))
 	resp, body := post(t, r.URL, "/v1/completions", `{"model":"other","prompt":"x"}`)
@@ -156,7 +156,7 @@ func TestAnEngineRefusingTheRequestIsAnsweredAsItSaid(t *testing.T) {
 }
 
 func TestAClientThatDisconnectsCancelsBothLegs(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	p, d := startEngine(t, "p-0", kv, time.Hour), startEngine(t, "d-0", kv, 0)
 	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d))
 	ctx, cancel := context.WithCancel(context.Background())
@@ -183,7 +183,7 @@ func TestAClientThatDisconnectsCancelsBothLegs(t *testing.T) {
 }
 
 func TestStreamsPassThroughByteForByteAndAsTheyCome(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	p := startEngine(t, "p-0", kv, 0)
 	// A decode engine that writes the stream in odd pieces and waits for the client to
 	// have each piece before writing the next: a router that buffered would hang.
@@ -245,14 +245,14 @@ func indexOf(s []string, x string) int {
 
 func TestStreamedCompletionsThroughBothModes(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
-		kv := openai.NewLocalKV()
+		kv := vllmserver.NewLocalKV()
 		p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
 		r := startRouter(t, mode, engines(p), engines(d))
 		resp, body := post(t, r.URL, "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"a b c"}],"max_tokens":6,"stream":true}`)
 		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("%s: %s %s", mode, resp.Status, body)
 		}
-		if got, w := sseText(t, body), join(openai.Output([]string{"<user>", "a", "b", "c"}, 6)); got != w {
+		if got, w := sseText(t, body), join(vllmserver.Output([]string{"<user>", "a", "b", "c"}, 6)); got != w {
 			t.Errorf("%s: streamed %q, want %q", mode, got, w)
 		}
 		if r.metric(t, "kvhandoff_router_ttft_seconds", map[string]string{"mode": strings.ToLower(string(mode))}) != 1 ||

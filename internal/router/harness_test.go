@@ -15,27 +15,27 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/router"
-	"github.com/kvhandoff/kvhandoff/router/discovery"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+	"github.com/kvhandoff/kvhandoff/internal/router"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
 const model = "tiny"
 
 // engine is a simulated vLLM engine behind a real HTTP server.
 type engine struct {
-	*openai.Server
+	*vllmserver.Server
 	discovery.Engine
-	kv *openai.AgentKV // nil for engines without agents
+	kv *vllmserver.AgentKV // nil for engines without agents
 }
 
-func startEngine(t *testing.T, id string, kv openai.KV, prefill time.Duration) *engine {
+func startEngine(t *testing.T, id string, kv vllmserver.KV, prefill time.Duration) *engine {
 	t.Helper()
-	cfg := openai.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv}
+	cfg := vllmserver.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv}
 	if prefill > 0 {
 		cfg.PrefillTime = func(int) time.Duration { return prefill }
 	}
-	s := openai.New(cfg)
+	s := vllmserver.New(cfg)
 	hs := httptest.NewServer(s)
 	t.Cleanup(hs.Close)
 	return &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}
@@ -198,7 +198,7 @@ func sseText(t *testing.T, stream []byte) string {
 }
 
 func want(prompt string, n int) string {
-	return strings.Join(openai.Output(strings.Fields(prompt), n), "")
+	return strings.Join(vllmserver.Output(strings.Fields(prompt), n), "")
 }
 
 func eventually(t *testing.T, what string, within time.Duration, cond func() bool) {

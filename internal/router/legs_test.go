@@ -7,8 +7,8 @@ import (
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/router/protocol"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
 // clientBody has fields the router does not own, in spellings a re-encoding would change.
@@ -47,7 +47,7 @@ outer:
 }
 
 func TestPullSendsDecodeAfterPrefillWithExactlyWhatPrefillReturned(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
 	r := startRouter(t, kvv1.TransferPull, engines(p), engines(d))
 
@@ -97,7 +97,7 @@ func TestPullSendsDecodeAfterPrefillWithExactlyWhatPrefillReturned(t *testing.T)
 }
 
 func TestPushSendsBothLegsAtOnceAndDecodeRegistersBeforePrefillEnds(t *testing.T) {
-	kv := openai.NewLocalKV()
+	kv := vllmserver.NewLocalKV()
 	p, d := startEngine(t, "p-0", kv, 200*time.Millisecond), startEngine(t, "d-0", kv, 0)
 	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d))
 
@@ -149,14 +149,14 @@ func TestPushSendsBothLegsAtOnceAndDecodeRegistersBeforePrefillEnds(t *testing.T
 func TestChatCompletionsTakeTheSamePath(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		t.Run(string(mode), func(t *testing.T) {
-			kv := openai.NewLocalKV()
+			kv := vllmserver.NewLocalKV()
 			p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
 			r := startRouter(t, mode, engines(p), engines(d))
 			resp, body := post(t, r.URL, "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"hi there"}],"max_completion_tokens":4}`)
 			if resp.StatusCode != http.StatusOK {
 				t.Fatalf("%s: %s", resp.Status, body)
 			}
-			if got, w := completionText(t, body), openai.Output([]string{"<user>", "hi", "there"}, 4); got != join(w) {
+			if got, w := completionText(t, body), vllmserver.Output([]string{"<user>", "hi", "there"}, 4); got != join(w) {
 				t.Errorf("got %q, want %q", got, join(w))
 			}
 			if got := string(field(t, p.Seen()[0].Body, "max_completion_tokens")); got != "1" {

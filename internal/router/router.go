@@ -24,8 +24,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/router/balance"
-	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/balance"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
 
 // Config is the router's behaviour; Defaults has the values cmd/router starts with.

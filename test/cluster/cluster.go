@@ -20,7 +20,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	ctrlenvtest "sigs.k8s.io/controller-runtime/pkg/envtest"
 
-	"github.com/kvhandoff/kvhandoff/controllers"
+	"github.com/kvhandoff/kvhandoff/internal/controller"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
@@ -57,7 +57,7 @@ func Start(ctx context.Context, nodesFile, logDir string) (c *Cluster, err error
 			_ = c.Stop()
 		}
 	}()
-	if c.env, err = envtest.Start(controllers.NewScheme()); err != nil {
+	if c.env, err = envtest.Start(controller.NewScheme()); err != nil {
 		return nil, err
 	}
 	c.Client = c.env.Client

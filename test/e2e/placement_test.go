@@ -11,7 +11,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/instancetype"
+	"github.com/kvhandoff/kvhandoff/internal/instancetype"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 

@@ -16,7 +16,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/kvhandoff/kvhandoff/controllers"
+	"github.com/kvhandoff/kvhandoff/internal/controller"
 	"github.com/kvhandoff/kvhandoff/test/cluster"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
@@ -63,7 +63,7 @@ var _ = BeforeSuite(func() {
 	}
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	Expect(err).NotTo(HaveOccurred())
-	k8s, err = client.NewWithWatch(cfg, client.Options{Scheme: controllers.NewScheme()})
+	k8s, err = client.NewWithWatch(cfg, client.Options{Scheme: controller.NewScheme()})
 	Expect(err).NotTo(HaveOccurred())
 
 	if localManager {

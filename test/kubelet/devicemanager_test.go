@@ -27,9 +27,9 @@ import (
 	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
 	"k8s.io/kubernetes/pkg/kubelet/lifecycle"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/server"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs/sysfstest"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/server"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/sysfs/sysfstest"
 )
 
 // The device manager serves only on /var/lib/kubelet/device-plugins/kubelet.sock, so the

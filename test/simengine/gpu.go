@@ -4,7 +4,7 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
 )
 
 // device is a cache's GPU memory: one allocation holding every region, in the layout the

@@ -21,7 +21,7 @@ from ._api import agent_pb2_grpc as pbg
 MEMORY_SOCKET_NAME = "memory.sock"
 
 # Set by kvhandoff's device plugin in containers given GPU+EFA bundles: each accelerator
-# with its EFAs, "<accelerator>=<efa>,<efa>;…" (deviceplugin/server EnvAcceleratorEFAs).
+# with its EFAs, "<accelerator>=<efa>,<efa>;…" (internal/deviceplugin/server EnvAcceleratorEFAs).
 ACCELERATOR_EFAS_ENV = "KVHANDOFF_ACCELERATOR_EFAS"
 
 

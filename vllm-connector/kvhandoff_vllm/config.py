@@ -1,6 +1,6 @@
 """The connector's settings, read from vLLM's --kv-transfer-config.
 
-The manager renders them (render/kvconfig.go); by hand they look like:
+The manager renders them (internal/render/kvconfig.go); by hand they look like:
 
     {"kv_connector": "KVHandoffConnector",
      "kv_connector_module_path": "kvhandoff_vllm.connector",

@@ -14,7 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 )
 
 // wirePair is two endpoints of the provider in this process, the floor's measuring rig.

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
 )
 
 var agentBin string

@@ -9,7 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 )
 
 // engineLoad is the simulated engines' own CPU work, without the engines: at the run's

@@ -6,7 +6,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 )
 
 // RailsGain is one TP rank's write throughput on one rail against two, in GB/s: the

@@ -5,7 +5,7 @@ import (
 	"io"
 	"path/filepath"
 
-	"github.com/kvhandoff/kvhandoff/bench/report"
+	"github.com/kvhandoff/kvhandoff/internal/bench/report"
 )
 
 // Markdown writes the report's table.

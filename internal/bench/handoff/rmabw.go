@@ -13,9 +13,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
 // Throughput sets the agent's RMA write throughput beside fabtests' fi_rma_bw, measured

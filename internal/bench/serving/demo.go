@@ -11,8 +11,8 @@ import (
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 )
 
 // Demo sends one chat request through the router in push mode and one in pull mode:

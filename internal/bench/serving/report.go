@@ -8,7 +8,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/kvhandoff/kvhandoff/bench/report"
+	"github.com/kvhandoff/kvhandoff/internal/bench/report"
 )
 
 // Markdown writes the report's table.

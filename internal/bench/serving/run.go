@@ -15,11 +15,11 @@ import (
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/bench/handoff"
-	"github.com/kvhandoff/kvhandoff/bench/report"
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
+	"github.com/kvhandoff/kvhandoff/internal/bench/handoff"
+	"github.com/kvhandoff/kvhandoff/internal/bench/report"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
 // Scenario is what the benchmark runs.
@@ -249,7 +249,7 @@ func send(c *http.Client, url string, x arrival, maxTokens int) (time.Duration, 
 	for i, t := range x.prompt {
 		words[i] = strconv.Itoa(t)
 	}
-	if got, want := streamText(append(first, rest...)), strings.Join(openai.Output(words, maxTokens), ""); got != want {
+	if got, want := streamText(append(first, rest...)), strings.Join(vllmserver.Output(words, maxTokens), ""); got != want {
 		return 0, "wrong_tokens"
 	}
 	return ttft, "ok"

@@ -20,11 +20,11 @@ import (
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/router/discovery"
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine/openai"
 )
 
 // Model is the name the simulated engines serve.
@@ -49,7 +49,7 @@ type stack struct {
 	exited  chan struct{}
 	log     *os.File
 	servers []*http.Server
-	kvs     []*openai.AgentKV
+	kvs     []*vllmserver.AgentKV
 }
 
 // engineOpts are the simulated engines' timing.
@@ -92,22 +92,22 @@ func startStack(ctx context.Context, mode kvv1.TransferMode, l simengine.Layout,
 		{agentv1.Role_ROLE_PREFILL, a, "qwen3-32b-prefill-0." + name},
 		{agentv1.Role_ROLE_DECODE, b, "qwen3-32b-decode-0." + name},
 	} {
-		kv, err := openai.StartAgentKV(ctx, side.id, side.role, am, l, side.agent.Socket)
+		kv, err := vllmserver.StartAgentKV(ctx, side.id, side.role, am, l, side.agent.Socket)
 		if err != nil {
 			s.stop()
 			return nil, err
 		}
 		s.kvs = append(s.kvs, kv)
-		sc, err := s.serve(openai.SideChannel(openai.SideChannelInfo{EngineID: side.id, Agent: kv.Agent(), TP: l.TP}))
+		sc, err := s.serve(vllmserver.SideChannel(vllmserver.SideChannelInfo{EngineID: side.id, Agent: kv.Agent(), TP: l.TP}))
 		if err != nil {
 			s.stop()
 			return nil, err
 		}
-		cfg := openai.Config{EngineID: side.id, Model: Model, SideChannelHost: "127.0.0.1", SideChannelPort: sc, TP: l.TP, KV: kv, TPOT: o.tpot}
+		cfg := vllmserver.Config{EngineID: side.id, Model: Model, SideChannelHost: "127.0.0.1", SideChannelPort: sc, TP: l.TP, KV: kv, TPOT: o.tpot}
 		if side.role == agentv1.Role_ROLE_PREFILL {
 			cfg.PrefillTime = o.prefill
 		}
-		port, err := s.serve(openai.New(cfg))
+		port, err := s.serve(vllmserver.New(cfg))
 		if err != nil {
 			s.stop()
 			return nil, err

@@ -10,9 +10,9 @@ import (
 	"strings"
 	"text/tabwriter"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/nvml"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/server"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/nvml"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/server"
 )
 
 // Discover runs `device-plugin discover`: it prints the inventory, or with --prefer the

@@ -7,8 +7,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs/sysfstest"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/sysfs/sysfstest"
 )
 
 func discover(t *testing.T, args ...string) (string, string, int) {

@@ -12,9 +12,9 @@ import (
 
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/health"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/server"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/health"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/server"
 )
 
 // Serve runs the kubelet device plugin until SIGINT or SIGTERM.

@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/nvml"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/nvml"
 )
 
 func TestFailedDeviceRecoversAfterItsQuietPeriod(t *testing.T) {

@@ -7,9 +7,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/nvml"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/nvml"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/sysfs"
 )
 
 // Monitor checks every device each Interval — its device nodes exist, an EFA's port is

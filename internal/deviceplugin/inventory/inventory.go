@@ -9,9 +9,9 @@ import (
 	"sort"
 	"strings"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/nvml"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/topology"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/nvml"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/sysfs"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/topology"
 )
 
 // Kind is what a device is.

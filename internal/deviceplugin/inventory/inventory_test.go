@@ -6,9 +6,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/nvml"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs/sysfstest"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/topology"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/nvml"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/sysfs/sysfstest"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/topology"
 )
 
 // machine writes a fixture and returns its discovery options.

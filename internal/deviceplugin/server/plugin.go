@@ -14,7 +14,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
 )
 
 // plugin serves one resource on its own socket in the kubelet's plugin folder.

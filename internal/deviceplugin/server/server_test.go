@@ -15,10 +15,10 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/health"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/nvml"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs/sysfstest"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/health"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/nvml"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/sysfs/sysfstest"
 )
 
 // kubelet is the kubelet's side of registration: a Registration server on kubelet.sock.

@@ -7,9 +7,9 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/inventory"
-	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs/sysfstest"
-	. "github.com/kvhandoff/kvhandoff/deviceplugin/topology"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/sysfs/sysfstest"
+	. "github.com/kvhandoff/kvhandoff/internal/deviceplugin/topology"
 )
 
 // nics builds switches × perSwitch NICs, switches split over two NUMA nodes.

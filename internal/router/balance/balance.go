@@ -15,7 +15,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
 
 // Load is what an engine exports about itself (vLLM's /metrics).

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
 
 func engines(ids ...string) []discovery.Engine {

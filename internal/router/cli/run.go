@@ -20,8 +20,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/kvhandoff/kvhandoff/router"
-	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
 
 // Run runs the router until SIGINT or SIGTERM and returns the exit status. ready, when

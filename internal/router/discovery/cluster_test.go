@@ -13,7 +13,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/test/builder"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )

@@ -21,8 +21,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
 )
 
 // Config is the agent's configuration (cmd/transfer-agent's flags).

@@ -12,11 +12,11 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/agentproc"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
+	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
-	"github.com/kvhandoff/kvhandoff/transferagent/wire"
 )
 
 func TestANewAttemptSupersedesTheOldOne(t *testing.T) {

@@ -4,8 +4,8 @@ import (
 	"fmt"
 	"sync"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/cuda"
-	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 )
 
 // gpus is the agent's CUDA state: a context per GPU it has used, and the allocations it

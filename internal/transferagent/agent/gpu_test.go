@@ -12,9 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/cuda"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
 // The GPU tests (make test-gpu) run engines whose KV cache is GPU memory, handed to the

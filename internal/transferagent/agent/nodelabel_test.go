@@ -12,14 +12,14 @@ import (
 	ctrlenvtest "sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/controllers"
+	"github.com/kvhandoff/kvhandoff/internal/controller"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
 // The agent process labels its node ready once it serves and removes the label on
 // SIGTERM, against a real API server.
 func TestAgentLabelsItsNodeWhileReady(t *testing.T) {
-	env, err := envtest.Start(controllers.NewScheme())
+	env, err := envtest.Start(controller.NewScheme())
 	if err != nil {
 		t.Fatal(err)
 	}

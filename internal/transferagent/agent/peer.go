@@ -11,7 +11,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/wire"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 )
 
 // handshakeTimeout bounds connecting and authenticating a peer.

@@ -9,12 +9,12 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/landing"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/writer"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
-	"github.com/kvhandoff/kvhandoff/transferagent/landing"
-	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
-	"github.com/kvhandoff/kvhandoff/transferagent/wire"
-	"github.com/kvhandoff/kvhandoff/transferagent/writer"
 )
 
 // prefillSide drives a prefill rank: the rendezvous table decides (push), the writer

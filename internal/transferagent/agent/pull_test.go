@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
 func TestPullReadsVerifiedBytesAndReleasesTheSource(t *testing.T) {

@@ -6,8 +6,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
 var bg = context.Background()

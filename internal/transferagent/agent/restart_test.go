@@ -5,9 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/landing"
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/landing"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
 // transfer pushes one verified request from P to D.

@@ -17,9 +17,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
-	"github.com/kvhandoff/kvhandoff/transferagent/wire"
 )
 
 // refused asserts a call failed with code and a message naming what was wrong.

@@ -12,10 +12,10 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/writer"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
-	"github.com/kvhandoff/kvhandoff/transferagent/wire"
-	"github.com/kvhandoff/kvhandoff/transferagent/writer"
 )
 
 // session is one engine rank's connection to the agent. It owns the rank's fabric
@@ -62,8 +62,8 @@ type session struct {
 	lastTick  time.Time
 	remotes   map[string]*remoteEngine // peer engines' memory as reached, by engine key
 	retired   []*remoteEngine          // older epochs' that hold GPU allocations open
-	gpu       *sessionGPU             // nil unless the regions are GPU memory
-	railBytes []uint64                // RailBytes already counted in the metric
+	gpu       *sessionGPU              // nil unless the regions are GPU memory
+	railBytes []uint64                 // RailBytes already counted in the metric
 }
 
 // side is what a session does for its role: prefillSide (a source: push writes, pull

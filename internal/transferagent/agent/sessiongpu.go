@@ -9,10 +9,10 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/writer"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/cuda"
-	"github.com/kvhandoff/kvhandoff/transferagent/wire"
-	"github.com/kvhandoff/kvhandoff/transferagent/writer"
 )
 
 // sessionGPU is a session whose regions are GPU memory (CUDA IPC): the GPU they are on,

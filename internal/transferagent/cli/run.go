@@ -23,11 +23,11 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/agent"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/agent"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/monitoring"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/nodelabel"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
-	"github.com/kvhandoff/kvhandoff/transferagent/monitoring"
-	"github.com/kvhandoff/kvhandoff/transferagent/nodelabel"
 )
 
 // Run runs the agent until SIGINT or SIGTERM and returns the exit status.

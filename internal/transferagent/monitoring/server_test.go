@@ -21,7 +21,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvhandoff/kvhandoff/controllers"
+	"github.com/kvhandoff/kvhandoff/internal/controller"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
@@ -29,7 +29,7 @@ import (
 // (config/agent/rbac.yaml must let it ask TokenReview and SubjectAccessReview): /metrics
 // answers only the reader role's holder; the probes answer anyone.
 func TestSecureMetricsNeedTheReaderRole(t *testing.T) {
-	env, err := envtest.Start(controllers.NewScheme())
+	env, err := envtest.Start(controller.NewScheme())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,13 +14,13 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/controllers"
+	"github.com/kvhandoff/kvhandoff/internal/controller"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
 // Against a real API server: the label comes and goes, and other labels stay.
 func TestSetAddsAndRemovesOnlyTheReadyLabel(t *testing.T) {
-	env, err := envtest.Start(controllers.NewScheme())
+	env, err := envtest.Start(controller.NewScheme())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,7 +59,7 @@ func TestSetAddsAndRemovesOnlyTheReadyLabel(t *testing.T) {
 // label on its own node. Against a real API server, as the agent's service account with
 // the node-name claim of its pod's token.
 func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
-	env, err := envtest.Start(controllers.NewScheme())
+	env, err := envtest.Start(controller.NewScheme())
 	if err != nil {
 		t.Fatal(err)
 	}

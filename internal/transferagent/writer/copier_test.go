@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
-	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 )
 
 // memCopier is a Copier over one host buffer, addresses being offsets into it: what the

@@ -6,7 +6,7 @@ package writer
 import (
 	"fmt"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 )
 
 // Region is one registered KV region as the writer sees it: vLLM keeps one per layer and

@@ -4,7 +4,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 )
 
 func regions(n int, blockLen uint64, blocks uint32) []Region {

@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
-	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 )
 
 // RemoteRegion is a destination region as a peer agent announced it: its layout, the

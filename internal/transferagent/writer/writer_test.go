@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/transferagent/fabric"
-	"github.com/kvhandoff/kvhandoff/transferagent/rendezvous"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 )
 
 const (

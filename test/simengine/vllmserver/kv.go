@@ -1,4 +1,4 @@
-package openai
+package vllmserver
 
 import (
 	"context"
@@ -11,8 +11,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
-	"github.com/kvhandoff/kvhandoff/transferagent/simengine"
 )
 
 // AgentKV moves KV through the node's transfer agent, one simulated engine rank per TP

@@ -6,7 +6,7 @@
 // its first token. Generated tokens are a deterministic function of the prompt, so a
 // test can tell which prompt's tokens a client got and compare P/D output with one
 // engine's.
-package openai
+package vllmserver
 
 import (
 	"bytes"
@@ -22,7 +22,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/router/protocol"
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
 
 // Config is one simulated engine.

@@ -5,7 +5,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/kvhandoff/kvhandoff/deviceplugin/sysfs/sysfstest"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/sysfs/sysfstest"
 )
 
 // TestWriteFixtures writes every fixture under $SYSFS_FIXTURES when set, for trying
