@@ -235,12 +235,30 @@ type PoolStatus struct {
 	// +optional
 	Engines []EngineStatus `json:"engines,omitempty"`
 
+	// warnings are what the manager found questionable but rendered anyway (an image tag
+	// that names no vLLM version, KV the agent cannot move between every pair). Each is
+	// also sent as a Warning event once, when it first appears here.
+	// +listType=map
+	// +listMapKey=reason
+	// +optional
+	Warnings []PoolWarning `json:"warnings,omitempty"`
+
 	// conditions are Ready, Progressing and Degraded (and Paired on a DecodePool), in the
 	// kstatus convention that Argo CD and Flux read health from.
 	// +listType=map
 	// +listMapKey=type
 	// +optional
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// PoolWarning is one warning about a pool that did not stop its rendering.
+type PoolWarning struct {
+	// reason is the warning's CamelCase reason, also the reason of its event.
+	// +required
+	Reason string `json:"reason"`
+	// message says what was found and what it costs.
+	// +required
+	Message string `json:"message"`
 }
 
 // Condition types of PrefillPool and DecodePool.

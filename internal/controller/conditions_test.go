@@ -163,6 +163,22 @@ var _ = Describe("Conditions for what CEL cannot check", func() {
 		expectEvent(p, "EngineVersionUnknown")
 	})
 
+	// The first reconcile of this generation finds no policy, so it cannot check the
+	// image; the warning must still be sent once the policy exists.
+	It("sends the warning of a pool created before its policy", func() {
+		ns := freshNamespace()
+		p := builder.PrefillPool("p").Image("vllm/vllm-openai:latest").Obj()
+		create(ns, p)
+		expectNotReady(p, kvv1.ReasonPolicyNotFound, "does not exist")
+		create(ns, builder.Policy("policy").Obj())
+		statefulSet(ns, "p")
+		expectEvent(p, "EngineVersionUnknown")
+		Eventually(func(g Gomega) {
+			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(p), p)).To(Succeed())
+			g.Expect(p.Status.Warnings).To(ConsistOf(HaveField("Reason", "EngineVersionUnknown")))
+		}).Should(Succeed())
+	})
+
 	It("leaves running engines untouched when a valid pool becomes invalid", func() {
 		ns := freshNamespace()
 		p := builder.PrefillPool("p").Obj()

@@ -1,5 +1,3 @@
-// Package controllers holds the manager's reconcilers: PrefillPool and DecodePool become
-// engine StatefulSets wired by their KVTransferPolicy.
 package controller
 
 import (
@@ -17,8 +15,8 @@ type pool interface {
 	engine() *kvv1.EngineSpec
 	status() *kvv1.PoolStatus
 	role() kvv1.Role
-	// prefillPool is the PrefillPool a DecodePool pairs with; "" for a PrefillPool.
-	prefillPool() string
+	// prefillPoolName is the PrefillPool a DecodePool pairs with; "" for a PrefillPool.
+	prefillPoolName() string
 }
 
 type prefillPool struct{ *kvv1.PrefillPool }
@@ -27,7 +25,7 @@ func (p prefillPool) object() client.Object    { return p.PrefillPool }
 func (p prefillPool) engine() *kvv1.EngineSpec { return &p.Spec.EngineSpec }
 func (p prefillPool) status() *kvv1.PoolStatus { return &p.Status }
 func (p prefillPool) role() kvv1.Role          { return kvv1.RolePrefill }
-func (p prefillPool) prefillPool() string      { return "" }
+func (p prefillPool) prefillPoolName() string  { return "" }
 
 type decodePool struct{ *kvv1.DecodePool }
 
@@ -35,7 +33,7 @@ func (d decodePool) object() client.Object    { return d.DecodePool }
 func (d decodePool) engine() *kvv1.EngineSpec { return &d.Spec.EngineSpec }
 func (d decodePool) status() *kvv1.PoolStatus { return &d.Status }
 func (d decodePool) role() kvv1.Role          { return kvv1.RoleDecode }
-func (d decodePool) prefillPool() string      { return d.Spec.PrefillPoolRef.Name }
+func (d decodePool) prefillPoolName() string  { return d.Spec.PrefillPoolRef.Name }
 
 // poolOf wraps a PrefillPool or DecodePool.
 func poolOf(obj client.Object) pool {

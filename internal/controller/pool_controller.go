@@ -1,3 +1,5 @@
+// Package controller holds the manager's reconcilers: PrefillPool and DecodePool become
+// engine StatefulSets wired by their KVTransferPolicy.
 package controller
 
 import (
@@ -72,21 +74,53 @@ func (r *PoolReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.
 	}
 	if v.problem == nil {
 		if err := r.renderAndApply(ctx, p, v); err != nil {
-			var prob *compat.Problem
-			if !errors.As(err, &prob) {
+			if v.problem = asProblem(err); v.problem == nil {
 				return ctrl.Result{}, err
 			}
-			v.problem = prob
 		}
 	}
 	return ctrl.Result{}, r.updateStatus(ctx, p, before, v)
+}
+
+// problem is why a pool is not rendered as written: a condition reason and a message
+// that tells the user what to change.
+type problem struct{ Reason, Message string }
+
+func (p *problem) Error() string { return p.Reason + ": " + p.Message }
+
+// asProblem is err as a problem when it is one of the pool's own (a compatibility
+// problem, a template that does not fit, a name taken by another object), else nil.
+func asProblem(err error) *problem {
+	var (
+		own    *problem
+		compat *compat.Problem
+		tmpl   *render.TemplateError
+	)
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &own):
+		return own
+	case errors.As(err, &compat):
+		return fromCompat(compat)
+	case errors.As(err, &tmpl):
+		return &problem{Reason: kvv1.ReasonInvalidTemplate, Message: tmpl.Message}
+	}
+	return nil
+}
+
+func fromCompat(p *compat.Problem) *problem {
+	if p == nil {
+		return nil
+	}
+	return &problem{Reason: p.Reason, Message: p.Message}
 }
 
 // validation is what validate learned about a pool.
 type validation struct {
 	policy   *kvv1.KVTransferPolicy
 	prefill  *kvv1.PrefillPool
-	problem  *compat.Problem
+	problem  *problem
 	warnings []compat.Warning
 }
 
@@ -97,25 +131,27 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 	switch {
 	case apierrors.IsNotFound(err):
 		v.policy = nil
-		v.problem = &compat.Problem{Reason: kvv1.ReasonPolicyNotFound, Message: fmt.Sprintf("KVTransferPolicy %s does not exist in namespace %s; create it or fix spec.transferPolicyRef.name", spec.TransferPolicyRef.Name, p.GetNamespace())}
+		v.problem = &problem{Reason: kvv1.ReasonPolicyNotFound, Message: fmt.Sprintf("KVTransferPolicy %s does not exist in namespace %s; create it or fix spec.transferPolicyRef.name", spec.TransferPolicyRef.Name, p.GetNamespace())}
 		return v, nil
 	case err != nil:
 		return nil, err
 	}
-	if v.problem, v.warnings = compat.CheckPool(spec, &v.policy.Spec); v.problem != nil || p.role() != kvv1.RoleDecode {
+	var prob *compat.Problem
+	prob, v.warnings = compat.CheckPool(spec, &v.policy.Spec)
+	if v.problem = fromCompat(prob); v.problem != nil || p.role() != kvv1.RoleDecode {
 		return v, nil
 	}
 
 	v.prefill = &kvv1.PrefillPool{}
-	err = r.Get(ctx, types.NamespacedName{Namespace: p.GetNamespace(), Name: p.prefillPool()}, v.prefill)
+	err = r.Get(ctx, types.NamespacedName{Namespace: p.GetNamespace(), Name: p.prefillPoolName()}, v.prefill)
 	switch {
 	case apierrors.IsNotFound(err):
 		v.prefill = nil
-		v.problem = &compat.Problem{Reason: kvv1.ReasonPrefillPoolNotFound, Message: fmt.Sprintf("PrefillPool %s does not exist in namespace %s; create it or fix spec.prefillPoolRef.name", p.prefillPool(), p.GetNamespace())}
+		v.problem = &problem{Reason: kvv1.ReasonPrefillPoolNotFound, Message: fmt.Sprintf("PrefillPool %s does not exist in namespace %s; create it or fix spec.prefillPoolRef.name", p.prefillPoolName(), p.GetNamespace())}
 	case err != nil:
 		return nil, err
 	default:
-		v.problem = compat.CheckPair(v.prefill.Name, &v.prefill.Spec.EngineSpec, spec, &v.policy.Spec)
+		v.problem = fromCompat(compat.CheckPair(v.prefill.Name, &v.prefill.Spec.EngineSpec, spec, &v.policy.Spec))
 	}
 	return v, nil
 }
@@ -123,7 +159,7 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validation) error {
 	w, err := render.Engines(render.Input{
 		Role: p.role(), Name: p.GetName(), Namespace: p.GetNamespace(),
-		Spec: p.engine(), Policy: &v.policy.Spec, PrefillPool: p.prefillPool(), ConnectorImage: r.ConnectorImage,
+		Spec: p.engine(), Policy: &v.policy.Spec, PrefillPool: p.prefillPoolName(), ConnectorImage: r.ConnectorImage,
 	})
 	if err != nil {
 		return err

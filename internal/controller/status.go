@@ -22,32 +22,78 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/render"
 )
 
-// updateStatus observes the pool's StatefulSet and pods, sets status and conditions,
-// and patches the status subresource only when something changed.
+// observed is what the manager reads of a pool's workload to compute its status.
+type observed struct {
+	// statefulSet is the pool's own StatefulSet; nil when there is none (or only someone
+	// else's of the same name, which a NameConflict reports).
+	statefulSet *appsv1.StatefulSet
+	// engines are the engine pods that have an IP, in pod-name order.
+	engines []kvv1.EngineStatus
+	// pending are the engine pods the scheduler cannot place (sorted), and its reason.
+	pending       []string
+	schedulerSays string
+}
+
+// updateStatus observes the pool's workload, computes its status (poolStatus, a pure
+// function) and patches it only when it changed. Events are sent only once the patch
+// succeeded, so none tells of a state nobody can read.
 func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client.Object, v *validation) error {
-	st := p.status()
+	obs, err := r.observe(ctx, p)
+	if err != nil {
+		return err
+	}
+	st := poolStatus(p, v, obs)
+	*p.status() = st
+	recordMetrics(p, ptr.Deref(p.engine().Replicas, 1), len(obs.pending))
+
+	old := poolOf(before).status()
+	if equality.Semantic.DeepEqual(*old, st) {
+		return nil
+	}
+	if err := r.Status().Patch(ctx, p.object(), client.MergeFrom(before)); err != nil {
+		return err
+	}
+	for _, e := range statusEvents(old, &st) {
+		r.Recorder.Eventf(p.object(), nil, e.kind, e.reason, e.action, "%s", e.message)
+	}
+	return nil
+}
+
+// observe reads the pool's StatefulSet and engine pods.
+func (r *PoolReconciler) observe(ctx context.Context, p pool) (observed, error) {
+	var obs observed
+	sts := &appsv1.StatefulSet{}
+	err := r.Get(ctx, client.ObjectKeyFromObject(p.object()), sts)
+	switch {
+	case apierrors.IsNotFound(err):
+	case err != nil:
+		return obs, err
+	case metav1.IsControlledBy(sts, p.object()):
+		obs.statefulSet = sts
+	}
+	pods := &corev1.PodList{}
+	if err := r.List(ctx, pods, client.InNamespace(p.GetNamespace()), client.MatchingLabels(render.SelectorLabels(p.role(), p.GetName()))); err != nil {
+		return obs, err
+	}
+	obs.engines, obs.pending, obs.schedulerSays = engines(pods.Items)
+	return obs, nil
+}
+
+// poolStatus is the status of p given what validation found and what was observed of
+// its workload: the condition table of the pool kinds, with no reads and no writes.
+func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
+	st := *p.status().DeepCopy()
 	gen := p.object().GetGeneration()
 	st.ObservedGeneration = gen
-	st.Selector = labels.SelectorFromSet(render.SelectorLabels(p.role(), p.object().GetName())).String()
+	st.Selector = labels.SelectorFromSet(render.SelectorLabels(p.role(), p.GetName())).String()
 	if v.policy != nil {
 		st.Mode = v.policy.Spec.Mode
 	}
 	st.RouterService = ""
 	if routerEnabled(p) && v.problem == nil {
-		st.RouterService = render.RouterName(p.object().GetName())
+		st.RouterService = render.RouterName(p.GetName())
 	}
-
-	sts := &appsv1.StatefulSet{}
-	err := r.Get(ctx, client.ObjectKeyFromObject(p.object()), sts)
-	switch {
-	case apierrors.IsNotFound(err):
-		sts = nil
-	case err != nil:
-		return err
-	}
-	if sts != nil && !metav1.IsControlledBy(sts, p.object()) {
-		sts = nil // someone else's object of the same name; a NameConflict says so
-	}
+	sts := obs.statefulSet
 	desired := ptr.Deref(p.engine().Replicas, 1)
 	rolled := sts != nil && rolledOut(sts)
 	st.Replicas, st.ReadyReplicas, st.CompatHash = 0, 0, ""
@@ -57,68 +103,70 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 			st.CompatHash = sts.Spec.Template.Labels[kvv1.LabelCompatHash]
 		}
 	}
-	engines, pending, schedulerSays, err := r.engines(ctx, p)
-	if err != nil {
-		return err
+	st.Engines = obs.engines
+	st.Warnings = nil
+	for _, w := range v.warnings {
+		st.Warnings = append(st.Warnings, kvv1.PoolWarning{Reason: w.Reason, Message: w.Message})
 	}
-	st.Engines = engines
 	unschedulable := ""
-	if len(pending) > 0 {
-		unschedulable = fmt.Sprintf("%d engine(s) cannot be scheduled (%s): %s", len(pending), strings.Join(pending, ", "), schedulerSays)
+	if len(obs.pending) > 0 {
+		unschedulable = fmt.Sprintf("%d engine(s) cannot be scheduled (%s): %s", len(obs.pending), strings.Join(obs.pending, ", "), obs.schedulerSays)
 	}
 
 	ready := v.problem == nil && rolled && st.ReadyReplicas == desired
-	set := func(c metav1.Condition) {
-		c.ObservedGeneration = gen
-		meta.SetStatusCondition(&st.Conditions, c)
+	set := func(t string, status metav1.ConditionStatus, reason, message string) {
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: t, Status: status, Reason: reason, Message: message, ObservedGeneration: gen})
 	}
+	const valid = "the pool and its policy are valid"
 	switch {
 	case v.problem != nil:
-		set(metav1.Condition{Type: kvv1.ConditionReady, Status: metav1.ConditionFalse, Reason: v.problem.Reason, Message: v.problem.Message})
-		set(metav1.Condition{Type: kvv1.ConditionDegraded, Status: metav1.ConditionTrue, Reason: v.problem.Reason, Message: v.problem.Message})
-		set(metav1.Condition{Type: kvv1.ConditionProgressing, Status: metav1.ConditionFalse, Reason: v.problem.Reason, Message: "nothing is rolled out until the problem in the Degraded condition is fixed; running engines are left as they are"})
+		set(kvv1.ConditionReady, metav1.ConditionFalse, v.problem.Reason, v.problem.Message)
+		set(kvv1.ConditionDegraded, metav1.ConditionTrue, v.problem.Reason, v.problem.Message)
+		set(kvv1.ConditionProgressing, metav1.ConditionFalse, v.problem.Reason,
+			"nothing is rolled out until the problem in the Degraded condition is fixed; running engines are left as they are")
 	case unschedulable != "":
-		set(metav1.Condition{Type: kvv1.ConditionReady, Status: metav1.ConditionFalse, Reason: kvv1.ReasonEnginesUnschedulable, Message: unschedulable})
-		set(metav1.Condition{Type: kvv1.ConditionDegraded, Status: metav1.ConditionTrue, Reason: kvv1.ReasonEnginesUnschedulable, Message: unschedulable})
-		set(metav1.Condition{Type: kvv1.ConditionProgressing, Status: metav1.ConditionTrue, Reason: kvv1.ReasonRollingOut, Message: progress(sts, desired)})
+		set(kvv1.ConditionReady, metav1.ConditionFalse, kvv1.ReasonEnginesUnschedulable, unschedulable)
+		set(kvv1.ConditionDegraded, metav1.ConditionTrue, kvv1.ReasonEnginesUnschedulable, unschedulable)
+		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, desired))
 	case ready:
 		msg := fmt.Sprintf("%d/%d engines ready", st.ReadyReplicas, desired)
-		set(metav1.Condition{Type: kvv1.ConditionReady, Status: metav1.ConditionTrue, Reason: kvv1.ReasonEnginesReady, Message: msg})
-		set(metav1.Condition{Type: kvv1.ConditionDegraded, Status: metav1.ConditionFalse, Reason: kvv1.ReasonAsExpected, Message: "the pool and its policy are valid"})
-		set(metav1.Condition{Type: kvv1.ConditionProgressing, Status: metav1.ConditionFalse, Reason: kvv1.ReasonRolledOut, Message: msg + ", all on the current configuration"})
+		set(kvv1.ConditionReady, metav1.ConditionTrue, kvv1.ReasonEnginesReady, msg)
+		set(kvv1.ConditionDegraded, metav1.ConditionFalse, kvv1.ReasonAsExpected, valid)
+		set(kvv1.ConditionProgressing, metav1.ConditionFalse, kvv1.ReasonRolledOut, msg+", all on the current configuration")
 	default:
 		msg := progress(sts, desired)
-		set(metav1.Condition{Type: kvv1.ConditionReady, Status: metav1.ConditionFalse, Reason: kvv1.ReasonEnginesNotReady, Message: msg})
-		set(metav1.Condition{Type: kvv1.ConditionDegraded, Status: metav1.ConditionFalse, Reason: kvv1.ReasonAsExpected, Message: "the pool and its policy are valid"})
-		set(metav1.Condition{Type: kvv1.ConditionProgressing, Status: metav1.ConditionTrue, Reason: kvv1.ReasonRollingOut, Message: msg})
+		set(kvv1.ConditionReady, metav1.ConditionFalse, kvv1.ReasonEnginesNotReady, msg)
+		set(kvv1.ConditionDegraded, metav1.ConditionFalse, kvv1.ReasonAsExpected, valid)
+		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, msg)
 	}
 	if p.role() == kvv1.RoleDecode {
-		set(paired(st, v))
+		c := paired(&st, v)
+		set(c.Type, c.Status, c.Reason, c.Message)
 	}
-	recordMetrics(p, desired, len(pending))
-
-	old := poolOf(before).status()
-	if old.ObservedGeneration != gen {
-		for _, w := range v.warnings {
-			r.Recorder.Eventf(p.object(), nil, corev1.EventTypeWarning, w.Reason, "Validate", "%s", w.Message)
-		}
-	}
-	if equality.Semantic.DeepEqual(old, st) {
-		return nil
-	}
-	r.recordTransitions(p.object(), old.Conditions, st.Conditions)
-	return r.Status().Patch(ctx, p.object(), client.MergeFrom(before))
+	return st
 }
 
-// recordTransitions emits an event for each Ready, Degraded or Paired condition whose
-// status or reason changed: what a user watching `kubectl get events` needs to see.
-func (r *PoolReconciler) recordTransitions(obj client.Object, old, cur []metav1.Condition) {
+// event is one event to send about a pool.
+type event struct{ kind, reason, action, message string }
+
+// statusEvents are the events a status change from old to cur tells a user: a warning
+// that appeared, and each Ready, Degraded or Paired condition whose status or reason
+// changed (what a user watching `kubectl get events` needs to see). Keyed on the saved
+// status rather than on the generation, a warning is sent once even when the reconcile
+// that first saw the generation could not yet check it (its policy not yet in the cache).
+func statusEvents(old, cur *kvv1.PoolStatus) []event {
+	var out []event
+	for _, w := range cur.Warnings {
+		if !slices.ContainsFunc(old.Warnings, func(o kvv1.PoolWarning) bool { return o.Reason == w.Reason }) {
+			out = append(out, event{corev1.EventTypeWarning, w.Reason, "Validate", w.Message})
+		}
+	}
 	for _, t := range []string{kvv1.ConditionReady, kvv1.ConditionDegraded, kvv1.ConditionPaired} {
-		c := meta.FindStatusCondition(cur, t)
+		c := meta.FindStatusCondition(cur.Conditions, t)
 		if c == nil {
 			continue
 		}
-		if o := meta.FindStatusCondition(old, t); o != nil && o.Status == c.Status && o.Reason == c.Reason {
+		if o := meta.FindStatusCondition(old.Conditions, t); o != nil && o.Status == c.Status && o.Reason == c.Reason {
 			continue
 		}
 		bad := c.Status == metav1.ConditionFalse
@@ -131,8 +179,9 @@ func (r *PoolReconciler) recordTransitions(obj client.Object, old, cur []metav1.
 		if bad && !transitional {
 			kind = corev1.EventTypeWarning
 		}
-		r.Recorder.Eventf(obj, nil, kind, c.Reason, "Reconcile", "%s=%s: %s", t, c.Status, c.Message)
+		out = append(out, event{kind, c.Reason, "Reconcile", fmt.Sprintf("%s=%s: %s", t, c.Status, c.Message)})
 	}
+	return out
 }
 
 // rolledOut reports whether every pod of the StatefulSet runs its current template.
@@ -172,12 +221,8 @@ func paired(st *kvv1.PoolStatus, v *validation) metav1.Condition {
 
 // engines lists the identity of every engine pod that has an IP, in pod-name order, and
 // the engines the scheduler cannot place (sorted) with its reason.
-func (r *PoolReconciler) engines(ctx context.Context, p pool) (engines []kvv1.EngineStatus, pending []string, schedulerSays string, err error) {
-	pods := &corev1.PodList{}
-	if err := r.List(ctx, pods, client.InNamespace(p.object().GetNamespace()), client.MatchingLabels(render.SelectorLabels(p.role(), p.object().GetName()))); err != nil {
-		return nil, nil, "", err
-	}
-	for _, pod := range pods.Items {
+func engines(pods []corev1.Pod) (engines []kvv1.EngineStatus, pending []string, schedulerSays string) {
+	for _, pod := range pods {
 		if pod.DeletionTimestamp != nil {
 			continue
 		}
@@ -212,7 +257,7 @@ func (r *PoolReconciler) engines(ctx context.Context, p pool) (engines []kvv1.En
 	}
 	slices.SortFunc(engines, func(a, b kvv1.EngineStatus) int { return strings.Compare(a.PodName, b.PodName) })
 	slices.Sort(pending)
-	return engines, pending, schedulerSays, nil
+	return engines, pending, schedulerSays
 }
 
 // labelInt reads a numeric label; 0 when it is missing or not a number (a pod rendered

@@ -11,10 +11,13 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/strategicpatch"
 	sigsjson "sigs.k8s.io/json"
-
-	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/internal/compat"
 )
+
+// TemplateError is why a pool's spec.template cannot be merged into the engine pod it
+// renders (reported as the InvalidTemplate condition).
+type TemplateError struct{ Message string }
+
+func (e *TemplateError) Error() string { return e.Message }
 
 // mergeTemplate merges the pool's template over the rendered pod template with
 // Kubernetes' strategic merge: containers, volumes and env merge by name, maps merge by
@@ -30,7 +33,7 @@ func mergeTemplate(rendered *corev1.PodTemplateSpec, user *runtime.RawExtension)
 		err = joinErrors(strictErrs)
 	}
 	if err != nil {
-		return nil, &compat.Problem{Reason: kvv1.ReasonInvalidTemplate, Message: fmt.Sprintf("spec.template is not a pod template: %v", err)}
+		return nil, &TemplateError{fmt.Sprintf("spec.template is not a pod template: %v", err)}
 	}
 	base, err := json.Marshal(rendered)
 	if err != nil {
@@ -38,14 +41,14 @@ func mergeTemplate(rendered *corev1.PodTemplateSpec, user *runtime.RawExtension)
 	}
 	merged, err := strategicpatch.StrategicMergePatch(base, user.Raw, corev1.PodTemplateSpec{})
 	if err != nil {
-		return nil, &compat.Problem{Reason: kvv1.ReasonInvalidTemplate, Message: fmt.Sprintf("spec.template cannot be merged into the engine pod: %v", err)}
+		return nil, &TemplateError{fmt.Sprintf("spec.template cannot be merged into the engine pod: %v", err)}
 	}
 	out := &corev1.PodTemplateSpec{}
 	if err := json.Unmarshal(merged, out); err != nil {
 		return nil, err
 	}
 	if msg := ownedChanged(rendered, out); msg != "" {
-		return nil, &compat.Problem{Reason: kvv1.ReasonInvalidTemplate, Message: msg}
+		return nil, &TemplateError{msg}
 	}
 	return out, nil
 }

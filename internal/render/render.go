@@ -58,7 +58,8 @@ type Workload struct {
 }
 
 // Engines renders a pool. The error is a *compat.Problem when the pool and policy
-// cannot make working engines; callers check compat first, so it is a safety net.
+// cannot make working engines (callers check compat first, so it is a safety net), and
+// a *TemplateError when spec.template does not fit the engine pod.
 func Engines(in Input) (*Workload, error) {
 	if p, _ := compat.CheckPool(in.Spec, in.Policy); p != nil {
 		return nil, p

@@ -16,7 +16,6 @@ import (
 	"sigs.k8s.io/yaml"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/internal/compat"
 	"github.com/kvhandoff/kvhandoff/test/builder"
 )
 
@@ -240,8 +239,8 @@ func TestTemplateWithUnknownFieldsIsRefusedNamingThem(t *testing.T) {
 	p := builder.PrefillPool("p").Template(`{"spec": {"nodeSelecter": {"a": "b"}}}`).Obj()
 	pol := builder.Policy("push").Obj()
 	_, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
-	var prob *compat.Problem
-	if !errors.As(err, &prob) || prob.Reason != kvv1.ReasonInvalidTemplate || !strings.Contains(prob.Message, `unknown field "spec.nodeSelecter"`) {
+	var prob *TemplateError
+	if !errors.As(err, &prob) || !strings.Contains(prob.Message, `unknown field "spec.nodeSelecter"`) {
 		t.Fatalf("err = %v, want InvalidTemplate naming spec.nodeSelecter", err)
 	}
 }
@@ -256,8 +255,8 @@ func TestTemplateCannotReplaceWhatWiresTheEngine(t *testing.T) {
 	} {
 		p := builder.PrefillPool("p").Template(c.template).Obj()
 		_, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
-		var prob *compat.Problem
-		if !errors.As(err, &prob) || prob.Reason != kvv1.ReasonInvalidTemplate || !strings.Contains(prob.Message, c.want) {
+		var prob *TemplateError
+		if !errors.As(err, &prob) || !strings.Contains(prob.Message, c.want) {
 			t.Errorf("%s: err = %v, want InvalidTemplate saying %q", c.template, err, c.want)
 		}
 	}
