@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
@@ -139,13 +140,24 @@ type Agent struct {
 	engines   map[string]*session // by engine key (id/rank), the live incarnation
 	nextEpoch uint64
 	memory    memoryIndex
-	gpus      gpus             // CUDA contexts and opened IPC allocations (engines with GPU KV)
-	peers     map[string]*peer // outbound, by address
-	inbound   map[*peer]struct{}
-	// handshaking counts inbound connections not yet authenticated.
-	handshaking int
-	closed      bool
-	wg          sync.WaitGroup
+	closed    bool
+	mesh      *mesh.Mesh
+	node      *node
+	wg        sync.WaitGroup
+}
+
+// node is what an engine session uses of its agent, handed to each session instead of
+// the agent itself: logging, metrics, the peer mesh, the GPUs' contexts and opened
+// allocations, and two calls back into the agent's tables.
+type node struct {
+	log     *slog.Logger
+	metrics *metrics
+	mesh    *mesh.Mesh
+	gpus    *gpus
+	// forget removes an ended session from the agent's tables.
+	forget func(*session)
+	// notifyDecode delivers a signal to a decode engine of this agent (a same-node pair).
+	notifyDecode func(engine string, epoch, data uint64) error
 }
 
 // New checks the configuration and the provider, and binds both listeners. A provider
@@ -158,7 +170,6 @@ func New(cfg Config) (*Agent, error) {
 	a := &Agent{
 		cfg: cfg, log: cfg.Log, epoch: newEpoch(),
 		sessions: map[string]*session{}, engines: map[string]*session{},
-		peers: map[string]*peer{}, inbound: map[*peer]struct{}{},
 		memory: memoryIndex{},
 	}
 	a.nextEpoch = a.epoch
@@ -197,6 +208,12 @@ func New(cfg Config) (*Agent, error) {
 	if a.self == "" {
 		a.self = a.peerLn.Addr().String()
 	}
+	a.mesh = mesh.New(mesh.Config{
+		Self: a.self, Epoch: a.epoch, Token: cfg.Token, Log: a.log,
+		Peers: a.metrics.peers, Refused: a.metrics.refused,
+		OnMessage: a.dispatch, OnLost: a.peerLost,
+	})
+	a.node = &node{log: a.log, metrics: a.metrics, mesh: a.mesh, gpus: &gpus{}, forget: a.forget, notifyDecode: a.notifyDecode}
 	a.grpc = grpc.NewServer(
 		grpc.MaxRecvMsgSize(maxRequest),
 		grpc.StatsHandler(refusals{a}),
@@ -246,7 +263,7 @@ func probe(provider string, rails int) (fabric.Limits, error) {
 func (a *Agent) Serve(ctx context.Context) error {
 	a.wg.Add(3)
 	go func() { defer a.wg.Done(); _ = a.grpc.Serve(a.engLn) }()
-	go func() { defer a.wg.Done(); a.acceptPeers() }()
+	go func() { defer a.wg.Done(); a.mesh.Serve(a.peerLn) }()
 	go func() { defer a.wg.Done(); a.serveMemory() }()
 	a.log.Info("serving", "socket", a.cfg.Socket, "peers", a.self, "epoch", a.epoch)
 	<-ctx.Done()
@@ -261,13 +278,6 @@ func (a *Agent) shutdown() {
 	for _, s := range a.sessions {
 		sessions = append(sessions, s)
 	}
-	peers := make([]*peer, 0, len(a.peers)+len(a.inbound))
-	for _, p := range a.peers {
-		peers = append(peers, p)
-	}
-	for p := range a.inbound {
-		peers = append(peers, p)
-	}
 	a.mu.Unlock()
 	a.grpc.Stop()
 	a.peerLn.Close()
@@ -278,9 +288,7 @@ func (a *Agent) shutdown() {
 	for _, s := range sessions {
 		<-s.stopped
 	}
-	for _, p := range peers {
-		p.close()
-	}
+	a.mesh.Close()
 	a.wg.Wait()
 	os.Remove(a.cfg.Socket)
 	a.log.Info("stopped")

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/landing"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
@@ -20,7 +21,7 @@ import (
 // the engine; this file carries out its actions, talks to peers and posts pull reads.
 type decodeSide struct {
 	s       *session
-	table   *landing.Table[*peer]
+	table   *landing.Table[*mesh.Peer]
 	reads   []readOp
 	pending map[uint64]readOp
 	nextID  uint64
@@ -38,7 +39,7 @@ type readOp struct {
 func newDecodeSide(s *session) *decodeSide {
 	return &decodeSide{
 		s:       s,
-		table:   landing.New[*peer](landing.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout, Tick: s.pol.Tick}),
+		table:   landing.New[*mesh.Peer](landing.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout, Tick: s.pol.Tick}),
 		pending: map[uint64]readOp{},
 	}
 }
@@ -58,7 +59,7 @@ func (ds *decodeSide) registerDestination(r *agentv1.RegisterDestinationRequest)
 	}
 	k := landing.Key{Request: r.RequestId, Attempt: r.Attempt}
 	source := engineKey(r.Source.EngineId, r.Source.TpRank)
-	p := s.a.dial(r.Source.Agent)
+	p := s.n.mesh.Dial(r.Source.Agent)
 	token, err := ds.table.Register(time.Now(), k, source, p, len(r.BlockIds))
 	switch {
 	case errors.Is(err, landing.ErrDuplicate):
@@ -66,8 +67,8 @@ func (ds *decodeSide) registerDestination(r *agentv1.RegisterDestinationRequest)
 	case err != nil:
 		return status.Errorf(codes.FailedPrecondition, "attempt: %v", err)
 	}
-	p.describe(s)
-	p.send(&wire.Register{
+	p.Describe(s.key, s.epoch, s.describe)
+	p.Send(&wire.Register{
 		Request: r.RequestId, Attempt: r.Attempt, Engine: s.key, EngineEpoch: s.epoch,
 		Source: source, Token: uint64(token), Blocks: r.BlockIds,
 	})
@@ -84,11 +85,11 @@ func (ds *decodeSide) pull(r *agentv1.PullRequest) error {
 	}
 	k := landing.Key{Request: r.RequestId, Attempt: r.Attempt}
 	source := engineKey(r.Source.EngineId, r.Source.TpRank)
-	p := s.a.dial(r.Source.Agent)
+	p := s.n.mesh.Dial(r.Source.Agent)
 	if err := ds.table.Pull(time.Now(), k, source, p, r.SourceBlockIds, r.DestinationBlockIds); err != nil {
 		return status.Errorf(codes.AlreadyExists, "attempt: %v", err)
 	}
-	p.send(&wire.Acquire{Request: r.RequestId, Attempt: r.Attempt, Engine: s.key, EngineEpoch: s.epoch, Source: source, Blocks: r.SourceBlockIds})
+	p.Send(&wire.Acquire{Request: r.RequestId, Attempt: r.Attempt, Engine: s.key, EngineEpoch: s.epoch, Source: source, Blocks: r.SourceBlockIds})
 	return nil
 }
 
@@ -97,7 +98,7 @@ func (ds *decodeSide) cancel(now time.Time, req string, attempt uint64) error {
 	if !ok {
 		return status.Errorf(codes.NotFound, "request_id: %s attempt %d is not outstanding on this engine", req, attempt)
 	}
-	ds.s.a.metrics.cancels.Inc()
+	ds.s.n.metrics.cancels.Inc()
 	ds.handle(now, acts)
 	return nil
 }
@@ -110,16 +111,16 @@ func (ds *decodeSide) handle(now time.Time, acts []landing.Action) {
 		act := acts[0]
 		acts = acts[1:]
 		switch act := act.(type) {
-		case landing.SendCancel[*peer]:
-			act.Peer.send(&wire.Cancel{Request: act.Request, Attempt: act.Attempt, Source: act.Source})
-		case landing.SendHeartbeat[*peer]:
-			act.Peer.send(&wire.Heartbeat{Request: act.Request, Attempt: act.Attempt, Source: act.Source})
-		case landing.SendRelease[*peer]:
+		case landing.SendCancel[*mesh.Peer]:
+			act.Peer.Send(&wire.Cancel{Request: act.Request, Attempt: act.Attempt, Source: act.Source})
+		case landing.SendHeartbeat[*mesh.Peer]:
+			act.Peer.Send(&wire.Heartbeat{Request: act.Request, Attempt: act.Attempt, Source: act.Source})
+		case landing.SendRelease[*mesh.Peer]:
 			failed := uint64(0)
 			if act.Failed {
 				failed = 1
 			}
-			act.Peer.send(&wire.Release{Request: act.Request, Attempt: act.Attempt, Source: act.Source, Failed: failed})
+			act.Peer.Send(&wire.Release{Request: act.Request, Attempt: act.Attempt, Source: act.Source, Failed: failed})
 		case landing.DropReads:
 			acts = append(acts, ds.table.Dropped(now, act.Key, ds.dropReads(act.Key))...)
 		case landing.Report:
@@ -129,7 +130,7 @@ func (ds *decodeSide) handle(now time.Time, acts []landing.Action) {
 }
 
 func (ds *decodeSide) report(r landing.Report) {
-	m := ds.s.a.metrics
+	m := ds.s.n.metrics
 	ev := &agentv1.Event{RequestId: r.Request, Attempt: r.Attempt, Reason: r.Reason}
 	switch r.Kind {
 	case landing.Delivered:
@@ -157,18 +158,18 @@ func (ds *decodeSide) report(r landing.Report) {
 	}
 }
 
-func (ds *decodeSide) onWriting(p *peer, m *wire.Writing) {
+func (ds *decodeSide) onWriting(p *mesh.Peer, m *wire.Writing) {
 	ds.table.Writing(landing.Key{Request: m.Request, Attempt: m.Attempt}, p)
 }
 
-func (ds *decodeSide) onOutcome(p *peer, req string, attempt uint64, cancelled bool, reason string, signalled bool) {
+func (ds *decodeSide) onOutcome(p *mesh.Peer, req string, attempt uint64, cancelled bool, reason string, signalled bool) {
 	now := time.Now()
 	ds.handle(now, ds.table.Outcome(now, landing.Key{Request: req, Attempt: attempt}, p, cancelled, reason, signalled))
 }
 
 // onAcquired plans the reads of a granted pull against the source's regions (sent just
 // before, as EngineInfo) and queues them.
-func (ds *decodeSide) onAcquired(pr *peer, m *wire.Acquired) {
+func (ds *decodeSide) onAcquired(pr *mesh.Peer, m *wire.Acquired) {
 	s := ds.s
 	now := time.Now()
 	k := landing.Key{Request: m.Request, Attempt: m.Attempt}
@@ -177,22 +178,22 @@ func (ds *decodeSide) onAcquired(pr *peer, m *wire.Acquired) {
 	if g == nil {
 		return
 	}
-	s.a.metrics.stage.WithLabelValues("pull", "rendezvous_wait").Observe(g.Wait.Seconds())
+	s.n.metrics.stage.WithLabelValues("pull", "rendezvous_wait").Observe(g.Wait.Seconds())
 	fail := func(reason string) { ds.handle(now, ds.table.Fail(now, k, reason)) }
-	info := pr.info(g.Source)
+	info := pr.Info(g.Source)
 	if info == nil {
 		fail(fmt.Sprintf("prefill engine %s did not describe its memory", g.Source))
 		return
 	}
 	re, err := s.reach(pr, info)
 	if err != nil {
-		s.a.metrics.refused.WithLabelValues("peer", "Pull").Inc()
+		s.n.metrics.refused.WithLabelValues("peer", "Pull").Inc()
 		fail(fmt.Sprintf("prefill engine %s: %v", g.Source, err))
 		return
 	}
 	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, re.regions, s.layout, s.ep.Limits().MaxMsgSize)
 	if err != nil {
-		s.a.metrics.refused.WithLabelValues("peer", "Pull").Inc()
+		s.n.metrics.refused.WithLabelValues("peer", "Pull").Inc()
 		fail(err.Error())
 		return
 	}
@@ -284,8 +285,8 @@ func (ds *decodeSide) warm() bool { return !ds.table.Idle() }
 
 func (ds *decodeSide) watchdog(now time.Time) { ds.handle(now, ds.table.Expire(now)) }
 
-func (ds *decodeSide) peerLost(now time.Time, p *peer) {
-	ds.handle(now, ds.table.PeerLost(now, p, p.reached(), fmt.Sprintf("prefill agent %s connection lost: %v", p.addr, p.err)))
+func (ds *decodeSide) peerLost(now time.Time, p *mesh.Peer) {
+	ds.handle(now, ds.table.PeerLost(now, p, p.Reached(), fmt.Sprintf("prefill agent %s connection lost: %v", p.Addr(), p.Err())))
 }
 
 func (ds *decodeSide) fenceAll(now time.Time, reason string) {

@@ -198,7 +198,7 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		return refuse(status.Errorf(codes.ResourceExhausted, "the agent serves %d engine ranks, its limit", maxSessions))
 	}
 	a.nextEpoch++
-	s := newSession(a, hex.EncodeToString(id[:]), key, a.nextEpoch, r, ep)
+	s := newSession(a.node, a.cfg.Timeouts, hex.EncodeToString(id[:]), key, a.nextEpoch, r, ep)
 	a.sessions[s.id], a.engines[key] = s, s
 	a.metrics.sessions.Set(float64(len(a.sessions)))
 	a.mu.Unlock()

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/landing"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
@@ -24,7 +25,7 @@ type prefillSide struct {
 	s        *session
 	table    *rendezvous.Table // from the first transfer on, when the regions are fixed
 	w        *writer.Writer
-	holds    *rendezvous.Holds[*peer]
+	holds    *rendezvous.Holds[*mesh.Peer]
 	attempts map[landing.Key]*pushAttempt
 }
 
@@ -33,7 +34,7 @@ type prefillSide struct {
 type pushAttempt struct {
 	token    uint32
 	decode   rendezvous.Engine // the incarnation the attempt writes into and signals
-	peer     *peer
+	peer     *mesh.Peer
 	paired   time.Time
 	lastPost time.Time
 	writes   int
@@ -41,7 +42,7 @@ type pushAttempt struct {
 }
 
 func newPrefillSide(s *session) *prefillSide {
-	return &prefillSide{s: s, holds: rendezvous.NewHolds[*peer](s.pol.BlocksTTL, s.pol.Lease), attempts: map[landing.Key]*pushAttempt{}}
+	return &prefillSide{s: s, holds: rendezvous.NewHolds[*mesh.Peer](s.pol.BlocksTTL, s.pol.Lease), attempts: map[landing.Key]*pushAttempt{}}
 }
 
 // Prefill memory is a source for writes and readable by peers (pull).
@@ -107,7 +108,7 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 		}
 		ps.handle(now, acts)
 	}
-	s.a.metrics.parts.WithLabelValues(kind).Inc()
+	s.n.metrics.parts.WithLabelValues(kind).Inc()
 	return nil
 }
 
@@ -127,19 +128,19 @@ func (ps *prefillSide) span(first, count uint32) (rendezvous.Span, error) {
 // onRegister takes a decode agent's registration. The decode engine's memory arrived
 // before it (EngineInfo, once per connection and epoch); a newer epoch of the engine
 // drops the older one's attempts.
-func (ps *prefillSide) onRegister(p *peer, m *wire.Register) {
+func (ps *prefillSide) onRegister(p *mesh.Peer, m *wire.Register) {
 	s := ps.s
 	refuse := func(format string, args ...any) {
-		s.a.metrics.refused.WithLabelValues("peer", "Register").Inc()
+		s.n.metrics.refused.WithLabelValues("peer", "Register").Inc()
 		reason := fmt.Sprintf(format, args...)
-		s.a.log.Warn("refused a registration", "engine", s.key, "request", m.Request, "attempt", m.Attempt, "reason", reason)
-		p.send(&wire.Failed{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, Reason: reason})
+		s.n.log.Warn("refused a registration", "engine", s.key, "request", m.Request, "attempt", m.Attempt, "reason", reason)
+		p.Send(&wire.Failed{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, Reason: reason})
 	}
 	if err := s.freeze(); err != nil {
 		refuse("prefill engine %s has not registered its memory", s.key)
 		return
 	}
-	info := p.info(m.Engine)
+	info := p.Info(m.Engine)
 	if info == nil || info.Epoch != m.EngineEpoch {
 		refuse("decode engine %s (epoch %d) did not describe its memory first", m.Engine, m.EngineEpoch)
 		return
@@ -168,7 +169,7 @@ func (ps *prefillSide) onRegister(p *peer, m *wire.Register) {
 
 // addDestination checks a decode engine's regions against this rank's (same ids and
 // block lengths: the planner maps region to region) and makes it a write target.
-func (ps *prefillSide) addDestination(p *peer, info *wire.EngineInfo) error {
+func (ps *prefillSide) addDestination(p *mesh.Peer, info *wire.EngineInfo) error {
 	re, err := ps.s.reach(p, info)
 	if err != nil {
 		return err
@@ -182,8 +183,8 @@ func (ps *prefillSide) addDestination(p *peer, info *wire.EngineInfo) error {
 	d := writer.Destination{Peer: re.peer}
 	if re.onGPU {
 		// A pair on this node: copies, and a notice to the decode rank in this agent.
-		a := ps.s.a
-		d.Notify = func(data uint64) error { return a.notifyDecode(info.Engine, info.Epoch, data) }
+		n := ps.s.n
+		d.Notify = func(data uint64) error { return n.notifyDecode(info.Engine, info.Epoch, data) }
 	}
 	for _, r := range re.regions {
 		d.Regions = append(d.Regions, re.byID[r.ID])
@@ -208,7 +209,7 @@ func (ps *prefillSide) handle(now time.Time, acts []rendezvous.Action) {
 		case rendezvous.Transfer:
 			writes, bytes, err := ps.w.Submit(act)
 			if err != nil {
-				s.a.metrics.refused.WithLabelValues("peer", "Transfer").Inc()
+				s.n.metrics.refused.WithLabelValues("peer", "Transfer").Inc()
 				acts = append(acts, ps.table.Fail(now, act.Request, act.Attempt, "bad_blocks", err.Error())...)
 				continue
 			}
@@ -218,23 +219,23 @@ func (ps *prefillSide) handle(now time.Time, acts []rendezvous.Action) {
 			}
 			if act.Paired {
 				a.paired = now
-				s.a.metrics.stage.WithLabelValues("push", "rendezvous_wait").Observe(act.SourceWait.Seconds())
-				a.peer.send(&wire.Writing{Request: act.Request, Attempt: act.Attempt, Engine: a.decode.ID})
+				s.n.metrics.stage.WithLabelValues("push", "rendezvous_wait").Observe(act.SourceWait.Seconds())
+				a.peer.Send(&wire.Writing{Request: act.Request, Attempt: act.Attempt, Engine: a.decode.ID})
 			}
 			a.writes += writes
 			a.bytes += bytes
 		case rendezvous.Delivered:
 			ps.delivered(act)
 		case rendezvous.CancelAcked:
-			s.a.metrics.cancels.Inc()
+			s.n.metrics.cancels.Inc()
 			ps.w.Discard(act.Request, act.Attempt)
 			ps.finish(act.Request, act.Attempt, act.Decode, "", "")
 		case rendezvous.Failed:
 			ps.w.Discard(act.Request, act.Attempt)
 			ps.finish(act.Request, act.Attempt, act.Decode, act.Code, act.Reason)
 		case rendezvous.SourceExpired:
-			s.a.metrics.expiries.WithLabelValues("source").Inc()
-			s.a.metrics.failures.WithLabelValues("blocks_ttl").Inc()
+			s.n.metrics.expiries.WithLabelValues("source").Inc()
+			s.n.metrics.failures.WithLabelValues("blocks_ttl").Inc()
 			s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: act.Request, Reason: act.Reason})
 		}
 	}
@@ -252,12 +253,12 @@ func (ps *prefillSide) delivered(d rendezvous.Delivered) {
 	}
 	now := time.Now()
 	if err := ps.w.Signal(a.decode, landing.SignalData(a.token, false)); err != nil {
-		s.a.metrics.failures.WithLabelValues("signal_error").Inc()
-		a.peer.send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
+		s.n.metrics.failures.WithLabelValues("signal_error").Inc()
+		a.peer.Send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
 		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: d.Request, Attempt: d.Attempt, Reason: "signalling delivery failed"})
 		return
 	}
-	m := s.a.metrics
+	m := s.n.metrics
 	if !a.paired.IsZero() && !a.lastPost.IsZero() {
 		m.stage.WithLabelValues("push", "post").Observe(a.lastPost.Sub(a.paired).Seconds())
 		m.stage.WithLabelValues("push", "wire").Observe(now.Sub(a.lastPost).Seconds())
@@ -278,9 +279,9 @@ func (ps *prefillSide) finish(req string, attempt uint64, decode rendezvous.Engi
 	a := ps.attempts[k]
 	delete(ps.attempts, k)
 	if code != "" {
-		s.a.metrics.failures.WithLabelValues(code).Inc()
+		s.n.metrics.failures.WithLabelValues(code).Inc()
 		if code == rendezvous.CodeLeaseExpired || code == rendezvous.CodeRegistrationTimeout {
-			s.a.metrics.expiries.WithLabelValues("push").Inc()
+			s.n.metrics.expiries.WithLabelValues("push").Inc()
 		}
 		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: req, Attempt: attempt, Reason: reason})
 	}
@@ -290,15 +291,15 @@ func (ps *prefillSide) finish(req string, attempt uint64, decode rendezvous.Engi
 	var signalled uint64
 	if a.writes > 0 {
 		if err := ps.w.Signal(decode, landing.SignalData(a.token, true)); err != nil {
-			s.a.log.Warn("fence signal failed", "engine", s.key, "request", req, "err", err)
+			s.n.log.Warn("fence signal failed", "engine", s.key, "request", req, "err", err)
 		} else {
 			signalled = 1
 		}
 	}
 	if code == "" {
-		a.peer.send(&wire.CancelAcked{Request: req, Attempt: attempt, Engine: decode.ID, Signalled: signalled})
+		a.peer.Send(&wire.CancelAcked{Request: req, Attempt: attempt, Engine: decode.ID, Signalled: signalled})
 	} else {
-		a.peer.send(&wire.Failed{Request: req, Attempt: attempt, Engine: decode.ID, Reason: reason, Signalled: signalled})
+		a.peer.Send(&wire.Failed{Request: req, Attempt: attempt, Engine: decode.ID, Reason: reason, Signalled: signalled})
 	}
 }
 
@@ -308,7 +309,7 @@ func (ps *prefillSide) onHeartbeat(m *wire.Heartbeat) {
 	}
 }
 
-func (ps *prefillSide) onCancel(p *peer, m *wire.Cancel) {
+func (ps *prefillSide) onCancel(p *mesh.Peer, m *wire.Cancel) {
 	a := ps.attempts[landing.Key{Request: m.Request, Attempt: m.Attempt}]
 	if a == nil || a.peer != p {
 		// Already finished (its outcome is on its way) or never registered here.
@@ -317,7 +318,7 @@ func (ps *prefillSide) onCancel(p *peer, m *wire.Cancel) {
 	now := time.Now()
 	acts, err := ps.table.Cancel(now, m.Request, m.Attempt)
 	if err != nil && !errors.Is(err, rendezvous.ErrUnknown) {
-		ps.s.a.log.Warn("cancel", "engine", ps.s.key, "request", m.Request, "err", err)
+		ps.s.n.log.Warn("cancel", "engine", ps.s.key, "request", m.Request, "err", err)
 	}
 	ps.handle(now, acts)
 }
@@ -325,20 +326,20 @@ func (ps *prefillSide) onCancel(p *peer, m *wire.Cancel) {
 // onAcquire grants a pull: the blocks stay held for a lease from now. The decode agent
 // counts the same lease from before it sent Acquire, so it stops trusting its reads
 // before this side can release the blocks.
-func (ps *prefillSide) onAcquire(p *peer, m *wire.Acquire) {
+func (ps *prefillSide) onAcquire(p *mesh.Peer, m *wire.Acquire) {
 	s := ps.s
 	lease, err := ps.holds.Acquire(time.Now(), m.Request, m.Attempt, p, m.Blocks)
 	if err != nil {
-		s.a.metrics.refused.WithLabelValues("peer", "Acquire").Inc()
-		s.a.metrics.failures.WithLabelValues("acquire_refused").Inc()
-		p.send(&wire.Failed{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, Reason: fmt.Sprintf("prefill engine %s: %v", s.key, err)})
+		s.n.metrics.refused.WithLabelValues("peer", "Acquire").Inc()
+		s.n.metrics.failures.WithLabelValues("acquire_refused").Inc()
+		p.Send(&wire.Failed{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, Reason: fmt.Sprintf("prefill engine %s: %v", s.key, err)})
 		return
 	}
-	p.describe(s)
-	p.send(&wire.Acquired{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, LeaseMillis: uint64(lease.Milliseconds())})
+	p.Describe(s.key, s.epoch, s.describe)
+	p.Send(&wire.Acquired{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, LeaseMillis: uint64(lease.Milliseconds())})
 }
 
-func (ps *prefillSide) onRelease(p *peer, m *wire.Release) {
+func (ps *prefillSide) onRelease(p *mesh.Peer, m *wire.Release) {
 	s := ps.s
 	n, ok := ps.holds.Release(m.Request, m.Attempt, p)
 	if !ok {
@@ -348,7 +349,7 @@ func (ps *prefillSide) onRelease(p *peer, m *wire.Release) {
 		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: m.Request, Attempt: m.Attempt, Reason: "the decode engine's pull did not complete"})
 		return
 	}
-	s.a.metrics.bytes.WithLabelValues("pull").Add(float64(s.bytesFor(n)))
+	s.n.metrics.bytes.WithLabelValues("pull").Add(float64(s.bytesFor(n)))
 	s.emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: m.Request, Attempt: m.Attempt, Bytes: s.bytesFor(n)})
 }
 
@@ -360,8 +361,8 @@ func (ps *prefillSide) watchdog(now time.Time) {
 		ps.handle(now, ps.table.Expire(now))
 	}
 	for _, e := range ps.holds.Expire(now) {
-		ps.s.a.metrics.expiries.WithLabelValues("hold").Inc()
-		ps.s.a.metrics.failures.WithLabelValues("blocks_ttl").Inc()
+		ps.s.n.metrics.expiries.WithLabelValues("hold").Inc()
+		ps.s.n.metrics.failures.WithLabelValues("blocks_ttl").Inc()
 		ps.s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: e.Request, Reason: e.Reason})
 	}
 }
@@ -369,7 +370,7 @@ func (ps *prefillSide) watchdog(now time.Time) {
 // peerLost fails the lost peer's registrations (nobody is left to tell); its pulls keep
 // their blocks until their lease ends (the watchdog releases them), since its reads may
 // still be in flight.
-func (ps *prefillSide) peerLost(now time.Time, p *peer) {
+func (ps *prefillSide) peerLost(now time.Time, p *mesh.Peer) {
 	ps.holds.PeerLost(p)
 	for k, a := range ps.attempts {
 		if a.peer == p {
@@ -390,7 +391,7 @@ func (ps *prefillSide) cancel(now time.Time, req string, attempt uint64) error {
 	if !found {
 		return status.Errorf(codes.NotFound, "request_id: %s attempt %d is not outstanding on this engine", req, attempt)
 	}
-	ps.s.a.metrics.cancels.Inc()
+	ps.s.n.metrics.cancels.Inc()
 	return nil
 }
 
@@ -401,10 +402,10 @@ func (ps *prefillSide) step(now time.Time) bool {
 	if ps.w != nil && !ps.w.Idle() {
 		acts, failed, err := ps.w.Poll(now)
 		if err != nil {
-			s.a.log.Error("writer state disagrees with the rendezvous table", "engine", s.key, "err", err)
+			s.n.log.Error("writer state disagrees with the rendezvous table", "engine", s.key, "err", err)
 		}
 		for _, f := range failed {
-			s.a.metrics.failures.WithLabelValues("write_error").Inc()
+			s.n.metrics.failures.WithLabelValues("write_error").Inc()
 			acts = append(acts, ps.table.Fail(now, f.Request, f.Attempt, "write_error", fmt.Sprintf("RMA write failed: %v", f.Err))...)
 		}
 		ps.handle(now, acts)

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/writer"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -23,7 +24,7 @@ import (
 // peer messages reach it as closures on cmds, so no lock guards the transfer state and
 // the fabric is only touched from one thread, as libfabric's RDM endpoints expect.
 type session struct {
-	a     *Agent
+	n     *node
 	id    string
 	key   string // engine id/rank
 	epoch uint64
@@ -78,7 +79,7 @@ type side interface {
 	warm() bool                 // something may arrive: poll with a backoff
 	watchdog(now time.Time)
 	cancel(now time.Time, req string, attempt uint64) error
-	peerLost(now time.Time, p *peer)
+	peerLost(now time.Time, p *mesh.Peer)
 	fenceAll(now time.Time, reason string)
 	drained() bool
 }
@@ -111,10 +112,10 @@ func requestTimeouts(r *agentv1.RegisterEngineRequest) Timeouts {
 	return Timeouts{Lease: ms(r.LeaseMillis), RegistrationTimeout: ms(r.RegistrationTimeoutMillis), BlocksTTL: ms(r.BlocksTtlMillis)}
 }
 
-func newSession(a *Agent, id, key string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *session {
+func newSession(n *node, fallback Timeouts, id, key string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *session {
 	s := &session{
-		a: a, id: id, key: key, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
-		pol:  requestTimeouts(r).complete(a.cfg.Timeouts),
+		n: n, id: id, key: key, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
+		pol:  requestTimeouts(r).complete(fallback),
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
 		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]*remoteEngine{},
@@ -238,7 +239,7 @@ func (s *session) run() {
 			case <-s.closing:
 				closing = true
 				closeDeadline = now.Add(s.pol.Lease)
-				s.a.log.Info("engine session ending", "engine", s.key, "reason", s.closeReason())
+				s.n.log.Info("engine session ending", "engine", s.key, "reason", s.closeReason())
 				s.side.fenceAll(now, s.closeReason())
 				continue
 			default:
@@ -322,13 +323,13 @@ func (s *session) teardown() {
 			continue
 		}
 		if err := r.reg.Close(); err != nil {
-			s.a.log.Warn("deregistering memory", "engine", s.key, "region", r.id, "err", err)
+			s.n.log.Warn("deregistering memory", "engine", s.key, "region", r.id, "err", err)
 		}
 		r.m.unmap()
 	}
 	s.ep.Close()
-	s.a.forget(s)
-	s.a.log.Info("engine session ended", "engine", s.key, "reason", s.closeReason())
+	s.n.forget(s)
+	s.n.log.Info("engine session ended", "engine", s.key, "reason", s.closeReason())
 }
 
 // countRails adds what each rail carried since the last count to the rail metric.
@@ -340,7 +341,7 @@ func (s *session) countRails() {
 			before = s.railBytes[i]
 		}
 		if b > before {
-			s.a.metrics.rails.WithLabelValues(strconv.Itoa(i)).Add(float64(b - before))
+			s.n.metrics.rails.WithLabelValues(strconv.Itoa(i)).Add(float64(b - before))
 		}
 	}
 	s.railBytes = now
@@ -405,7 +406,7 @@ func (s *session) bytesFor(n int) uint64 { return s.blockLen * uint64(n) }
 func (s *session) describe(local bool) []wire.Message {
 	addrs, err := s.ep.Addresses()
 	if err != nil {
-		s.a.log.Error("reading the endpoint's addresses", "engine", s.key, "err", err)
+		s.n.log.Error("reading the endpoint's addresses", "engine", s.key, "err", err)
 		addrs = make([][]byte, s.ep.Rails())
 	}
 	m := &wire.EngineInfo{Engine: s.key, Epoch: s.epoch, Address: string(addrs[0])}
@@ -438,7 +439,7 @@ func (s *session) describe(local bool) []wire.Message {
 // peer inserted, or its GPU allocations opened) and kept for the next ones. A newer epoch
 // replaces the older one's; what that opened stays open until teardown, since copies of
 // the older epoch's fenced attempts may still be draining into it.
-func (s *session) reach(p *peer, info *wire.EngineInfo) (*remoteEngine, error) {
+func (s *session) reach(p *mesh.Peer, info *wire.EngineInfo) (*remoteEngine, error) {
 	old := s.remotes[info.Engine]
 	if old != nil && old.epoch == info.Epoch {
 		return old, nil

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/writer"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -39,7 +40,7 @@ func (e *engineAPI) registerGPURegion(s *session, r *agentv1.RegisterRegionReque
 		return invalid("cuda_device_uuid", "%v", err)
 	}
 	h := cuda.IPCHandle(r.CudaIpcHandle)
-	gr, err := e.a.gpus.openRegion(h, ordinal, r.Offset, r.Size)
+	gr, err := e.a.node.gpus.openRegion(h, ordinal, r.Offset, r.Size)
 	if err != nil {
 		return status.Errorf(codes.InvalidArgument, "cuda_ipc_handle: %v", err)
 	}
@@ -49,12 +50,12 @@ func (e *engineAPI) registerGPURegion(s *session, r *agentv1.RegisterRegionReque
 	f.Write(h[:])
 	m := &mapping{file: fileID{dev: ^uint64(0), ino: f.Sum64()}, off: r.Offset, size: r.Size}
 	if err := e.a.claim(s, r.RegionId, m); err != nil {
-		e.a.gpus.close(h, ordinal)
+		e.a.node.gpus.close(h, ordinal)
 		return status.Error(codes.AlreadyExists, err.Error())
 	}
 	if err := s.call(func() error { return s.addGPURegion(r, m, gr, ordinal) }); err != nil {
 		e.a.release(s, r.RegionId)
-		e.a.gpus.close(h, ordinal)
+		e.a.node.gpus.close(h, ordinal)
 		return err
 	}
 	return nil
@@ -70,7 +71,7 @@ func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr 
 		return status.Error(codes.FailedPrecondition, "kind: an engine rank's regions must all be host memory or all on one GPU")
 	}
 	if s.gpu == nil {
-		c, err := s.a.gpus.context(ordinal)
+		c, err := s.n.gpus.context(ordinal)
 		if err != nil {
 			return status.Errorf(codes.Internal, "GPU %d: %v", ordinal, err)
 		}
@@ -110,16 +111,16 @@ func (s *session) gpuInfo(local bool) *wire.GPU {
 // openPeerGPU opens a peer engine's GPU regions in this rank's GPU context, making r's
 // addresses device addresses there. Pairs of host and GPU memory, and GPU memory off this
 // node, are refused.
-func (s *session) openPeerGPU(p *peer, info *wire.EngineInfo, r *remoteEngine) error {
+func (s *session) openPeerGPU(p *mesh.Peer, info *wire.EngineInfo, r *remoteEngine) error {
 	switch {
 	case info.GPU == nil || s.gpu == nil:
 		return errors.New("one engine's KV is in GPU memory and the other's in host memory: such pairs are not supported")
-	case !p.local || len(info.GPU.Handles) == 0:
+	case !p.Local() || len(info.GPU.Handles) == 0:
 		return errors.New("its KV is in GPU memory on another node; moving GPU memory between nodes needs the EFA dmabuf path, which this agent does not have")
 	}
 	for i, reg := range r.regions {
 		h := cuda.IPCHandle([]byte(info.GPU.Handles[i]))
-		gr, err := s.a.gpus.openRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], reg.BlockLen*uint64(reg.Blocks))
+		gr, err := s.n.gpus.openRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], reg.BlockLen*uint64(reg.Blocks))
 		if err != nil {
 			s.release(r)
 			return fmt.Errorf("region %d: %w", reg.ID, err)
@@ -134,7 +135,7 @@ func (s *session) openPeerGPU(p *peer, info *wire.EngineInfo, r *remoteEngine) e
 // release closes the GPU allocations a peer engine's memory held open here.
 func (s *session) release(r *remoteEngine) {
 	for _, k := range r.opened {
-		s.a.gpus.close(k.handle, k.gpu)
+		s.n.gpus.close(k.handle, k.gpu)
 	}
 	r.opened = nil
 }
@@ -152,7 +153,7 @@ func (s *session) closeGPU() {
 		s.release(r)
 	}
 	for _, r := range s.regions {
-		s.a.gpus.close(r.dev.handle, s.gpu.ordinal)
+		s.n.gpus.close(r.dev.handle, s.gpu.ordinal)
 	}
 }
 

@@ -1,21 +1,22 @@
-package agent
+// Package mesh is the transfer agents' peer mesh: the TCP connections between the agents
+// of a cluster, their mutual authentication, and what each remote agent said about its
+// engines. A decode agent dials the prefill agents its engines name; the prefill agent
+// answers on the same connection. The mesh knows nothing of sessions or transfers: every
+// message that is not about the mesh itself goes to Config.OnMessage, and a connection
+// that fails is reported once to Config.OnLost.
+package mesh
 
 import (
 	"bufio"
-	"crypto/hmac"
-	"crypto/rand"
-	"encoding/hex"
-	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"sync"
-	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 )
-
-// handshakeTimeout bounds connecting and authenticating a peer.
-const handshakeTimeout = 10 * time.Second
 
 // Caps on inbound connections, so that connections nobody authenticates cannot exhaust
 // the agent: maxHandshakes may be mid-handshake at once (each holds at most a handshake
@@ -26,11 +27,147 @@ const (
 	maxInbound    = 4096
 )
 
-// peer is one TCP connection to another agent. A decode agent dials the prefill agents
-// its engines name; the prefill agent answers on the same connection. Messages to a peer
-// are queued and written by one goroutine, so a slow peer never blocks an engine's pump.
-type peer struct {
-	a        *Agent
+// Config is what a mesh needs of its agent.
+type Config struct {
+	// Self is the agent's advertised peer address: how other agents name it.
+	Self string
+	// Epoch is the agent's epoch, new at every start.
+	Epoch uint64
+	// Token authenticates peers: both sides prove they hold it (see handshake).
+	Token []byte
+	Log   *slog.Logger
+	// Peers counts open connections; Refused counts refused frames and connections by
+	// reason (its labels are the socket, "peer", and the reason).
+	Peers   prometheus.Gauge
+	Refused *prometheus.CounterVec
+	// OnMessage receives, on the connection's reader goroutine, every message of an
+	// authenticated peer that is not about the mesh itself (engine descriptions are kept
+	// by the Peer: see Info).
+	OnMessage func(*Peer, wire.Message)
+	// OnLost is told once of every connection that ended (Close included), after the
+	// mesh stopped counting it.
+	OnLost func(*Peer)
+}
+
+// Mesh is one agent's connections to the others.
+type Mesh struct {
+	cfg Config
+
+	mu      sync.Mutex
+	peers   map[string]*Peer // outbound, by address
+	inbound map[*Peer]struct{}
+	// handshaking counts inbound connections not yet authenticated.
+	handshaking int
+	closed      bool
+	wg          sync.WaitGroup
+}
+
+// New returns an empty mesh.
+func New(cfg Config) *Mesh {
+	return &Mesh{cfg: cfg, peers: map[string]*Peer{}, inbound: map[*Peer]struct{}{}}
+}
+
+// Dial returns the connection to the agent at addr, opening it in the background when
+// there is none: messages sent before it is up are queued.
+func (m *Mesh) Dial(addr string) *Peer {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if p, ok := m.peers[addr]; ok {
+		return p
+	}
+	if addr == m.cfg.Self {
+		return m.dialSelf()
+	}
+	p := newPeer(m, nil, true, addr)
+	m.peers[addr] = p
+	m.count()
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		conn, err := net.DialTimeout("tcp", addr, handshakeTimeout)
+		if err != nil {
+			p.fail(fmt.Errorf("connecting to agent %s: %w", addr, err))
+			return
+		}
+		p.conn = conn
+		p.serve()
+	}()
+	return p
+}
+
+// dialSelf connects this agent's decode engines to its own prefill engines (a pair on one
+// node): both ends of an in-process pipe are served as peers, so the protocol, its fences
+// and its failure handling are the same as between nodes; nothing leaves the process, so
+// there is no handshake. The caller holds m.mu.
+func (m *Mesh) dialSelf() *Peer {
+	dc, pc := net.Pipe()
+	p := newPeer(m, dc, true, m.cfg.Self)
+	q := newPeer(m, pc, false, m.cfg.Self)
+	p.local, q.local = true, true
+	m.peers[m.cfg.Self] = p
+	m.inbound[q] = struct{}{}
+	m.count()
+	m.wg.Add(2)
+	go func() { defer m.wg.Done(); p.serve() }()
+	go func() { defer m.wg.Done(); q.serve() }()
+	return p
+}
+
+// Serve accepts peers on ln until ln is closed.
+func (m *Mesh) Serve(ln net.Listener) {
+	for {
+		conn, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		m.mu.Lock()
+		if m.closed {
+			m.mu.Unlock()
+			conn.Close()
+			return
+		}
+		if m.handshaking >= maxHandshakes || len(m.inbound) >= maxInbound {
+			m.mu.Unlock()
+			m.cfg.Refused.WithLabelValues("peer", "ResourceExhausted").Inc()
+			conn.Close()
+			continue
+		}
+		p := newPeer(m, conn, false, conn.RemoteAddr().String())
+		m.handshaking++
+		m.inbound[p] = struct{}{}
+		m.count()
+		m.mu.Unlock()
+		m.wg.Add(1)
+		go func() { defer m.wg.Done(); p.serve() }()
+	}
+}
+
+// Close ends every connection and waits for their goroutines. The listener given to
+// Serve must be closed first.
+func (m *Mesh) Close() {
+	m.mu.Lock()
+	m.closed = true
+	peers := make([]*Peer, 0, len(m.peers)+len(m.inbound))
+	for _, p := range m.peers {
+		peers = append(peers, p)
+	}
+	for p := range m.inbound {
+		peers = append(peers, p)
+	}
+	m.mu.Unlock()
+	for _, p := range peers {
+		p.fail(fmt.Errorf("agent shutting down"))
+	}
+	m.wg.Wait()
+}
+
+// count publishes the number of connections; the caller holds m.mu.
+func (m *Mesh) count() { m.cfg.Peers.Set(float64(len(m.peers) + len(m.inbound))) }
+
+// Peer is one connection to another agent. Messages to a peer are queued and written by
+// one goroutine, so a slow peer never blocks an engine's pump.
+type Peer struct {
+	m        *Mesh
 	conn     net.Conn
 	outbound bool
 	// local: one end of the in-process pipe between this agent's own engines (a prefill
@@ -49,102 +186,48 @@ type peer struct {
 	infos    map[string]*wire.EngineInfo // engines the remote described, by key
 }
 
-func newPeer(a *Agent, conn net.Conn, outbound bool, addr string) *peer {
-	return &peer{
-		a: a, conn: conn, outbound: outbound, addr: addr,
+func newPeer(m *Mesh, conn net.Conn, outbound bool, addr string) *Peer {
+	return &Peer{
+		m: m, conn: conn, outbound: outbound, addr: addr,
 		out: make(chan wire.Message, 4096), ready: make(chan struct{}), done: make(chan struct{}),
 		sentInfo: map[string]uint64{}, infos: map[string]*wire.EngineInfo{},
 	}
 }
 
-// dial returns the connection to the agent at addr, opening it in the background when
-// there is none: messages sent before it is up are queued.
-func (a *Agent) dial(addr string) *peer {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if p, ok := a.peers[addr]; ok {
-		return p
-	}
-	if addr == a.self {
-		return a.dialSelf()
-	}
-	p := newPeer(a, nil, true, addr)
-	a.peers[addr] = p
-	a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
-	a.wg.Add(1)
-	go func() {
-		defer a.wg.Done()
-		conn, err := net.DialTimeout("tcp", addr, handshakeTimeout)
-		if err != nil {
-			p.fail(fmt.Errorf("connecting to agent %s: %w", addr, err))
-			return
-		}
-		p.conn = conn
-		p.serve()
-	}()
-	return p
-}
+// Addr is the address dialled (outbound) or the remote agent's advertised one.
+func (p *Peer) Addr() string { return p.addr }
 
-// dialSelf connects this agent's decode engines to its own prefill engines (a pair on one
-// node): both ends of an in-process pipe are served as peers, so the protocol, its fences
-// and its failure handling are the same as between nodes; nothing leaves the process, so
-// there is no handshake. The caller holds a.mu.
-func (a *Agent) dialSelf() *peer {
-	dc, pc := net.Pipe()
-	p := newPeer(a, dc, true, a.self)
-	q := newPeer(a, pc, false, a.self)
-	p.local, q.local = true, true
-	a.peers[a.self] = p
-	a.inbound[q] = struct{}{}
-	a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
-	a.wg.Add(2)
-	go func() { defer a.wg.Done(); p.serve() }()
-	go func() { defer a.wg.Done(); q.serve() }()
-	return p
-}
+// Local reports whether the peer is this agent itself (engines paired on one node).
+func (p *Peer) Local() bool { return p.local }
 
-func (a *Agent) acceptPeers() {
-	for {
-		conn, err := a.peerLn.Accept()
-		if err != nil {
-			return
-		}
-		a.mu.Lock()
-		if a.closed {
-			a.mu.Unlock()
-			conn.Close()
-			return
-		}
-		if a.handshaking >= maxHandshakes || len(a.inbound) >= maxInbound {
-			a.mu.Unlock()
-			a.metrics.refused.WithLabelValues("peer", "ResourceExhausted").Inc()
-			conn.Close()
-			continue
-		}
-		p := newPeer(a, conn, false, conn.RemoteAddr().String())
-		a.handshaking++
-		a.inbound[p] = struct{}{}
-		a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
-		a.mu.Unlock()
-		a.wg.Add(1)
-		go func() { defer a.wg.Done(); p.serve() }()
+// Epoch is the remote agent's epoch (known once Reached).
+func (p *Peer) Epoch() uint64 { return p.epoch }
+
+// Err is why the connection failed (nil while it is up).
+func (p *Peer) Err() error {
+	select {
+	case <-p.done:
+		return p.err
+	default:
+		return nil
 	}
 }
 
 // serve authenticates the connection (a local pipe needs none), then reads and
 // dispatches frames until it fails.
-func (p *peer) serve() {
+func (p *Peer) serve() {
+	m := p.m
 	if p.local {
-		p.epoch = p.a.epoch
+		p.epoch = m.cfg.Epoch
 	} else {
 		err := p.handshake()
 		if !p.outbound {
-			p.a.mu.Lock()
-			p.a.handshaking--
-			p.a.mu.Unlock()
+			m.mu.Lock()
+			m.handshaking--
+			m.mu.Unlock()
 		}
 		if err != nil {
-			p.a.metrics.refused.WithLabelValues("peer", "Unauthenticated").Inc()
+			m.cfg.Refused.WithLabelValues("peer", "Unauthenticated").Inc()
 			p.fail(fmt.Errorf("handshake with %s: %w", p.conn.RemoteAddr(), err))
 			return
 		}
@@ -153,88 +236,41 @@ func (p *peer) serve() {
 	go p.writeLoop()
 	r := bufio.NewReaderSize(p.conn, 64<<10)
 	for {
-		m, err := wire.Read(r)
+		msg, err := wire.Read(r)
 		if err != nil {
 			// A malformed frame ends this connection only; the agent serves every other.
-			p.a.metrics.refused.WithLabelValues("peer", "Malformed").Inc()
+			m.cfg.Refused.WithLabelValues("peer", "Malformed").Inc()
 			p.fail(fmt.Errorf("reading from agent %s: %w", p.addr, err))
 			return
 		}
-		p.a.dispatch(p, m)
+		p.dispatch(msg)
 	}
 }
 
-// handshake authenticates a connection both ways with the cluster token.
-//
-// Both sides send a Hello (agent, epoch, fresh nonce). Each proof is an HMAC over the
-// prover's role and both Hellos, dialer's first, so a proof is good for one direction of
-// one connection only: it cannot be reflected back to its signer or replayed on another
-// connection. The dialer proves first; the acceptor checks that proof before it signs
-// anything, so a party that has not proved it holds the token never gets a signature.
-// A Hello that carries this agent's own identity or nonce is refused: mirroring an
-// agent's Hello back at it is how a reflection would start.
-func (p *peer) handshake() error {
-	p.conn.SetDeadline(time.Now().Add(handshakeTimeout))
-	defer p.conn.SetDeadline(time.Time{})
-	var nonce [16]byte
-	_, _ = rand.Read(nonce[:])
-	mine := &wire.Hello{Agent: p.a.self, Epoch: p.a.epoch, Nonce: hex.EncodeToString(nonce[:])}
-	if err := p.write(mine); err != nil {
-		return err
+// dispatch keeps what the remote says about its engines and hands everything else on.
+func (p *Peer) dispatch(msg wire.Message) {
+	switch msg := msg.(type) {
+	case *wire.EngineInfo:
+		p.mu.Lock()
+		p.infos[msg.Engine] = msg
+		p.mu.Unlock()
+	case *wire.Rails:
+		// Rails that do not fit their EngineInfo leave the engine reached over its first
+		// rail alone.
+		p.amend(msg.Engine, "rails", false, func(info *wire.EngineInfo) (*wire.EngineInfo, error) { return info.WithRails(msg) })
+	case *wire.GPU:
+		// Without a GPU message that fits, the engine's region addresses mean nothing:
+		// forget it, so what names it is refused rather than written to.
+		p.amend(msg.Engine, "GPU memory", true, func(info *wire.EngineInfo) (*wire.EngineInfo, error) { return info.WithGPU(msg) })
+	default:
+		p.m.cfg.OnMessage(p, msg)
 	}
-	m, err := wire.ReadLimit(p.conn, wire.MaxHandshakeFrame)
-	if err != nil {
-		return err
-	}
-	theirs, ok := m.(*wire.Hello)
-	switch {
-	case !ok || len(theirs.Nonce) < 16:
-		return fmt.Errorf("expected a Hello with a nonce, got %T", m)
-	case theirs.Nonce == mine.Nonce || (theirs.Agent == mine.Agent && theirs.Epoch == mine.Epoch):
-		return errors.New("the peer's Hello is this agent's own")
-	}
-	dialer, acceptor := mine, theirs
-	if !p.outbound {
-		dialer, acceptor = theirs, mine
-	}
-	expect := func(role string) error {
-		m, err := wire.ReadLimit(p.conn, wire.MaxHandshakeFrame)
-		if err != nil {
-			return err
-		}
-		auth, ok := m.(*wire.Auth)
-		if !ok || !hmac.Equal([]byte(auth.MAC), []byte(wire.Proof(p.a.cfg.Token, role, dialer, acceptor))) {
-			return errors.New("peer did not prove it holds the agents' token")
-		}
-		return nil
-	}
-	if p.outbound {
-		if err := p.write(&wire.Auth{MAC: wire.Proof(p.a.cfg.Token, wire.RoleDialer, dialer, acceptor)}); err != nil {
-			return err
-		}
-		if err := expect(wire.RoleAcceptor); err != nil {
-			return err
-		}
-	} else {
-		if err := expect(wire.RoleDialer); err != nil {
-			return err
-		}
-		if err := p.write(&wire.Auth{MAC: wire.Proof(p.a.cfg.Token, wire.RoleAcceptor, dialer, acceptor)}); err != nil {
-			return err
-		}
-	}
-	if !p.outbound {
-		p.addr = theirs.Agent
-	}
-	p.epoch = theirs.Epoch
-	p.a.log.Info("peer connected", "peer", p.addr, "epoch", p.epoch, "outbound", p.outbound)
-	return nil
 }
 
-// reached reports whether the handshake completed: only then does the write loop send
+// Reached reports whether the handshake completed: only then does the write loop send
 // anything queued (Register, EngineInfo), so a connection that never got there carried
 // nothing of this agent's to the peer.
-func (p *peer) reached() bool {
+func (p *Peer) Reached() bool {
 	select {
 	case <-p.ready:
 		return true
@@ -243,7 +279,7 @@ func (p *peer) reached() bool {
 	}
 }
 
-func (p *peer) write(m wire.Message) error {
+func (p *Peer) write(m wire.Message) error {
 	b, err := wire.Encode(nil, m)
 	if err != nil {
 		return err
@@ -252,7 +288,7 @@ func (p *peer) write(m wire.Message) error {
 	return err
 }
 
-func (p *peer) writeLoop() {
+func (p *Peer) writeLoop() {
 	w := bufio.NewWriterSize(p.conn, 64<<10)
 	var buf []byte
 	for {
@@ -260,7 +296,7 @@ func (p *peer) writeLoop() {
 		case m := <-p.out:
 			var err error
 			if buf, err = wire.Encode(buf[:0], m); err != nil {
-				p.a.log.Error("cannot encode a message", "peer", p.addr, "err", err)
+				p.m.cfg.Log.Error("cannot encode a message", "peer", p.addr, "err", err)
 				continue
 			}
 			if _, err := w.Write(buf); err != nil {
@@ -279,29 +315,31 @@ func (p *peer) writeLoop() {
 	}
 }
 
-// send queues m; it is dropped when the connection has failed (whoever waits on it
-// learns of the failure through peerLost).
-func (p *peer) send(m wire.Message) {
+// Send queues m; it is dropped when the connection has failed (whoever waits on it
+// learns of the failure through Config.OnLost).
+func (p *Peer) Send(m wire.Message) {
 	select {
 	case p.out <- m:
 	case <-p.done:
 	}
 }
 
-// describe sends s's EngineInfo unless this connection already has it for s's epoch.
-func (p *peer) describe(s *session) {
+// Describe sends the messages that describe engine key at epoch (its EngineInfo and what
+// completes it), unless this connection already carried them for that epoch.
+func (p *Peer) Describe(key string, epoch uint64, describe func(local bool) []wire.Message) {
 	p.mu.Lock()
-	sent := p.sentInfo[s.key] == s.epoch
-	p.sentInfo[s.key] = s.epoch
+	sent := p.sentInfo[key] == epoch
+	p.sentInfo[key] = epoch
 	p.mu.Unlock()
 	if !sent {
-		for _, m := range s.describe(p.local) {
-			p.send(m)
+		for _, m := range describe(p.local) {
+			p.Send(m)
 		}
 	}
 }
 
-func (p *peer) info(key string) *wire.EngineInfo {
+// Info is what the remote said of its engine key, or nil.
+func (p *Peer) Info(key string) *wire.EngineInfo {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.infos[key]
@@ -310,7 +348,7 @@ func (p *peer) info(key string) *wire.EngineInfo {
 // amend completes the EngineInfo of engine with a message that follows it on the same
 // connection, before any message naming the engine. One that does not fit is refused,
 // and with forget the engine is forgotten.
-func (p *peer) amend(engine, what string, forget bool, with func(*wire.EngineInfo) (*wire.EngineInfo, error)) {
+func (p *Peer) amend(engine, what string, forget bool, with func(*wire.EngineInfo) (*wire.EngineInfo, error)) {
 	p.mu.Lock()
 	var err error
 	if info := p.infos[engine]; info == nil {
@@ -322,104 +360,32 @@ func (p *peer) amend(engine, what string, forget bool, with func(*wire.EngineInf
 	}
 	p.mu.Unlock()
 	if err != nil {
-		p.a.metrics.refused.WithLabelValues("peer", "Malformed").Inc()
-		p.a.log.Warn("refused a peer's description of an engine", "peer", p.addr, "what", what, "err", err)
+		p.m.cfg.Refused.WithLabelValues("peer", "Malformed").Inc()
+		p.m.cfg.Log.Warn("refused a peer's description of an engine", "peer", p.addr, "what", what, "err", err)
 	}
 }
 
-func (p *peer) fail(err error) {
+func (p *Peer) fail(err error) {
 	p.once.Do(func() {
 		p.err = err
 		close(p.done)
-		a := p.a
-		a.mu.Lock()
-		if a.peers[p.addr] == p {
-			delete(a.peers, p.addr)
+		m := p.m
+		m.mu.Lock()
+		if m.peers[p.addr] == p {
+			delete(m.peers, p.addr)
 		}
-		delete(a.inbound, p)
-		a.metrics.peers.Set(float64(len(a.peers) + len(a.inbound)))
-		// Closed only once the agent no longer counts it: whoever sees the connection end
-		// sees the agent's state without it.
+		delete(m.inbound, p)
+		m.count()
+		// Closed only once the mesh no longer counts it: whoever sees the connection end
+		// sees the mesh without it.
 		if p.conn != nil {
 			p.conn.Close()
 		}
-		sessions := make([]*session, 0, len(a.sessions))
-		for _, s := range a.sessions {
-			sessions = append(sessions, s)
-		}
-		closed := a.closed
-		a.mu.Unlock()
+		closed := m.closed
+		m.mu.Unlock()
 		if !closed {
-			a.log.Warn("peer lost", "peer", p.addr, "err", err)
+			m.cfg.Log.Warn("peer lost", "peer", p.addr, "err", err)
 		}
-		for _, s := range sessions {
-			s.post(func() { s.side.peerLost(time.Now(), p) })
-		}
+		m.cfg.OnLost(p)
 	})
-}
-
-func (p *peer) close() { p.fail(fmt.Errorf("agent shutting down")) }
-
-// dispatch routes a peer's message to the engine session it names. Messages for the
-// prefill side name the source engine; answers for the decode side name the decode
-// engine. A message naming no live engine is answered (or dropped) here.
-func (a *Agent) dispatch(p *peer, m wire.Message) {
-	switch m := m.(type) {
-	case *wire.EngineInfo:
-		p.mu.Lock()
-		p.infos[m.Engine] = m
-		p.mu.Unlock()
-	case *wire.Rails:
-		// Rails that do not fit their EngineInfo leave the engine reached over its first
-		// rail alone.
-		p.amend(m.Engine, "rails", false, func(info *wire.EngineInfo) (*wire.EngineInfo, error) { return info.WithRails(m) })
-	case *wire.GPU:
-		// Without a GPU message that fits, the engine's region addresses mean nothing:
-		// forget it, so what names it is refused rather than written to.
-		p.amend(m.Engine, "GPU memory", true, func(info *wire.EngineInfo) (*wire.EngineInfo, error) { return info.WithGPU(m) })
-	case *wire.Register:
-		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onRegister(p, m) })
-	case *wire.Acquire:
-		a.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onAcquire(p, m) })
-	case *wire.Heartbeat:
-		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onHeartbeat(m) })
-	case *wire.Cancel:
-		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onCancel(p, m) })
-	case *wire.Release:
-		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onRelease(p, m) })
-	case *wire.CancelAcked:
-		a.toDecode(m.Engine, func(ds *decodeSide) { ds.onOutcome(p, m.Request, m.Attempt, true, "", m.Signalled != 0) })
-	case *wire.Failed:
-		a.toDecode(m.Engine, func(ds *decodeSide) { ds.onOutcome(p, m.Request, m.Attempt, false, m.Reason, m.Signalled != 0) })
-	case *wire.Acquired:
-		a.toDecode(m.Engine, func(ds *decodeSide) { ds.onAcquired(p, m) })
-	case *wire.Writing:
-		a.toDecode(m.Engine, func(ds *decodeSide) { ds.onWriting(p, m) })
-	default:
-		a.metrics.refused.WithLabelValues("peer", "Unexpected").Inc()
-		a.log.Warn("unexpected message from a peer", "peer", p.addr, "kind", m.Kind())
-	}
-}
-
-func (a *Agent) toPrefill(p *peer, source, req string, attempt uint64, decode string, fn func(*prefillSide)) {
-	s := a.engine(source)
-	var ps *prefillSide
-	if s != nil {
-		ps = s.prefill()
-	}
-	if ps == nil {
-		if req != "" {
-			p.send(&wire.Failed{Request: req, Attempt: attempt, Engine: decode, Reason: fmt.Sprintf("no prefill engine %s at agent %s", source, a.self)})
-		}
-		return
-	}
-	s.post(func() { fn(ps) })
-}
-
-func (a *Agent) toDecode(engine string, fn func(*decodeSide)) {
-	if s := a.engine(engine); s != nil {
-		if ds := s.decode(); ds != nil {
-			s.post(func() { fn(ds) })
-		}
-	}
 }
