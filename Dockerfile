@@ -12,7 +12,7 @@ COPY internal/ internal/
 COPY transferagent/ transferagent/
 COPY vllm-connector/ vllm-connector/
 ARG VERSION=latest
-RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X github.com/kvhandoff/kvhandoff/internal/controller.DefaultRouterImage=ghcr.io/kvhandoff/router:${VERSION} -X github.com/kvhandoff/kvhandoff/internal/render.DefaultConnectorImage=ghcr.io/kvhandoff/vllm-connector:${VERSION}" -o /out/manager ./cmd/manager
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X github.com/kvhandoff/kvhandoff/internal/render.DefaultRouterImage=ghcr.io/kvhandoff/router:${VERSION} -X github.com/kvhandoff/kvhandoff/internal/render.DefaultConnectorImage=ghcr.io/kvhandoff/vllm-connector:${VERSION}" -o /out/manager ./cmd/manager
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/router ./cmd/router
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/install ./cmd/connector-install
 # go-nvml needs cgo; it loads libnvidia-ml.so.1 from the host's driver at run time.

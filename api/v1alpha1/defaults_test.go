@@ -9,6 +9,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/test/builder"
 )
 
 // createYAML creates the object a user would write as manifest in a fresh namespace
@@ -28,6 +29,19 @@ func readBack(manifest string, into client.Object) {
 }
 
 var _ = Describe("Defaults", func() {
+	// The builders, the agent's fallbacks and the CRD's markers share the defaults in
+	// defaults.go; a marker or a constant changed alone breaks this equality.
+	It("defaults a minimal policy to exactly the test builder's policy", func() {
+		var p kvv1.KVTransferPolicy
+		readBack(`
+apiVersion: kvhandoff.io/v1alpha1
+kind: KVTransferPolicy
+metadata: {name: minimal}
+spec: {mode: Push}
+`, &p)
+		Expect(p.Spec).To(Equal(builder.Policy("minimal").Obj().Spec))
+	})
+
 	It("fills every KVTransferPolicy default when only mode is given", func() {
 		var p kvv1.KVTransferPolicy
 		readBack(`

@@ -16,10 +16,6 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/render"
 )
 
-// DefaultRouterImage is the router image the manager renders when a DecodePool names
-// none: the one built with the manager (cmd/manager sets the tag at build time).
-var DefaultRouterImage = "ghcr.io/kvhandoff/router:latest"
-
 func routerEnabled(p pool) bool {
 	d, ok := p.object().(*kvv1.DecodePool)
 	return ok && ptr.Deref(d.Spec.Router.Enabled, true)
@@ -33,7 +29,7 @@ func (r *PoolReconciler) applyRouter(ctx context.Context, p pool) error {
 	}
 	image := r.RouterImage
 	if image == "" {
-		image = DefaultRouterImage
+		image = render.DefaultRouterImage
 	}
 	w, err := render.Router(render.RouterInput{Pool: d.Name, Namespace: d.Namespace, Spec: &d.Spec.Router, DefaultImage: image})
 	if err != nil {

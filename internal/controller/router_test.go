@@ -13,6 +13,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/render"
 )
 
 var _ = Describe("Router", func() {
@@ -23,7 +24,7 @@ var _ = Describe("Router", func() {
 		Expect(metav1.IsControlledBy(dep, d)).To(BeTrue())
 		Expect(*dep.Spec.Replicas).To(BeEquivalentTo(2), "two replicas by default")
 		Expect(dep.Spec.Template.Labels).NotTo(HaveKey(kvv1.LabelPool), "router pods must never be taken for engines")
-		Expect(dep.Spec.Template.Spec.Containers[0].Image).To(Equal(DefaultRouterImage))
+		Expect(dep.Spec.Template.Spec.Containers[0].Image).To(Equal(render.DefaultRouterImage))
 		Expect(dep.Spec.Template.Spec.Containers[0].Args).To(ContainElement("--decode-pool=d"))
 		Expect(dep.Spec.Template.Spec.ServiceAccountName).To(Equal("d-router"))
 

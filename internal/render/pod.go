@@ -171,10 +171,6 @@ func env(in Input) []corev1.EnvVar {
 	return e
 }
 
-// DefaultConnectorImage is the connector init container's image when the manager is
-// given none: the connector of the manager's version (the Dockerfile sets the tag).
-var DefaultConnectorImage = "ghcr.io/kvhandoff/vllm-connector:latest"
-
 // connectorInit copies kvhandoff's vLLM connector (the Dockerfile's vllm-connector
 // target) into the emptyDir the engine imports it from, so stock vLLM images run it
 // unchanged.

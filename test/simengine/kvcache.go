@@ -22,7 +22,7 @@ type Layout struct {
 	Blocks     int // blocks per region
 }
 
-// Qwen3_32B is the model DESIGN.md sizes everything by: 64 layers × 8 KV heads × 128 ×
+// Qwen3_32B is the model docs/design.md#sizes sizes everything by: 64 layers × 8 KV heads × 128 ×
 // K,V × bf16 = 256 KiB per token; at TP8 a block of one layer's K or V on one rank is 4 KiB.
 func Qwen3_32B(tp, blocks int) Layout {
 	return Layout{Layers: 64, BlockSize: 16, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, TP: tp, Blocks: blocks}

@@ -6,7 +6,7 @@ import (
 )
 
 // prefillCurve is the whole-model prefill time of a Qwen3-32B-shaped model at TP1, as
-// measured on one H200 (bf16, PyTorch SDPA causal attention; DESIGN.md §2): 64 layers
+// measured on one H200 (bf16, PyTorch SDPA causal attention; docs/design.md#the-prefill-timing-model): 64 layers
 // at 2.8, 6.1, 13.9 and 31.7 ms per layer. Attention makes it super-linear in tokens.
 var prefillCurve = []struct {
 	tokens int
@@ -61,7 +61,7 @@ func interpolate(tokens int) time.Duration {
 }
 
 // SpeedupFor is the speedup at which engines prefill qps requests of tokens each at the
-// given utilisation, so that a benchmark measures the handoff, not a queue (DESIGN.md §2).
+// given utilisation, so that a benchmark measures the handoff, not a queue (docs/design.md#the-prefill-timing-model).
 // For one TP8 engine at 8 QPS of 16k tokens and 65% it is about 6.5: with the all-reduce
 // included, bf16 prefill of 16k tokens takes 528 ms at TP8.
 func SpeedupFor(tp, engines int, qps float64, tokens int, utilisation float64) float64 {

@@ -30,7 +30,7 @@ type Scenario struct {
 	// LoadFraction scales KV per token so the offered load is this fraction of the
 	// provider bandwidth measured in the same run.
 	LoadFraction float64
-	// Utilisation sets prefill speed so the prefill engine is this busy (DESIGN.md §2).
+	// Utilisation sets prefill speed so the prefill engine is this busy (docs/design.md#the-prefill-timing-model).
 	Utilisation float64
 	// CacheRequests sizes each rank's KV cache, in requests.
 	CacheRequests int
@@ -441,7 +441,7 @@ func runMode(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b 
 		}
 		return pullRequest(ctx, rk, pf, req, arrival, blocks, t)
 	}
-	// Warm-up: the first transfer on a connection pays for forming it (LIBFABRIC-NOTES 3).
+	// Warm-up: the first transfer on a connection pays for forming it (docs/design.md, libfabric pitfall 3).
 	for i := range 2 {
 		if o := one(fmt.Sprintf("warmup-%d", i), time.Now(), first()); o.err != nil {
 			sc.logf("%s: warm-up request failed: %v", m.name, o.err)

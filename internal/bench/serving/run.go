@@ -35,7 +35,7 @@ type Scenario struct {
 	// derived from a bandwidth measurement, so every run and machine serves the same
 	// workload; the report gives the offered load as a share of the measured bandwidth.
 	KVBytesPerToken int
-	// Utilisation sets prefill speed so the prefill engine is this busy (DESIGN.md §2).
+	// Utilisation sets prefill speed so the prefill engine is this busy (docs/design.md#the-prefill-timing-model).
 	Utilisation float64
 	// CacheRequests sizes each engine's KV cache, in requests.
 	CacheRequests int

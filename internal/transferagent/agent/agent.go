@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -68,9 +69,14 @@ type Timeouts struct {
 	Tick time.Duration
 }
 
-// DefaultTimeouts are the agent's fallbacks when neither an engine nor a flag sets them.
+// DefaultTimeouts are the agent's fallbacks when neither an engine nor a flag sets them:
+// the KVTransferPolicy's defaults.
 func DefaultTimeouts() Timeouts {
-	return Timeouts{Lease: 30 * time.Second}.complete(Timeouts{})
+	return Timeouts{
+		Lease:               kvv1.DefaultLeaseSeconds * time.Second,
+		RegistrationTimeout: kvv1.DefaultRegistrationTimeoutSeconds * time.Second,
+		BlocksTTL:           kvv1.DefaultBlocksTTLSeconds * time.Second,
+	}.complete(Timeouts{})
 }
 
 // complete fills what t leaves zero from fallback, then derives what is still missing

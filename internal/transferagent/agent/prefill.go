@@ -10,8 +10,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
-	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/landing"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/writer"

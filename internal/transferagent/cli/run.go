@@ -79,7 +79,7 @@ func Run(args []string, stderr io.Writer) int {
 
 	// Notify before the first libfabric call: Go then handles these signals itself
 	// instead of forwarding them to handlers some providers' libraries install
-	// (libinfinipath's made SIGTERM exit 1; LIBFABRIC-NOTES 9).
+	// (libinfinipath's made SIGTERM exit 1; docs/design.md, libfabric pitfall 9).
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 

@@ -20,7 +20,7 @@ int kvh_open(const char *provider, const char *domain, int rail, kvh_ep *e) {
 	// Accept what EFA needs; providers that need less ignore the extra bits.
 	hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
 	if (strcmp(provider, "tcp;ofi_rxm") == 0) {
-		// EFA-style mr_mode made tcp;ofi_rxm hang here (LIBFABRIC-NOTES 6): ask for basic keys.
+		// EFA-style mr_mode made tcp;ofi_rxm hang here (docs/design.md, libfabric pitfall 6): ask for basic keys.
 		hints->domain_attr->mr_mode = FI_MR_VIRT_ADDR | FI_MR_PROV_KEY | FI_MR_ALLOCATED;
 	}
 	if (rail) hints->domain_attr->threading = FI_THREAD_SAFE;

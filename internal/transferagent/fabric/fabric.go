@@ -3,7 +3,7 @@
 // dynamically, so a node uses its own (the AWS EFA installer's on EFA nodes); tests run
 // on Debian's 1.17 with the tcp;ofi_rxm and shm providers.
 //
-// Pitfalls this API is shaped by (../shared/LIBFABRIC-NOTES.md): both sides must poll
+// Pitfalls this API is shaped by (docs/design.md#libfabric-pitfalls): both sides must poll
 // their completion queue for data to move; a local write completion is not delivery, so
 // decode is signalled with a remote-CQ-data write after the data; providers do not check
 // keys, bounds or iov limits, so callers must (Region.Write checks the local side).
