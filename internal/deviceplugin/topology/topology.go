@@ -127,19 +127,42 @@ func Preferred(available []Device, mustInclude []string, size int) []string {
 			return nil
 		}
 	}
-	// Groups: one per switch; a device with no known switch is a group of its own.
-	type group struct {
-		key  string
-		numa int
-		ids  []string
+	groups, index := switchGroups(available)
+	var required uint64
+	for _, id := range mustInclude {
+		required |= 1 << index[groupKey(byID[id])]
 	}
+	var chosen []int
+	if len(groups) <= maxExactGroups {
+		chosen = exact(groups, required, size)
+	} else {
+		chosen = greedy(groups, required, size)
+	}
+	return fill(groups, chosen, mustInclude, size)
+}
+
+// group is the devices behind one PCIe switch, in id order.
+type group struct {
+	key  string
+	numa int
+	ids  []string
+}
+
+// groupKey is a device's switch; a device with no known switch is a group of its own.
+func groupKey(d Device) string {
+	if key := d.Switch(); key != "" {
+		return key
+	}
+	return "device:" + d.ID
+}
+
+// switchGroups groups devices by switch, in the order of their lowest ids, and indexes
+// the groups by key.
+func switchGroups(available []Device) ([]group, map[string]int) {
 	index := map[string]int{}
 	var groups []group
 	for _, d := range sortedByID(available) {
-		key := d.Switch()
-		if key == "" {
-			key = "device:" + d.ID
-		}
+		key := groupKey(d)
 		i, ok := index[key]
 		if !ok {
 			i = len(groups)
@@ -148,65 +171,71 @@ func Preferred(available []Device, mustInclude []string, size int) []string {
 		}
 		groups[i].ids = append(groups[i].ids, d.ID)
 	}
-	var required uint64
-	for _, id := range mustInclude {
-		key := byID[id].Switch()
-		if key == "" {
-			key = "device:" + id
-		}
-		required |= 1 << index[key]
-	}
+	return groups, index
+}
 
-	var chosen []int
-	if len(groups) <= 20 {
-		// Exact: every set of groups that holds the must-include devices and enough
-		// devices, ordered by (switches, NUMA nodes, lowest group keys).
-		best, bestSwitches, bestNUMA := uint64(0), 1<<30, 1<<30
-		for set := uint64(0); set < 1<<len(groups); set++ {
-			if set&required != required {
-				continue
-			}
-			total, numa := 0, map[int]bool{}
-			for i := range groups {
-				if set&(1<<i) != 0 {
-					total += len(groups[i].ids)
-					numa[groups[i].numa] = true
-				}
-			}
-			n := bits.OnesCount64(set)
-			if total < size || n > bestSwitches || (n == bestSwitches && len(numa) >= bestNUMA) {
-				continue
-			}
-			best, bestSwitches, bestNUMA = set, n, len(numa)
+// maxExactGroups bounds the exact search, which tries every set of groups (2^n).
+const maxExactGroups = 20
+
+// exact tries every set of groups that holds the required groups and enough devices, and
+// returns the best by (switches, NUMA nodes, lowest group keys).
+func exact(groups []group, required uint64, size int) []int {
+	best, bestSwitches, bestNUMA := uint64(0), 1<<30, 1<<30
+	for set := uint64(0); set < 1<<len(groups); set++ {
+		if set&required != required {
+			continue
 		}
+		total, numa := 0, map[int]bool{}
 		for i := range groups {
-			if best&(1<<i) != 0 {
-				chosen = append(chosen, i)
+			if set&(1<<i) != 0 {
+				total += len(groups[i].ids)
+				numa[groups[i].numa] = true
 			}
 		}
-	} else {
-		// Many groups (no switches visible): required groups, then the largest.
-		order := make([]int, len(groups))
-		for i := range order {
-			order[i] = i
+		n := bits.OnesCount64(set)
+		if total < size || n > bestSwitches || (n == bestSwitches && len(numa) >= bestNUMA) {
+			continue
 		}
-		sort.SliceStable(order, func(a, b int) bool {
-			ra, rb := required&(1<<order[a]) != 0, required&(1<<order[b]) != 0
-			if ra != rb {
-				return ra
-			}
-			return len(groups[order[a]].ids) > len(groups[order[b]].ids)
-		})
-		total := 0
-		for _, i := range order {
-			if total >= size && required&(1<<i) == 0 {
-				break
-			}
+		best, bestSwitches, bestNUMA = set, n, len(numa)
+	}
+	var chosen []int
+	for i := range groups {
+		if best&(1<<i) != 0 {
 			chosen = append(chosen, i)
-			total += len(groups[i].ids)
 		}
 	}
+	return chosen
+}
 
+// greedy is for many groups (no switches visible): the required groups, then the largest
+// until there are enough devices.
+func greedy(groups []group, required uint64, size int) []int {
+	order := make([]int, len(groups))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(a, b int) bool {
+		ra, rb := required&(1<<order[a]) != 0, required&(1<<order[b]) != 0
+		if ra != rb {
+			return ra
+		}
+		return len(groups[order[a]].ids) > len(groups[order[b]].ids)
+	})
+	var chosen []int
+	total := 0
+	for _, i := range order {
+		if total >= size && required&(1<<i) == 0 {
+			break
+		}
+		chosen = append(chosen, i)
+		total += len(groups[i].ids)
+	}
+	return chosen
+}
+
+// fill takes mustInclude, then devices of the chosen groups in order, up to size; nil
+// when they hold too few.
+func fill(groups []group, chosen []int, mustInclude []string, size int) []string {
 	picked := slices.Clone(mustInclude)
 	taken := map[string]bool{}
 	for _, id := range mustInclude {
