@@ -17,9 +17,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/kvhandoff/kvhandoff/internal/kubeconfig"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
@@ -34,7 +33,7 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	endpoints := fs.String("endpoints", "", "JSON file of engines (outside a cluster); re-read when it changes")
 	pool := fs.String("decode-pool", "", "DecodePool to route to (in a cluster)")
 	namespace := fs.String("namespace", "", "namespace of the DecodePool")
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig (default: in-cluster)")
+	kubeconfigPath := fs.String("kubeconfig", "", "kubeconfig (default: in-cluster)")
 	fs.DurationVar(&cfg.PrefillTimeout, "prefill-timeout", cfg.PrefillTimeout, "limit of a prefill leg, from send to its whole response")
 	fs.DurationVar(&cfg.DecodeTimeout, "decode-timeout", cfg.DecodeTimeout, "limit of a decode leg from send to its first byte (push: includes the prefill)")
 	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", cfg.ScrapeInterval, "how often engines' /metrics are read for their load; 0 never")
@@ -59,7 +58,7 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 		if *namespace == "" {
 			return fail(errors.New("--namespace is required with --decode-pool"))
 		}
-		rc, err := restConfig(*kubeconfig)
+		rc, err := kubeconfig.Load(*kubeconfigPath)
 		if err != nil {
 			return fail(err)
 		}
@@ -109,11 +108,4 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 		return fail(fmt.Errorf("draining: %w", err))
 	}
 	return 0
-}
-
-func restConfig(kubeconfig string) (*rest.Config, error) {
-	if kubeconfig != "" {
-		return clientcmd.BuildConfigFromFlags("", kubeconfig)
-	}
-	return rest.InClusterConfig()
 }

@@ -21,8 +21,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/kvhandoff/kvhandoff/internal/kubeconfig"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/agent"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/monitoring"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/nodelabel"
@@ -30,43 +30,55 @@ import (
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
 )
 
-// Run runs the agent until SIGINT or SIGTERM and returns the exit status.
-func Run(args []string, stderr io.Writer) int {
+// options are the command line's settings beyond the agent's own Config.
+type options struct {
+	agent      agent.Config
+	monitoring monitoring.Options
+	socketGID  int
+	tokenFile  string
+	node       string
+	kubeconfig string
+}
+
+// parse reads the command line.
+func parse(args []string, stderr io.Writer) (*options, error) {
 	fs := flag.NewFlagSet("transfer-agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	var cfg agent.Config
+	o := &options{}
+	cfg := &o.agent
 	fs.StringVar(&cfg.Provider, "provider", "efa", `libfabric provider: "efa" on AWS; "tcp;ofi_rxm" or "shm" for development. Never falls back to another.`)
-	fs.IntVar(&cfg.Rails, "rails", 1, "endpoints per engine rank, each a rail its writes and reads are split over (one per EFA NIC: 2 on P5en). Above 1 every agent of the cluster must know the rails message (this release and later)")
+	fs.IntVar(&cfg.Rails, "rails", 1, "endpoints per engine rank, each a rail its writes and reads are split over (one per EFA NIC: 2 on P5en); "+
+		"above 1 every agent of the cluster must understand the rails message")
 	fs.StringVar(&cfg.Socket, "socket", client.DefaultSocket, "the engine API's Unix socket (created 0660)")
-	socketGID := fs.Int("socket-gid", -1, "group to own the engine and memory sockets and their folder; engines run in it (the manager adds it to engine pods' supplementalGroups); -1 keeps the agent's")
+	fs.IntVar(&o.socketGID, "socket-gid", -1, "group to own the engine and memory sockets and their folder; engines run in it "+
+		"(the manager adds it to engine pods' supplementalGroups); -1 keeps the agent's")
 	fs.StringVar(&cfg.PeerListen, "peer-listen", ":7470", "TCP address other agents connect to (the agent runs with hostNetwork)")
 	fs.StringVar(&cfg.Advertise, "advertise", "", "host:port peers use to reach this agent (default: the listener's address; in a pod: $(NODE_IP):7470)")
-	tokenFile := fs.String("peer-token-file", "", "file holding the secret every agent of the cluster shares; peers prove they hold it")
+	fs.StringVar(&o.tokenFile, "peer-token-file", "", "file holding the secret every agent of the cluster shares; peers prove they hold it")
 	def := agent.DefaultTimeouts()
 	fs.DurationVar(&cfg.Lease, "lease", def.Lease, "registration and pull lease (KVTransferPolicy spec.leaseSeconds) for engines that send none in RegisterEngine")
 	fs.DurationVar(&cfg.EventsDeadline, "events-deadline", 30*time.Second, "how long a registered engine rank has to open its event stream before its session is closed")
 	fs.DurationVar(&cfg.RegistrationTimeout, "registration-timeout", def.RegistrationTimeout, "how long a push registration waits for its source (spec.registrationTimeoutSeconds), for engines that send none")
 	fs.DurationVar(&cfg.BlocksTTL, "blocks-ttl", def.BlocksTTL, "how long ready source blocks wait for a registration or pull (spec.blocksTTLSeconds), for engines that send none")
-	httpAddr := fs.String("http", ":9470", "address of /metrics, /healthz and /readyz")
-	mon := monitoring.Options{}
-	fs.BoolVar(&mon.Secure, "metrics-secure", false, "serve --http over HTTPS and /metrics only to callers the API server authenticates and authorizes for it (config/rbac's kvhandoff-metrics-reader); the probes stay open")
-	fs.StringVar(&mon.CertDir, "metrics-cert-dir", "", "folder with tls.crt and tls.key for --metrics-secure, reloaded on change (empty: self-signed)")
-	node := fs.String("node-name", os.Getenv("NODE_NAME"), "node to label "+`kvhandoff.io/agent-ready=true`+" while ready (empty: no label)")
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig for labelling the node (default: in-cluster)")
-	if err := fs.Parse(args); err != nil {
+	fs.StringVar(&o.monitoring.Addr, "http", ":9470", "address of /metrics, /healthz and /readyz")
+	fs.BoolVar(&o.monitoring.Secure, "metrics-secure", false, "serve --http over HTTPS and /metrics only to callers the API server authenticates and authorizes for it "+
+		"(config/rbac's kvhandoff-metrics-reader); the probes stay open")
+	fs.StringVar(&o.monitoring.CertDir, "metrics-cert-dir", "", "folder with tls.crt and tls.key for --metrics-secure, reloaded on change (empty: self-signed)")
+	fs.StringVar(&o.node, "node-name", os.Getenv("NODE_NAME"), "node to label "+`kvhandoff.io/agent-ready=true`+" while ready (empty: no label)")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for labelling the node (default: in-cluster)")
+	return o, fs.Parse(args)
+}
+
+// Run runs the agent until SIGINT or SIGTERM and returns the exit status.
+func Run(args []string, stderr io.Writer) int {
+	o, err := parse(args, stderr)
+	if err != nil {
 		return 2
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, nil))
 	fail := func(err error) int { log.Error("transfer-agent", "err", err); return 1 }
-	if *tokenFile == "" {
-		return fail(errors.New("--peer-token-file is required: agents accept only peers that hold the cluster's token"))
-	}
-	token, err := os.ReadFile(*tokenFile)
-	if err != nil {
+	if o.agent.Token, err = readToken(o.tokenFile); err != nil {
 		return fail(err)
-	}
-	if cfg.Token = []byte(strings.TrimSpace(string(token))); len(cfg.Token) < 16 {
-		return fail(fmt.Errorf("--peer-token-file %s: the token must be at least 16 bytes", *tokenFile))
 	}
 	if os.Getenv("GOMAXPROCS") == "" {
 		// Each engine rank's pump spends its idle time blocked inside the provider's wait,
@@ -85,81 +97,110 @@ func Run(args []string, stderr io.Writer) int {
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	cfg.Registry, cfg.Log = reg, log
-	a, err := agent.New(cfg)
+	o.agent.Registry, o.agent.Log = reg, log
+	a, err := agent.New(o.agent)
 	if err != nil {
 		return fail(err)
 	}
-	if *socketGID >= 0 {
-		// Engines run as any non-root user in this group: they may use both sockets, and
-		// may list the folder but neither create nor remove anything in it, so no engine
-		// can replace a socket or leave files there.
-		dir := filepath.Dir(cfg.Socket)
-		for _, path := range []string{cfg.Socket, agentv1.MemorySocket(cfg.Socket), dir} {
-			if err := os.Chown(path, -1, *socketGID); err != nil {
-				return fail(err)
-			}
-		}
-		if err := os.Chmod(dir, 0o750); err != nil {
+	if o.socketGID >= 0 {
+		if err := shareSockets(o.agent.Socket, o.socketGID); err != nil {
 			return fail(err)
 		}
 	}
-
 	var kube *rest.Config
-	if *node != "" || mon.Secure {
-		if kube, err = kubeConfig(*kubeconfig); err != nil {
-			return fail(err)
+	if o.node != "" || o.monitoring.Secure {
+		if kube, err = kubeconfig.Load(o.kubeconfig); err != nil {
+			return fail(fmt.Errorf("kubernetes client for the node label and secure metrics: %w", err))
 		}
 	}
-	mon.Addr, mon.Gatherer, mon.Kube = *httpAddr, reg, kube
-	mon.Ready = func() (string, error) { return "provider " + a.Provider(), a.Ready() }
 	// The endpoints outlive ctx: they keep answering while the agent drains after SIGTERM.
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	defer stopHTTP()
+	mon := o.monitoring
+	mon.Gatherer, mon.Kube = reg, kube
+	mon.Ready = func() (string, error) { return "provider " + a.Provider(), a.Ready() }
 	addr, err := monitoring.Start(httpCtx, mon, log)
 	if err != nil {
-		return fail(fmt.Errorf("--http %s: %w", *httpAddr, err))
+		return fail(fmt.Errorf("--http %s: %w", mon.Addr, err))
 	}
 	log.Info("http", "addr", addr, "secure", mon.Secure)
 
-	var nodes kubernetes.Interface
-	if *node != "" {
-		if nodes, err = kubernetes.NewForConfig(kube); err != nil {
-			return fail(err)
-		}
-		if a.Ready() == nil {
-			if err := nodelabel.Set(ctx, nodes, *node, true); err != nil {
-				return fail(err)
-			}
-			log.Info("node labelled ready", "node", *node)
-		}
+	label, err := labelNode(ctx, kube, o.node, a, log)
+	if err != nil {
+		return fail(err)
 	}
-
 	err = a.Serve(ctx)
-	if nodes != nil {
-		// Clear the label even though ctx has ended: engines must not be placed here.
-		cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		if err := nodelabel.Set(cctx, nodes, *node, false); err != nil {
-			log.Error("clearing the node label", "err", err)
-		}
-		cancel()
-	}
+	label.clear()
 	if err != nil {
 		return fail(err)
 	}
 	return 0
 }
 
-func kubeConfig(kubeconfig string) (*rest.Config, error) {
-	var cfg *rest.Config
-	var err error
-	if kubeconfig != "" {
-		cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
-	} else {
-		cfg, err = rest.InClusterConfig()
+// readToken reads the peer token: the secret every agent of the cluster shares.
+func readToken(path string) ([]byte, error) {
+	if path == "" {
+		return nil, errors.New("--peer-token-file is required: agents accept only peers that hold the cluster's token")
 	}
+	b, err := os.ReadFile(path)
 	if err != nil {
-		return nil, fmt.Errorf("kubernetes client for the node label and secure metrics: %w", err)
+		return nil, err
 	}
-	return cfg, nil
+	token := []byte(strings.TrimSpace(string(b)))
+	if len(token) < 16 {
+		return nil, fmt.Errorf("--peer-token-file %s: the token must be at least 16 bytes", path)
+	}
+	return token, nil
+}
+
+// shareSockets gives the sockets and their folder to group gid. Engines run as any
+// non-root user in this group: they may use both sockets, and may list the folder but
+// neither create nor remove anything in it, so no engine can replace a socket or leave
+// files there.
+func shareSockets(socket string, gid int) error {
+	dir := filepath.Dir(socket)
+	for _, path := range []string{socket, agentv1.MemorySocket(socket), dir} {
+		if err := os.Chown(path, -1, gid); err != nil {
+			return err
+		}
+	}
+	return os.Chmod(dir, 0o750)
+}
+
+// nodeLabel is the agent-ready label the agent set on its node, if any.
+type nodeLabel struct {
+	nodes kubernetes.Interface
+	node  string
+	log   *slog.Logger
+}
+
+// labelNode labels node ready when the agent is (no node: nothing to label).
+func labelNode(ctx context.Context, kube *rest.Config, node string, a *agent.Agent, log *slog.Logger) (*nodeLabel, error) {
+	if node == "" {
+		return &nodeLabel{}, nil
+	}
+	nodes, err := kubernetes.NewForConfig(kube)
+	if err != nil {
+		return nil, err
+	}
+	if a.Ready() == nil {
+		if err := nodelabel.Set(ctx, nodes, node, true); err != nil {
+			return nil, err
+		}
+		log.Info("node labelled ready", "node", node)
+	}
+	return &nodeLabel{nodes: nodes, node: node, log: log}, nil
+}
+
+// clear removes the label, with its own deadline since the agent's context has ended by
+// then: engines must not be placed on a node whose agent stopped.
+func (l *nodeLabel) clear() {
+	if l.nodes == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := nodelabel.Set(ctx, l.nodes, l.node, false); err != nil {
+		l.log.Error("clearing the node label", "err", err)
+	}
 }
