@@ -18,13 +18,8 @@ import (
 
 func main() {
 	sc := handoff.Default()
-	flag.StringVar(&sc.Provider, "provider", sc.Provider, "libfabric provider")
-	flag.Float64Var(&sc.QPS, "qps", sc.QPS, "Poisson arrival rate")
-	flag.IntVar(&sc.PromptTokens, "prompt-tokens", sc.PromptTokens, "tokens per prompt")
-	flag.IntVar(&sc.TP, "tp", sc.TP, "tensor-parallel size (engine ranks per side)")
-	flag.DurationVar(&sc.Duration, "duration", sc.Duration, "how long requests arrive, per mode")
+	sc.Load.Flags(flag.CommandLine)
 	flag.Float64Var(&sc.LoadFraction, "load", sc.LoadFraction, "offered load as a fraction of the measured bandwidth")
-	flag.Float64Var(&sc.Utilisation, "prefill-utilisation", sc.Utilisation, "how busy the prefill engine is")
 	flag.StringVar(&sc.Fabtests, "fabtests", "", "a fabtests install (hack/fabtests.sh): measure the agent's write throughput beside its fi_rma_bw")
 	flag.IntVar(&sc.Rails, "rails", sc.Rails, "endpoints per engine rank (the agents' --rails) and per floor pair")
 	flag.IntVar(&sc.LayerGroups, "layer-groups", sc.LayerGroups, "layer groups push-layered reports a request in (0: skip that mode)")

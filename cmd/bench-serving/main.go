@@ -13,18 +13,13 @@ import (
 
 	"github.com/kvhandoff/kvhandoff/internal/bench/serving"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/gobin"
 )
 
 func main() {
 	sc := serving.Default()
-	flag.StringVar(&sc.Provider, "provider", sc.Provider, "libfabric provider")
-	flag.Float64Var(&sc.QPS, "qps", sc.QPS, "Poisson arrival rate")
-	flag.IntVar(&sc.PromptTokens, "prompt-tokens", sc.PromptTokens, "tokens per prompt")
-	flag.IntVar(&sc.TP, "tp", sc.TP, "tensor-parallel size (engine ranks per side)")
-	flag.DurationVar(&sc.Duration, "duration", sc.Duration, "how long requests arrive, per mode")
+	sc.Load.Flags(flag.CommandLine)
 	flag.IntVar(&sc.KVBytesPerToken, "kv-bytes-per-token", sc.KVBytesPerToken, "KV bytes per token over all ranks (Qwen3-32B's shape, head dimension scaled; the real model's is 262144)")
-	flag.Float64Var(&sc.Utilisation, "prefill-utilisation", sc.Utilisation, "how busy the prefill engine is")
-	flag.Uint64Var(&sc.Seed, "seed", sc.Seed, "seed of the arrivals and prompts both modes replay")
 	out := flag.String("out", "bench/results", "folder for serving.json and serving.png")
 	demo := flag.Bool("demo", false, "instead of the benchmark, send one chat request per mode through the router (make demo)")
 	flag.StringVar(&sc.AgentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")
@@ -48,7 +43,7 @@ func run(sc serving.Scenario, out string, demo bool) error {
 		}
 	}
 	if sc.RouterBin == "" {
-		if sc.RouterBin, err = serving.BuildRouter(work); err != nil {
+		if sc.RouterBin, err = gobin.Build(work, "router"); err != nil {
 			return err
 		}
 	}

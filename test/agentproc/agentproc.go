@@ -17,17 +17,13 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/kvhandoff/kvhandoff/test/gobin"
 )
 
 // Build builds cmd/transfer-agent into dir and returns the binary's path.
 func Build(dir string) (string, error) {
-	bin := filepath.Join(dir, "transfer-agent")
-	cmd := exec.Command("go", "build", "-o", bin, "github.com/kvhandoff/kvhandoff/cmd/transfer-agent")
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("building the transfer agent: %w", err)
-	}
-	return bin, nil
+	return gobin.Build(dir, "transfer-agent")
 }
 
 // Token is the peer token the agents started here share.

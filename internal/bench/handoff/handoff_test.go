@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/internal/bench/workload"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 )
 
@@ -23,12 +24,13 @@ func TestMain(m *testing.M) { os.Exit(agentproc.RunTests(m, &agentBin)) }
 func TestAnOverloadedRunFinishesAndReturnsEveryBlock(t *testing.T) {
 	var log strings.Builder
 	sc := Scenario{
-		Provider: "tcp;ofi_rxm", QPS: 50, PromptTokens: 2048, TP: 2, Duration: time.Second,
-		LoadFraction: 0.5, Utilisation: 0.65, CacheRequests: 2, LayerGroups: 4, Seed: 3,
+		Load: workload.Load{Provider: "tcp;ofi_rxm", QPS: 50, PromptTokens: 2048, TP: 2, Duration: time.Second,
+			Utilisation: 0.65, CacheRequests: 2, Seed: 3},
+		LoadFraction: 0.5, LayerGroups: 4,
 		// A registration timeout near one prefill's time and a hold TTL shorter than a
 		// pull's round trip: many requests must fail, on both sides and in both modes.
 		Lease: 20 * time.Millisecond, RegistrationTimeout: 20 * time.Millisecond, BlocksTTL: 5 * time.Millisecond,
-		AgentBin: agentBin, WorkDir: t.TempDir(), Log: &log,
+		Env: workload.Env{AgentBin: agentBin, WorkDir: t.TempDir(), Log: &log},
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()

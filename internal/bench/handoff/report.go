@@ -3,7 +3,6 @@ package handoff
 import (
 	"fmt"
 	"io"
-	"path/filepath"
 
 	"github.com/kvhandoff/kvhandoff/internal/bench/report"
 )
@@ -59,14 +58,11 @@ func (r *Report) Markdown(w io.Writer) {
 
 // Write saves handoff.json and handoff.png into dir.
 func (r *Report) Write(dir string) error {
-	if err := report.SaveJSON(dir, "handoff.json", r); err != nil {
-		return err
-	}
 	series := make([]report.Series, len(r.Results))
 	for i, m := range r.Results {
 		series[i] = report.Series{Name: m.Mode, Values: m.handoffs, P50: m.Handoff.P50}
 	}
-	return report.CDF(filepath.Join(dir, "handoff.png"),
+	return report.Save(dir, "handoff", r,
 		fmt.Sprintf("Handoff latency CDF, %s, %.0f QPS, %d-token prompts, TP %d", r.Provider, r.Results[0].QPS, r.Results[0].PromptTokens, r.TP),
 		"handoff overhead: prefill end -> decode ready (ms)", series, report.Marker{Name: "wire floor", X: r.Results[0].WireFloorMs})
 }

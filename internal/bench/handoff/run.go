@@ -3,7 +3,6 @@ package handoff
 import (
 	"context"
 	"fmt"
-	"io"
 	"math"
 	"math/rand/v2"
 	"strconv"
@@ -14,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhandoff/kvhandoff/internal/bench/report"
+	"github.com/kvhandoff/kvhandoff/internal/bench/workload"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -21,19 +21,11 @@ import (
 
 // Scenario is what the benchmark runs.
 type Scenario struct {
-	Provider     string
-	QPS          float64
-	PromptTokens int
-	TP           int
-	// Duration is how long requests arrive, per mode.
-	Duration time.Duration
+	workload.Load
+	workload.Env
 	// LoadFraction scales KV per token so the offered load is this fraction of the
 	// provider bandwidth measured in the same run.
 	LoadFraction float64
-	// Utilisation sets prefill speed so the prefill engine is this busy (docs/design.md#the-prefill-timing-model).
-	Utilisation float64
-	// CacheRequests sizes each rank's KV cache, in requests.
-	CacheRequests int
 	// Rails is how many endpoints each engine rank's session opens (the agents'
 	// --rails); the floors use as many per pair.
 	Rails int
@@ -52,17 +44,11 @@ type Scenario struct {
 	// Fabtests, when set, is a fabtests install (hack/fabtests.sh): the agent's write
 	// throughput is then measured beside its fi_rma_bw.
 	Fabtests string
-
-	Seed     uint64
-	AgentBin string
-	WorkDir  string
-	Log      io.Writer
 }
 
-// Default is the scenario: 8 QPS of 16k-token prompts at TP 8, 30% of the wire.
+// Default is the reference load at 30% of the wire, with push-layered in 8 groups.
 func Default() Scenario {
-	return Scenario{Provider: "tcp;ofi_rxm", QPS: 8, PromptTokens: 16384, TP: 8, Duration: 20 * time.Second,
-		LoadFraction: 0.30, Utilisation: 0.65, CacheRequests: 8, Rails: 1, LayerGroups: 8, Seed: 1}
+	return Scenario{Load: workload.Default(), LoadFraction: 0.30, Rails: 1, LayerGroups: 8}
 }
 
 // Percentiles are in milliseconds.
@@ -171,12 +157,6 @@ func (sc Scenario) modes() []mode {
 	return append(list, mode{"pull", agentv1.Mode_MODE_PULL, 1})
 }
 
-func (sc Scenario) logf(format string, args ...any) {
-	if sc.Log != nil {
-		fmt.Fprintf(sc.Log, format+"\n", args...)
-	}
-}
-
 // Run measures the wire, sizes the model to the offered load, runs every mode (push,
 // push-layered, pull) on the same arrivals and, with Fabtests, measures the agent's write
 // throughput beside fi_rma_bw.
@@ -189,8 +169,65 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 			return nil, err
 		}
 	}
-	bw, err := MeasureBandwidth(sc.Provider, sc.Rails, 64<<20, cpus)
+	f, err := measureFloors(sc, cpus)
 	if err != nil {
+		return nil, err
+	}
+	speedup := simengine.SpeedupFor(sc.TP, 1, sc.QPS, sc.PromptTokens, sc.Utilisation)
+	prefill := simengine.Prefill{TP: sc.TP, Speedup: speedup}.Time(sc.PromptTokens)
+	l := f.layout
+	rep := &Report{
+		Provider: sc.Provider, Rails: sc.Rails, BandwidthGBps: f.bandwidth / 1e9, BandwidthTPGBps: f.bandwidthTP / 1e9, TP: sc.TP,
+		OfferedLoad: sc.QPS * float64(f.bytesPerRequest) / f.bandwidthTP,
+		Layout: fmt.Sprintf("%d layers × K,V × %d KV heads × head dim %d × %d B, block %d tokens: %d B/token",
+			l.Layers, l.KVHeads, l.HeadDim, l.DTypeBytes, l.BlockSize, l.BytesPerToken()),
+		PrefillMs: ms(prefill), DurationS: sc.Duration.Seconds(), AgentCPUs: sc.AgentCPUs,
+	}
+	var roundsMs []float64
+	for _, d := range f.rounds {
+		roundsMs = append(roundsMs, ms(d))
+	}
+	rep.WireFloorRounds = report.Of(roundsMs)
+	sc.Logf("provider %s: %.2f GB/s one pair, %.2f GB/s over %d pairs; %d bytes per request (%.0f%% of the wire at %.0f QPS); "+
+		"wire floor %.1f ms (one pair %.1f ms); prefill %.1f ms per request",
+		sc.Provider, f.bandwidth/1e9, f.bandwidthTP/1e9, sc.TP, f.bytesPerRequest, rep.OfferedLoad*100, sc.QPS, ms(f.tp), ms(f.onePair), ms(prefill))
+
+	if err := runModes(ctx, sc, f, prefill, rep); err != nil {
+		return nil, err
+	}
+	rep.compare()
+	one := l // one rank, one request
+	one.Blocks = f.blocksPerRequest
+	if sc.Fabtests != "" {
+		if rep.Throughput, err = MeasureThroughput(ctx, sc, sc.Fabtests, one); err != nil {
+			return nil, fmt.Errorf("throughput: %w", err)
+		}
+		sc.Logf("throughput: %+v", *rep.Throughput)
+	}
+	if rep.RailsGain, err = MeasureRailsGain(ctx, sc, one, cpus); err != nil {
+		return nil, fmt.Errorf("one rail against two: %w", err)
+	}
+	sc.Logf("one rail against two: %+v", *rep.RailsGain)
+	return rep, nil
+}
+
+// floors are what the wire alone gives, measured before the modes run: the bandwidth the
+// load is sized from, the layout sized to it, and the floors each handoff is held against.
+type floors struct {
+	bandwidth, bandwidthTP float64 // bytes/s: one endpoint pair, TP pairs at once
+	layout                 simengine.Layout
+	blocksPerRequest       int
+	bytesPerRequest        uint64
+	onePair, tp            time.Duration   // a request's bytes over one pair, over TP pairs
+	rounds                 []time.Duration // the TP-pairs floor's rounds, sorted
+	underLoad              time.Duration   // the TP-pairs floor beside the engines' CPU work
+	lastGroup              time.Duration   // push-layered: the last layer group's TP-pairs floor
+}
+
+func measureFloors(sc Scenario, cpus *unix.CPUSet) (*floors, error) {
+	f := &floors{}
+	var err error
+	if f.bandwidth, err = MeasureBandwidth(sc.Provider, sc.Rails, 64<<20, cpus); err != nil {
 		return nil, fmt.Errorf("measuring bandwidth: %w", err)
 	}
 	// The load is sized from what TP pairs move together, the run's own parallelism: one
@@ -199,91 +236,90 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	if err != nil {
 		return nil, fmt.Errorf("measuring bandwidth over %d pairs: %w", sc.TP, err)
 	}
-	bwTP := float64(64<<20) / sizing.Seconds()
-	l := sizeLayout(sc, bwTP)
-	blocksPerRequest := (sc.PromptTokens + l.BlockSize - 1) / l.BlockSize
-	l.Blocks = blocksPerRequest * sc.CacheRequests
-	bytesPerRequest := uint64(l.BytesPerToken()) * uint64(blocksPerRequest*l.BlockSize)
-	floor, err := wireFloor(sc.Provider, sc.Rails, int(bytesPerRequest), cpus)
-	if err != nil {
+	f.bandwidthTP = float64(64<<20) / sizing.Seconds()
+	f.layout = sizeLayout(sc, f.bandwidthTP)
+	l := &f.layout
+	f.blocksPerRequest = (sc.PromptTokens + l.BlockSize - 1) / l.BlockSize
+	l.Blocks = f.blocksPerRequest * sc.CacheRequests
+	f.bytesPerRequest = uint64(l.BytesPerToken()) * uint64(f.blocksPerRequest*l.BlockSize)
+	if f.onePair, err = wireFloor(sc.Provider, sc.Rails, int(f.bytesPerRequest), cpus); err != nil {
 		return nil, err
 	}
 	// The floor's own spread, over more rounds, sets the handoffs' tails beside the wire's.
-	rounds, err := wireFloorRounds(sc.Provider, sc.Rails, int(bytesPerRequest), sc.TP, l.Regions(), 31, cpus)
-	if err != nil {
+	if f.rounds, err = wireFloorRounds(sc.Provider, sc.Rails, int(f.bytesPerRequest), sc.TP, l.Regions(), 31, cpus); err != nil {
 		return nil, err
 	}
-	floorTP := rounds[len(rounds)/2]
-	sc.logf("wire floor over %d endpoint pairs at once: %.1f ms", sc.TP, ms(floorTP))
-	floorLoaded, err := floorUnderLoad(sc, l, blocksPerRequest, int(bytesPerRequest), cpus)
-	if err != nil {
+	f.tp = f.rounds[len(f.rounds)/2]
+	sc.Logf("wire floor over %d endpoint pairs at once: %.1f ms", sc.TP, ms(f.tp))
+	if f.underLoad, err = floorUnderLoad(sc, *l, f.blocksPerRequest, int(f.bytesPerRequest), cpus); err != nil {
 		return nil, err
 	}
-	sc.logf("the same under the engines' CPU work at %.0f QPS: %.1f ms", sc.QPS, ms(floorLoaded))
-	var floorGroup time.Duration
+	sc.Logf("the same under the engines' CPU work at %.0f QPS: %.1f ms", sc.QPS, ms(f.underLoad))
 	if sc.LayerGroups > 1 {
-		if floorGroup, err = wireFloorParallel(sc.Provider, sc.Rails, int(bytesPerRequest)/sc.LayerGroups, sc.TP, l.Regions()/sc.LayerGroups, cpus); err != nil {
+		groupBytes, groupRegions := int(f.bytesPerRequest)/sc.LayerGroups, l.Regions()/sc.LayerGroups
+		if f.lastGroup, err = wireFloorParallel(sc.Provider, sc.Rails, groupBytes, sc.TP, groupRegions, cpus); err != nil {
 			return nil, err
 		}
-		sc.logf("the last of %d layer groups over %d endpoint pairs: %.1f ms", sc.LayerGroups, sc.TP, ms(floorGroup))
+		sc.Logf("the last of %d layer groups over %d endpoint pairs: %.1f ms", sc.LayerGroups, sc.TP, ms(f.lastGroup))
 	}
-	speedup := simengine.SpeedupFor(sc.TP, 1, sc.QPS, sc.PromptTokens, sc.Utilisation)
-	prefill := simengine.Prefill{TP: sc.TP, Speedup: speedup}.Time(sc.PromptTokens)
-	rep := &Report{
-		Provider: sc.Provider, Rails: sc.Rails, BandwidthGBps: bw / 1e9, BandwidthTPGBps: bwTP / 1e9, TP: sc.TP,
-		OfferedLoad: sc.QPS * float64(bytesPerRequest) / bwTP,
-		Layout:      fmt.Sprintf("%d layers × K,V × %d KV heads × head dim %d × %d B, block %d tokens: %d B/token", l.Layers, l.KVHeads, l.HeadDim, l.DTypeBytes, l.BlockSize, l.BytesPerToken()),
-		PrefillMs:   ms(prefill), DurationS: sc.Duration.Seconds(), AgentCPUs: sc.AgentCPUs,
-	}
-	var roundsMs []float64
-	for _, d := range rounds {
-		roundsMs = append(roundsMs, ms(d))
-	}
-	rep.WireFloorRounds = report.Of(roundsMs)
-	sc.logf("provider %s: %.2f GB/s one pair, %.2f GB/s over %d pairs; %d bytes per request (%.0f%% of the wire at %.0f QPS); wire floor %.1f ms (one pair %.1f ms); prefill %.1f ms per request",
-		sc.Provider, bw/1e9, bwTP/1e9, sc.TP, bytesPerRequest, rep.OfferedLoad*100, sc.QPS, ms(floorTP), ms(floor), ms(prefill))
+	return f, nil
+}
 
+// runModes runs every mode on one pair of agents and adds each mode's result, held
+// against the floors, to rep.
+func runModes(ctx context.Context, sc Scenario, f *floors, prefill time.Duration, rep *Report) error {
 	a, b, err := agentproc.StartPairWith(sc.AgentBin, sc.WorkDir, sc.Provider, sc.agents())
 	if err != nil {
-		return nil, err
+		return err
 	}
 	defer a.Stop()
 	defer b.Stop()
 	for _, m := range sc.modes() {
 		before := scrape(a, b)
-		r, leaked, err := runMode(ctx, sc, m, l, a, b, prefill)
+		r, leaked, err := runMode(ctx, sc, m, f.layout, a, b, prefill)
 		if err != nil {
-			return nil, fmt.Errorf("%s: %w", m.name, err)
+			return fmt.Errorf("%s: %w", m.name, err)
 		}
 		rep.LeakedRanks += leaked
-		r.BytesPerRequest, r.WireFloorMs, r.WireFloorOnePairMs, r.WireFloorUnderEngineLoadMs = bytesPerRequest, ms(floorTP), ms(floor), ms(floorLoaded)
+		r.BytesPerRequest, r.WireFloorMs, r.WireFloorOnePairMs, r.WireFloorUnderEngineLoadMs = f.bytesPerRequest, ms(f.tp), ms(f.onePair), ms(f.underLoad)
 		// What is left to move at prefill end: the request, or its last layer group.
 		left := r.WireFloorMs
 		if m.groups > 1 {
-			r.LayerGroups, r.WireFloorLastGroupMs = m.groups, ms(floorGroup)
+			r.LayerGroups, r.WireFloorLastGroupMs = m.groups, ms(f.lastGroup)
 			left = r.WireFloorLastGroupMs
 		}
-		var over, alone, overlapped []float64
-		for i, h := range r.handoffs {
-			over = append(over, h-left)
-			if overlaps(r.spans, i) {
-				overlapped = append(overlapped, h-left)
-			} else {
-				alone = append(alone, h-left)
-			}
-		}
-		r.CoordinationOverhead = report.Of(over)
-		r.HandoffsAlone, r.CoordinationOverheadAlone, r.CoordinationOverheadOverlapped = len(alone), report.Of(alone), report.Of(overlapped)
+		r.overheads(left)
 		r.StagesMs = stageMeans(m.agent, before, scrape(a, b))
-		sc.logf("%s: agent stage means per rank (ms): %v", r.Mode, r.StagesMs)
+		sc.Logf("%s: agent stage means per rank (ms): %v", r.Mode, r.StagesMs)
 		rep.Results = append(rep.Results, *r)
 	}
 	if rep.LeakedRanks > 0 {
 		// An agent broke its promise to answer: keep what the agents said about it.
 		for _, line := range warnings(a, b) {
-			sc.logf("%s", line)
+			sc.Logf("%s", line)
 		}
 	}
+	return nil
+}
+
+// overheads is each handoff minus left, the wire floor of what was left to move at
+// prefill end: in all, and split by whether the handoff shared the wire with another.
+func (r *Result) overheads(left float64) {
+	var over, alone, overlapped []float64
+	for i, h := range r.handoffs {
+		over = append(over, h-left)
+		if overlaps(r.spans, i) {
+			overlapped = append(overlapped, h-left)
+		} else {
+			alone = append(alone, h-left)
+		}
+	}
+	r.CoordinationOverhead = report.Of(over)
+	r.HandoffsAlone, r.CoordinationOverheadAlone, r.CoordinationOverheadOverlapped = len(alone), report.Of(alone), report.Of(overlapped)
+}
+
+// compare sets the ratios between the modes.
+func (rep *Report) compare() {
 	byName := map[string]*Result{}
 	for i := range rep.Results {
 		byName[rep.Results[i].Mode] = &rep.Results[i]
@@ -294,19 +330,6 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 	if l := byName["push-layered"]; l != nil && l.Handoff.P50 > 0 {
 		rep.PushOverLayeredP50 = push.Handoff.P50 / l.Handoff.P50
 	}
-	one := l // one rank, one request
-	one.Blocks = blocksPerRequest
-	if sc.Fabtests != "" {
-		if rep.Throughput, err = MeasureThroughput(ctx, sc, sc.Fabtests, one); err != nil {
-			return nil, fmt.Errorf("throughput against fi_rma_bw: %w", err)
-		}
-		sc.logf("throughput: %+v", *rep.Throughput)
-	}
-	if rep.RailsGain, err = MeasureRailsGain(ctx, sc, one, cpus); err != nil {
-		return nil, fmt.Errorf("one rail against two: %w", err)
-	}
-	sc.logf("one rail against two: %+v", *rep.RailsGain)
-	return rep, nil
 }
 
 // scrape reads the agents' metrics, summed over the agents.
@@ -444,7 +467,7 @@ func runMode(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b 
 	// Warm-up: the first transfer on a connection pays for forming it (docs/design.md, libfabric pitfall 3).
 	for i := range 2 {
 		if o := one(fmt.Sprintf("warmup-%d", i), time.Now(), first()); o.err != nil {
-			sc.logf("%s: warm-up request failed: %v", m.name, o.err)
+			sc.Logf("%s: warm-up request failed: %v", m.name, o.err)
 		}
 	}
 	// Both modes get the same arrival sequence: their TTFTs compare like with like.
@@ -482,7 +505,7 @@ func runMode(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b 
 	for _, o := range outs {
 		if o.err != nil {
 			res.FailedRequests++
-			sc.logf("%s failed: %v", res.Mode, o.err)
+			sc.Logf("%s failed: %v", res.Mode, o.err)
 			continue
 		}
 		res.VerifiedRequests++
@@ -496,7 +519,7 @@ func runMode(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b 
 	if res.VerifiedRequests > 0 {
 		res.DescriptorsPerRequest = float64(desc) / float64(res.VerifiedRequests)
 	}
-	sc.logf("%s: %d verified, %d failed; handoff p50 %.1f ms", res.Mode, res.VerifiedRequests, res.FailedRequests, res.Handoff.P50)
+	sc.Logf("%s: %d verified, %d failed; handoff p50 %.1f ms", res.Mode, res.VerifiedRequests, res.FailedRequests, res.Handoff.P50)
 	return res, pf.leaked.Load(), nil
 }
 

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"maps"
-	"path/filepath"
 	"slices"
 	"strings"
 
@@ -26,14 +25,11 @@ func (r *Report) Markdown(w io.Writer) {
 
 // Write saves serving.json and serving.png into dir.
 func (r *Report) Write(dir string) error {
-	if err := report.SaveJSON(dir, "serving.json", r); err != nil {
-		return err
-	}
 	series := make([]report.Series, len(r.Results))
 	for i, m := range r.Results {
 		series[i] = report.Series{Name: m.Mode, Values: m.ttfts, P50: m.TTFT.P50}
 	}
-	return report.CDF(filepath.Join(dir, "serving.png"),
+	return report.Save(dir, "serving", r,
 		fmt.Sprintf("TTFT through the router, %s, %.0f QPS, %d-token prompts, TP %d, %s", r.Provider, r.QPS, r.PromptTokens, r.TP, r.Machine),
 		"time to first token at the client (ms)", series)
 }

@@ -17,6 +17,7 @@ import (
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/bench/handoff"
 	"github.com/kvhandoff/kvhandoff/internal/bench/report"
+	"github.com/kvhandoff/kvhandoff/internal/bench/workload"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
@@ -24,39 +25,25 @@ import (
 
 // Scenario is what the benchmark runs.
 type Scenario struct {
-	Provider     string
-	QPS          float64
-	PromptTokens int
-	TP           int
-	// Duration is how long requests arrive, per mode.
-	Duration time.Duration
+	workload.Load
+	workload.Env
 	// KVBytesPerToken is the KV one token takes over all ranks: Qwen3-32B's shape with
 	// the head dimension scaled down (the real model's is 256 KiB). Fixed rather than
 	// derived from a bandwidth measurement, so every run and machine serves the same
 	// workload; the report gives the offered load as a share of the measured bandwidth.
 	KVBytesPerToken int
-	// Utilisation sets prefill speed so the prefill engine is this busy (docs/design.md#the-prefill-timing-model).
-	Utilisation float64
-	// CacheRequests sizes each engine's KV cache, in requests.
-	CacheRequests int
 	// MaxTokens and TPOT are each request's output.
 	MaxTokens int
 	TPOT      time.Duration
 	// Timeout bounds each request at the client: a run under overload reports failures
 	// and finishes.
 	Timeout   time.Duration
-	Seed      uint64
-	AgentBin  string
 	RouterBin string
-	WorkDir   string
-	Log       io.Writer
 }
 
-// Default is the issue's scenario: 8 QPS of 16k-token prompts at TP 8.
+// Default is the reference load, each request answering 4 tokens.
 func Default() Scenario {
-	return Scenario{Provider: "tcp;ofi_rxm", QPS: 8, PromptTokens: 16384, TP: 8, Duration: 20 * time.Second,
-		KVBytesPerToken: 4096, Utilisation: 0.65, CacheRequests: 8, MaxTokens: 4, TPOT: 7 * time.Millisecond,
-		Timeout: 60 * time.Second, Seed: 1}
+	return Scenario{Load: workload.Default(), KVBytesPerToken: 4096, MaxTokens: 4, TPOT: 7 * time.Millisecond, Timeout: 60 * time.Second}
 }
 
 // Result is one mode's outcome.
@@ -93,12 +80,6 @@ type Report struct {
 	Results         []Result `json:"results"`
 	// PullMinusPushTTFTP50 is pull's TTFT p50 minus push's, on the same arrivals.
 	PullMinusPushTTFTP50 float64 `json:"pull_minus_push_ttft_p50_ms"`
-}
-
-func (sc Scenario) logf(format string, args ...any) {
-	if sc.Log != nil {
-		fmt.Fprintf(sc.Log, format+"\n", args...)
-	}
 }
 
 // arrival is one request of the seeded sequence both modes replay.
@@ -147,7 +128,7 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 		ArrivalsPerMode: len(arr),
 	}
 	rep.OfferedLoad = report.Round(sc.QPS * float64(rep.BytesPerRequest) / bw)
-	sc.logf("provider %s: %.2f GB/s; %d KV bytes per request; prefill %.1f ms; %d arrivals per mode", sc.Provider, bw/1e9, rep.BytesPerRequest, rep.PrefillMs, len(arr))
+	sc.Logf("provider %s: %.2f GB/s; %d KV bytes per request; prefill %.1f ms; %d arrivals per mode", sc.Provider, bw/1e9, rep.BytesPerRequest, rep.PrefillMs, len(arr))
 
 	a, b, err := agentproc.StartPair(sc.AgentBin, sc.WorkDir, sc.Provider)
 	if err != nil {
@@ -177,7 +158,7 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 			}
 		}
 		r.RouterAdded, r.RouterRelay, r.PrefillLeg, r.DecodeLeg = report.Of(added), report.Of(relay), report.Of(pre), report.Of(dec)
-		sc.logf("%s: %v; TTFT p50 %.1f ms; router-added p50 %.3f ms, p99 %.3f ms (relaying the first byte: p50 %.3f, p99 %.3f)", r.Mode, r.Outcomes, r.TTFT.P50, r.RouterAdded.P50, r.RouterAdded.P99, r.RouterRelay.P50, r.RouterRelay.P99)
+		sc.Logf("%s: %v; TTFT p50 %.1f ms; router-added p50 %.3f ms, p99 %.3f ms (relaying the first byte: p50 %.3f, p99 %.3f)", r.Mode, r.Outcomes, r.TTFT.P50, r.RouterAdded.P50, r.RouterAdded.P99, r.RouterRelay.P50, r.RouterRelay.P99)
 		rep.Results = append(rep.Results, *r)
 	}
 	rep.PullMinusPushTTFTP50 = report.Round(rep.Results[1].TTFT.P50 - rep.Results[0].TTFT.P50)

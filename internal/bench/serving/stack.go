@@ -30,17 +30,6 @@ import (
 // Model is the name the simulated engines serve.
 const Model = "Qwen/Qwen3-32B"
 
-// BuildRouter builds cmd/router into dir and returns the binary's path.
-func BuildRouter(dir string) (string, error) {
-	bin := filepath.Join(dir, "router")
-	cmd := exec.Command("go", "build", "-o", bin, "github.com/kvhandoff/kvhandoff/cmd/router")
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("building the router: %w", err)
-	}
-	return bin, nil
-}
-
 // stack is one mode's prefill and decode engine on two agents, and a router process
 // in front of them.
 type stack struct {

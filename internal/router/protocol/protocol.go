@@ -48,54 +48,6 @@ func Parse(data []byte) (Body, error) {
 	return b, nil
 }
 
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
-}
-
-// endOfString returns the index after the string starting at b[i] (a quote).
-func endOfString(b []byte, i int) int {
-	for i++; i < len(b); i++ {
-		switch b[i] {
-		case '\\':
-			i++
-		case '"':
-			return i + 1
-		}
-	}
-	return len(b)
-}
-
-// endOfValue returns the index after the value starting at b[i].
-func endOfValue(b []byte, i int) int {
-	switch b[i] {
-	case '"':
-		return endOfString(b, i)
-	case '{', '[':
-		depth := 0
-		for ; i < len(b); i++ {
-			switch b[i] {
-			case '"':
-				i = endOfString(b, i) - 1
-			case '{', '[':
-				depth++
-			case '}', ']':
-				if depth--; depth == 0 {
-					return i + 1
-				}
-			}
-		}
-		return len(b)
-	default: // number, true, false, null
-		for i < len(b) && b[i] != ',' && b[i] != '}' && b[i] != ']' && b[i] != ' ' && b[i] != '\t' && b[i] != '\n' && b[i] != '\r' {
-			i++
-		}
-		return i
-	}
-}
-
 // Clone copies the field map (values are immutable raw bytes and are shared).
 func (b Body) Clone() Body { return maps.Clone(b) }
 
@@ -303,19 +255,24 @@ func valueTokens(raw []byte) int {
 	return 0
 }
 
-// eachElement calls fn with each element of a JSON array (nothing for other values).
-// The input is valid JSON (Parse checked it).
+// eachElement calls fn with each element of a JSON array (nothing for other values),
+// stepping over each with the body's validator. The input is valid JSON (Parse checked it).
 func eachElement(raw []byte, fn func([]byte)) {
-	raw = bytes.TrimSpace(raw)
-	if len(raw) < 2 || raw[0] != '[' {
+	v := validator{b: raw}
+	v.space()
+	if v.i >= len(raw) || raw[v.i] != '[' {
 		return
 	}
-	for i := skipSpace(raw, 1); i < len(raw) && raw[i] != ']'; {
-		end := endOfValue(raw, i)
-		fn(raw[i:end])
-		i = skipSpace(raw, end)
-		if i < len(raw) && raw[i] == ',' {
-			i = skipSpace(raw, i+1)
+	v.i++
+	for v.space(); v.i < len(raw) && raw[v.i] != ']'; v.space() {
+		start := v.i
+		if !v.value(0) {
+			return
+		}
+		fn(raw[start:v.i])
+		v.space()
+		if v.i < len(raw) && raw[v.i] == ',' {
+			v.i++
 		}
 	}
 }
