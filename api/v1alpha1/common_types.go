@@ -120,7 +120,10 @@ type EngineSpec struct {
 	// Set them through the pool's fields and its policy.
 	// +kubebuilder:validation:MaxItems=128
 	// +kubebuilder:validation:items:MaxLength=2048
-	// +kubebuilder:validation:items:XValidation:rule="!self.matches('^(-tp|-pp|--(k(v([-_](t(r(a(n(s(f(e(r([-_](c(o(n(f(i(g)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?|t(e(n(s(o(r([-_](p(a(r(a(l(l(e(l([-_](s(i(z(e)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?|p(i(p(e(l(i(n(e([-_](p(a(r(a(l(l(e(l([-_](s(i(z(e)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?)?|b(l(o(c(k([-_](s(i(z(e)?)?)?)?)?)?)?)?)?|p(o(r(t)?)?)?)|--kv[-_]transfer[-_]config[.].*)(=.*)?$')",message="engineArgs must not set --kv-transfer-config, --tensor-parallel-size (-tp), --pipeline-parallel-size (-pp), --block-size or --port, in any spelling (underscores, --kv-transfer-config.<key>, or an abbreviation argparse expands): kvhandoff renders them from the pool's fields and its KVTransferPolicy"
+	// The rule refuses an argument whose name (before "=", and before the "." of vLLM's
+	// dotted form, underscores read as dashes) is -tp, -pp, or a prefix of an owned flag
+	// longer than "--": argparse expands any unambiguous prefix to the whole flag.
+	// +kubebuilder:validation:items:XValidation:rule="!(self in ['-tp', '-pp'] || self.startsWith('-tp=') || self.startsWith('-pp=') || (self.startsWith('--') && size(self.split('=')[0].split('.')[0]) > 2 && ['--kv-transfer-config', '--tensor-parallel-size', '--pipeline-parallel-size', '--block-size', '--port'].exists(f, f.startsWith(self.split('=')[0].split('.')[0].replace('_', '-')))))",message="engineArgs must not set --kv-transfer-config, --tensor-parallel-size (-tp), --pipeline-parallel-size (-pp), --block-size or --port, in any spelling (underscores, --kv-transfer-config.<key>, or an abbreviation argparse expands): kvhandoff renders them from the pool's fields and its KVTransferPolicy"
 	// +listType=atomic
 	// +optional
 	EngineArgs []string `json:"engineArgs,omitempty"`

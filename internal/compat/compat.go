@@ -116,11 +116,19 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 		// Rendered anyway, so the pool reports its engines' own error rather than none.
 		switch {
 		case spec.Accelerator.Type != kvv1.AcceleratorNvidiaGPU:
-			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf("executor Agent: vLLM on %s keeps its KV in device memory, which the transfer agent cannot move yet (it needs the agent's dmabuf path), so the engines will stop at start saying so", spec.Accelerator.Type)})
+			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf(
+				"executor Agent: vLLM on %s keeps its KV in device memory, which the transfer agent does not move "+
+					"(that needs its dmabuf path), so the engines will stop at start saying so", spec.Accelerator.Type)})
 		case policy.SameNode == kvv1.SameNodeForbid:
-			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, "executor Agent: vLLM on NvidiaGPU keeps its KV in GPU memory, which the transfer agent moves only between engines on one node (CUDA IPC), and sameNode: Forbid keeps pairs apart (between nodes it needs the agent's EFA dmabuf path, not built yet), so the engines will stop at start saying so; set the policy's sameNode: Allow or Prefer"})
+			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported,
+				"executor Agent: vLLM on NvidiaGPU keeps its KV in GPU memory, which the transfer agent moves only between engines "+
+					"on one node (CUDA IPC), and sameNode: Forbid keeps pairs apart (between nodes it needs the agent's EFA dmabuf path, "+
+					"which it does not have), so the engines will stop at start saying so; set the policy's sameNode: Allow or Prefer"})
 		default:
-			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf("executor Agent: the transfer agent moves GPU KV only between engines on one node (CUDA IPC); a pair the scheduler places on two nodes cannot hand over (it needs the agent's EFA dmabuf path, not built yet) and its requests take loadFailurePolicy %s", policy.LoadFailurePolicy)})
+			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf(
+				"executor Agent: the transfer agent moves GPU KV only between engines on one node (CUDA IPC); a pair the scheduler "+
+					"places on two nodes cannot hand over (that needs the agent's EFA dmabuf path, which it does not have) and its "+
+					"requests take loadFailurePolicy %s", policy.LoadFailurePolicy)})
 		}
 	}
 

@@ -80,7 +80,7 @@ class WorkerSide:
             raise RuntimeError(
                 "kvhandoff connector: the agent moves KV held in GPU memory only between engines on one node "
                 "(CUDA IPC), and this engine's policy keeps pairs on different nodes, where GPU KV needs the "
-                "agent's EFA dmabuf path, which is not built yet; set the KVTransferPolicy's sameNode: Allow or Prefer")
+                "agent's EFA dmabuf path, which it does not have; set the KVTransferPolicy's sameNode: Allow or Prefer")
         if not cuda and not self.memory:
             raise RuntimeError(
                 "kvhandoff connector: the KV cache was not allocated through the connector's memory pool "

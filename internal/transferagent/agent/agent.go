@@ -321,7 +321,7 @@ func newEpoch() uint64 {
 // bits. Time keeps epochs increasing across restarts (engine sessions count up from the
 // agent's epoch, and a restart a second later is 65 million ahead); the random bits keep
 // two agents started in the same millisecond apart. 48 bits of milliseconds last until the
-// year 10889 (microseconds, as before, no longer fit beside 16 bits: 2^48 µs ran out in 1978).
+// year 10889 (microseconds would not fit beside 16 bits: 2^48 µs ran out in 1978).
 func epochAt(t time.Time, random uint16) uint64 {
 	return uint64(t.UnixMilli())<<16 | uint64(random)
 }
