@@ -70,7 +70,9 @@ test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on th
 	$(MAKE) test-vllm
 
 .PHONY: test-gpu
-test-gpu: ## On a host with two NVIDIA GPUs: the CUDA layer (IPC across processes), push, pull and cancels between engines whose KV is GPU memory, and the vLLM connector's CUDA KV through the agent; results in bench/results/gpu/. KVH_CUDA_PEER=0 runs it within one GPU.
+# On a host with two NVIDIA GPUs (KVH_CUDA_PEER=0: within one): the CUDA layer (IPC across processes), push, pull
+# and cancels between engines whose KV is GPU memory, and the vLLM connector's CUDA KV through the agent.
+test-gpu: ## GPU tests on an NVIDIA host; results in bench/results/gpu/.
 	mkdir -p bench/results/gpu
 	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v ./internal/transferagent/cuda/
 	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./internal/transferagent/agent/
@@ -79,7 +81,8 @@ test-gpu: ## On a host with two NVIDIA GPUs: the CUDA layer (IPC across processe
 		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" -m pytest -q -p no:cacheprovider gpu_tests
 
 .PHONY: bench-handoff-gpu
-bench-handoff-gpu: ## On a host with two NVIDIA GPUs: push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes; bench/results/gpu/handoff.json.
+# Push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes.
+bench-handoff-gpu: ## GPU handoffs against raw copies on two NVIDIA GPUs; bench/results/gpu/handoff.json.
 	mkdir -p bench/results/gpu
 	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v -run '^TestGPUHandoffAgainstARawCopy$$' ./internal/transferagent/agent/
 

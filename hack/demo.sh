@@ -12,6 +12,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 bold() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# columns 'NAME:path' ...: kubectl's custom-columns, one argument per column.
+columns() { local IFS=,; echo "$*"; }
 # until_ok 'CONDITION': evaluate the shell condition every 0.1 s until it holds, for up to
 # 60 s (the demo's only waiting; the tests use Eventually).
 until_ok() {
@@ -49,7 +51,10 @@ done
 [ -s "$KUBECONFIG" ] || { echo "the simulated cluster did not come up in 2 minutes" >&2; exit 1; }
 "$kubectl" version 2>/dev/null | sed 's/^/  /'
 "$kubectl" get nodes \
-  -o custom-columns='NODE:.metadata.name,READY:.status.conditions[?(@.type=="Ready")].status,INSTANCE-TYPE:.metadata.labels.node\.kubernetes\.io/instance-type,ZONE:.metadata.labels.topology\.kubernetes\.io/zone,GPU:.status.allocatable.nvidia\.com/gpu,NEURON:.status.allocatable.aws\.amazon\.com/neuron,EFA:.status.allocatable.vpc\.amazonaws\.com/efa'
+  -o custom-columns="$(columns \
+    'NODE:.metadata.name' 'READY:.status.conditions[?(@.type=="Ready")].status' \
+    'INSTANCE-TYPE:.metadata.labels.node\.kubernetes\.io/instance-type' 'ZONE:.metadata.labels.topology\.kubernetes\.io/zone' \
+    'GPU:.status.allocatable.nvidia\.com/gpu' 'NEURON:.status.allocatable.aws\.amazon\.com/neuron' 'EFA:.status.allocatable.vpc\.amazonaws\.com/efa')"
 
 bold "kubectl apply --server-side -k config/default   (CRDs, generated RBAC, the manager's Deployment)"
 "$kubectl" apply --server-side -k config/default | sed 's/^/  /'
@@ -63,11 +68,13 @@ bold "kubectl apply --server-side -k config/samples   (a P5en push pair and a tr
 
 bold "the engines the scheduler placed (decode never on a node of its prefill pool, both in one zone)"
 until_ok 'test "$("$kubectl" get pods -l kvhandoff.io/role --field-selector=status.phase=Running -o name | wc -l)" -ge 4'
-"$kubectl" get pods -l kvhandoff.io/role -o custom-columns='POD:.metadata.name,ROLE:.metadata.labels.kvhandoff\.io/role,NODE:.spec.nodeName,POD-IP:.status.podIP,PHASE:.status.phase,COMPAT-HASH:.metadata.labels.kvhandoff\.io/compat-hash'
+"$kubectl" get pods -l kvhandoff.io/role -o custom-columns="$(columns 'POD:.metadata.name' 'ROLE:.metadata.labels.kvhandoff\.io/role' \
+  'NODE:.spec.nodeName' 'POD-IP:.status.podIP' 'PHASE:.status.phase' 'COMPAT-HASH:.metadata.labels.kvhandoff\.io/compat-hash')"
 
 bold "each DecodePool's router: a Deployment off the accelerator nodes, and the Service clients use"
 until_ok 'test "$("$kubectl" get pods -l kvhandoff.io/router --field-selector=status.phase=Running -o name | wc -l)" -ge 4'
-"$kubectl" get pods -l kvhandoff.io/router -o custom-columns='POD:.metadata.name,ROUTES-TO:.metadata.labels.kvhandoff\.io/router,NODE:.spec.nodeName,PHASE:.status.phase'
+"$kubectl" get pods -l kvhandoff.io/router -o custom-columns="$(columns 'POD:.metadata.name' \
+  'ROUTES-TO:.metadata.labels.kvhandoff\.io/router' 'NODE:.spec.nodeName' 'PHASE:.status.phase')"
 "$kubectl" get svc -l kvhandoff.io/router | sed 's/^/  /'
 
 bold "kubectl get kvtp,pfp,dcp -o wide"
@@ -77,7 +84,9 @@ until_ok 'test "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.status.c
 bold "what a router reads: kubectl get dcp qwen3-32b-decode -o jsonpath='{.status.engines}'"
 "$kubectl" get dcp qwen3-32b-decode -o jsonpath='{.status.engines}'; echo
 bold "pool conditions"
-"$kubectl" get pfp,dcp -o custom-columns='KIND:.kind,NAME:.metadata.name,READY:.status.conditions[?(@.type=="Ready")].reason,DEGRADED:.status.conditions[?(@.type=="Degraded")].status,PAIRED:.status.conditions[?(@.type=="Paired")].reason,MESSAGE:.status.conditions[?(@.type=="Ready")].message'
+"$kubectl" get pfp,dcp -o custom-columns="$(columns 'KIND:.kind' 'NAME:.metadata.name' \
+  'READY:.status.conditions[?(@.type=="Ready")].reason' 'DEGRADED:.status.conditions[?(@.type=="Degraded")].status' \
+  'PAIRED:.status.conditions[?(@.type=="Paired")].reason' 'MESSAGE:.status.conditions[?(@.type=="Ready")].message')"
 
 bold "the engine container the manager rendered for qwen3-32b-decode"
 "$kubectl" get statefulset qwen3-32b-decode -o go-template-file=hack/engine.gotmpl

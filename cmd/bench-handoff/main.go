@@ -26,7 +26,8 @@ func main() {
 	out := flag.String("out", "bench/results", "folder for handoff.json and handoff.png")
 	demo := flag.Bool("demo", false, "instead of the benchmark, push one verified request through two agents (make demo)")
 	flag.StringVar(&agentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")
-	flag.StringVar(&sc.AgentCPUs, "agent-cpus", "", "run the agents (and the floors) on these CPUs (taskset's list, e.g. 0-7) and the simulated engines on the others")
+	flag.StringVar(&sc.AgentCPUs, "agent-cpus", "", "run the agents (and the floors) on these CPUs (taskset's list, e.g. 0-7) and the simulated "+
+		"engines on the others")
 	flag.Parse()
 	if sc.AgentCPUs != "" {
 		if err := onOtherCPUs(sc.AgentCPUs); err != nil {

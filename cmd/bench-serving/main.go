@@ -19,7 +19,8 @@ import (
 func main() {
 	sc := serving.Default()
 	sc.Load.Flags(flag.CommandLine)
-	flag.IntVar(&sc.KVBytesPerToken, "kv-bytes-per-token", sc.KVBytesPerToken, "KV bytes per token over all ranks (Qwen3-32B's shape, head dimension scaled; the real model's is 262144)")
+	flag.IntVar(&sc.KVBytesPerToken, "kv-bytes-per-token", sc.KVBytesPerToken, "KV bytes per token over all ranks (Qwen3-32B's shape, head "+
+		"dimension scaled; the real model's is 262144)")
 	out := flag.String("out", "bench/results", "folder for serving.json and serving.png")
 	demo := flag.Bool("demo", false, "instead of the benchmark, send one chat request per mode through the router (make demo)")
 	flag.StringVar(&sc.AgentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")

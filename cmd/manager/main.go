@@ -18,12 +18,15 @@ func main() {
 	var metricsAddr, probeAddr string
 	var leaderElect bool
 	flag.StringVar(&metricsAddr, "metrics-bind-address", ":8443", "address the Prometheus metrics endpoint binds to; 0 disables it")
-	metricsSecure := flag.Bool("metrics-secure", true, "serve metrics over HTTPS to callers the API server authenticates and authorizes for /metrics (false: plain HTTP to anyone)")
+	metricsSecure := flag.Bool("metrics-secure", true, "serve metrics over HTTPS to callers the API server authenticates and authorizes for "+
+		"/metrics (false: plain HTTP to anyone)")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader, so that only one of several manager replicas reconciles")
 	var images controller.Images
-	flag.StringVar(&images.Router, "router-image", render.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the router of this manager's version")
-	flag.StringVar(&images.Connector, "connector-image", render.DefaultConnectorImage, "image of the vLLM connector init container for engines of a policy with executor Agent: the connector of this manager's version")
+	flag.StringVar(&images.Router, "router-image", render.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the "+
+		"router of this manager's version")
+	flag.StringVar(&images.Connector, "connector-image", render.DefaultConnectorImage, "image of the vLLM connector init container for engines of "+
+		"a policy with executor Agent: the connector of this manager's version")
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
 	flag.Parse()

@@ -104,13 +104,17 @@ const (
 // CheckPool checks what one pool and its policy must satisfy.
 func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Problem, warnings []Warning) {
 	if v, ok := ImageVersion(spec.Image); !ok {
-		warnings = append(warnings, Warning{WarningEngineVersionUnknown, fmt.Sprintf("cannot read a vLLM version from image %q; kvhandoff needs vLLM >= %s (>= %s for Push, >= %s for executor Agent) and cannot check it", spec.Image, MinSafeVersion, MinPushVersion, MinAgentVersion)})
+		warnings = append(warnings, Warning{WarningEngineVersionUnknown, fmt.Sprintf("cannot read a vLLM version from image %q; kvhandoff needs "+
+			"vLLM >= %s (>= %s for Push, >= %s for executor Agent) and cannot check it", spec.Image, MinSafeVersion, MinPushVersion, MinAgentVersion)})
 	} else if v.Less(MinSafeVersion) {
-		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s; versions before %s execute code from the model at load time (CVE-2026-22807, CVSS 8.8); use vllm/vllm-openai:v0.29.0 or later", spec.Image, v, MinSafeVersion), warnings
+		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s; versions before %s execute code from the model at load time "+
+			"(CVE-2026-22807, CVSS 8.8); use vllm/vllm-openai:v0.29.0 or later", spec.Image, v, MinSafeVersion), warnings
 	} else if policy.Mode == kvv1.TransferPush && v.Less(MinPushVersion) {
-		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s, which has no push connector (needs %s); upgrade the image or use a policy with mode: Pull", spec.Image, v, MinPushVersion), warnings
+		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s, which has no push connector (needs %s); upgrade the image or "+
+			"use a policy with mode: Pull", spec.Image, v, MinPushVersion), warnings
 	} else if policy.Executor == kvv1.ExecutorAgent && v.Less(MinAgentVersion) {
-		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s; kvhandoff's connector (executor Agent) needs vLLM %s or later", spec.Image, v, MinAgentVersion), warnings
+		return problem(kvv1.ReasonUnsupportedEngineVersion,
+			"image %q runs vLLM %s; kvhandoff's connector (executor Agent) needs vLLM %s or later", spec.Image, v, MinAgentVersion), warnings
 	}
 	if policy.Executor == kvv1.ExecutorAgent {
 		// Rendered anyway, so the pool reports its engines' own error rather than none.
@@ -121,8 +125,8 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 					"(that needs its dmabuf path), so the engines will stop at start saying so", spec.Accelerator.Type)})
 		case policy.SameNode == kvv1.SameNodeForbid:
 			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported,
-				"executor Agent: vLLM on NvidiaGPU keeps its KV in GPU memory, which the transfer agent moves only between engines "+
-					"on one node (CUDA IPC), and sameNode: Forbid keeps pairs apart (between nodes it needs the agent's EFA dmabuf path, "+
+				"executor Agent: vLLM on NvidiaGPU keeps its KV in GPU memory, which the transfer agent moves only between engines " +
+					"on one node (CUDA IPC), and sameNode: Forbid keeps pairs apart (between nodes it needs the agent's EFA dmabuf path, " +
 					"which it does not have), so the engines will stop at start saying so; set the policy's sameNode: Allow or Prefer"})
 		default:
 			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf(
@@ -133,10 +137,13 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 	}
 
 	if info, ok := instancetype.Lookup(spec.InstanceType); ok && info.Accelerator != spec.Accelerator.Type {
-		return problem(kvv1.ReasonInstanceTypeMismatch, "instanceType %s carries %s accelerators but accelerator.type is %s; change one of them", spec.InstanceType, info.Accelerator, spec.Accelerator.Type), warnings
+		return problem(kvv1.ReasonInstanceTypeMismatch,
+			"instanceType %s carries %s accelerators but accelerator.type is %s; change one of them", spec.InstanceType, info.Accelerator,
+			spec.Accelerator.Type), warnings
 	}
 	if policy.SameNode != kvv1.SameNodeForbid && spec.Accelerator.Type != kvv1.AcceleratorNvidiaGPU {
-		return problem(kvv1.ReasonSameNodeUnsupported, "the policy's sameNode: %s lets a pair share a node, whose KV the transfer agent moves with CUDA IPC, and this pool's accelerators are %s; use sameNode: Forbid", policy.SameNode, spec.Accelerator.Type), warnings
+		return problem(kvv1.ReasonSameNodeUnsupported, "the policy's sameNode: %s lets a pair share a node, whose KV the transfer agent moves with "+
+			"CUDA IPC, and this pool's accelerators are %s; use sameNode: Forbid", policy.SameNode, spec.Accelerator.Type), warnings
 	}
 	if policy.Fabric.Provider == kvv1.ProviderEFA {
 		if _, err := instancetype.EFACount(Accelerators(spec), spec.InstanceType, policy.Fabric.EFAPerAccelerator); err != nil {
@@ -151,21 +158,29 @@ func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.Engine
 	agent := policy.Executor == kvv1.ExecutorAgent
 	switch {
 	case prefill.TransferPolicyRef.Name != decode.TransferPolicyRef.Name:
-		return problem(kvv1.ReasonPolicyMismatch, "PrefillPool %s uses KVTransferPolicy %s but this pool uses %s; both pools of a pair must reference the same policy", prefillName, prefill.TransferPolicyRef.Name, decode.TransferPolicyRef.Name)
+		return problem(kvv1.ReasonPolicyMismatch, "PrefillPool %s uses KVTransferPolicy %s but this pool uses %s; both pools of a pair must "+
+			"reference the same policy", prefillName, prefill.TransferPolicyRef.Name, decode.TransferPolicyRef.Name)
 	case prefill.Model != decode.Model:
-		return problem(kvv1.ReasonModelMismatch, "PrefillPool %s serves model %s but this pool serves %s; KV of one model is meaningless to another", prefillName, prefill.Model, decode.Model)
+		return problem(kvv1.ReasonModelMismatch, "PrefillPool %s serves model %s but this pool serves %s; KV of one model is meaningless to another",
+			prefillName, prefill.Model, decode.Model)
 	case KVCacheDtype(prefill.EngineArgs) != KVCacheDtype(decode.EngineArgs):
-		return problem(kvv1.ReasonKVCacheDtypeMismatch, "PrefillPool %s stores KV as %s but this pool as %s (vLLM's effective KV-cache dtype: --kv-cache-dtype, or --dtype when that is auto); set the same in both pools' engineArgs", prefillName, KVCacheDtype(prefill.EngineArgs), KVCacheDtype(decode.EngineArgs))
+		return problem(kvv1.ReasonKVCacheDtypeMismatch, "PrefillPool %s stores KV as %s but this pool as %s (vLLM's effective KV-cache dtype: "+
+			"--kv-cache-dtype, or --dtype when that is auto); set the same in both pools' engineArgs", prefillName, KVCacheDtype(prefill.EngineArgs),
+			KVCacheDtype(decode.EngineArgs))
 	case prefill.TensorParallelSize > decode.TensorParallelSize:
-		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d, more than this pool's %d; vLLM transfers KV only when prefill's tensor-parallel size is at most decode's", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
+		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d, more than this pool's %d; vLLM transfers KV "+
+			"only when prefill's tensor-parallel size is at most decode's", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
 	case prefill.BlockSize > decode.BlockSize:
-		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d, more than this pool's %d; set the prefill block size at most the decode block size", prefillName, prefill.BlockSize, decode.BlockSize)
+		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d, more than this pool's %d; set the prefill block size at "+
+			"most the decode block size", prefillName, prefill.BlockSize, decode.BlockSize)
 	// The transfer agent moves rank r's blocks into rank r's blocks of equal length: it
 	// serves only pairs of equal TP and block size (vLLM's own connectors reshape).
 	case agent && prefill.TensorParallelSize != decode.TensorParallelSize:
-		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d and this pool %d; with executor Agent both pools must have the same tensorParallelSize", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
+		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d and this pool %d; with executor Agent both "+
+			"pools must have the same tensorParallelSize", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
 	case agent && prefill.BlockSize != decode.BlockSize:
-		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d and this pool %d; with executor Agent both pools must have the same blockSize", prefillName, prefill.BlockSize, decode.BlockSize)
+		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d and this pool %d; with executor Agent both pools must have "+
+			"the same blockSize", prefillName, prefill.BlockSize, decode.BlockSize)
 	}
 	return nil
 }

@@ -28,7 +28,8 @@ func (r *PoolReconciler) apply(ctx context.Context, p pool, desired, live client
 		return err
 	default:
 		if ref := metav1.GetControllerOf(live); ref == nil || ref.UID != owner.GetUID() {
-			return &problem{Reason: kvv1.ReasonNameConflict, Message: fmt.Sprintf("%s %s already exists and is not managed by this pool; rename the pool or delete that object", desired.GetObjectKind().GroupVersionKind().Kind, desired.GetName())}
+			return &problem{Reason: kvv1.ReasonNameConflict, Message: fmt.Sprintf("%s %s already exists and is not managed by this pool; rename "+
+				"the pool or delete that object", desired.GetObjectKind().GroupVersionKind().Kind, desired.GetName())}
 		}
 		if unchanged(desired, live) {
 			return nil
@@ -55,7 +56,8 @@ func (r *PoolReconciler) serverSideApply(ctx context.Context, owner, desired cli
 	if apierrors.IsInvalid(err) {
 		// What kvhandoff renders is valid by construction (the golden files and the
 		// samples prove it); what the pool's template and env add may not be.
-		return &problem{Reason: kvv1.ReasonInvalidTemplate, Message: fmt.Sprintf("the API server refused the %s this pool renders to; check spec.template and spec.env: %v", desired.GetObjectKind().GroupVersionKind().Kind, err)}
+		return &problem{Reason: kvv1.ReasonInvalidTemplate, Message: fmt.Sprintf("the API server refused the %s this pool renders to; check "+
+			"spec.template and spec.env: %v", desired.GetObjectKind().GroupVersionKind().Kind, err)}
 	}
 	return err
 }

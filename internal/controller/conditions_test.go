@@ -79,7 +79,8 @@ var _ = Describe("Conditions for what CEL cannot check", func() {
 	})
 
 	DescribeTable("invalid pairs are reported on the DecodePool and never rendered, and fixing the object clears it",
-		func(prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode *builder.PoolBuilder[*kvv1.DecodePool], reason, message string, fix func(*kvv1.DecodePool)) {
+		func(prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode *builder.PoolBuilder[*kvv1.DecodePool], reason, message string,
+			fix func(*kvv1.DecodePool)) {
 			ns := freshNamespace()
 			d := decode.Obj()
 			create(ns, builder.Policy("policy").Obj(), builder.Policy("other").Obj(), prefill.Obj(), d)

@@ -180,7 +180,8 @@ var _ = Describe("Lifecycle", func() {
 		}
 		Expect(k8s.Create(ctx, pod)).To(Succeed())
 		const says = "0/8 nodes are available: 2 Insufficient vpc.amazonaws.com/efa, 6 node(s) didn't match Pod's node affinity/selector."
-		pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionFalse, Reason: corev1.PodReasonUnschedulable, Message: says}}
+		pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionFalse,
+			Reason: corev1.PodReasonUnschedulable, Message: says}}
 		Expect(k8s.Status().Update(ctx, pod)).To(Succeed())
 		Eventually(func(g Gomega) {
 			c := condition(d, kvv1.ConditionDegraded)

@@ -131,7 +131,8 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 	switch {
 	case apierrors.IsNotFound(err):
 		v.policy = nil
-		v.problem = &problem{Reason: kvv1.ReasonPolicyNotFound, Message: fmt.Sprintf("KVTransferPolicy %s does not exist in namespace %s; create it or fix spec.transferPolicyRef.name", spec.TransferPolicyRef.Name, p.GetNamespace())}
+		v.problem = &problem{Reason: kvv1.ReasonPolicyNotFound, Message: fmt.Sprintf("KVTransferPolicy %s does not exist in namespace %s; create "+
+			"it or fix spec.transferPolicyRef.name", spec.TransferPolicyRef.Name, p.GetNamespace())}
 		return v, nil
 	case err != nil:
 		return nil, err
@@ -147,7 +148,8 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 	switch {
 	case apierrors.IsNotFound(err):
 		v.prefill = nil
-		v.problem = &problem{Reason: kvv1.ReasonPrefillPoolNotFound, Message: fmt.Sprintf("PrefillPool %s does not exist in namespace %s; create it or fix spec.prefillPoolRef.name", p.prefillPoolName(), p.GetNamespace())}
+		v.problem = &problem{Reason: kvv1.ReasonPrefillPoolNotFound, Message: fmt.Sprintf("PrefillPool %s does not exist in namespace %s; create "+
+			"it or fix spec.prefillPoolRef.name", p.prefillPoolName(), p.GetNamespace())}
 	case err != nil:
 		return nil, err
 	default:

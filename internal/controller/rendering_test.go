@@ -49,7 +49,8 @@ var _ = Describe("Rendering through the API server", func() {
 			c := sts.Spec.Template.Spec.Containers[0]
 			Expect(c.Command).To(Equal([]string{"vllm", "serve"}))
 			Expect(c.Args[0]).To(Equal("Qwen/Qwen3-32B"))
-			Expect(strings.Join(c.Args, " ")).To(ContainSubstring("--tensor-parallel-size 8 --pipeline-parallel-size 1 --block-size 16 --port 8000 --kv-transfer-config"))
+			Expect(strings.Join(c.Args, " ")).To(ContainSubstring("--tensor-parallel-size 8 --pipeline-parallel-size 1 --block-size 16 --port 8000 " +
+				"--kv-transfer-config"))
 			var cfg map[string]any
 			Expect(json.Unmarshal([]byte(strings.NewReplacer("$(POD_NAME)", "x", "$(POD_NAMESPACE)", "y").Replace(c.Args[10])), &cfg)).To(Succeed())
 			Expect(cfg).To(HaveKeyWithValue("kv_connector", "NixlPushConnector"))

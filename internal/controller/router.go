@@ -66,7 +66,8 @@ func emptyLike(obj metav1.Object) client.Object {
 // belong to something else are left alone.
 func (r *PoolReconciler) deleteRouter(ctx context.Context, p pool) error {
 	name := render.RouterName(p.object().GetName())
-	for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}, &rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}} {
+	for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{},
+		&rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}} {
 		err := r.Get(ctx, client.ObjectKey{Namespace: p.object().GetNamespace(), Name: name}, obj)
 		if apierrors.IsNotFound(err) {
 			continue

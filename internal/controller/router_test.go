@@ -59,7 +59,8 @@ var _ = Describe("Router", func() {
 		Eventually(func() int32 { Expect(k8s.Get(ctx, key(ns, "d-router"), dep)).To(Succeed()); return *dep.Spec.Replicas }).Should(BeEquivalentTo(2))
 
 		update(d, func(d *kvv1.DecodePool) { d.Spec.Router.Enabled = ptr.To(false) })
-		for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}, &rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}} {
+		for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{},
+			&rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}} {
 			Eventually(func() bool { return apierrors.IsNotFound(k8s.Get(ctx, key(ns, "d-router"), obj)) }).Should(BeTrue(), "%T is removed", obj)
 		}
 		Eventually(func() string {
@@ -86,7 +87,8 @@ var _ = Describe("Router", func() {
 		Eventually(func(g Gomega) {
 			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(p), p)).To(Succeed())
 			g.Expect(p.Status.Engines).To(HaveLen(2))
-			g.Expect(p.Status.Engines[0]).To(And(HaveField("PodName", "p-0"), HaveField("TensorParallelSize", BeEquivalentTo(8)), HaveField("CompatHash", oldHash)))
+			g.Expect(p.Status.Engines[0]).To(And(HaveField("PodName", "p-0"), HaveField("TensorParallelSize", BeEquivalentTo(8)),
+				HaveField("CompatHash", oldHash)))
 			g.Expect(p.Status.Engines[1]).To(And(HaveField("PodName", "p-1"), HaveField("TensorParallelSize", BeEquivalentTo(4))))
 		}).Should(Succeed())
 	})

@@ -46,7 +46,8 @@ var _ = Describe("The samples", func() {
 				Expect(k8s.Get(ctx, key(ns, p.GetName()), p.object())).To(Succeed()) // with defaults
 				policy := &kvv1.KVTransferPolicy{}
 				Expect(k8s.Get(ctx, key(ns, p.engine().TransferPolicyRef.Name), policy)).To(Succeed())
-				want, err := render.Engines(render.Input{Role: p.role(), Name: p.GetName(), Namespace: ns, Spec: p.engine(), Policy: &policy.Spec, PrefillPool: p.prefillPoolName()})
+				want, err := render.Engines(render.Input{Role: p.role(), Name: p.GetName(), Namespace: ns, Spec: p.engine(),
+					Policy: &policy.Spec, PrefillPool: p.prefillPoolName()})
 				Expect(err).NotTo(HaveOccurred())
 				live := statefulSet(ns, p.GetName())
 				Expect(equality.Semantic.DeepDerivative(want.StatefulSet.Spec, live.Spec)).To(BeTrue(),

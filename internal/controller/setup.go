@@ -44,7 +44,8 @@ type Images struct {
 // Setup registers the PrefillPool and DecodePool reconcilers with mgr.
 func Setup(mgr ctrl.Manager, images Images) error {
 	for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
-		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role, RouterImage: images.Router, ConnectorImage: images.Connector}
+		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role,
+			RouterImage: images.Router, ConnectorImage: images.Connector}
 		if err := r.SetupWithManager(mgr); err != nil {
 			return err
 		}

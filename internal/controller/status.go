@@ -208,10 +208,12 @@ func paired(st *kvv1.PoolStatus, v *validation) metav1.Condition {
 		c.Reason, c.Message = v.problem.Reason, v.problem.Message
 	case st.CompatHash == "" || v.prefill.Status.CompatHash == "":
 		c.Reason = kvv1.ReasonCompatHashMismatch
-		c.Message = fmt.Sprintf("waiting for both pools to finish rolling out (this pool's compat-hash %q, PrefillPool %s's %q)", st.CompatHash, v.prefill.Name, v.prefill.Status.CompatHash)
+		c.Message = fmt.Sprintf("waiting for both pools to finish rolling out (this pool's compat-hash %q, PrefillPool %s's %q)",
+			st.CompatHash, v.prefill.Name, v.prefill.Status.CompatHash)
 	case st.CompatHash != v.prefill.Status.CompatHash:
 		c.Reason = kvv1.ReasonCompatHashMismatch
-		c.Message = fmt.Sprintf("this pool's engines have compat-hash %s but PrefillPool %s's have %s: model, KV-cache dtype, mode, connector or image differ", st.CompatHash, v.prefill.Name, v.prefill.Status.CompatHash)
+		c.Message = fmt.Sprintf("this pool's engines have compat-hash %s but PrefillPool %s's have %s: model, KV-cache dtype, mode, connector or "+
+			"image differ", st.CompatHash, v.prefill.Name, v.prefill.Status.CompatHash)
 	default:
 		c.Status, c.Reason = metav1.ConditionTrue, kvv1.ReasonCompatible
 		c.Message = fmt.Sprintf("engines of this pool and PrefillPool %s have compat-hash %s", v.prefill.Name, st.CompatHash)

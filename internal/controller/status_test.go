@@ -50,7 +50,8 @@ func TestPoolStatusConditionTable(t *testing.T) {
 			p := builder.PrefillPool("p").Obj()
 			p.Generation = 3
 			st := poolStatus(prefillPool{p}, &c.v, c.obs)
-			for typ, reason := range map[string]string{kvv1.ConditionReady: c.ready, kvv1.ConditionDegraded: c.degraded, kvv1.ConditionProgressing: c.progress} {
+			for typ, reason := range map[string]string{kvv1.ConditionReady: c.ready, kvv1.ConditionDegraded: c.degraded,
+				kvv1.ConditionProgressing: c.progress} {
 				got := meta.FindStatusCondition(st.Conditions, typ)
 				if got == nil || got.Reason != reason || got.ObservedGeneration != 3 {
 					t.Errorf("%s = %+v, want reason %s at generation 3", typ, got, reason)
@@ -125,7 +126,8 @@ func TestStatusEventsForConditionTransitions(t *testing.T) {
 			[]event{{corev1.EventTypeWarning, kvv1.ReasonPolicyNotFound, "Reconcile", "Degraded=True: "}}},
 		{"engines starting are Normal", kvv1.PoolStatus{}, cond(kvv1.ConditionReady, metav1.ConditionFalse, kvv1.ReasonEnginesNotReady),
 			[]event{{corev1.EventTypeNormal, kvv1.ReasonEnginesNotReady, "Reconcile", "Ready=False: "}}},
-		{"no change, no event", cond(kvv1.ConditionReady, metav1.ConditionTrue, kvv1.ReasonEnginesReady), cond(kvv1.ConditionReady, metav1.ConditionTrue, kvv1.ReasonEnginesReady), nil},
+		{"no change, no event", cond(kvv1.ConditionReady, metav1.ConditionTrue, kvv1.ReasonEnginesReady), cond(kvv1.ConditionReady,
+			metav1.ConditionTrue, kvv1.ReasonEnginesReady), nil},
 	} {
 		got := statusEvents(&c.old, &c.cur)
 		if len(got) != len(c.want) || (len(got) > 0 && got[0] != c.want[0]) {

@@ -55,9 +55,11 @@ func EFACount(accelerators int32, instanceType string, efaPerAccelerator int32) 
 	info, ok := Lookup(instanceType)
 	if !ok {
 		if instanceType == "" {
-			return 0, fmt.Errorf("the pool sets no instanceType and the policy no fabric.efaPerAccelerator, so the number of EFA interfaces is unknown; set spec.instanceType (one of %s) or the policy's spec.fabric.efaPerAccelerator", Names())
+			return 0, fmt.Errorf("the pool sets no instanceType and the policy no fabric.efaPerAccelerator, so the number of EFA interfaces is "+
+				"unknown; set spec.instanceType (one of %s) or the policy's spec.fabric.efaPerAccelerator", Names())
 		}
-		return 0, fmt.Errorf("instanceType %q is not in kvhandoff's table (%s), so the number of EFA interfaces is unknown; set the policy's spec.fabric.efaPerAccelerator", instanceType, Names())
+		return 0, fmt.Errorf("instanceType %q is not in kvhandoff's table (%s), so the number of EFA interfaces is unknown; set the policy's "+
+			"spec.fabric.efaPerAccelerator", instanceType, Names())
 	}
 	return info.EFAFor(accelerators), nil
 }

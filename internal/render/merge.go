@@ -77,7 +77,8 @@ func ownedChanged(rendered, merged *corev1.PodTemplateSpec) string {
 	case !slices.Equal(r.Command, m.Command):
 		return "spec.template must not change the engine container's command: kvhandoff runs vllm serve; use spec.engineArgs for extra arguments"
 	case !slices.Equal(r.Args, m.Args):
-		return "spec.template must not change the engine container's args: they carry the pool's parallelism and its --kv-transfer-config; use spec.engineArgs for extra arguments"
+		return "spec.template must not change the engine container's args: they carry the pool's parallelism and its --kv-transfer-config; use " +
+			"spec.engineArgs for extra arguments"
 	}
 	value := func(c *corev1.Container, name string) *corev1.EnvVar {
 		for i := range c.Env {

@@ -335,7 +335,8 @@ func fieldEnv(name, path string) corev1.EnvVar {
 }
 
 func hostPathVolume(name, path string) corev1.Volume {
-	return corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: path, Type: ptr.To(corev1.HostPathDirectory)}}}
+	return corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: path,
+		Type: ptr.To(corev1.HostPathDirectory)}}}
 }
 
 func httpProbe(path string, period, failures int32) *corev1.Probe {

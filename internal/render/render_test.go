@@ -22,7 +22,8 @@ import (
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/ from the current output")
 
 // pair renders a prefill pool and a decode pool that share policy.
-func pair(t *testing.T, prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode *builder.PoolBuilder[*kvv1.DecodePool], policy *builder.PolicyBuilder) (*Workload, *Workload) {
+func pair(t *testing.T, prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode *builder.PoolBuilder[*kvv1.DecodePool],
+	policy *builder.PolicyBuilder) (*Workload, *Workload) {
 	t.Helper()
 	pol := policy.Obj()
 	p, d := prefill.Obj(), decode.Obj()
@@ -30,7 +31,8 @@ func pair(t *testing.T, prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode 
 	if err != nil {
 		t.Fatal(err)
 	}
-	dw, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec, PrefillPool: d.Spec.PrefillPoolRef.Name})
+	dw, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec,
+		PrefillPool: d.Spec.PrefillPoolRef.Name})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,7 +62,8 @@ func TestGolden(t *testing.T) {
 			name: "trn2-pull",
 			prefill: builder.PrefillPool("llama-prefill").Model("meta-llama/Llama-3.3-70B-Instruct").Image("public.ecr.aws/neuron/vllm-neuronx:v0.29.0").
 				TP(16).BlockSize(32).Accelerator(kvv1.AcceleratorNeuron, 4).InstanceType("trn2.48xlarge").Policy("trn2-pull"),
-			decode: builder.DecodePool("llama-decode", "llama-prefill").Model("meta-llama/Llama-3.3-70B-Instruct").Image("public.ecr.aws/neuron/vllm-neuronx:v0.29.0").
+			decode: builder.DecodePool("llama-decode",
+				"llama-prefill").Model("meta-llama/Llama-3.3-70B-Instruct").Image("public.ecr.aws/neuron/vllm-neuronx:v0.29.0").
 				TP(16).BlockSize(32).Accelerator(kvv1.AcceleratorNeuron, 4).InstanceType("trn2.48xlarge").Policy("trn2-pull"),
 			policy: builder.Policy("trn2-pull").Mode(kvv1.TransferPull).Hugepages2Mi("2Gi").Lease(60),
 		},
@@ -108,7 +111,8 @@ func checkGolden(t *testing.T, name string, got []byte) {
 		t.Fatalf("%v (run go test ./render -update to create it)", err)
 	}
 	if !bytes.Equal(got, want) {
-		t.Errorf("rendered objects differ from %s; if the change is intended, run go test ./render -update and review the diff.\n%s", golden, lineDiff(string(want), string(got)))
+		t.Errorf("rendered objects differ from %s; if the change is intended, run go test ./render -update and review the diff.\n%s",
+			golden, lineDiff(string(want), string(got)))
 	}
 }
 
@@ -174,7 +178,8 @@ func mustJSON(v any) string { b, _ := json.Marshal(v); return string(b) }
 func TestPullHasNoRegistrationTimeout(t *testing.T) {
 	pw, _ := pair(t, builder.PrefillPool("p"), builder.DecodePool("d", "p"), builder.Policy("pull").Mode(kvv1.TransferPull).Backend(kvv1.BackendUCX))
 	cfg := argAfter(engine(pw).Args, "--kv-transfer-config")
-	if strings.Contains(cfg, "push_registration_timeout") || !strings.Contains(cfg, `"kv_connector":"NixlConnector"`) || !strings.Contains(cfg, `"backends":["UCX"]`) {
+	if strings.Contains(cfg, "push_registration_timeout") || !strings.Contains(cfg,
+		`"kv_connector":"NixlConnector"`) || !strings.Contains(cfg, `"backends":["UCX"]`) {
 		t.Errorf("pull config = %s", cfg)
 	}
 }
@@ -250,7 +255,8 @@ func TestTemplateCannotReplaceWhatWiresTheEngine(t *testing.T) {
 	for _, c := range []struct{ template, want string }{
 		{`{"spec": {"containers": [{"name": "engine", "args": ["Qwen/Qwen3-32B"]}]}}`, "must not change the engine container's args"},
 		{`{"spec": {"containers": [{"name": "engine", "command": ["python3", "-m", "my.server"]}]}}`, "must not change the engine container's command"},
-		{`{"spec": {"containers": [{"name": "engine", "env": [{"name": "POD_NAME", "value": "someone-else"}]}]}}`, "must not set the engine container's POD_NAME"},
+		{`{"spec": {"containers": [{"name": "engine", "env": [{"name": "POD_NAME", "value": "someone-else"}]}]}}`,
+			"must not set the engine container's POD_NAME"},
 		{`{"spec": {"containers": [{"name": "engine", "env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "1"}]}]}}`, "VLLM_NIXL_SIDE_CHANNEL_PORT"},
 	} {
 		p := builder.PrefillPool("p").Template(c.template).Obj()
@@ -327,7 +333,8 @@ func TestDecodePlacementFollowsSameNode(t *testing.T) {
 				avoid = a.PodAntiAffinity != nil && a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution[0].TopologyKey == labelHostname
 			}
 			if zone != c.zone || avoid != c.avoid || prefer != c.prefer {
-				t.Errorf("decode affinity %+v: zone %v, avoids prefill's nodes %v, prefers them %v; want %v, %v, %v", pod.Affinity, zone, avoid, prefer, c.zone, c.avoid, c.prefer)
+				t.Errorf("decode affinity %+v: zone %v, avoids prefill's nodes %v, prefers them %v; want %v, %v, %v", pod.Affinity,
+					zone, avoid, prefer, c.zone, c.avoid, c.prefer)
 			}
 			shared := c.sameNode != kvv1.SameNodeForbid
 			if pod.HostPID != shared || pw.StatefulSet.Spec.Template.Spec.HostPID != shared {

@@ -54,7 +54,8 @@ func agentEngine(t *testing.T, a *agentproc.Proc, id string, role agentv1.Role, 
 		}})
 	hs := httptest.NewServer(s)
 	t.Cleanup(hs.Close)
-	return &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: int32(port), TensorParallelSize: int32(l.TP)}, kv: kv}
+	return &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: int32(port),
+		TensorParallelSize: int32(l.TP)}, kv: kv}
 }
 
 func TestKVMovesThroughTheAgentsInBothModes(t *testing.T) {
@@ -114,7 +115,8 @@ func TestADisconnectedPushRequestFreesItsDecodeBlocksAfterTheAgentsAcknowledgeme
 	go func() {
 		defer close(done)
 		// The prefill of a hung engine never ends; the client gives up.
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.URL+"/v1/completions", strings.NewReader(fmt.Sprintf(`{"model":"tiny","prompt":%q,"max_tokens":2}`, long)))
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.URL+"/v1/completions",
+			strings.NewReader(fmt.Sprintf(`{"model":"tiny","prompt":%q,"max_tokens":2}`, long)))
 		req.Header.Set("Content-Type", "application/json")
 		if resp, err := http.DefaultClient.Do(req); err == nil {
 			resp.Body.Close()

@@ -85,7 +85,8 @@ func TestTheRouterFollowsItsEndpointsFile(t *testing.T) {
 func TestReadFileNamesTheFieldThatIsWrong(t *testing.T) {
 	dir := t.TempDir()
 	for body, wantErr := range map[string]string{
-		`{"mode":"Push","prefill":[{"url":"http://a:1","engineID":"p"}],"decode":[]}`:                                     "prefill[0]: host, sideChannelPort and tensorParallelSize must be set in Push mode",
+		`{"mode":"Push","prefill":[{"url":"http://a:1","engineID":"p"}],"decode":[]}`: "prefill[0]: host, sideChannelPort and " +
+			"tensorParallelSize must be set in Push mode",
 		`{"mode":"Pull","prefill":[{"url":"a:1","engineID":"p"}],"decode":[]}`:                                            `prefill[0].url "a:1"`,
 		`{"mode":"Pull","prefill":[],"decode":[{"url":"http://a:1"}]}`:                                                    "decode[0].engineID: must be set",
 		`{"mode":"Pull","prefill":[],"decode":[{"url":"http://a:1","engineID":"d"},{"url":"http://b:1","engineID":"d"}]}`: `decode[1].engineID "d": appears twice`,

@@ -64,7 +64,8 @@ func (s *Server) dispatch(rq *request) result {
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			return result{outcome: OutcomeBadRequest, status: http.StatusRequestEntityTooLarge, msg: fmt.Sprintf("the request body exceeds %d bytes", s.cfg.MaxBodyBytes)}
+			return result{outcome: OutcomeBadRequest, status: http.StatusRequestEntityTooLarge,
+				msg: fmt.Sprintf("the request body exceeds %d bytes", s.cfg.MaxBodyBytes)}
 		}
 		return result{outcome: OutcomeClientGone, msg: err.Error()}
 	}
@@ -198,7 +199,8 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 		_, decodes, _ := pairable(cur, nil)
 		decodes = sameHash(decodes, p.CompatHash)
 		if len(decodes) == 0 {
-			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: fmt.Sprintf("no ready decode engine with prefill engine %s's compat-hash %q (%s)", p.EngineID, p.CompatHash, cur.Source)}, false
+			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: fmt.Sprintf("no ready decode engine with prefill "+
+				"engine %s's compat-hash %q (%s)", p.EngineID, p.CompatHash, cur.Source)}, false
 		}
 		d, releaseD := s.take(balance.Decode, decodes, rq.tokens)
 		rq.decode = d.EngineID
@@ -255,7 +257,8 @@ func (s *Server) prefillLeg(ctx context.Context, rq *request, e discovery.Engine
 	start := time.Now()
 	fail := func(reason, msg string) legResult {
 		s.m.legFails.WithLabelValues("prefill", e.EngineID, reason).Inc()
-		return legResult{res: result{outcome: OutcomePrefillFailed, status: http.StatusBadGateway, engine: e.EngineID, msg: fmt.Sprintf("prefill engine %s: %s", e.EngineID, msg)}, took: time.Since(start)}
+		return legResult{res: result{outcome: OutcomePrefillFailed, status: http.StatusBadGateway, engine: e.EngineID,
+			msg: fmt.Sprintf("prefill engine %s: %s", e.EngineID, msg)}, took: time.Since(start)}
 	}
 	resp, err := s.send(ctx, rq, e, body)
 	if err != nil {
@@ -270,7 +273,8 @@ func (s *Server) prefillLeg(ctx context.Context, rq *request, e discovery.Engine
 	case resp.StatusCode >= 500:
 		return fail("status_5xx", fmt.Sprintf("%s: %.256s", resp.Status, data))
 	case resp.StatusCode >= 400:
-		return legResult{res: result{outcome: OutcomeEngineRefused, status: resp.StatusCode, engine: e.EngineID, msg: fmt.Sprintf("prefill engine %s refused the request: %s", e.EngineID, engineMessage(data))}, took: time.Since(start)}
+		return legResult{res: result{outcome: OutcomeEngineRefused, status: resp.StatusCode, engine: e.EngineID,
+			msg: fmt.Sprintf("prefill engine %s refused the request: %s", e.EngineID, engineMessage(data))}, took: time.Since(start)}
 	}
 	out := legResult{took: time.Since(start)}
 	if needParams {
@@ -344,13 +348,15 @@ func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) 
 		}
 		reason := transportReason(nil, ds.err)
 		s.m.legFails.WithLabelValues("decode", e.EngineID, reason).Inc()
-		return result{outcome: OutcomeDecodeFailed, status: http.StatusBadGateway, engine: e.EngineID, msg: fmt.Sprintf("decode engine %s: %v", e.EngineID, ds.err)}
+		return result{outcome: OutcomeDecodeFailed, status: http.StatusBadGateway, engine: e.EngineID,
+			msg: fmt.Sprintf("decode engine %s: %v", e.EngineID, ds.err)}
 	}
 	defer ds.resp.Body.Close()
 	if ds.resp.StatusCode >= 500 {
 		rest, _ := io.ReadAll(io.LimitReader(ds.resp.Body, 4<<10))
 		s.m.legFails.WithLabelValues("decode", e.EngineID, "status_5xx").Inc()
-		return result{outcome: OutcomeDecodeFailed, status: http.StatusBadGateway, engine: e.EngineID, msg: fmt.Sprintf("decode engine %s: %s: %.256s", e.EngineID, ds.resp.Status, append(ds.first, rest...))}
+		return result{outcome: OutcomeDecodeFailed, status: http.StatusBadGateway, engine: e.EngineID,
+			msg: fmt.Sprintf("decode engine %s: %s: %.256s", e.EngineID, ds.resp.Status, append(ds.first, rest...))}
 	}
 	outcome := OutcomeOK
 	if ds.resp.StatusCode >= 400 {
@@ -494,7 +500,8 @@ func (s *Server) record(rq *request, res result) {
 		s.m.added.WithLabelValues(mode).Observe(rq.added.Seconds())
 	}
 	attrs := []any{"request_id", rq.id, "mode", mode, "outcome", res.outcome, "prefill", rq.prefill, "decode", rq.decode,
-		"prompt_tokens", rq.tokens, "retries", rq.retries, "prefill_ms", ms(rq.prefillTime), "decode_ms", ms(rq.decodeTime), "duration_ms", ms(time.Since(rq.start))}
+		"prompt_tokens", rq.tokens, "retries", rq.retries, "prefill_ms", ms(rq.prefillTime), "decode_ms", ms(rq.decodeTime), "duration_ms",
+		ms(time.Since(rq.start))}
 	if cid := rq.r.Header.Get("X-Request-Id"); cid != "" {
 		attrs = append(attrs, "client_request_id", cid)
 	}

@@ -132,7 +132,8 @@ func TestADecodeFailureAnswers502NamingTheEngine(t *testing.T) {
 		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "decode engine d-broken") {
 			t.Errorf("%s: %s %s, want 502 naming the decode engine", mode, resp.Status, body)
 		}
-		if got := r.metric(t, "kvhandoff_router_requests_total", map[string]string{"mode": strings.ToLower(string(mode)), "outcome": router.OutcomeDecodeFailed, "engine": "d-broken"}); got != 1 {
+		if got := r.metric(t, "kvhandoff_router_requests_total", map[string]string{"mode": strings.ToLower(string(mode)),
+			"outcome": router.OutcomeDecodeFailed, "engine": "d-broken"}); got != 1 {
 			t.Errorf("%s: decode_failed counted %v times", mode, got)
 		}
 	}
@@ -206,7 +207,8 @@ func TestStreamsPassThroughByteForByteAndAsTheyCome(t *testing.T) {
 	d := discovery.Engine{URL: decode.URL, EngineID: "d-0"}
 	r := startRouter(t, kvv1.TransferPull, engines(p), []discovery.Engine{d})
 
-	resp, err := http.Post(r.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"tiny","prompt":"x y","stream":true,"stream_options":{"include_usage":true}}`))
+	resp, err := http.Post(r.URL+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"tiny","prompt":"x y","stream":true,"stream_options":{"include_usage":true}}`))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -60,8 +60,9 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 17),
 		}, []string{"mode", "leg"}),
 		added: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "kvhandoff_router_added_seconds",
-			Help:    "Latency the router adds to a request's first byte: its own time before sending legs, between legs (pull) and before relaying the first byte.",
+			Name: "kvhandoff_router_added_seconds",
+			Help: "Latency the router adds to a request's first byte: its own time before sending legs, between legs (pull) and before relaying " +
+				"the first byte.",
 			Buckets: prometheus.ExponentialBuckets(0.00005, 2, 16),
 		}, []string{"mode"}),
 		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{

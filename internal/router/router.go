@@ -293,7 +293,8 @@ func pairable(set *discovery.Set, exclude map[string]bool) (prefill, decode []di
 	case len(pHashes) == 0:
 		why = fmt.Sprintf("no other ready prefill engine to retry on (%s: %d prefill engines, all failed this request)", set.Source, len(set.Prefill))
 	case len(decode) == 0:
-		why = fmt.Sprintf("no ready prefill and decode engines share a compat-hash (%s): the pools run different configurations; see the DecodePool's Paired condition", set.Source)
+		why = fmt.Sprintf("no ready prefill and decode engines share a compat-hash (%s): the pools run different configurations; see the "+
+			"DecodePool's Paired condition", set.Source)
 	}
 	return prefill, decode, why
 }

@@ -154,7 +154,8 @@ var _ = Describe("GitOps", Label("p5en"), func() {
 		// A spec change bumps metadata.generation; status updates (the StatefulSet
 		// controller's, the manager's) do not, and are not what a second apply may cause.
 		versions := func() map[string]string {
-			out := mustKubectl(ns, "get", "kvtp,pfp,dcp,statefulsets", "-o", `jsonpath={range .items[*]}{.kind}/{.metadata.name}={.metadata.generation}{"\n"}{end}`)
+			out := mustKubectl(ns, "get", "kvtp,pfp,dcp,statefulsets", "-o",
+				`jsonpath={range .items[*]}{.kind}/{.metadata.name}={.metadata.generation}{"\n"}{end}`)
 			m := map[string]string{}
 			for _, line := range strings.Fields(out) {
 				k, v, _ := strings.Cut(line, "=")

@@ -78,7 +78,8 @@ var _ = Describe("Placement", func() {
 		}
 		for _, p := range routers {
 			n := node(p.Spec.NodeName)
-			Expect(accelerated[n.Labels["node.kubernetes.io/instance-type"]]).To(BeFalse(), "router %s landed on %s (%s)", p.Name, n.Name, n.Labels["node.kubernetes.io/instance-type"])
+			Expect(accelerated[n.Labels["node.kubernetes.io/instance-type"]]).To(BeFalse(), "router %s landed on %s (%s)", p.Name,
+				n.Name, n.Labels["node.kubernetes.io/instance-type"])
 			Expect(n.Labels).NotTo(HaveKey(kvv1.LabelAgentReady))
 		}
 		Eventually(func() string { return poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode).RouterService }).Should(Equal("qwen3-32b-decode-router"))
@@ -103,12 +104,14 @@ var _ = Describe("Placement", func() {
 apiVersion: kvhandoff.io/v1alpha1
 kind: PrefillPool
 metadata: {name: p}
-spec: {model: Qwen/Qwen3-32B, image: "vllm/vllm-openai:v0.29.0", tensorParallelSize: 4, accelerator: {type: NvidiaGPU}, instanceType: p5en.48xlarge, transferPolicyRef: {name: push}}
+spec: {model: Qwen/Qwen3-32B, image: "vllm/vllm-openai:v0.29.0", tensorParallelSize: 4, accelerator: {type: NvidiaGPU},
+	instanceType: p5en.48xlarge, transferPolicyRef: {name: push}}
 ---
 apiVersion: kvhandoff.io/v1alpha1
 kind: DecodePool
 metadata: {name: d}
-spec: {model: Qwen/Qwen3-32B, image: "vllm/vllm-openai:v0.29.0", tensorParallelSize: 4, accelerator: {type: NvidiaGPU}, instanceType: p5en.48xlarge, transferPolicyRef: {name: push}, prefillPoolRef: {name: p}}
+spec: {model: Qwen/Qwen3-32B, image: "vllm/vllm-openai:v0.29.0", tensorParallelSize: 4, accelerator: {type: NvidiaGPU},
+	instanceType: p5en.48xlarge, transferPolicyRef: {name: push}, prefillPoolRef: {name: p}}
 `)
 		Expect(running(ns, "p", kvv1.RolePrefill, 1)[0].Spec.NodeName).To(Equal(only))
 		Eventually(func(g Gomega) {

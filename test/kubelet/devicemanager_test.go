@@ -128,7 +128,8 @@ func serve(t *testing.T, k *kubelet, f sysfstest.Fixture, bundles bool, want map
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- server.Serve(ctx, server.Config{PluginDir: filepath.Dir(pluginapi.KubeletSocket), Resources: server.Resources(inv, bundles), State: server.NewState(inv)})
+		done <- server.Serve(ctx, server.Config{PluginDir: filepath.Dir(pluginapi.KubeletSocket), Resources: server.Resources(inv,
+			bundles), State: server.NewState(inv)})
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 	deadline := time.Now().Add(30 * time.Second)

@@ -98,7 +98,8 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 		EngineId: cfg.ID, Role: cfg.Role, Mode: cfg.Mode, TpRank: uint32(cfg.Rank), TpSize: uint32(l.TP),
 		LeaseMillis: uint32(cfg.Lease.Milliseconds()), RegistrationTimeoutMillis: uint32(cfg.RegistrationTimeout.Milliseconds()),
 		BlocksTtlMillis: uint32(cfg.BlocksTTL.Milliseconds()), FabricDomains: cfg.FabricDomains,
-		Layout: &agentv1.KVLayout{Layers: uint32(l.Layers), BlockSize: uint32(l.BlockSize), KvHeads: uint32(l.KVHeads), HeadDim: uint32(l.HeadDim), DtypeBytes: uint32(l.DTypeBytes)},
+		Layout: &agentv1.KVLayout{Layers: uint32(l.Layers), BlockSize: uint32(l.BlockSize), KvHeads: uint32(l.KVHeads),
+			HeadDim: uint32(l.HeadDim), DtypeBytes: uint32(l.DTypeBytes)},
 	})
 	if err != nil {
 		return fail(err)

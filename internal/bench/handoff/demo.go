@@ -23,12 +23,14 @@ func Demo(ctx context.Context, bin, dir, provider string, w io.Writer) error {
 	defer b.Stop()
 	fmt.Fprintf(w, "  agents: prefill node %s, decode node %s, provider %s\n", a.Peer, b.Peer, provider)
 	l := simengine.Qwen3_32B(8, 256)
-	P, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-32b-prefill-0.default", Role: agentv1.Role_ROLE_PREFILL, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: a.Socket})
+	P, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-32b-prefill-0.default", Role: agentv1.Role_ROLE_PREFILL,
+		Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: a.Socket})
 	if err != nil {
 		return err
 	}
 	defer P.Stop()
-	D, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-32b-decode-0.default", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: b.Socket})
+	D, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-32b-decode-0.default", Role: agentv1.Role_ROLE_DECODE,
+		Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: b.Socket})
 	if err != nil {
 		return err
 	}

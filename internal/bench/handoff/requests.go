@@ -236,7 +236,8 @@ func allocate(ctx context.Context, rk *ranks, blocks int, t turn) ([][]uint32, e
 // never answers stay out of the pool, counted in leaked. It returns which ranks were
 // delivered, when the first and the last one were, their descriptors and why the request
 // failed.
-func settle(ctx context.Context, rk *ranks, req string, dst [][]uint32, known []bool, cancel bool, leaked *atomic.Int64) (delivered []bool, first, last time.Time, desc uint64, err error) {
+func settle(ctx context.Context, rk *ranks, req string, dst [][]uint32, known []bool, cancel bool,
+	leaked *atomic.Int64) (delivered []bool, first, last time.Time, desc uint64, err error) {
 	var mu sync.Mutex
 	delivered = make([]bool, len(rk.D))
 	err = parallel(len(rk.D), func(r int) error {

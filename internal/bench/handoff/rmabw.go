@@ -204,7 +204,8 @@ type agentRate struct {
 // blocks. It measures the bytes over the time from SourceReady to DELIVERED, summed over
 // the requests, and over the prefill agent's own post and wire stages.
 func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine.Layout) (rate agentRate, err error) {
-	a, b, err := agentproc.StartPairWith(sc.AgentBin, filepath.Join(sc.WorkDir, fmt.Sprintf("throughput-%d", len(env))), sc.Provider, agentproc.Options{Env: env, CPUs: sc.AgentCPUs, Flags: sc.agents().Flags})
+	a, b, err := agentproc.StartPairWith(sc.AgentBin, filepath.Join(sc.WorkDir, fmt.Sprintf("throughput-%d", len(env))), sc.Provider,
+		agentproc.Options{Env: env, CPUs: sc.AgentCPUs, Flags: sc.agents().Flags})
 	if err != nil {
 		return rate, err
 	}
@@ -230,7 +231,8 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 		p    *agentproc.Proc
 		role agentv1.Role
 	}{{a, agentv1.Role_ROLE_PREFILL}, {b, agentv1.Role_ROLE_DECODE}} {
-		e, err := simengine.Start(ctx, simengine.Config{ID: "throughput-" + strings.ToLower(x.role.String()), Role: x.role, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: x.p.Socket})
+		e, err := simengine.Start(ctx, simengine.Config{ID: "throughput-" + strings.ToLower(x.role.String()), Role: x.role,
+			Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: x.p.Socket})
 		if err != nil {
 			return rate, err
 		}

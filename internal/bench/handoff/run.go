@@ -407,14 +407,16 @@ type ranks struct {
 func startRanks(ctx context.Context, sc Scenario, m mode, l simengine.Layout, a, b *agentproc.Proc) (*ranks, error) {
 	rk := &ranks{}
 	for r := range sc.TP {
-		p, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-prefill-" + m.name, Role: agentv1.Role_ROLE_PREFILL, Mode: m.agent, Rank: r, Layout: l, Socket: a.Socket,
+		p, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-prefill-" + m.name, Role: agentv1.Role_ROLE_PREFILL, Mode: m.agent,
+			Rank: r, Layout: l, Socket: a.Socket,
 			Lease: sc.Lease, RegistrationTimeout: sc.RegistrationTimeout, BlocksTTL: sc.BlocksTTL})
 		if err != nil {
 			rk.stop()
 			return nil, err
 		}
 		rk.P = append(rk.P, p)
-		d, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-decode-" + m.name, Role: agentv1.Role_ROLE_DECODE, Mode: m.agent, Rank: r, Layout: l, Socket: b.Socket,
+		d, err := simengine.Start(ctx, simengine.Config{ID: "qwen3-decode-" + m.name, Role: agentv1.Role_ROLE_DECODE, Mode: m.agent,
+			Rank: r, Layout: l, Socket: b.Socket,
 			Lease: sc.Lease, RegistrationTimeout: sc.RegistrationTimeout, BlocksTTL: sc.BlocksTTL})
 		if err != nil {
 			rk.stop()

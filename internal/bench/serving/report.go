@@ -12,7 +12,8 @@ import (
 
 // Markdown writes the report's table.
 func (r *Report) Markdown(w io.Writer) {
-	fmt.Fprintf(w, "Router + simulated engines + two transfer agents (`%s`, %.2f GB/s measured), %s; %.0f QPS Poisson, %d-token prompts, TP %d, %.1f MB of KV per request (%.0f%% of the measured bandwidth), prefill %.1f ms; %d arrivals per mode, the same for both.\n\n",
+	fmt.Fprintf(w, "Router + simulated engines + two transfer agents (`%s`, %.2f GB/s measured), %s; %.0f QPS Poisson, %d-token prompts, TP %d, "+
+		"%.1f MB of KV per request (%.0f%% of the measured bandwidth), prefill %.1f ms; %d arrivals per mode, the same for both.\n\n",
 		r.Provider, r.BandwidthGBps, r.Machine, r.QPS, r.PromptTokens, r.TP, float64(r.BytesPerRequest)/1e6, r.OfferedLoad*100, r.PrefillMs, r.ArrivalsPerMode)
 	fmt.Fprintln(w, "| mode | TTFT p50 / p90 / p99 (ms) | router-added p50 / p99 (ms) | prefill leg p50 (ms) | decode leg to first byte p50 (ms) | outcomes |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|")

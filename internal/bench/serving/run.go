@@ -128,7 +128,8 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 		ArrivalsPerMode: len(arr),
 	}
 	rep.OfferedLoad = report.Round(sc.QPS * float64(rep.BytesPerRequest) / bw)
-	sc.Logf("provider %s: %.2f GB/s; %d KV bytes per request; prefill %.1f ms; %d arrivals per mode", sc.Provider, bw/1e9, rep.BytesPerRequest, rep.PrefillMs, len(arr))
+	sc.Logf("provider %s: %.2f GB/s; %d KV bytes per request; prefill %.1f ms; %d arrivals per mode", sc.Provider, bw/1e9,
+		rep.BytesPerRequest, rep.PrefillMs, len(arr))
 
 	a, b, err := agentproc.StartPair(sc.AgentBin, sc.WorkDir, sc.Provider)
 	if err != nil {
@@ -158,7 +159,8 @@ func Run(ctx context.Context, sc Scenario) (*Report, error) {
 			}
 		}
 		r.RouterAdded, r.RouterRelay, r.PrefillLeg, r.DecodeLeg = report.Of(added), report.Of(relay), report.Of(pre), report.Of(dec)
-		sc.Logf("%s: %v; TTFT p50 %.1f ms; router-added p50 %.3f ms, p99 %.3f ms (relaying the first byte: p50 %.3f, p99 %.3f)", r.Mode, r.Outcomes, r.TTFT.P50, r.RouterAdded.P50, r.RouterAdded.P99, r.RouterRelay.P50, r.RouterRelay.P99)
+		sc.Logf("%s: %v; TTFT p50 %.1f ms; router-added p50 %.3f ms, p99 %.3f ms (relaying the first byte: p50 %.3f, p99 %.3f)",
+			r.Mode, r.Outcomes, r.TTFT.P50, r.RouterAdded.P50, r.RouterAdded.P99, r.RouterRelay.P50, r.RouterRelay.P99)
 		rep.Results = append(rep.Results, *r)
 	}
 	rep.PullMinusPushTTFTP50 = report.Round(rep.Results[1].TTFT.P50 - rep.Results[0].TTFT.P50)

@@ -101,7 +101,8 @@ func startStack(ctx context.Context, mode kvv1.TransferMode, l simengine.Layout,
 			s.stop()
 			return nil, err
 		}
-		e := discovery.Engine{URL: "http://127.0.0.1:" + strconv.Itoa(port), EngineID: side.id, Host: "127.0.0.1", SideChannelPort: int32(sc), TensorParallelSize: int32(l.TP)}
+		e := discovery.Engine{URL: "http://127.0.0.1:" + strconv.Itoa(port), EngineID: side.id, Host: "127.0.0.1",
+			SideChannelPort: int32(sc), TensorParallelSize: int32(l.TP)}
 		if side.role == agentv1.Role_ROLE_PREFILL {
 			set.Prefill = append(set.Prefill, e)
 		} else {

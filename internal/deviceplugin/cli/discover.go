@@ -24,7 +24,8 @@ func Discover(args []string, stdout, stderr io.Writer) int {
 	devRoot := fs.String("dev-root", "/dev", "folder holding the device nodes")
 	useNVML := fs.Bool("nvml", true, "ask NVML about GPUs (UUIDs, NVLink)")
 	output := fs.String("o", "table", "output: table or json")
-	prefer := fs.String("prefer", "", "print the preferred allocation for this resource ("+server.ResourceEFA+", "+server.ResourceGPUEFA+", "+server.ResourceNeuronEFA+")")
+	prefer := fs.String("prefer", "",
+		"print the preferred allocation for this resource ("+server.ResourceEFA+", "+server.ResourceGPUEFA+", "+server.ResourceNeuronEFA+")")
 	size := fs.Int("size", 0, "with --prefer: how many devices")
 	available := fs.String("available", "", "with --prefer: comma-separated available ids (default: all)")
 	must := fs.String("must-include", "", "with --prefer: comma-separated ids the allocation must include")

@@ -56,7 +56,8 @@ func TestDiscoverRefusesAnImpossiblePreference(t *testing.T) {
 	if err := sysfstest.Trn2().Write(dir, filepath.Join(dir, "dev")); err != nil {
 		t.Fatal(err)
 	}
-	_, stderr, code := discover(t, "--sysfs-root", dir, "--dev-root", filepath.Join(dir, "dev"), "--nvml=false", "--prefer", "vpc.amazonaws.com/efa", "--size", "17")
+	_, stderr, code := discover(t, "--sysfs-root", dir, "--dev-root", filepath.Join(dir, "dev"), "--nvml=false", "--prefer",
+		"vpc.amazonaws.com/efa", "--size", "17")
 	if code == 0 || !strings.Contains(stderr, "cannot pick 17 of the 16 available") {
 		t.Fatalf("exit %d, %s", code, stderr)
 	}

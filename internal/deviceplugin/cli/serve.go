@@ -25,7 +25,9 @@ func Serve(args []string, stderr io.Writer) int {
 	devRoot := fs.String("dev-root", "/dev", "folder holding the device nodes")
 	pluginDir := fs.String("plugin-dir", pluginapi.DevicePluginPath, "the kubelet's device-plugin folder")
 	useNVML := fs.Bool("nvml", true, "ask NVML about GPUs and watch their XID events")
-	bundles := fs.Bool("bundles", false, "advertise "+server.ResourceGPUEFA+" and "+server.ResourceNeuronEFA+", and "+server.ResourceEFA+" only for EFAs outside every bundle (replaces the stock GPU/Neuron and EFA plugins on the node)")
+	bundles := fs.Bool("bundles", false,
+		"advertise "+server.ResourceGPUEFA+" and "+server.ResourceNeuronEFA+", and "+server.ResourceEFA+" only for EFAs outside every bundle "+
+			"(replaces the stock GPU/Neuron and EFA plugins on the node)")
 	interval := fs.Duration("health-interval", 5*time.Second, "how often device nodes and EFA ports are checked")
 	recoverAfter := fs.Duration("recover-after", 2*time.Minute, "how long a failed device must pass every check before it is healthy again")
 	if err := fs.Parse(args); err != nil {

@@ -162,7 +162,8 @@ func gpus(root sysfs.Root, o Options, byAddr map[string]sysfs.PCIFunction, inv *
 			for _, g := range list {
 				f, ok := byAddr[g.PCIBusID]
 				if !ok || f.Vendor != sysfs.VendorNVIDIA {
-					inv.Problems = append(inv.Problems, fmt.Sprintf("NVML reports GPU %s at %s, which sysfs does not show as an NVIDIA function", g.UUID, g.PCIBusID))
+					inv.Problems = append(inv.Problems,
+						fmt.Sprintf("NVML reports GPU %s at %s, which sysfs does not show as an NVIDIA function", g.UUID, g.PCIBusID))
 					f = sysfs.PCIFunction{Address: g.PCIBusID, NUMANode: -1}
 				}
 				out = append(out, Device{Kind: GPU, ID: g.UUID, UUID: g.UUID, PCIBusID: g.PCIBusID, NUMANode: f.NUMANode, Bridges: f.Bridges,
@@ -179,7 +180,8 @@ func gpus(root sysfs.Root, o Options, byAddr map[string]sysfs.PCIFunction, inv *
 		}
 		minor := root.NvidiaMinor(f.Address)
 		if minor < 0 {
-			inv.Problems = append(inv.Problems, fmt.Sprintf("NVIDIA GPU %s: no device minor in proc/driver/nvidia (driver not loaded?); not advertised", f.Address))
+			inv.Problems = append(inv.Problems, fmt.Sprintf("NVIDIA GPU %s: no device minor in proc/driver/nvidia (driver not loaded?); not "+
+				"advertised", f.Address))
 			continue
 		}
 		out = append(out, Device{Kind: GPU, ID: fmt.Sprintf("nvidia%d", minor), PCIBusID: f.Address, NUMANode: f.NUMANode, Bridges: f.Bridges,

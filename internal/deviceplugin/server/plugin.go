@@ -164,7 +164,8 @@ func (p *plugin) GetPreferredAllocation(_ context.Context, req *pluginapi.Prefer
 	for _, c := range req.ContainerRequests {
 		ids := p.res.preferred(inv, c.AvailableDeviceIDs, c.MustIncludeDeviceIDs, int(c.AllocationSize))
 		if ids == nil {
-			return nil, fmt.Errorf("%s: cannot pick %d of %d available devices including %v", p.res.Name, c.AllocationSize, len(c.AvailableDeviceIDs), c.MustIncludeDeviceIDs)
+			return nil, fmt.Errorf("%s: cannot pick %d of %d available devices including %v", p.res.Name, c.AllocationSize,
+				len(c.AvailableDeviceIDs), c.MustIncludeDeviceIDs)
 		}
 		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerPreferredAllocationResponse{DeviceIDs: ids})
 	}

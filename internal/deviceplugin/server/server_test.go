@@ -177,7 +177,8 @@ func TestEFAPluginOverTheKubeletAPI(t *testing.T) {
 	if len(paths) != 3 || !slices.Contains(paths, "/dev/infiniband/rdma_cm") {
 		t.Errorf("allocated device nodes %v: want two uverbs and rdma_cm once", paths)
 	}
-	if _, err := c.Allocate(ctx, &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: []string{"mlx5_0"}}}}); err == nil || !strings.Contains(err.Error(), `unknown device "mlx5_0"`) {
+	if _, err := c.Allocate(ctx,
+		&pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: []string{"mlx5_0"}}}}); err == nil || !strings.Contains(err.Error(), `unknown device "mlx5_0"`) {
 		t.Errorf("allocating a non-EFA device: %v", err)
 	}
 
@@ -316,7 +317,8 @@ func TestHealthFollowsDeviceNodesPortsAndXIDsAndRecovers(t *testing.T) {
 	// Every wait below ends in a failure, not a hang, if the transition never comes.
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	mon := &health.Monitor{Root: fx.root, DevRoot: fx.dev, Interval: 20 * time.Millisecond, Tracker: tracker, Events: n.events, NVML: n, Report: fx.state.SetHealth}
+	mon := &health.Monitor{Root: fx.root, DevRoot: fx.dev, Interval: 20 * time.Millisecond, Tracker: tracker, Events: n.events,
+		NVML: n, Report: fx.state.SetHealth}
 	go mon.Run(ctx, fx.inv)
 
 	gpuStream, err := fx.client(t, ResourceGPUEFA).ListAndWatch(ctx, &pluginapi.Empty{})

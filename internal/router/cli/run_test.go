@@ -33,7 +33,8 @@ func TestFlagsThatCannotRouteAreRefusedByName(t *testing.T) {
 
 func TestTheRouterServesFromAnEndpointsFileAndStopsOnASignal(t *testing.T) {
 	file := filepath.Join(t.TempDir(), "endpoints.json")
-	_ = os.WriteFile(file, []byte(`{"mode":"Pull","prefill":[{"url":"http://127.0.0.1:1","engineID":"p"}],"decode":[{"url":"http://127.0.0.1:2","engineID":"d"}]}`), 0o644)
+	_ = os.WriteFile(file,
+		[]byte(`{"mode":"Pull","prefill":[{"url":"http://127.0.0.1:1","engineID":"p"}],"decode":[{"url":"http://127.0.0.1:2","engineID":"d"}]}`), 0o644)
 	ready := make(chan string, 1)
 	exit := make(chan int, 1)
 	var stderr bytes.Buffer

@@ -59,7 +59,8 @@ func setPodStatus(t *testing.T, c client.Client, pod *corev1.Pod, ip string, isR
 }
 
 func status(pod, ns, ip string) kvv1.EngineStatus {
-	return kvv1.EngineStatus{PodName: pod, EngineID: pod + "." + ns, Host: ip, SideChannelPort: 5600, TensorParallelSize: 8, PipelineParallelSize: 1, CompatHash: "h1", Ready: true}
+	return kvv1.EngineStatus{PodName: pod, EngineID: pod + "." + ns, Host: ip, SideChannelPort: 5600, TensorParallelSize: 8,
+		PipelineParallelSize: 1, CompatHash: "h1", Ready: true}
 }
 
 func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {

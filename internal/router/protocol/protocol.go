@@ -229,7 +229,8 @@ func valueTokens(raw []byte) int {
 	case c == '[':
 		// Token ids, the common case: with no string, array or object inside, the
 		// elements are numbers, and the commas count them (SIMD-backed scans).
-		if inner := bytes.TrimSpace(raw[1 : len(raw)-1]); bytes.IndexByte(inner, '"') < 0 && bytes.IndexByte(inner, '[') < 0 && bytes.IndexByte(inner, '{') < 0 {
+		if inner := bytes.TrimSpace(raw[1 : len(raw)-1]); bytes.IndexByte(inner, '"') < 0 && bytes.IndexByte(inner,
+			'[') < 0 && bytes.IndexByte(inner, '{') < 0 {
 			if len(inner) == 0 {
 				return 0
 			}

@@ -191,7 +191,8 @@ func (ds *decodeSide) onAcquired(pr *mesh.Peer, m *wire.Acquired) {
 		fail(fmt.Sprintf("prefill engine %s: %v", g.Source, err))
 		return
 	}
-	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, re.regions, s.layout, s.ep.Limits().MaxMsgSize)
+	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, re.regions, s.layout,
+		s.ep.Limits().MaxMsgSize)
 	if err != nil {
 		s.n.metrics.refused.WithLabelValues("peer", "Pull").Inc()
 		fail(err.Error())

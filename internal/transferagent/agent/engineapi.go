@@ -157,7 +157,8 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		return nil, invalid("lease_millis", "and registration_timeout_millis and blocks_ttl_millis must be at most a day")
 	}
 	if t := requestTimeouts(r).complete(a.cfg.Timeouts); t.RegistrationTimeout < t.Lease {
-		return nil, invalid("registration_timeout_millis", "%s is shorter than the lease %s (the policy's rule: registrationTimeout ≥ lease)", t.RegistrationTimeout, t.Lease)
+		return nil, invalid("registration_timeout_millis",
+			"%s is shorter than the lease %s (the policy's rule: registrationTimeout ≥ lease)", t.RegistrationTimeout, t.Lease)
 	}
 	if err := a.Ready(); err != nil {
 		return nil, status.Error(codes.Unavailable, err.Error())
@@ -192,7 +193,8 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 	if old != nil && !old.ended() && old.id != r.ReplacesSession {
 		// Only the live incarnation itself, which alone knows its session id, may hand its
 		// rank over; a restarted engine finds the rank free once its old stream closed.
-		return refuse(status.Errorf(codes.AlreadyExists, "engine_id: %s rank %d has a live session; register again once its event stream has ended, or name it in replaces_session", r.EngineId, r.TpRank))
+		return refuse(status.Errorf(codes.AlreadyExists, "engine_id: %s rank %d has a live session; register again once its event stream has "+
+			"ended, or name it in replaces_session", r.EngineId, r.TpRank))
 	}
 	if old == nil && len(a.sessions) >= maxSessions {
 		return refuse(status.Errorf(codes.ResourceExhausted, "the agent serves %d engine ranks, its limit", maxSessions))
@@ -244,13 +246,15 @@ func (e *engineAPI) RegisterRegion(ctx context.Context, r *agentv1.RegisterRegio
 		if !fabric.HasDmabuf() {
 			return nil, status.Errorf(codes.FailedPrecondition, "kind %s: %v", r.Kind, fabric.ErrNoDmabuf)
 		}
-		return nil, status.Errorf(codes.Unimplemented, "kind %s: device memory needs its dmabuf fd passed to the agent over the socket, which this agent does not accept yet", r.Kind)
+		return nil, status.Errorf(codes.Unimplemented, "kind %s: device memory needs its dmabuf fd passed to the agent over the socket, which this "+
+			"agent does not accept yet", r.Kind)
 	default:
 		return nil, invalid("kind", "must be MEMORY_KIND_HOST, _CUDA or _NEURON")
 	}
 	f := s.claim(r.MemoryHandle)
 	if f == nil {
-		return nil, invalid("memory_handle", "%d names no memfd this session passed over %s (each handle registers one region)", r.MemoryHandle, agentv1.MemorySocketName)
+		return nil, invalid("memory_handle", "%d names no memfd this session passed over %s (each handle registers one region)",
+			r.MemoryHandle, agentv1.MemorySocketName)
 	}
 	m, err := mapFD(f, r.Offset, r.Size)
 	f.Close() // the mapping keeps the memory

@@ -91,7 +91,8 @@ func TestGPUHandoffAgainstARawCopy(t *testing.T) {
 		name := map[agentv1.Mode]string{agentv1.Mode_MODE_PUSH: "push", agentv1.Mode_MODE_PULL: "pull"}[mode]
 		mean, best, stages := gpuHandoffs(t, gpuPair(t, mode, l), name, blocks, 20)
 		means[name] = mean
-		res[name] = map[string]any{"handoff_mean_ms": ms(mean), "handoff_best_ms": ms(best), "handoff_gb_per_s": bytes / mean.Seconds() / 1e9, "agent_stage_mean": stages}
+		res[name] = map[string]any{"handoff_mean_ms": ms(mean), "handoff_best_ms": ms(best),
+			"handoff_gb_per_s": bytes / mean.Seconds() / 1e9, "agent_stage_mean": stages}
 	}
 	// The raw copy driven from the source GPU (as prefill pushes) and from the destination
 	// GPU (as decode pulls).
@@ -233,6 +234,7 @@ func rawCopy(t *testing.T, src, dst, on, piece, pieces int) time.Duration {
 		}
 		batched = min(batched, time.Since(start))
 	}
-	t.Logf("raw copy from GPU %d to GPU %d driven on GPU %d: %d copies one by one %v, in one CopyAll %v (driver batch: %v)", src, dst, on, pieces, oneByOne, batched, cuda.BatchCopies())
+	t.Logf("raw copy from GPU %d to GPU %d driven on GPU %d: %d copies one by one %v, in one CopyAll %v (driver batch: %v)", src, dst,
+		on, pieces, oneByOne, batched, cuda.BatchCopies())
 	return min(oneByOne, batched)
 }

@@ -23,7 +23,9 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	m := &metrics{
 		stage: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvhandoff_agent_handoff_stage_seconds",
-			Help: "Handoff latency by stage: rendezvous_wait (push: source ready until paired with a registration; pull: acquire round trip), post (paired until the last write was posted), wire (last write posted until every write completed; pull: the reads), notify (decode: signal received until the engine was told).",
+			Help: "Handoff latency by stage: rendezvous_wait (push: source ready until paired with a registration; pull: acquire round trip), post " +
+				"(paired until the last write was posted), wire (last write posted until every write completed; pull: the reads), notify " +
+				"(decode: signal received until the engine was told).",
 			// 10 µs to ~40 s.
 			Buckets: prometheus.ExponentialBuckets(10e-6, 2.5, 17),
 		}, []string{"mode", "stage"}),
@@ -46,10 +48,12 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvhandoff_agent_refused_total", Help: "Refused engine calls and peer messages, by call and code.",
 		}, []string{"call", "code"}),
 		parts: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvhandoff_agent_source_parts_total", Help: "SourceReady parts accepted: layer_group (a span of regions, layer-streamed push) or blocks (runs of whole blocks).",
+			Name: "kvhandoff_agent_source_parts_total", Help: "SourceReady parts accepted: layer_group (a span of regions, layer-streamed push) or " +
+				"blocks (runs of whole blocks).",
 		}, []string{"kind"}),
 		rails: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvhandoff_agent_rail_bytes_total", Help: "Bytes of RMA writes and reads completed, by rail (--rails): how a rank's transfers split over its endpoints.",
+			Name: "kvhandoff_agent_rail_bytes_total", Help: "Bytes of RMA writes and reads completed, by rail (--rails): how a rank's transfers " +
+				"split over its endpoints.",
 		}, []string{"rail"}),
 		sessions: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_engine_sessions", Help: "Engine ranks registered."}),
 		peers:    prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_peer_connections", Help: "Connections to other agents."}),

@@ -50,7 +50,8 @@ func (ps *prefillSide) access() fabric.Access { return fabric.Source | fabric.Re
 
 func (ps *prefillSide) freeze() {
 	s := ps.s
-	ps.table = rendezvous.New(rendezvous.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout, BlocksTTL: s.pol.BlocksTTL, Regions: len(s.regions)})
+	ps.table = rendezvous.New(rendezvous.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout,
+		BlocksTTL: s.pol.BlocksTTL, Regions: len(s.regions)})
 	local := make(map[int]*fabric.Region, len(s.regions))
 	for id, r := range s.regions {
 		if r.reg != nil {

@@ -125,7 +125,8 @@ func TestRanksOpenTheNICsTheyName(t *testing.T) {
 		{[]string{have[0], have[0]}, "fabric_domains[1]: " + fmt.Sprintf("%q", have[0]) + " is named twice"},
 		{slices.Repeat([]string{have[0]}, 17), "fabric_domains: names 17 domains; a rank has at most 16 rails"},
 	} {
-		if _, err := start(p.A, "refused-0.default", agentv1.Role_ROLE_PREFILL, c.domains); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), c.want) {
+		if _, err := start(p.A, "refused-0.default", agentv1.Role_ROLE_PREFILL,
+			c.domains); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("fabric_domains %v: %v, want InvalidArgument containing %q", c.domains, err, c.want)
 		}
 	}

@@ -113,7 +113,8 @@ func TestARestartedDecodeEngineGetsNothingMeantForItsPredecessor(t *testing.T) {
 	until(t, "the restarted engine registers", func() bool {
 		ctx, cancel := context.WithTimeout(bg, 5*time.Second)
 		defer cancel()
-		e, err := simengine.Start(ctx, simengine.Config{ID: "decode-0.default", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: p.B.Socket})
+		e, err := simengine.Start(ctx, simengine.Config{ID: "decode-0.default", Role: agentv1.Role_ROLE_DECODE,
+			Mode: agentv1.Mode_MODE_PUSH, Layout: l, Socket: p.B.Socket})
 		if err != nil {
 			return false
 		}

@@ -44,11 +44,15 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 	api := cl.API
 	layout := &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}
 	reg := func(r *agentv1.RegisterEngineRequest) error { _, err := api.RegisterEngine(bg, r); return err }
-	refused(t, "empty engine id", reg(&agentv1.RegisterEngineRequest{Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout}), codes.InvalidArgument, "engine_id")
-	refused(t, "rank past size", reg(&agentv1.RegisterEngineRequest{EngineId: "e", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpRank: 2, TpSize: 2, Layout: layout}), codes.InvalidArgument, "tp_rank")
-	refused(t, "heads that do not split", reg(&agentv1.RegisterEngineRequest{EngineId: "e", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 3, Layout: layout}), codes.InvalidArgument, "layout.kv_heads")
+	refused(t, "empty engine id", reg(&agentv1.RegisterEngineRequest{Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH,
+		TpSize: 1, Layout: layout}), codes.InvalidArgument, "engine_id")
+	refused(t, "rank past size", reg(&agentv1.RegisterEngineRequest{EngineId: "e", Role: agentv1.Role_ROLE_DECODE,
+		Mode: agentv1.Mode_MODE_PUSH, TpRank: 2, TpSize: 2, Layout: layout}), codes.InvalidArgument, "tp_rank")
+	refused(t, "heads that do not split", reg(&agentv1.RegisterEngineRequest{EngineId: "e", Role: agentv1.Role_ROLE_DECODE,
+		Mode: agentv1.Mode_MODE_PUSH, TpSize: 3, Layout: layout}), codes.InvalidArgument, "layout.kv_heads")
 
-	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "bad-input", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout})
+	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "bad-input", Role: agentv1.Role_ROLE_DECODE,
+		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,7 +65,8 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 	defer syscall.Munmap(mem)
 	defer syscall.Close(fd)
 	register := func(id uint32, handle uint64, off, size uint64, kind agentv1.MemoryKind) error {
-		_, err := api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, RegionId: id, Kind: kind, MemoryHandle: handle, Offset: off, Size: size, BlockLen: 1024, BlockCount: 16})
+		_, err := api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, RegionId: id, Kind: kind,
+			MemoryHandle: handle, Offset: off, Size: size, BlockLen: 1024, BlockCount: 16})
 		return err
 	}
 	pass := func(session string, fd int) uint64 {
@@ -136,24 +141,28 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 	refused(t, "an overlapping region", region(1, 8<<10, 16<<10, host), codes.AlreadyExists, "overlap")
 	// Another engine naming the same memory (it got hold of the memfd) is refused too.
 	refused(t, "another engine's memory", func() error {
-		other, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "thief", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout})
+		other, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "thief", Role: agentv1.Role_ROLE_DECODE,
+			Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer other.Close()
-		_, err = api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: other.Session, RegionId: 0, Kind: host, MemoryHandle: pass(other.Session, fd), Offset: 0, Size: 16 << 10, BlockLen: 1024, BlockCount: 16})
+		_, err = api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: other.Session, RegionId: 0, Kind: host,
+			MemoryHandle: pass(other.Session, fd), Offset: 0, Size: 16 << 10, BlockLen: 1024, BlockCount: 16})
 		return err
 	}(), codes.AlreadyExists, "overlap")
 
 	src := p.P[0].Self
 	dest := func(req string, blocks []uint32, source *agentv1.EngineRef) error {
-		_, err := api.RegisterDestination(bg, &agentv1.RegisterDestinationRequest{Session: e.Session, RequestId: req, Attempt: 1, BlockIds: blocks, Source: source})
+		_, err := api.RegisterDestination(bg, &agentv1.RegisterDestinationRequest{Session: e.Session, RequestId: req, Attempt: 1,
+			BlockIds: blocks, Source: source})
 		return err
 	}
 	refused(t, "a block outside the region", dest("r", []uint32{3, 16}, src), codes.InvalidArgument, "block_ids[1]")
 	refused(t, "no blocks", dest("r", nil, src), codes.InvalidArgument, "block_ids")
 	refused(t, "no request id", dest("", []uint32{1}, src), codes.InvalidArgument, "request_id")
-	refused(t, "a source of another rank", dest("r", []uint32{1}, &agentv1.EngineRef{Agent: src.Agent, EngineId: src.EngineId, TpRank: 1}), codes.InvalidArgument, "source.tp_rank")
+	refused(t, "a source of another rank", dest("r", []uint32{1}, &agentv1.EngineRef{Agent: src.Agent, EngineId: src.EngineId,
+		TpRank: 1}), codes.InvalidArgument, "source.tp_rank")
 	refused(t, "an unknown session", func() error {
 		_, err := api.Heartbeat(bg, &agentv1.HeartbeatRequest{Session: "nope"})
 		return err
@@ -374,13 +383,15 @@ func TestSessionsCannotBeEvictedOrLeftDangling(t *testing.T) {
 	live := sessions()
 
 	// The prefill engine's rank is live: registering its id again is refused, and it serves on.
-	victim := &agentv1.RegisterEngineRequest{EngineId: p.P[0].Self.EngineId, Role: agentv1.Role_ROLE_PREFILL, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout}
+	victim := &agentv1.RegisterEngineRequest{EngineId: p.P[0].Self.EngineId, Role: agentv1.Role_ROLE_PREFILL,
+		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout}
 	_, err = cl.API.RegisterEngine(bg, victim)
 	refused(t, "registering a live engine's id", err, codes.AlreadyExists, "live session")
 	transfer(t, p.P[0], p.D[0], "after-the-eviction-attempt")
 
 	// A registration that never opens its event stream is closed after the deadline.
-	if _, err := cl.API.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "never-listens", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout}); err != nil {
+	if _, err := cl.API.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "never-listens", Role: agentv1.Role_ROLE_DECODE,
+		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: layout}); err != nil {
 		t.Fatal(err)
 	}
 	if got := sessions(); got != live+1 {
@@ -429,7 +440,8 @@ func TestMemoryAnEngineCouldShrinkIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cl.Close()
-	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "shrinker", Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "shrinker", Role: agentv1.Role_ROLE_DECODE,
+		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
 		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
 	if err != nil {
 		t.Fatal(err)

@@ -34,7 +34,8 @@ func (e *engineAPI) registerGPURegion(s *session, r *agentv1.RegisterRegionReque
 	}
 	ordinal, err := cuda.DeviceByUUID(cuda.UUID(r.CudaDeviceUuid))
 	if errors.Is(err, cuda.ErrNoDriver) {
-		return status.Errorf(codes.FailedPrecondition, "kind MEMORY_KIND_CUDA: %v (the agent's pod needs NVIDIA_VISIBLE_DEVICES=all and the driver's libraries)", err)
+		return status.Errorf(codes.FailedPrecondition, "kind MEMORY_KIND_CUDA: %v (the agent's pod needs NVIDIA_VISIBLE_DEVICES=all and the "+
+			"driver's libraries)", err)
 	}
 	if err != nil {
 		return invalid("cuda_device_uuid", "%v", err)

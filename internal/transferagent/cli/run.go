@@ -56,12 +56,17 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&cfg.Advertise, "advertise", "", "host:port peers use to reach this agent (default: the listener's address; in a pod: $(NODE_IP):7470)")
 	fs.StringVar(&o.tokenFile, "peer-token-file", "", "file holding the secret every agent of the cluster shares; peers prove they hold it")
 	def := agent.DefaultTimeouts()
-	fs.DurationVar(&cfg.Lease, "lease", def.Lease, "registration and pull lease (KVTransferPolicy spec.leaseSeconds) for engines that send none in RegisterEngine")
-	fs.DurationVar(&cfg.EventsDeadline, "events-deadline", 30*time.Second, "how long a registered engine rank has to open its event stream before its session is closed")
-	fs.DurationVar(&cfg.RegistrationTimeout, "registration-timeout", def.RegistrationTimeout, "how long a push registration waits for its source (spec.registrationTimeoutSeconds), for engines that send none")
-	fs.DurationVar(&cfg.BlocksTTL, "blocks-ttl", def.BlocksTTL, "how long ready source blocks wait for a registration or pull (spec.blocksTTLSeconds), for engines that send none")
+	fs.DurationVar(&cfg.Lease, "lease", def.Lease, "registration and pull lease (KVTransferPolicy spec.leaseSeconds) for engines that send none in "+
+		"RegisterEngine")
+	fs.DurationVar(&cfg.EventsDeadline, "events-deadline", 30*time.Second, "how long a registered engine rank has to open its event stream before "+
+		"its session is closed")
+	fs.DurationVar(&cfg.RegistrationTimeout, "registration-timeout", def.RegistrationTimeout, "how long a push registration waits for its source "+
+		"(spec.registrationTimeoutSeconds), for engines that send none")
+	fs.DurationVar(&cfg.BlocksTTL, "blocks-ttl", def.BlocksTTL, "how long ready source blocks wait for a registration or pull "+
+		"(spec.blocksTTLSeconds), for engines that send none")
 	fs.StringVar(&o.monitoring.Addr, "http", ":9470", "address of /metrics, /healthz and /readyz")
-	fs.BoolVar(&o.monitoring.Secure, "metrics-secure", false, "serve --http over HTTPS and /metrics only to callers the API server authenticates and authorizes for it "+
+	fs.BoolVar(&o.monitoring.Secure, "metrics-secure", false, "serve --http over HTTPS and /metrics only to callers the API server authenticates "+
+		"and authorizes for it "+
 		"(config/rbac's kvhandoff-metrics-reader); the probes stay open")
 	fs.StringVar(&o.monitoring.CertDir, "metrics-cert-dir", "", "folder with tls.crt and tls.key for --metrics-secure, reloaded on change (empty: self-signed)")
 	fs.StringVar(&o.node, "node-name", os.Getenv("NODE_NAME"), "node to label "+`kvhandoff.io/agent-ready=true`+" while ready (empty: no label)")

@@ -204,7 +204,8 @@ func TestIPCCopyBetweenProcessesOnTwoGPUs(t *testing.T) {
 	if !res.Verified {
 		t.Fatal("the bytes copied through the IPC handle differ from the source")
 	}
-	t.Logf("GPU 0 → GPU %d, %d MiB in %d copies: within one process %.1f GB/s (as one copy %.1f); through a CUDA IPC handle in another process %.1f GB/s (%.2f×)",
+	t.Logf("GPU 0 → GPU %d, %d MiB in %d copies: within one process %.1f GB/s (as one copy %.1f); through a CUDA IPC handle in another process "+
+		"%.1f GB/s (%.2f×)",
 		peer, copySize>>20, pieces, raw, rawOne, res.GBps, res.GBps/raw)
 	if dir := os.Getenv("KVH_GPU_OUT"); dir != "" {
 		b, _ := json.MarshalIndent(map[string]any{

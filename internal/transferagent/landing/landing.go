@@ -317,10 +317,12 @@ func (t *Table[P]) Expire(now time.Time) []Action {
 		switch {
 		case !d.lost.IsZero() && !now.Before(d.lost):
 			acts = append(acts, t.report(d, Report{Key: d.key, Kind: Failed, Code: "peer_lost",
-				Reason: fmt.Sprintf("the agent of prefill engine %s was lost; blocks were quarantined for the lease (%s) and a margin so no late write can land", d.source, t.cfg.Lease)})...)
+				Reason: fmt.Sprintf("the agent of prefill engine %s was lost; blocks were quarantined for the lease (%s) and a margin so no late "+
+					"write can land", d.source, t.cfg.Lease)})...)
 		case d.lost.IsZero() && !now.Before(d.deadline):
 			acts = append(acts, t.report(d, Report{Key: d.key, Kind: Failed, Code: "no_outcome",
-				Reason: fmt.Sprintf("no outcome from the agent of prefill engine %s within the registration timeout (%s) and a quarantine after it; a message was lost, and no write can still land", d.source, t.cfg.RegistrationTimeout)})...)
+				Reason: fmt.Sprintf("no outcome from the agent of prefill engine %s within the registration timeout (%s) and a quarantine after "+
+					"it; a message was lost, and no write can still land", d.source, t.cfg.RegistrationTimeout)})...)
 		}
 	}
 	for _, p := range t.pulls {

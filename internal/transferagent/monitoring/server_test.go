@@ -37,7 +37,8 @@ func TestSecureMetricsNeedTheReaderRole(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	admin := kubernetes.NewForConfigOrDie(env.Config)
-	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-system"}}, metav1.CreateOptions{}); err != nil {
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-system"}},
+		metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	for _, f := range []string{filepath.Join("agent", "rbac.yaml"), filepath.Join("rbac", "metrics_reader_role.yaml")} {
@@ -84,7 +85,8 @@ func TestSecureMetricsNeedTheReaderRole(t *testing.T) {
 		return resp.StatusCode, string(body)
 	}
 	token := func(name string) string {
-		if _, err := admin.CoreV1().ServiceAccounts("default").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
+		if _, err := admin.CoreV1().ServiceAccounts("default").Create(ctx,
+			&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 		tr, err := admin.CoreV1().ServiceAccounts("default").CreateToken(ctx, name, &authenticationv1.TokenRequest{}, metav1.CreateOptions{})

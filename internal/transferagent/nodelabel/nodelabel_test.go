@@ -67,12 +67,14 @@ func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
 	ctx := context.Background()
 	admin := kubernetes.NewForConfigOrDie(env.Config)
 	for _, name := range []string{"node-a", "node-b"} {
-		if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"team": "x"}}}, metav1.CreateOptions{}); err != nil {
+		if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name,
+			Labels: map[string]string{"team": "x"}}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	// The agent's own RBAC and policy, as config/agent installs them.
-	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-system"}}, metav1.CreateOptions{}); err != nil {
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-system"}},
+		metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	for _, f := range []string{"rbac.yaml", "own-node-policy.yaml"} {
@@ -113,7 +115,8 @@ func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
 		t.Errorf("the agent removing its own label: %v", err)
 	}
 	patch := []byte(`{"metadata":{"labels":{"team":"mine"}}}`)
-	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, patch, metav1.PatchOptions{}); err == nil || !strings.Contains(err.Error(), "only its node's kvhandoff.io/agent-ready label") {
+	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, patch,
+		metav1.PatchOptions{}); err == nil || !strings.Contains(err.Error(), "only its node's kvhandoff.io/agent-ready label") {
 		t.Errorf("the agent changing another label of its node: %v", err)
 	}
 	taint := []byte(`{"spec":{"unschedulable":true}}`)

@@ -543,7 +543,8 @@ func (t *Table) EngineRestarted(now time.Time, e Engine) []Action {
 	var acts []Action
 	for id, r := range t.reqs {
 		if cur := r.current; cur != nil && cur.reg.Decode.ID == e.ID && cur.reg.Decode.Epoch < e.Epoch && !cur.fenced {
-			acts = append(acts, t.fence(now, r, cur, Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeEngineRestarted, Reason: "decode engine restarted"})...)
+			acts = append(acts, t.fence(now, r, cur, Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode,
+				Code: CodeEngineRestarted, Reason: "decode engine restarted"})...)
 		}
 	}
 	return acts
@@ -586,7 +587,8 @@ func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 		return nil, false
 	}
 	if cur := r.current; cur != nil && !cur.done {
-		return t.fence(now, r, cur, Failed{Request: req, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeSourceCancelled, Reason: "the prefill engine cancelled the request"}), true
+		return t.fence(now, r, cur, Failed{Request: req, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeSourceCancelled,
+			Reason: "the prefill engine cancelled the request"}), true
 	}
 	r.dropSource()
 	r.failed = true

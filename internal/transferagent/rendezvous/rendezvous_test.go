@@ -280,7 +280,8 @@ func TestAnAttemptNumberIsNeverReusedAfterItDrained(t *testing.T) {
 	if err := tb.Posted("r1", 2, 1); err == nil {
 		t.Error("a queued write of the cancelled attempt was admitted")
 	}
-	expect(t, must(t)(tb.Register(t0, reg(3, 20, 21))), Transfer{Request: "r1", Attempt: 3, Decode: dec, Regions: whole, Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
+	expect(t, must(t)(tb.Register(t0, reg(3, 20, 21))), Transfer{Request: "r1", Attempt: 3, Decode: dec, Regions: whole,
+		Src: []uint32{1, 2}, Dst: []uint32{20, 21}})
 }
 
 func TestRegistrationTimesOutWhenPrefillNeverFinishes(t *testing.T) {
@@ -372,7 +373,8 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 				case Transfer:
 					for _, src := range a.Src {
 						if src/1000 != gen {
-							t.Fatalf("seed %d: attempt %d written from block %d of source %d; the prefill engine freed it (now at source %d)", seed, a.Attempt, src, src/1000, gen)
+							t.Fatalf("seed %d: attempt %d written from block %d of source %d; the prefill engine freed it (now at source %d)", seed,
+								a.Attempt, src, src/1000, gen)
 						}
 					}
 					for _, d := range a.Dst {
@@ -405,7 +407,8 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					lastEnd = now
 				case Delivered:
 					if ended[a.Attempt] || len(written[a.Attempt]) != n || inFlight[a.Attempt] != 0 {
-						t.Fatalf("seed %d: delivered attempt %d with %d of %d blocks, %d in flight", seed, a.Attempt, len(written[a.Attempt]), n, inFlight[a.Attempt])
+						t.Fatalf("seed %d: delivered attempt %d with %d of %d blocks, %d in flight", seed, a.Attempt,
+							len(written[a.Attempt]), n, inFlight[a.Attempt])
 					}
 					ended[a.Attempt] = true
 					lastEnd = now
@@ -520,7 +523,8 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					continue // the id may have been retired and forgotten: a new request then
 				}
 				again := 1 + uint64(rng.IntN(int(attempt)))
-				acts, err := tb.Register(now, Registration{Request: "r", Attempt: again, Decode: Engine{ID: dec.ID, Epoch: epoch}, Blocks: []uint32{9000, 9001, 9002, 9003, 9004, 9005}})
+				acts, err := tb.Register(now, Registration{Request: "r", Attempt: again, Decode: Engine{ID: dec.ID, Epoch: epoch},
+					Blocks: []uint32{9000, 9001, 9002, 9003, 9004, 9005}})
 				if err == nil || len(acts) > 0 {
 					t.Fatalf("seed %d: attempt %d registered again (latest %d): %v, %v", seed, again, attempt, acts, err)
 				}

@@ -17,7 +17,8 @@ var samples = []Message{
 		{ID: 0, BlockLen: 4096, Blocks: 8192, Addr: 0x7f0000000000, Key: 17},
 		{ID: 1, BlockLen: 4096, Blocks: 8192, Addr: 0x7f0002000000, Key: 18},
 	}},
-	&Register{Request: "req-1", Attempt: 2, Engine: "qwen3-32b-decode-0.default/3", EngineEpoch: 7, Source: "qwen3-32b-prefill-0.default/3", Token: 41, Blocks: []uint32{0, 1, 2, 4096, 1<<32 - 1}},
+	&Register{Request: "req-1", Attempt: 2, Engine: "qwen3-32b-decode-0.default/3", EngineEpoch: 7,
+		Source: "qwen3-32b-prefill-0.default/3", Token: 41, Blocks: []uint32{0, 1, 2, 4096, 1<<32 - 1}},
 	&Heartbeat{Request: "req-1", Attempt: 2, Source: "p/0"},
 	&Cancel{Request: "req-1", Attempt: 2, Source: "p/0"},
 	&CancelAcked{Request: "req-1", Attempt: 2, Engine: "d/0", Signalled: 1},
@@ -26,7 +27,8 @@ var samples = []Message{
 	&Acquired{Request: "req-1", Attempt: 1, Engine: "d/0", LeaseMillis: 30000},
 	&Release{Request: "req-1", Attempt: 1, Source: "p/0", Failed: 0},
 	&Writing{Request: "req-1", Attempt: 2, Engine: "d/0"},
-	&GPU{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Device: strings.Repeat("u", 16), Handles: []string{strings.Repeat("h", 64), strings.Repeat("i", 64)}, Offsets: []uint64{0, 1 << 30}},
+	&GPU{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Device: strings.Repeat("u", 16), Handles: []string{strings.Repeat("h", 64),
+		strings.Repeat("i", 64)}, Offsets: []uint64{0, 1 << 30}},
 	&Rails{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Rails: []Rail{{Address: "fi-address-rail-1", Keys: []uint64{19, 20}}}},
 }
 
@@ -48,7 +50,8 @@ func TestGPUMemoryJoinsItsEngineInfo(t *testing.T) {
 		"another epoch":     {Engine: gpu.Engine, Epoch: 8, Device: gpu.Device},
 		"a short device id": {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: "u"},
 		"a handle missing":  {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: gpu.Device, Handles: gpu.Handles[:1], Offsets: gpu.Offsets[:1]},
-		"a 63-byte handle":  {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: gpu.Device, Handles: []string{gpu.Handles[0], gpu.Handles[1][1:]}, Offsets: gpu.Offsets},
+		"a 63-byte handle": {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: gpu.Device, Handles: []string{gpu.Handles[0],
+			gpu.Handles[1][1:]}, Offsets: gpu.Offsets},
 		"an offset missing": {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: gpu.Device, Handles: gpu.Handles, Offsets: gpu.Offsets[:1]},
 	} {
 		if _, err := info.WithGPU(&bad); err == nil {

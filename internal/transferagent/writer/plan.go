@@ -59,7 +59,8 @@ func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, err
 	}
 	for i := range t.Src {
 		if t.Src[i] >= srcBlocks || t.Dst[i] >= dstBlocks {
-			return nil, fmt.Errorf("writer: block %d→%d is outside region %d (%d source, %d destination blocks)", t.Src[i], t.Dst[i], smallest, srcBlocks, dstBlocks)
+			return nil, fmt.Errorf("writer: block %d→%d is outside region %d (%d source, %d destination blocks)", t.Src[i], t.Dst[i],
+				smallest, srcBlocks, dstBlocks)
 		}
 	}
 

@@ -85,7 +85,8 @@ func TestPlanRefusesOutOfBoundsOrMismatchedRegionsWhole(t *testing.T) {
 		"destination block past the region": {transfer([]uint32{0, 1}, []uint32{0, 200}), regions(1, 16, 64), regions(1, 16, 128), "outside region 0"},
 		"block length differs":              {transfer([]uint32{0}, []uint32{0}), regions(1, 16, 64), regions(1, 32, 64), "does not match"},
 		"region missing at the destination": {transfer([]uint32{0}, []uint32{0}), regions(2, 16, 64), regions(1, 16, 64), "region 1 does not match"},
-		"uneven pairs":                      {rendezvous.Transfer{Src: []uint32{0, 1}, Dst: []uint32{0}}, regions(1, 16, 64), regions(1, 16, 64), "2 source blocks for 1"},
+		"uneven pairs": {rendezvous.Transfer{Src: []uint32{0, 1}, Dst: []uint32{0}}, regions(1, 16, 64),
+			regions(1, 16, 64), "2 source blocks for 1"},
 	} {
 		w, err := Plan(c.t, c.src, c.dst, 1<<20)
 		if err == nil || !strings.Contains(err.Error(), c.want) || w != nil {

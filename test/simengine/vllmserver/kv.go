@@ -93,7 +93,8 @@ func (k *AgentKV) freeWhenSent(key string, blocks []uint32) {
 // Receive takes the request's KV into this engine's cache and verifies it.
 func (k *AgentKV) Receive(ctx context.Context, key string, tokens int, src Source) error {
 	if src.TP != len(k.Ranks) {
-		return fmt.Errorf("prefill engine %s runs TP %d and this engine TP %d: the simulated engine transfers only between equal TP", src.EngineID, src.TP, len(k.Ranks))
+		return fmt.Errorf("prefill engine %s runs TP %d and this engine TP %d: the simulated engine transfers only between equal TP",
+			src.EngineID, src.TP, len(k.Ranks))
 	}
 	n := k.blocks(tokens)
 	if src.Blocks != nil && len(src.Blocks) != n {

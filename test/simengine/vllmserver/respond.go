@@ -71,7 +71,8 @@ func (s *Server) respond(w http.ResponseWriter, r *http.Request, rq *request, to
 		}
 		return rc.Flush() == nil
 	}
-	if rq.chat && !send([]any{map[string]any{"index": 0, "delta": map[string]any{"role": "assistant", "content": ""}, "logprobs": nil, "finish_reason": nil}}, nil) {
+	if rq.chat && !send([]any{map[string]any{"index": 0, "delta": map[string]any{"role": "assistant", "content": ""}, "logprobs": nil,
+		"finish_reason": nil}}, nil) {
 		return
 	}
 	for i, tok := range tokens {

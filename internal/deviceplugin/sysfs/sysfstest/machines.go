@@ -69,9 +69,12 @@ func acceleratorMachine(name string, groups, accPer, nicPer int, neuronAcc, numa
 func P5en() Fixture {
 	f := acceleratorMachine("p5en", 8, 1, 2, false, true)
 	f.Functions = append(f.Functions,
-		Function{Chain: []string{"0000:90:01.0", "0000:91:00.0"}, Vendor: "0x15b3", Device: "0x101d", Class: "0x020700", Driver: "mlx5_core", NUMA: "0", RDMA: "mlx5_0", Uverbs: 16, NvidiaMinor: -1, NeuronIndex: -1},
-		Function{Chain: []string{"0000:90:01.0", "0000:91:00.1"}, Vendor: "0x15b3", Device: "0x101d", Class: "0x020700", Driver: "mlx5_core", NUMA: "0", RDMA: "mlx5_1", Uverbs: 17, NvidiaMinor: -1, NeuronIndex: -1},
-		Function{Chain: []string{"0000:a0:01.0", "0000:a1:00.0"}, Vendor: "0x1d0f", Device: "0xcd01", Class: "0x010802", Driver: "nvme", NUMA: "1", NvidiaMinor: -1, NeuronIndex: -1},
+		Function{Chain: []string{"0000:90:01.0", "0000:91:00.0"}, Vendor: "0x15b3", Device: "0x101d", Class: "0x020700",
+			Driver: "mlx5_core", NUMA: "0", RDMA: "mlx5_0", Uverbs: 16, NvidiaMinor: -1, NeuronIndex: -1},
+		Function{Chain: []string{"0000:90:01.0", "0000:91:00.1"}, Vendor: "0x15b3", Device: "0x101d", Class: "0x020700",
+			Driver: "mlx5_core", NUMA: "0", RDMA: "mlx5_1", Uverbs: 17, NvidiaMinor: -1, NeuronIndex: -1},
+		Function{Chain: []string{"0000:a0:01.0", "0000:a1:00.0"}, Vendor: "0x1d0f", Device: "0xcd01", Class: "0x010802",
+			Driver: "nvme", NUMA: "1", NvidiaMinor: -1, NeuronIndex: -1},
 	)
 	return f
 }
