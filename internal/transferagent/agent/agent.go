@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cudaipc"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -159,7 +160,7 @@ type node struct {
 	log     *slog.Logger
 	metrics *metrics
 	mesh    *mesh.Mesh
-	gpus    *gpus
+	gpus    *cudaipc.Devices
 	// forget removes an ended session from the agent's tables.
 	forget func(*session)
 	// notifyDecode delivers a signal to a decode engine of this agent (a same-node pair).
@@ -219,7 +220,7 @@ func New(cfg Config) (*Agent, error) {
 		Peers: a.metrics.peers, Refused: a.metrics.refused,
 		OnMessage: a.dispatch, OnLost: a.peerLost,
 	})
-	a.node = &node{log: a.log, metrics: a.metrics, mesh: a.mesh, gpus: &gpus{}, forget: a.forget, notifyDecode: a.notifyDecode}
+	a.node = &node{log: a.log, metrics: a.metrics, mesh: a.mesh, gpus: &cudaipc.Devices{}, forget: a.forget, notifyDecode: a.notifyDecode}
 	a.grpc = grpc.NewServer(
 		grpc.MaxRecvMsgSize(maxRequest),
 		grpc.StatsHandler(refusals{a}),

@@ -237,7 +237,7 @@ func (ds *decodeSide) step(now time.Time) bool {
 		local := s.regions[uint32(op.w.Region)]
 		var err error
 		if op.copy {
-			err = s.gpu.copier.Copy(uint64(local.dev.ptr)+op.w.DstOff, op.remote.Addr+op.w.SrcOff, op.w.Len, ds.nextID)
+			err = s.gpu.copier.Copy(uint64(local.dev.Ptr)+op.w.DstOff, op.remote.Addr+op.w.SrcOff, op.w.Len, ds.nextID)
 		} else {
 			err = s.ep.Read(op.peer, local.reg, op.w.DstOff, op.w.Len, op.remote.Addr+op.w.SrcOff, op.remote.Keys, ds.nextID)
 		}

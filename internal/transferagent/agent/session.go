@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cudaipc"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
@@ -87,8 +88,8 @@ type side interface {
 type localRegion struct {
 	id       uint32
 	m        *mapping
-	reg      *fabric.Region // host memory: registered on the endpoint
-	dev      *gpuRegion     // GPU memory: opened from its IPC handle
+	reg      *fabric.Region  // host memory: registered on the endpoint
+	dev      *cudaipc.Region // GPU memory: opened from its IPC handle
 	blockLen uint64
 	blocks   uint32
 }
@@ -103,7 +104,7 @@ type remoteEngine struct {
 	byID    map[int]writer.RemoteRegion
 	onGPU   bool
 	peer    fabric.Peer
-	opened  []importKey
+	opened  []cudaipc.Key
 }
 
 // requestTimeouts are the timeouts an engine sent (zero where it sent none).
@@ -279,7 +280,7 @@ func (s *session) run() {
 			// ranks sharing few cores leave the cores to the ones moving data. GPU copies
 			// take a millisecond or so and use no core: poll them without a nap, which
 			// the Go runtime would stretch to about as long as the copies.
-			if idle < hotSpins || (s.gpu != nil && s.gpu.copier.busy()) {
+			if idle < hotSpins || (s.gpu != nil && s.gpu.copier.Busy()) {
 				runtime.Gosched()
 				continue
 			}

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cudaipc"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/writer"
@@ -21,7 +22,7 @@ import (
 type sessionGPU struct {
 	ordinal int
 	uuid    cuda.UUID
-	copier  *copier
+	copier  *cudaipc.Copier
 }
 
 // registerGPURegion checks and opens a CUDA region an engine exported as an IPC handle.
@@ -41,7 +42,7 @@ func (e *engineAPI) registerGPURegion(s *session, r *agentv1.RegisterRegionReque
 		return invalid("cuda_device_uuid", "%v", err)
 	}
 	h := cuda.IPCHandle(r.CudaIpcHandle)
-	gr, err := e.a.node.gpus.openRegion(h, ordinal, r.Offset, r.Size)
+	gr, err := e.a.node.gpus.OpenRegion(h, ordinal, r.Offset, r.Size)
 	if err != nil {
 		return status.Errorf(codes.InvalidArgument, "cuda_ipc_handle: %v", err)
 	}
@@ -51,12 +52,12 @@ func (e *engineAPI) registerGPURegion(s *session, r *agentv1.RegisterRegionReque
 	f.Write(h[:])
 	m := &mapping{file: fileID{dev: ^uint64(0), ino: f.Sum64()}, off: r.Offset, size: r.Size}
 	if err := e.a.claim(s, r.RegionId, m); err != nil {
-		e.a.node.gpus.close(h, ordinal)
+		e.a.node.gpus.Close(h, ordinal)
 		return status.Error(codes.AlreadyExists, err.Error())
 	}
 	if err := s.call(func() error { return s.addGPURegion(r, m, gr, ordinal) }); err != nil {
 		e.a.release(s, r.RegionId)
-		e.a.node.gpus.close(h, ordinal)
+		e.a.node.gpus.Close(h, ordinal)
 		return err
 	}
 	return nil
@@ -64,7 +65,7 @@ func (e *engineAPI) registerGPURegion(s *session, r *agentv1.RegisterRegionReque
 
 // addGPURegion adds an opened GPU region: a rank's regions are all host memory or all on
 // one GPU.
-func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr *gpuRegion, ordinal int) error {
+func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr *cudaipc.Region, ordinal int) error {
 	if s.frozen {
 		return status.Error(codes.FailedPrecondition, "region_id: regions are fixed once the engine's first transfer started")
 	}
@@ -72,11 +73,11 @@ func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr 
 		return status.Error(codes.FailedPrecondition, "kind: an engine rank's regions must all be host memory or all on one GPU")
 	}
 	if s.gpu == nil {
-		c, err := s.n.gpus.context(ordinal)
+		c, err := s.n.gpus.Context(ordinal)
 		if err != nil {
 			return status.Errorf(codes.Internal, "GPU %d: %v", ordinal, err)
 		}
-		cp, err := newCopier(c)
+		cp, err := cudaipc.NewCopier(c)
 		if err != nil {
 			return status.Errorf(codes.Internal, "a CUDA stream for the rank's copies: %v", err)
 		}
@@ -90,7 +91,7 @@ func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr 
 func (s *session) devices() map[int]uint64 {
 	out := make(map[int]uint64, len(s.regions))
 	for id, r := range s.regions {
-		out[int(id)] = uint64(r.dev.ptr)
+		out[int(id)] = uint64(r.dev.Ptr)
 	}
 	return out
 }
@@ -102,8 +103,8 @@ func (s *session) gpuInfo(local bool) *wire.GPU {
 	if local {
 		for _, l := range s.layout {
 			r := s.regions[uint32(l.ID)]
-			g.Handles = append(g.Handles, string(r.dev.handle[:]))
-			g.Offsets = append(g.Offsets, r.dev.off)
+			g.Handles = append(g.Handles, string(r.dev.Handle[:]))
+			g.Offsets = append(g.Offsets, r.dev.Off)
 		}
 	}
 	return g
@@ -121,13 +122,13 @@ func (s *session) openPeerGPU(p *mesh.Peer, info *wire.EngineInfo, r *remoteEngi
 	}
 	for i, reg := range r.regions {
 		h := cuda.IPCHandle([]byte(info.GPU.Handles[i]))
-		gr, err := s.n.gpus.openRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], reg.BlockLen*uint64(reg.Blocks))
+		gr, err := s.n.gpus.OpenRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], reg.BlockLen*uint64(reg.Blocks))
 		if err != nil {
 			s.release(r)
 			return fmt.Errorf("region %d: %w", reg.ID, err)
 		}
-		r.opened = append(r.opened, importKey{h, s.gpu.ordinal})
-		r.byID[reg.ID] = writer.RemoteRegion{Region: reg, Addr: uint64(gr.ptr)}
+		r.opened = append(r.opened, cudaipc.Key{Handle: h, GPU: s.gpu.ordinal})
+		r.byID[reg.ID] = writer.RemoteRegion{Region: reg, Addr: uint64(gr.Ptr)}
 	}
 	r.onGPU = true
 	return nil
@@ -136,7 +137,7 @@ func (s *session) openPeerGPU(p *mesh.Peer, info *wire.EngineInfo, r *remoteEngi
 // release closes the GPU allocations a peer engine's memory held open here.
 func (s *session) release(r *remoteEngine) {
 	for _, k := range r.opened {
-		s.n.gpus.close(k.handle, k.gpu)
+		s.n.gpus.Close(k.Handle, k.GPU)
 	}
 	r.opened = nil
 }
@@ -146,7 +147,7 @@ func (s *session) closeGPU() {
 	if s.gpu == nil {
 		return
 	}
-	s.gpu.copier.close()
+	s.gpu.copier.Close()
 	for _, r := range s.retired {
 		s.release(r)
 	}
@@ -154,7 +155,7 @@ func (s *session) closeGPU() {
 		s.release(r)
 	}
 	for _, r := range s.regions {
-		s.n.gpus.close(r.dev.handle, s.gpu.ordinal)
+		s.n.gpus.Close(r.dev.Handle, s.gpu.ordinal)
 	}
 }
 

@@ -1,4 +1,8 @@
-package agent
+// Package cudaipc is the transfer agent's transport between engines on one node whose KV
+// is GPU memory: the other processes' allocations opened from their CUDA IPC handles
+// (once per allocation, counted), and copies on one stream per engine rank that complete
+// like fabric operations.
+package cudaipc
 
 import (
 	"fmt"
@@ -8,18 +12,21 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 )
 
-// gpus is the agent's CUDA state: a context per GPU it has used, and the allocations it
+// Devices is the agent's CUDA state: a context per GPU it has used, and the allocations it
 // has opened from IPC handles, shared by the sessions that name them (a handle opens once
 // per context and process).
-type gpus struct {
+// Devices are the GPUs' contexts and the allocations opened on them, shared by the
+// sessions of one agent. The zero value is ready to use.
+type Devices struct {
 	mu      sync.Mutex
 	ctxs    map[int]*cuda.Context
-	imports map[importKey]*imported
+	imports map[Key]*imported
 }
 
-type importKey struct {
-	handle cuda.IPCHandle
-	gpu    int
+// Key names an opened allocation: its handle and the GPU it is opened on.
+type Key struct {
+	Handle cuda.IPCHandle
+	GPU    int
 }
 
 type imported struct {
@@ -28,8 +35,8 @@ type imported struct {
 	refs   int
 }
 
-// context is GPU ordinal's context, retained once for the agent's life.
-func (g *gpus) context(ordinal int) (*cuda.Context, error) {
+// Context is GPU ordinal's context, retained once for the agent's life.
+func (g *Devices) Context(ordinal int) (*cuda.Context, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if c, ok := g.ctxs[ordinal]; ok {
@@ -40,7 +47,7 @@ func (g *gpus) context(ordinal int) (*cuda.Context, error) {
 		return nil, err
 	}
 	if g.ctxs == nil {
-		g.ctxs, g.imports = map[int]*cuda.Context{}, map[importKey]*imported{}
+		g.ctxs, g.imports = map[int]*cuda.Context{}, map[Key]*imported{}
 	}
 	g.ctxs[ordinal] = c
 	return c, nil
@@ -48,14 +55,14 @@ func (g *gpus) context(ordinal int) (*cuda.Context, error) {
 
 // open maps the allocation of handle into GPU ordinal's context (once, then counted) and
 // returns where it starts and how long it is.
-func (g *gpus) open(h cuda.IPCHandle, ordinal int) (cuda.Ptr, uint64, error) {
-	c, err := g.context(ordinal)
+func (g *Devices) open(h cuda.IPCHandle, ordinal int) (cuda.Ptr, uint64, error) {
+	c, err := g.Context(ordinal)
 	if err != nil {
 		return 0, 0, err
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	k := importKey{h, ordinal}
+	k := Key{Handle: h, GPU: ordinal}
 	if m, ok := g.imports[k]; ok {
 		m.refs++
 		return m.ptr, m.extent, nil
@@ -73,11 +80,11 @@ func (g *gpus) open(h cuda.IPCHandle, ordinal int) (cuda.Ptr, uint64, error) {
 	return p, extent, nil
 }
 
-// close drops one use of an opened allocation, unmapping it after the last.
-func (g *gpus) close(h cuda.IPCHandle, ordinal int) {
+// Close drops one use of an opened allocation, unmapping it after the last.
+func (g *Devices) Close(h cuda.IPCHandle, ordinal int) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	k := importKey{h, ordinal}
+	k := Key{Handle: h, GPU: ordinal}
 	m, ok := g.imports[k]
 	if !ok {
 		return
@@ -88,33 +95,33 @@ func (g *gpus) close(h cuda.IPCHandle, ordinal int) {
 	}
 }
 
-// gpuRegion is a region of GPU memory as a session holds it.
-type gpuRegion struct {
-	handle cuda.IPCHandle
-	off    uint64
-	ptr    cuda.Ptr // the region's start in this process
+// Region is a region of GPU memory as a session holds it.
+type Region struct {
+	Handle cuda.IPCHandle
+	Off    uint64
+	Ptr    cuda.Ptr // the region's start in this process
 }
 
-// openRegion opens a region of size bytes at off of handle's allocation on GPU ordinal,
+// OpenRegion opens a region of size bytes at off of handle's allocation on GPU ordinal,
 // refusing one that does not fit the allocation.
-func (g *gpus) openRegion(h cuda.IPCHandle, ordinal int, off, size uint64) (*gpuRegion, error) {
+func (g *Devices) OpenRegion(h cuda.IPCHandle, ordinal int, off, size uint64) (*Region, error) {
 	p, extent, err := g.open(h, ordinal)
 	if err != nil {
 		return nil, err
 	}
 	if off > extent || size > extent-off {
-		g.close(h, ordinal)
+		g.Close(h, ordinal)
 		return nil, fmt.Errorf("%d bytes at offset %d do not fit the %d-byte allocation", size, off, extent)
 	}
-	return &gpuRegion{handle: h, off: off, ptr: p + cuda.Ptr(off)}, nil
+	return &Region{Handle: h, Off: off, Ptr: p + cuda.Ptr(off)}, nil
 }
 
-// copier moves one rank's bytes with copies on one stream of its GPU: the writer's Copier
+// Copier moves one rank's bytes with copies on one stream of its GPU: the writer's Copier
 // (push) and the decode side's reads (pull). Copies are gathered as they are posted and
 // queued at the next Poll in one call, behind one event: the stream runs them in order,
 // so the event's completion completes them all — a driver call per copy, not three plus
 // a context switch.
-type copier struct {
+type Copier struct {
 	stream   *cuda.Stream
 	gathered cuda.Copies
 	ids      []uint64            // of the gathered copies
@@ -127,22 +134,24 @@ type batch struct {
 	ev  *cuda.Event
 }
 
-func newCopier(c *cuda.Context) (*copier, error) {
+// NewCopier makes a copier on a new stream of context c.
+func NewCopier(c *cuda.Context) (*Copier, error) {
 	s, err := c.NewStream()
 	if err != nil {
 		return nil, err
 	}
-	return &copier{stream: s}, nil
+	return &Copier{stream: s}, nil
 }
 
-func (c *copier) Copy(dst, src, n, id uint64) error {
+// Copy gathers a copy of n bytes from src to dst, reported by Poll under id.
+func (c *Copier) Copy(dst, src, n, id uint64) error {
 	c.gathered.Add(cuda.Ptr(dst), cuda.Ptr(src), n)
 	c.ids = append(c.ids, id)
 	return nil
 }
 
 // Poll queues what was gathered and reports the copies of finished batches, in order.
-func (c *copier) Poll(out []fabric.Completion) int {
+func (c *Copier) Poll(out []fabric.Completion) int {
 	if len(c.ids) > 0 {
 		c.flush()
 	}
@@ -172,7 +181,7 @@ func (c *copier) Poll(out []fabric.Completion) int {
 // only once every older attempt of its request has drained. When the driver refuses a copy or
 // the event, it waits for what it did queue, so that no copy is reported done before its
 // bytes have landed, and reports the rest failed.
-func (c *copier) flush() {
+func (c *Copier) flush() {
 	ids := c.ids
 	c.ids = nil
 	defer c.gathered.Reset()
@@ -195,11 +204,11 @@ func (c *copier) flush() {
 	}
 }
 
-// busy reports copies gathered, queued or running.
-func (c *copier) busy() bool { return len(c.ids) > 0 || len(c.pending) > 0 || len(c.ready) > 0 }
+// Busy reports copies gathered, queued or running.
+func (c *Copier) Busy() bool { return len(c.ids) > 0 || len(c.pending) > 0 || len(c.ready) > 0 }
 
-// close waits for what is queued and releases the stream.
-func (c *copier) close() {
+// Close waits for what is queued and releases the stream.
+func (c *Copier) Close() {
 	_ = c.stream.Sync()
 	for _, b := range c.pending {
 		_ = b.ev.Close()
