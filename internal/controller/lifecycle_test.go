@@ -28,7 +28,7 @@ func readyPair() (string, *kvv1.KVTransferPolicy, *kvv1.PrefillPool, *kvv1.Decod
 	create(ns, pol, p, d)
 	for i, name := range []string{"p", "d"} {
 		sts := statefulSet(ns, name)
-		addEnginePod(sts, 0, []string{"node-a", "node-b"}[i], []string{"10.0.0.1", "10.0.0.2"}[i])
+		addEnginePod(sts, 0, []string{"node-a", "node-b"}[i], []string{"198.18.0.1", "198.18.0.2"}[i])
 		markRolledOut(sts, 1)
 	}
 	Eventually(func() metav1.ConditionStatus { return condition(d, kvv1.ConditionPaired).Status }).Should(Equal(metav1.ConditionTrue))
@@ -44,7 +44,7 @@ var _ = Describe("Status", func() {
 		Expect(p.Status.Selector).To(Equal("kvhandoff.io/pool=p,kvhandoff.io/role=prefill"))
 		Expect(p.Status.CompatHash).NotTo(BeEmpty())
 		Expect(p.Status.Engines).To(Equal([]kvv1.EngineStatus{{
-			PodName: "p-0", EngineID: "p-0." + ns, Host: "10.0.0.1", SideChannelPort: 5600,
+			PodName: "p-0", EngineID: "p-0." + ns, Host: "198.18.0.1", SideChannelPort: 5600,
 			TensorParallelSize: 8, PipelineParallelSize: 1, NodeName: "node-a", CompatHash: p.Status.CompatHash, Ready: true,
 		}}))
 		Expect(d.Status.CompatHash).To(Equal(p.Status.CompatHash))

@@ -106,11 +106,11 @@ var _ = Describe("Rendering through the API server", func() {
 		// Status names the node's agent as the engine's KV side channel.
 		p := &kvv1.PrefillPool{}
 		p.Name, p.Namespace = "prefill", ns
-		addEnginePod(statefulSet(ns, "prefill"), 0, "node-a", "10.0.0.7")
+		addEnginePod(statefulSet(ns, "prefill"), 0, "node-a", "198.18.0.7")
 		Eventually(func(g Gomega) []kvv1.EngineStatus {
 			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(p), p)).To(Succeed())
 			return p.Status.Engines
-		}).Should(ConsistOf(HaveField("Agent", "192.168.0.7:7470")))
+		}).Should(ConsistOf(HaveField("Agent", "198.19.0.7:7470")))
 	})
 
 	It("places decode beside prefill when the policy prefers it, and keeps it off prefill's nodes again when the policy forbids it", func() {

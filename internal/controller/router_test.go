@@ -83,7 +83,7 @@ var _ = Describe("Router", func() {
 			return sts.Spec.Template.Labels[kvv1.LabelTensorParallelSize]
 		}).Should(Equal("4"))
 		// The new template's pod joins beside the old one.
-		addEnginePod(sts, 1, "node-c", "10.0.0.3")
+		addEnginePod(sts, 1, "node-c", "198.18.0.3")
 		Eventually(func(g Gomega) {
 			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(p), p)).To(Succeed())
 			g.Expect(p.Status.Engines).To(HaveLen(2))

@@ -122,7 +122,7 @@ func addEnginePod(sts *appsv1.StatefulSet, i int, node, ip string) {
 	Expect(k8s.Create(ctx, pod)).To(Succeed())
 	pod.Status.PodIP = ip
 	pod.Status.PodIPs = []corev1.PodIP{{IP: ip}}
-	pod.Status.HostIP = "192.168.0." + ip[strings.LastIndex(ip, ".")+1:]
+	pod.Status.HostIP = "198.19.0." + ip[strings.LastIndex(ip, ".")+1:]
 	pod.Status.Phase = corev1.PodRunning
 	pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
 	Expect(k8s.Status().Update(ctx, pod)).To(Succeed())

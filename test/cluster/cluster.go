@@ -88,7 +88,7 @@ func Start(ctx context.Context, nodesFile, logDir string) (c *Cluster, err error
 	if err := c.run("kwok", filepath.Join(bins, "kwok"),
 		"--kubeconfig="+c.Kubeconfig, "--config="+filepath.Join(bins, "kwok-stages.yaml"),
 		"--manage-all-nodes=false", "--manage-nodes-with-annotation-selector="+kwokNodeAnnotation+"=fake",
-		"--cidr=10.244.0.0/16", "--node-ip=10.0.0.1"); err != nil {
+		"--cidr=198.18.0.0/16", "--node-ip=198.19.0.1"); err != nil {
 		return nil, err
 	}
 	for _, n := range nodes {

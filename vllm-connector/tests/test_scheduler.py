@@ -66,7 +66,7 @@ def free_blocks(s: Scheduler) -> int:
 
 
 PUSH_DECODE = dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill-0.default",
-                   remote_host="10.0.0.7", remote_port=7470, tp_size=1, pp_size=1,
+                   remote_host="198.18.0.7", remote_port=7470, tp_size=1, pp_size=1,
                    remote_request_id="client-1", transfer_id="t-1")
 
 
@@ -78,7 +78,7 @@ def test_push_decode_waits_for_the_agent_then_computes_only_the_last_token(tiny_
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     (recv,) = out.kv_connector_metadata.receives
     blocks = s.kv_cache_manager.get_block_ids(r.request_id)[0]
-    assert (recv.key, recv.source_agent, recv.source_engine, recv.src_blocks) == ("t-1", "10.0.0.7:7470", "prefill-0.default", None)
+    assert (recv.key, recv.source_agent, recv.source_engine, recv.src_blocks) == ("t-1", "198.18.0.7:7470", "prefill-0.default", None)
     assert recv.blocks == blocks and len(blocks) == 3  # 40 tokens in 16-token blocks
     # Nothing runs until the worker reports the KV landed.
     assert not s.schedule().num_scheduled_tokens
@@ -91,7 +91,7 @@ def test_push_decode_waits_for_the_agent_then_computes_only_the_last_token(tiny_
 def test_pull_decode_reads_the_prefill_blocks_named_in_the_parameters(tiny_model):
     s = scheduler(tiny_model, "pull", "decode")
     r = request(33, dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill-0.default",
-                         remote_host="10.0.0.7", remote_port=7470, remote_block_ids=[11, 12, 13],
+                         remote_host="198.18.0.7", remote_port=7470, remote_block_ids=[11, 12, 13],
                          remote_request_id="p-req-9", tp_size=1))
     s.add_request(r)
     (recv,) = s.schedule().kv_connector_metadata.receives
@@ -146,13 +146,13 @@ def test_push_prefill_holds_its_blocks_until_the_agent_is_done_with_them(tiny_mo
 
 def test_pull_prefill_returns_its_blocks_and_agent_to_the_router(tiny_model):
     s = scheduler(tiny_model, "pull", "prefill")
-    s.connector.set_xfer_handshake_metadata({0: Handshake(agent="10.1.2.3:7470", engine_id="prefill-0.default")})
+    s.connector.set_xfer_handshake_metadata({0: Handshake(agent="198.18.2.3:7470", engine_id="prefill-0.default")})
     r = request(20, dict(do_remote_decode=True, do_remote_prefill=False), max_tokens=1)
     outputs = prefill_to_end(s, r)
     (eo,) = [o for client in outputs.values() for o in client.outputs]
     blocks = s.schedule().kv_connector_metadata.sends[0].blocks
     want = dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill-0.default",
-                remote_host="10.1.2.3", remote_port=7470, remote_block_ids=blocks, remote_request_id=r.request_id, tp_size=1)
+                remote_host="198.18.2.3", remote_port=7470, remote_block_ids=blocks, remote_request_id=r.request_id, tp_size=1)
     # vLLM adds fields of its own (remote_prefill_cached_tokens); ours must all be there.
     assert {k: eo.kv_transfer_params.get(k) for k in want} == want
 

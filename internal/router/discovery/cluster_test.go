@@ -83,7 +83,7 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 	for _, x := range []struct {
 		name, pool, ip string
 		role           kvv1.Role
-	}{{"p-0", "p", "10.0.0.1", kvv1.RolePrefill}, {"d-0", "d", "10.0.0.2", kvv1.RoleDecode}, {"d-1", "d", "10.0.0.3", kvv1.RoleDecode}} {
+	}{{"p-0", "p", "198.18.0.1", kvv1.RolePrefill}, {"d-0", "d", "198.18.0.2", kvv1.RoleDecode}, {"d-1", "d", "198.18.0.3", kvv1.RoleDecode}} {
 		pod := enginePod(ns, x.name, x.pool, x.role, x.ip, true)
 		if err := c.Create(ctx, pod); err != nil {
 			t.Fatal(err)
@@ -92,11 +92,11 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 		pods[x.name] = pod
 	}
 	// The manager's part: status names the engines.
-	p.Status = kvv1.PoolStatus{Mode: kvv1.TransferPush, Engines: []kvv1.EngineStatus{status("p-0", ns, "10.0.0.1")}}
+	p.Status = kvv1.PoolStatus{Mode: kvv1.TransferPush, Engines: []kvv1.EngineStatus{status("p-0", ns, "198.18.0.1")}}
 	if err := c.Status().Update(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	d.Status = kvv1.PoolStatus{Mode: kvv1.TransferPush, Engines: []kvv1.EngineStatus{status("d-0", ns, "10.0.0.2")}}
+	d.Status = kvv1.PoolStatus{Mode: kvv1.TransferPush, Engines: []kvv1.EngineStatus{status("d-0", ns, "198.18.0.2")}}
 	if err := c.Status().Update(ctx, d); err != nil {
 		t.Fatal(err)
 	}
@@ -123,7 +123,7 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 		}
 	}
 	s := next("one engine each", 30*time.Second, func(s *discovery.Set) bool { return len(s.Prefill) == 1 && len(s.Decode) == 1 })
-	if s.Mode != kvv1.TransferPush || s.Prefill[0].URL != "http://10.0.0.1:8000" || s.Prefill[0].EngineID != "p-0."+ns ||
+	if s.Mode != kvv1.TransferPush || s.Prefill[0].URL != "http://198.18.0.1:8000" || s.Prefill[0].EngineID != "p-0."+ns ||
 		s.Prefill[0].SideChannelPort != 5600 || s.Prefill[0].TensorParallelSize != 8 || s.Prefill[0].CompatHash != "h1" {
 		t.Errorf("set %+v", s)
 	}
@@ -132,7 +132,7 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 	}
 
 	// Status names a second decode engine: it joins.
-	d.Status.Engines = append(d.Status.Engines, status("d-1", ns, "10.0.0.3"))
+	d.Status.Engines = append(d.Status.Engines, status("d-1", ns, "198.18.0.3"))
 	if err := c.Status().Update(ctx, d); err != nil {
 		t.Fatal(err)
 	}
@@ -140,16 +140,16 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 
 	// Executor Agent: the prefill engine's KV side channel is its node's agent, which a
 	// push decode leg names as remote_host/remote_port.
-	p.Status.Engines[0].Agent = "192.168.0.9:7470"
+	p.Status.Engines[0].Agent = "198.19.0.9:7470"
 	if err := c.Status().Update(ctx, p); err != nil {
 		t.Fatal(err)
 	}
 	next("the agent becomes p-0's side channel", churn, func(s *discovery.Set) bool {
-		return len(s.Prefill) == 1 && s.Prefill[0].Host == "192.168.0.9" && s.Prefill[0].SideChannelPort == 7470
+		return len(s.Prefill) == 1 && s.Prefill[0].Host == "198.19.0.9" && s.Prefill[0].SideChannelPort == 7470
 	})
 
 	// The kubelet says d-0 is not ready: it leaves before the manager updates status.
-	setPodStatus(t, c, pods["d-0"], "10.0.0.2", false)
+	setPodStatus(t, c, pods["d-0"], "198.18.0.2", false)
 	s = next("d-0 leaves", churn, func(s *discovery.Set) bool { return len(s.Decode) == 1 })
 	if s.Decode[0].EngineID != "d-1."+ns {
 		t.Errorf("left with %v", s.Decode)

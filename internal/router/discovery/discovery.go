@@ -14,7 +14,7 @@ import (
 
 // Engine is one engine the router may use, as the pools' status publishes it.
 type Engine struct {
-	// URL is the engine's OpenAI API (http://10.0.0.1:8000).
+	// URL is the engine's OpenAI API (http://198.18.0.1:8000).
 	URL string `json:"url"`
 	// EngineID is the engine's vLLM engine_id.
 	EngineID string `json:"engineID"`

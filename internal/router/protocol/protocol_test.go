@@ -92,7 +92,7 @@ func TestPushPrefillLegCarriesTheTransferID(t *testing.T) {
 }
 
 func TestPullDecodeLegCarriesExactlyWhatPrefillReturned(t *testing.T) {
-	returned := `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"p-0.ns","remote_request_id":"r1","remote_host":"10.0.0.1","remote_port":5600,"tp_size":8,"extra":{"x": 1}}`
+	returned := `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"p-0.ns","remote_request_id":"r1","remote_host":"198.18.0.1","remote_port":5600,"tp_size":8,"extra":{"x": 1}}`
 	p, err := PrefillParams([]byte(`{"id":"cmpl-1","kv_transfer_params":` + returned + `}`))
 	if err != nil {
 		t.Fatal(err)
@@ -105,10 +105,10 @@ func TestPullDecodeLegCarriesExactlyWhatPrefillReturned(t *testing.T) {
 }
 
 func TestPushDecodeLegNamesThePrefillEngineButNoBlocks(t *testing.T) {
-	leg := PushDecodeLeg(mustParse(t, client), Prefill{EngineID: "p-0.ns", Host: "10.0.0.1", Port: 5600, TP: 8}, "req-1", "xfer-1")
+	leg := PushDecodeLeg(mustParse(t, client), Prefill{EngineID: "p-0.ns", Host: "198.18.0.1", Port: 5600, TP: 8}, "req-1", "xfer-1")
 	p := params(t, leg)
 	want := map[string]any{
-		DoRemoteDecode: false, DoRemotePrefill: true, RemoteEngineID: "p-0.ns", RemoteHost: "10.0.0.1",
+		DoRemoteDecode: false, DoRemotePrefill: true, RemoteEngineID: "p-0.ns", RemoteHost: "198.18.0.1",
 		RemotePort: 5600.0, TPSize: 8.0, PPSize: 1.0, RemoteRequestID: "req-1", TransferID: "xfer-1",
 	}
 	if len(p) != len(want) {
