@@ -289,7 +289,7 @@ func TestEnginesOfTheAgentExecutorJoinTheAgentsGroup(t *testing.T) {
 	if sc := dw.StatefulSet.Spec.Template.Spec.SecurityContext; sc == nil || !slices.Contains(sc.SupplementalGroups, AgentGroup) {
 		t.Errorf("engine pod security context %+v lacks the agent's group %d", sc, AgentGroup)
 	}
-	ds, err := os.ReadFile(filepath.Join("..", "config", "agent", "daemonset.yaml"))
+	ds, err := os.ReadFile(filepath.Join("..", "..", "config", "agent", "daemonset.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -342,7 +342,7 @@ func TestDecodePlacementFollowsSameNode(t *testing.T) {
 			}
 		})
 	}
-	ds, err := os.ReadFile(filepath.Join("..", "config", "agent", "daemonset.yaml"))
+	ds, err := os.ReadFile(filepath.Join("..", "..", "config", "agent", "daemonset.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
