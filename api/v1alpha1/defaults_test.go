@@ -28,29 +28,27 @@ func readBack(manifest string, into client.Object) {
 	Expect(k8s.Get(ctx, client.ObjectKeyFromObject(u), into)).To(Succeed())
 }
 
+// minimalPolicy is a push policy that gives nothing else, as the API server defaults it.
+func minimalPolicy() kvv1.KVTransferPolicy {
+	var p kvv1.KVTransferPolicy
+	readBack(`
+apiVersion: kvhandoff.io/v1alpha1
+kind: KVTransferPolicy
+metadata: {name: minimal}
+spec: {mode: Push}
+`, &p)
+	return p
+}
+
 var _ = Describe("Defaults", func() {
 	// The builders, the agent's fallbacks and the CRD's markers share the defaults in
 	// defaults.go; a marker or a constant changed alone breaks this equality.
 	It("defaults a minimal policy to exactly the test builder's policy", func() {
-		var p kvv1.KVTransferPolicy
-		readBack(`
-apiVersion: kvhandoff.io/v1alpha1
-kind: KVTransferPolicy
-metadata: {name: minimal}
-spec: {mode: Push}
-`, &p)
-		Expect(p.Spec).To(Equal(builder.Policy("minimal").Obj().Spec))
+		Expect(minimalPolicy().Spec).To(Equal(builder.Policy("minimal").Obj().Spec))
 	})
 
 	It("fills every KVTransferPolicy default when only mode is given", func() {
-		var p kvv1.KVTransferPolicy
-		readBack(`
-apiVersion: kvhandoff.io/v1alpha1
-kind: KVTransferPolicy
-metadata: {name: minimal}
-spec: {mode: Push}
-`, &p)
-		Expect(p.Spec).To(Equal(kvv1.KVTransferPolicySpec{
+		Expect(minimalPolicy().Spec).To(Equal(kvv1.KVTransferPolicySpec{
 			Mode:     kvv1.TransferPush,
 			Executor: kvv1.ExecutorEngine,
 			Backend:  kvv1.BackendLibfabric,
