@@ -6,13 +6,15 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"time"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 )
 
-// handshakeTimeout bounds connecting and authenticating a peer.
-const handshakeTimeout = 10 * time.Second
+// handshakeTimeout bounds connecting and authenticating a peer: two small frames each
+// way, which an agent answers at once.
+const handshakeTimeout = 5 * time.Second
 
 // handshake authenticates a connection both ways with the cluster token.
 //
@@ -22,7 +24,9 @@ const handshakeTimeout = 10 * time.Second
 // connection. The dialer proves first; the acceptor checks that proof before it signs
 // anything, so a party that has not proved it holds the token never gets a signature.
 // A Hello that carries this agent's own identity or nonce is refused: mirroring an
-// agent's Hello back at it is how a reflection would start.
+// agent's Hello back at it is how a reflection would start. Each side also checks who
+// the other claims to be (checkIdentity) before it proves anything, so a relay between
+// two agents cannot complete the handshake with either.
 func (p *Peer) handshake() error {
 	cfg := &p.m.cfg
 	p.conn.SetDeadline(time.Now().Add(handshakeTimeout))
@@ -43,6 +47,9 @@ func (p *Peer) handshake() error {
 		return fmt.Errorf("expected a Hello with a nonce, got %T", m)
 	case theirs.Nonce == mine.Nonce || (theirs.Agent == mine.Agent && theirs.Epoch == mine.Epoch):
 		return errors.New("the peer's Hello is this agent's own")
+	}
+	if err := p.checkIdentity(theirs.Agent); err != nil {
+		return err
 	}
 	dialer, acceptor := mine, theirs
 	if !p.outbound {
@@ -79,5 +86,30 @@ func (p *Peer) handshake() error {
 	}
 	p.epoch = theirs.Epoch
 	cfg.Log.Info("peer connected", "peer", p.addr, "epoch", p.epoch, "outbound", p.outbound)
+	return nil
+}
+
+// checkIdentity refuses a peer whose claimed agent address is not the one this
+// connection reaches. The dialer requires the address it dialled: a relay that passes on
+// another agent's Hello names that agent, not itself. The acceptor requires the claimed
+// address's host to be the connection's source: agents run with hostNetwork and
+// advertise their node's address, so an agent's connections come from the host it names.
+// Both checks run before this side sends its proof, so a refused relay learns nothing
+// it could replay.
+func (p *Peer) checkIdentity(claimed string) error {
+	if p.outbound {
+		if claimed != p.addr {
+			return fmt.Errorf("dialled agent %s, but the peer names itself %s", p.addr, claimed)
+		}
+		return nil
+	}
+	host, _, err := net.SplitHostPort(claimed)
+	if err != nil {
+		return fmt.Errorf("the peer names itself %q, not host:port", claimed)
+	}
+	src, ok := p.conn.RemoteAddr().(*net.TCPAddr)
+	if ip := net.ParseIP(host); ip == nil || !ok || !ip.Equal(src.IP) {
+		return fmt.Errorf("the peer names itself %s but connects from %s", claimed, p.conn.RemoteAddr())
+	}
 	return nil
 }

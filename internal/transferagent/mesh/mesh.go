@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -19,12 +20,21 @@ import (
 )
 
 // Caps on inbound connections, so that connections nobody authenticates cannot exhaust
-// the agent: maxHandshakes may be mid-handshake at once (each holds at most a handshake
-// frame and a goroutine for at most handshakeTimeout); maxInbound may be open in all, one
-// per decode agent of the cluster that talks to this one.
+// the agent or lock other agents out. Each connection mid-handshake holds at most a
+// handshake frame and a goroutine for at most handshakeTimeout.
+//   - maxHandshakes may be mid-handshake at once from hosts no agent has connected from;
+//   - as many again from known hosts (an agent of theirs completed a handshake with this
+//     one, or this one dialled them), so strangers cannot crowd out the cluster's agents;
+//   - maxHandshakesPerHost from any one host, so one host cannot take a budget alone;
+//   - maxInbound open in all, one per decode agent of the cluster that talks to this one.
 const (
-	maxHandshakes = 64
-	maxInbound    = 4096
+	// frameTimeout bounds the arrival of one frame after its first bytes (the largest,
+	// wire.MaxFrame, takes milliseconds between nodes).
+	frameTimeout = 10 * time.Second
+
+	maxHandshakes        = 64
+	maxHandshakesPerHost = 4
+	maxInbound           = 4096
 )
 
 // Config is what a mesh needs of its agent.
@@ -56,15 +66,20 @@ type Mesh struct {
 	mu      sync.Mutex
 	peers   map[string]*Peer // outbound, by address
 	inbound map[*Peer]struct{}
-	// handshaking counts inbound connections not yet authenticated.
-	handshaking int
-	closed      bool
-	wg          sync.WaitGroup
+	// handshaking counts inbound connections not yet authenticated, from unknown and
+	// from known hosts; pending counts them by host.
+	handshaking [2]int
+	pending     map[string]int
+	// known are the hosts agents have authenticated from or been dialled at (at most
+	// maxInbound).
+	known  map[string]struct{}
+	closed bool
+	wg     sync.WaitGroup
 }
 
 // New returns an empty mesh.
 func New(cfg Config) *Mesh {
-	return &Mesh{cfg: cfg, peers: map[string]*Peer{}, inbound: map[*Peer]struct{}{}}
+	return &Mesh{cfg: cfg, peers: map[string]*Peer{}, inbound: map[*Peer]struct{}{}, pending: map[string]int{}, known: map[string]struct{}{}}
 }
 
 // Dial returns the connection to the agent at addr, opening it in the background when
@@ -126,14 +141,22 @@ func (m *Mesh) Serve(ln net.Listener) {
 			conn.Close()
 			return
 		}
-		if m.handshaking >= maxHandshakes || len(m.inbound) >= maxInbound {
+		host := hostOf(conn.RemoteAddr())
+		_, known := m.known[host]
+		budget := &m.handshaking[0]
+		if known {
+			budget = &m.handshaking[1]
+		}
+		if *budget >= maxHandshakes || m.pending[host] >= maxHandshakesPerHost || len(m.inbound) >= maxInbound {
 			m.mu.Unlock()
 			m.cfg.Refused.WithLabelValues("peer", "ResourceExhausted").Inc()
 			conn.Close()
 			continue
 		}
 		p := newPeer(m, conn, false, conn.RemoteAddr().String())
-		m.handshaking++
+		p.budget = budget
+		*budget++
+		m.pending[host]++
 		m.inbound[p] = struct{}{}
 		m.count()
 		m.mu.Unlock()
@@ -161,6 +184,31 @@ func (m *Mesh) Close() {
 	m.wg.Wait()
 }
 
+// handshakeDone returns an inbound handshake's place in its budgets and remembers the
+// host of a peer that proved itself (and of one this agent dialled).
+func (m *Mesh) handshakeDone(p *Peer, ok bool) {
+	host := hostOf(p.conn.RemoteAddr())
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !p.outbound {
+		*p.budget--
+		if m.pending[host]--; m.pending[host] <= 0 {
+			delete(m.pending, host)
+		}
+	}
+	if _, seen := m.known[host]; ok && !seen && len(m.known) < maxInbound {
+		m.known[host] = struct{}{}
+	}
+}
+
+// hostOf is the IP of a TCP address, as a string.
+func hostOf(a net.Addr) string {
+	if t, ok := a.(*net.TCPAddr); ok {
+		return t.IP.String()
+	}
+	return a.String()
+}
+
 // count publishes the number of connections; the caller holds m.mu.
 func (m *Mesh) count() { m.cfg.Peers.Set(float64(len(m.peers) + len(m.inbound))) }
 
@@ -175,6 +223,8 @@ type Peer struct {
 	local bool
 	addr  string // the address dialled (outbound) or the remote's advertised one
 	epoch uint64 // the remote agent's epoch
+	// budget is the handshake budget an inbound connection counts against.
+	budget *int
 	out   chan wire.Message
 	ready chan struct{} // closed once the handshake is done
 	done  chan struct{}
@@ -221,11 +271,7 @@ func (p *Peer) serve() {
 		p.epoch = m.cfg.Epoch
 	} else {
 		err := p.handshake()
-		if !p.outbound {
-			m.mu.Lock()
-			m.handshaking--
-			m.mu.Unlock()
-		}
+		m.handshakeDone(p, err == nil)
 		if err != nil {
 			m.cfg.Refused.WithLabelValues("peer", "Unauthenticated").Inc()
 			p.fail(fmt.Errorf("handshake with %s: %w", p.conn.RemoteAddr(), err))
@@ -236,7 +282,15 @@ func (p *Peer) serve() {
 	go p.writeLoop()
 	r := bufio.NewReaderSize(p.conn, 64<<10)
 	for {
+		// Between frames a connection may idle; a frame once begun must arrive whole
+		// within frameTimeout, so a peer cannot pin a large frame's buffer by stalling.
+		if _, err := r.Peek(4); err != nil {
+			p.fail(fmt.Errorf("reading from agent %s: %w", p.addr, err))
+			return
+		}
+		p.conn.SetReadDeadline(time.Now().Add(frameTimeout))
 		msg, err := wire.Read(r)
+		p.conn.SetReadDeadline(time.Time{})
 		if err != nil {
 			// A malformed frame ends this connection only; the agent serves every other.
 			m.cfg.Refused.WithLabelValues("peer", "Malformed").Inc()

@@ -11,6 +11,7 @@
 package wire
 
 import (
+	"bytes"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/binary"
@@ -528,11 +529,29 @@ func ReadLimit(r io.Reader, limit uint32) (Message, error) {
 	if n > min(limit, MaxFrame) {
 		return nil, fmt.Errorf("%w: length %d exceeds %d", ErrMalformed, n, min(limit, MaxFrame))
 	}
-	body := make([]byte, n)
-	if _, err := io.ReadFull(r, body); err != nil {
+	body, err := readBody(r, int(n))
+	if err != nil {
 		return nil, fmt.Errorf("%w: truncated body: %v", ErrMalformed, err)
 	}
 	return Decode(body)
+}
+
+// readBody reads a frame's n-byte body. A large body's buffer grows as its bytes arrive,
+// so a peer that announces a large frame and stalls holds only what it sent.
+func readBody(r io.Reader, n int) ([]byte, error) {
+	const small = 64 << 10
+	if n <= small {
+		body := make([]byte, n)
+		_, err := io.ReadFull(r, body)
+		return body, err
+	}
+	var buf bytes.Buffer
+	buf.Grow(small)
+	got, err := buf.ReadFrom(io.LimitReader(r, int64(n)))
+	if err == nil && got < int64(n) {
+		err = io.ErrUnexpectedEOF
+	}
+	return buf.Bytes(), err
 }
 
 // Decode decodes a frame's body (what follows the length).
