@@ -225,11 +225,11 @@ type Peer struct {
 	epoch uint64 // the remote agent's epoch
 	// budget is the handshake budget an inbound connection counts against.
 	budget *int
-	out   chan wire.Message
-	ready chan struct{} // closed once the handshake is done
-	done  chan struct{}
-	once  sync.Once
-	err   error
+	out    chan wire.Message
+	ready  chan struct{} // closed once the handshake is done
+	done   chan struct{}
+	once   sync.Once
+	err    error
 
 	mu       sync.Mutex
 	sentInfo map[string]uint64           // engine key → epoch whose EngineInfo was sent
