@@ -148,6 +148,9 @@ func (p *Proc) Stop() error {
 	return p.exitErr
 }
 
+// Pid is the agent process's id.
+func (p *Proc) Pid() int { return p.cmd.Process.Pid }
+
 // Kill ends the agent without letting it clean up, as a crash would.
 func (p *Proc) Kill() {
 	_ = p.cmd.Process.Kill()

@@ -27,6 +27,11 @@ func NewMemory(name string, size int) (fd int, mem []byte, err error) {
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		return fail("sizing the memfd", err)
 	}
+	// Every page allocated by the engine, which the agent requires: it maps only memory
+	// that exists, so that the engine's memory is charged to the engine.
+	if err := unix.Fallocate(fd, 0, 0, int64(size)); err != nil {
+		return fail("allocating the memfd", err)
+	}
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
 		return fail("sealing the memfd", err)
 	}

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -195,6 +196,9 @@ func New(cfg Config) (*Agent, error) {
 	if err := os.MkdirAll(filepath.Dir(cfg.Socket), 0o755); err != nil {
 		return nil, err
 	}
+	if err := ownSocketDir(filepath.Dir(cfg.Socket)); err != nil {
+		return nil, err
+	}
 	ln, err := listenUnix("unix", cfg.Socket)
 	if err != nil {
 		return nil, err
@@ -244,6 +248,25 @@ func listenUnix(network, path string) (net.Listener, error) {
 		return nil, err
 	}
 	return ln, nil
+}
+
+// ownSocketDir refuses a socket folder the agent does not own alone: one another user
+// owns, or anyone but its owner may write to, lets that user replace the sockets every
+// engine of the node connects to, and intercept them.
+func ownSocketDir(dir string) error {
+	var st unix.Stat_t
+	if err := unix.Lstat(dir, &st); err != nil {
+		return fmt.Errorf("agent: socket folder %s: %w", dir, err)
+	}
+	switch {
+	case st.Mode&unix.S_IFMT != unix.S_IFDIR:
+		return fmt.Errorf("agent: socket folder %s is not a directory (a link?): the agent's sockets need a folder of its own", dir)
+	case int(st.Uid) != os.Geteuid():
+		return fmt.Errorf("agent: socket folder %s belongs to uid %d, not the agent's %d: its owner could replace the sockets", dir, st.Uid, os.Geteuid())
+	case st.Mode&0o022 != 0:
+		return fmt.Errorf("agent: socket folder %s is writable by its group or others (mode %o): they could replace the sockets", dir, st.Mode&0o777)
+	}
+	return nil
 }
 
 // maxRequest bounds an engine API message: a registration of wire.MaxBlocks blocks fits.

@@ -25,11 +25,17 @@ func (m *mapping) unmap() {
 	}
 }
 
-// checkSealed accepts only a memfd sealed against shrinking. The seal is what keeps the
-// mapping whole: a shrunk file faults every access past its new end, and the provider's
-// copies into decode memory run in this process (measured: on tcp;ofi_rxm a truncated
-// decode file killed the agent with SIGBUS). Seals can only be added, never removed, so
-// once checked the file can never shrink.
+// checkSealed accepts only a memfd sealed against shrinking whose every page exists.
+//
+// The seal is what keeps the mapping whole: a shrunk file faults every access past its
+// new end, and the provider's copies into decode memory run in this process (measured:
+// on tcp;ofi_rxm a truncated decode file killed the agent with SIGBUS). Seals can only be
+// added, never removed, so once checked the file can never shrink.
+//
+// Pages must exist because whoever faults a page of shared memory in is charged for it:
+// mapping a sparse memfd (measured: 1 GiB of holes) would charge the engine's memory to
+// the agent's cgroup, and one engine could have the agent killed for every engine of the
+// node. The engine allocates its pages (fallocate, or writing them) before passing them.
 func checkSealed(fd int) (fileID, int64, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
@@ -44,6 +50,10 @@ func checkSealed(fd int) (fileID, int64, error) {
 	}
 	if seals&unix.F_SEAL_SHRINK == 0 {
 		return fileID{}, 0, fmt.Errorf("the memfd is not sealed against shrinking: add F_SEAL_SHRINK before passing it")
+	}
+	if st.Blocks*512 < st.Size {
+		return fileID{}, 0, fmt.Errorf("the memfd has %d of its %d bytes allocated: allocate every page (fallocate) before passing it; "+
+			"the agent does not fault in an engine's memory", st.Blocks*512, st.Size)
 	}
 	return fileID{dev: uint64(st.Dev), ino: st.Ino}, st.Size, nil
 }
@@ -60,8 +70,8 @@ func mapFD(f *os.File, off, size uint64) (*mapping, error) {
 	}
 	page := uint64(os.Getpagesize())
 	start := off &^ (page - 1)
-	// Populated at registration, once, so that transfers never stop to fault pages into
-	// this mapping (the provider's copies would take every fault on the transfer's time).
+	// Page tables populated at registration, once, so that transfers never stop to fault
+	// pages into this mapping; the pages themselves exist already (checkSealed).
 	whole, err := syscall.Mmap(int(f.Fd()), int64(start), int(off+size-start), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_POPULATE)
 	if err != nil {
 		return nil, fmt.Errorf("mapping the memfd: %w", err)

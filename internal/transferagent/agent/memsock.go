@@ -51,14 +51,23 @@ func (a *Agent) memoryConn(c *net.UnixConn) {
 	for {
 		_ = c.SetReadDeadline(time.Now().Add(memoryIdle))
 		n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
+		// Fds that came with the packet are the agent's from here on, whatever the packet
+		// says: every path either keeps each or closes it.
+		fds, perr := receivedFDs(oob[:oobn], flags)
 		if err != nil || n == 0 {
+			closeFDs(fds)
 			return
 		}
-		fds, perr := receivedFDs(oob[:oobn], flags)
 		answer := a.deposit(string(buf[:n]), fds, perr)
 		if _, err := c.Write([]byte(answer)); err != nil {
 			return
 		}
+	}
+}
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
 	}
 }
 
@@ -86,9 +95,7 @@ func receivedFDs(oob []byte, flags int) ([]int, error) {
 // that is not kept is closed.
 func (a *Agent) deposit(id string, fds []int, perr error) string {
 	refuse := func(format string, args ...any) string {
-		for _, fd := range fds {
-			unix.Close(fd)
-		}
+		closeFDs(fds)
 		a.metrics.refused.WithLabelValues("memory", "InvalidArgument").Inc()
 		return "error " + fmt.Sprintf(format, args...)
 	}

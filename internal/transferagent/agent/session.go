@@ -66,6 +66,8 @@ type session struct {
 	retired   []*remoteEngine          // older epochs' that hold GPU allocations open
 	gpu       *sessionGPU              // nil unless the regions are GPU memory
 	railBytes []uint64                 // RailBytes already counted in the metric
+	// hostBytes is the host memory its regions map.
+	hostBytes uint64
 }
 
 // side is what a session does for its role: prefillSide (a source: push writes, pull
@@ -357,13 +359,23 @@ func (s *session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error 
 	if s.gpu != nil {
 		return status.Error(codes.FailedPrecondition, "kind: an engine rank's regions must all be host memory or all on one GPU")
 	}
+	if s.hostBytes+uint64(len(m.mem)) > maxSessionBytes {
+		return status.Errorf(codes.ResourceExhausted, "size: the rank's regions would map %d bytes, over the agent's %d per engine rank",
+			s.hostBytes+uint64(len(m.mem)), uint64(maxSessionBytes))
+	}
 	reg, err := s.ep.Register(m.mem, s.side.access())
 	if err != nil {
 		return status.Errorf(codes.Internal, "registering region %d: %v", r.RegionId, err)
 	}
+	s.hostBytes += uint64(len(m.mem))
 	s.track(r, &localRegion{id: r.RegionId, m: m, reg: reg, blockLen: r.BlockLen, blocks: r.BlockCount})
 	return nil
 }
+
+// maxSessionBytes bounds the host memory one engine rank registers: the engine pays for
+// its memory, but the page tables that map it into the agent are the agent's (2 MiB per
+// GiB), so no engine can make them exhaust the agent's memory.
+const maxSessionBytes = 1 << 40
 
 // track adds a registered region to the rank's layout.
 func (s *session) track(r *agentv1.RegisterRegionRequest, l *localRegion) {
