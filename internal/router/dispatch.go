@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"time"
 
@@ -51,7 +52,15 @@ func (s *Server) completions(path string) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		rq := &request{id: newID("kvh-"), path: path, w: w, r: r, start: time.Now()}
 		w.Header().Set("X-Request-Id", rq.id)
-		res := s.dispatch(rq)
+		var res result
+		select {
+		case s.slots <- struct{}{}:
+			res = s.dispatch(rq)
+			<-s.slots
+		default:
+			res = result{outcome: OutcomeOverloaded, status: http.StatusTooManyRequests,
+				msg: fmt.Sprintf("the router is serving %d requests, its limit (--max-in-flight); retry later", cap(s.slots))}
+		}
 		if res.status != 0 {
 			writeError(w, res.status, errorType(res.status), res.msg)
 		}
@@ -60,12 +69,16 @@ func (s *Server) completions(path string) http.HandlerFunc {
 }
 
 func (s *Server) dispatch(rq *request) result {
-	data, err := readBody(rq, s.cfg.MaxBodyBytes)
+	data, err := readBody(rq, s.cfg.MaxBodyBytes, s.cfg.BodyTimeout)
 	if err != nil {
 		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
+		switch {
+		case errors.As(err, &tooBig):
 			return result{outcome: OutcomeBadRequest, status: http.StatusRequestEntityTooLarge,
 				msg: fmt.Sprintf("the request body exceeds %d bytes", s.cfg.MaxBodyBytes)}
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			return result{outcome: OutcomeBadRequest, status: http.StatusRequestTimeout,
+				msg: fmt.Sprintf("the request body did not arrive within %s", s.cfg.BodyTimeout)}
 		}
 		return result{outcome: OutcomeClientGone, msg: err.Error()}
 	}
@@ -216,19 +229,30 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 	})
 }
 
-// readBody reads the client's body, in one buffer of its announced length when it has
-// one (a 100 KB prompt would otherwise be copied through a growing buffer).
-func readBody(rq *request, limit int64) ([]byte, error) {
+// readBody reads the client's body within timeout. A body's buffer is allocated from its
+// announced length only up to preallocBody (a 100 KB prompt is then not copied through a
+// growing buffer); past that it grows as bytes arrive, so a client that announces a large
+// body and stalls holds no more than it sent.
+func readBody(rq *request, limit int64, timeout time.Duration) ([]byte, error) {
+	rc := http.NewResponseController(rq.w)
+	if err := rc.SetReadDeadline(time.Now().Add(timeout)); err == nil {
+		defer rc.SetReadDeadline(time.Time{})
+	}
 	r := http.MaxBytesReader(rq.w, rq.r.Body, limit)
-	if n := rq.r.ContentLength; n > 0 && n <= limit {
+	if n := rq.r.ContentLength; n > 0 && n <= min(limit, preallocBody) {
 		buf := make([]byte, n)
 		if _, err := io.ReadFull(r, buf); err != nil {
 			return nil, err
 		}
 		return buf, nil
 	}
-	return io.ReadAll(r)
+	var buf bytes.Buffer
+	_, err := buf.ReadFrom(r)
+	return buf.Bytes(), err
 }
+
+// preallocBody is the largest body whose buffer is allocated from its announced length.
+const preallocBody = 1 << 20
 
 func sameHash(es []discovery.Engine, hash string) []discovery.Engine {
 	var out []discovery.Engine
@@ -478,6 +502,8 @@ func errorType(status int) string {
 	switch {
 	case status == http.StatusServiceUnavailable:
 		return "service_unavailable"
+	case status == http.StatusTooManyRequests:
+		return "rate_limit_exceeded"
 	case status == http.StatusBadGateway:
 		return "bad_gateway"
 	case status >= 500:

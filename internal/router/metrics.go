@@ -20,8 +20,11 @@ const (
 	OutcomeStreamBroken = "stream_broken"
 	// OutcomeClientGone: the client disconnected; both legs were cancelled.
 	OutcomeClientGone = "client_cancelled"
-	// OutcomeBadRequest: the client's body was not a JSON object, or too large.
+	// OutcomeBadRequest: the client's body was not a JSON object, too large, or too slow
+	// to arrive (408).
 	OutcomeBadRequest = "bad_request"
+	// OutcomeOverloaded: the router was serving MaxInFlight requests already (429).
+	OutcomeOverloaded = "overloaded"
 )
 
 type metrics struct {

@@ -37,6 +37,11 @@ type Config struct {
 	DecodeTimeout time.Duration
 	// MaxBodyBytes is the largest request body accepted.
 	MaxBodyBytes int64
+	// BodyTimeout bounds receiving a request's body, from its headers to its last byte.
+	BodyTimeout time.Duration
+	// MaxInFlight bounds the requests the router serves at once; past it, a request is
+	// answered 429 at once.
+	MaxInFlight int
 	// ScrapeInterval is how often engines' /metrics are read for their load; 0 never.
 	ScrapeInterval time.Duration
 	// Log gets one line per request and every change of endpoints.
@@ -52,6 +57,8 @@ func Defaults() Config {
 		PrefillTimeout: 5 * time.Minute,
 		DecodeTimeout:  10 * time.Minute,
 		MaxBodyBytes:   32 << 20,
+		BodyTimeout:    30 * time.Second,
+		MaxInFlight:    1024,
 		ScrapeInterval: time.Second,
 	}
 }
@@ -64,6 +71,9 @@ type Server struct {
 	client *http.Client
 	m      *metrics
 	mux    *http.ServeMux
+
+	// slots holds a token per request being served (MaxInFlight).
+	slots chan struct{}
 
 	mu     sync.Mutex
 	gauged map[[2]string]bool // inflight series in use, to delete when engines go
@@ -92,6 +102,7 @@ func New(cfg Config) *Server {
 		}},
 		m:      newMetrics(cfg.Registry),
 		mux:    http.NewServeMux(),
+		slots:  make(chan struct{}, max(cfg.MaxInFlight, 1)),
 		gauged: map[[2]string]bool{},
 	}
 	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))

@@ -38,6 +38,8 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	fs.DurationVar(&cfg.DecodeTimeout, "decode-timeout", cfg.DecodeTimeout, "limit of a decode leg from send to its first byte (push: includes the prefill)")
 	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", cfg.ScrapeInterval, "how often engines' /metrics are read for their load; 0 never")
 	fs.Int64Var(&cfg.MaxBodyBytes, "max-body-bytes", cfg.MaxBodyBytes, "largest request body accepted")
+	fs.DurationVar(&cfg.BodyTimeout, "body-timeout", cfg.BodyTimeout, "limit of receiving a request's body, from its headers to its last byte (then 408)")
+	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "requests served at once; past it a request is answered 429 at once")
 	drain := fs.Duration("drain", 50*time.Second, "on SIGTERM, how long requests in flight may take to finish")
 	if err := fs.Parse(args); err != nil {
 		return 2

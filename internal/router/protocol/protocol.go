@@ -215,45 +215,91 @@ func PromptTokens(b Body) int {
 }
 
 // valueTokens counts a prompt value: text, token ids, a batch of either, or chat
-// content parts ({"type":"text","text":…}).
+// content parts ({"type":"text","text":…}). It reads each byte once, whatever the nesting
+// (a count that rescanned each level cost 3.7 s of CPU on a 1 MiB prompt nested 9,990
+// deep), and counts nothing below maxPromptDepth: no prompt form nests deeper.
 func valueTokens(raw []byte) int {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 {
 		return 0
 	}
-	switch c := raw[0]; {
-	case c == '"':
-		return (len(raw) - 2 + 3) / 4
-	case c == '-' || (c >= '0' && c <= '9'):
-		return 1
-	case c == '[':
-		// Token ids, the common case: with no string, array or object inside, the
-		// elements are numbers, and the commas count them (SIMD-backed scans).
-		if inner := bytes.TrimSpace(raw[1 : len(raw)-1]); bytes.IndexByte(inner, '"') < 0 && bytes.IndexByte(inner,
-			'[') < 0 && bytes.IndexByte(inner, '{') < 0 {
+	// Token ids, the common case: with no string, array or object inside, the elements
+	// are numbers, and the commas count them (SIMD-backed scans).
+	if raw[0] == '[' {
+		if inner := bytes.TrimSpace(raw[1 : len(raw)-1]); bytes.IndexAny(inner, "\"[{") < 0 {
 			if len(inner) == 0 {
 				return 0
 			}
 			return bytes.Count(inner, []byte{','}) + 1
 		}
-		n := 0
-		eachElement(raw, func(e []byte) {
-			if c := e[0]; c == '-' || (c >= '0' && c <= '9') {
-				n++ // a token id: the common case, 16k times for a long prompt
-				return
+	}
+	c := tokenCounter{validator: validator{b: raw}}
+	c.value(0)
+	return c.n
+}
+
+// maxPromptDepth is the deepest a prompt's tokens are counted: a batch of chat content
+// parts is an array of arrays of objects.
+const maxPromptDepth = 4
+
+// tokenCounter walks a valid JSON value once, counting tokens as it steps over them.
+type tokenCounter struct {
+	validator
+	n int
+}
+
+func (c *tokenCounter) value(depth int) {
+	if c.i >= len(c.b) {
+		return
+	}
+	start := c.i
+	switch ch := c.b[c.i]; {
+	case depth >= maxPromptDepth:
+		c.validator.value(depth)
+	case ch == '"':
+		c.str()
+		c.n += (c.i - start - 2 + 3) / 4
+	case ch == '-' || (ch >= '0' && ch <= '9'):
+		c.number()
+		c.n++ // a token id
+	case ch == '[':
+		c.i++
+		for c.space(); c.i < len(c.b) && c.b[c.i] != ']'; c.space() {
+			c.value(depth + 1)
+			c.space()
+			if c.i < len(c.b) && c.b[c.i] == ',' {
+				c.i++
 			}
-			n += valueTokens(e)
-		})
-		return n
-	case c == '{':
-		var part struct {
-			Text json.RawMessage `json:"text"`
 		}
-		if json.Unmarshal(raw, &part) == nil {
-			return valueTokens(part.Text)
+		c.i++
+	case ch == '{':
+		c.part(depth)
+	default:
+		c.validator.value(depth)
+	}
+}
+
+// part counts a content part's "text" and steps over its other members.
+func (c *tokenCounter) part(depth int) {
+	c.i++
+	for c.space(); c.i < len(c.b) && c.b[c.i] != '}'; c.space() {
+		key := c.i
+		c.str()
+		text := string(c.b[key:c.i]) == `"text"`
+		c.space()
+		c.i++ // :
+		c.space()
+		if text {
+			c.value(depth + 1)
+		} else {
+			c.validator.value(depth + 1)
+		}
+		c.space()
+		if c.i < len(c.b) && c.b[c.i] == ',' {
+			c.i++
 		}
 	}
-	return 0
+	c.i++
 }
 
 // eachElement calls fn with each element of a JSON array (nothing for other values),

@@ -152,6 +152,9 @@ func TestPromptTokens(t *testing.T) {
 		{`{"messages":[{"role":"user","content":"abcdabcd"}]}`, 6},
 		{`{"messages":[{"role":"user","content":[{"type":"text","text":"abcdabcd"}]}]}`, 6},
 		{`{"model":"x"}`, 0},
+		{`{"prompt":[[1,2],[3]]}`, 3},
+		{`{"prompt":[[[[[1,2,3]]]]]}`, 0}, // below any prompt form: not counted
+		{`{"prompt":[1,"abcd",[2,[3]]]}`, 4},
 	} {
 		if got := PromptTokens(mustParse(t, c.body)); got != c.want {
 			t.Errorf("%s: %d tokens, want %d", c.body, got, c.want)
