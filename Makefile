@@ -48,7 +48,8 @@ fmt: ## go fmt the module.
 	go fmt ./...
 
 .PHONY: vet
-vet: ## go vet the module, the GPU tests included (they compile everywhere, run with test-gpu).
+vet: ## gofmt-clean, and go vet the module, the GPU tests included (they compile everywhere, run with test-gpu).
+	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	go vet ./...
 	go vet -tags gpu ./internal/transferagent/cuda/ ./internal/transferagent/agent/
 

@@ -139,6 +139,15 @@ type EngineSpec struct {
 	// +optional
 	Env []corev1.EnvVar `json:"env,omitempty"`
 
+	// runAsRoot runs the engines of an executor-Agent pool as root, as stock vLLM images
+	// do on their own. By default they run as uid 1000 in the agent's socket group: they
+	// share the node's agent sockets with every other engine there, and a root process
+	// could replace a socket and intercept them all (and, with a policy's sameNode, signal
+	// any process on the host). Setting it is reported as the EngineRunsAsRoot warning.
+	// +kubebuilder:default=false
+	// +optional
+	RunAsRoot bool `json:"runAsRoot,omitempty"`
+
 	// template is a partial pod template (metadata and spec, as in a Deployment) merged over
 	// the rendered engine pod last, with Kubernetes' strategic merge, for what this API does
 	// not cover: node selectors, affinity, extra volumes, sidecars, priority class. Containers
@@ -302,6 +311,9 @@ const (
 	// ReasonSameNodeUnsupported: the policy lets pairs share a node, and the pool's
 	// accelerators have no intra-node transport in the agent (CUDA IPC is NVIDIA's).
 	ReasonSameNodeUnsupported = "SameNodeUnsupported"
+	// ReasonRootInHostPID: runAsRoot with a policy whose sameNode puts engines in the
+	// host's PID namespace, where a root engine could signal any process of the node.
+	ReasonRootInHostPID = "RootInHostPID"
 	// ReasonInvalidTemplate: spec.template has unknown fields, or the API server refused the
 	// engine workload it produced.
 	ReasonInvalidTemplate = "InvalidTemplate"

@@ -61,7 +61,7 @@ var _ = Describe("Defaults", func() {
 			LeaseSeconds:               30,
 			RegistrationTimeoutSeconds: 480,
 			BlocksTTLSeconds:           480,
-			LoadFailurePolicy:          kvv1.LoadFailureRecompute,
+			LoadFailurePolicy:          kvv1.LoadFailureFail,
 			Bidirectional:              false,
 			SameNode:                   kvv1.SameNodeForbid,
 		}))

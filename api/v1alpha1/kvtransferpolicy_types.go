@@ -60,9 +60,12 @@ const (
 type LoadFailurePolicy string
 
 const (
-	// LoadFailureFail fails the request.
+	// LoadFailureFail fails the request with an error the client sees: a transfer
+	// problem shows at once, in the request and in the engines' failure counts.
 	LoadFailureFail LoadFailurePolicy = "Fail"
-	// LoadFailureRecompute runs the prefill again on the decode engine.
+	// LoadFailureRecompute runs the prefill again on the decode engine: the request
+	// succeeds, at the cost of a whole prefill on decode (slowing its other requests),
+	// and a transfer that keeps failing shows only as slower time-to-first-token.
 	LoadFailureRecompute LoadFailurePolicy = "Recompute"
 )
 
@@ -173,9 +176,12 @@ type KVTransferPolicySpec struct {
 	// +optional
 	BlocksTTLSeconds int32 `json:"blocksTTLSeconds,omitempty"`
 
-	// loadFailurePolicy is what decode does when a request's KV cannot be loaded: Fail the
-	// request or Recompute the prefill locally (vLLM kv_load_failure_policy).
-	// +kubebuilder:default=Recompute
+	// loadFailurePolicy is what decode does when a request's KV cannot be loaded (vLLM's
+	// kv_load_failure_policy): Fail the request, the default, so a failing transfer is
+	// seen; or Recompute the prefill on the decode engine, which serves the request but
+	// costs decode a whole prefill and can hide a transfer that keeps failing (vLLM made
+	// fail its own default for that reason).
+	// +kubebuilder:default=Fail
 	// +optional
 	LoadFailurePolicy LoadFailurePolicy `json:"loadFailurePolicy,omitempty"`
 

@@ -95,6 +95,9 @@ type Warning struct{ Reason, Message string }
 const (
 	// WarningEngineVersionUnknown: the image tag names no vLLM version to check.
 	WarningEngineVersionUnknown = "EngineVersionUnknown"
+	// WarningEngineRunsAsRoot: an executor-Agent pool's engines run as root beside the
+	// node's shared agent sockets (runAsRoot).
+	WarningEngineRunsAsRoot = "EngineRunsAsRoot"
 	// WarningDeviceMemoryUnsupported: executor Agent where the agent cannot move the
 	// accelerators' KV, or not between every pair (device memory between nodes needs its
 	// dmabuf path; GPU memory within a node moves by CUDA IPC).
@@ -115,6 +118,11 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 	} else if policy.Executor == kvv1.ExecutorAgent && v.Less(MinAgentVersion) {
 		return problem(kvv1.ReasonUnsupportedEngineVersion,
 			"image %q runs vLLM %s; kvhandoff's connector (executor Agent) needs vLLM %s or later", spec.Image, v, MinAgentVersion), warnings
+	}
+	if policy.Executor == kvv1.ExecutorAgent && spec.RunAsRoot {
+		warnings = append(warnings, Warning{WarningEngineRunsAsRoot,
+			"runAsRoot: the engines run as root beside the node's agent sockets, which every engine of the node shares; a root engine " +
+				"can replace a socket and intercept the others' KV (and with sameNode Allow or Prefer, signal any process on the host)"})
 	}
 	if policy.Executor == kvv1.ExecutorAgent {
 		// Rendered anyway, so the pool reports its engines' own error rather than none.
@@ -140,6 +148,10 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 		return problem(kvv1.ReasonInstanceTypeMismatch,
 			"instanceType %s carries %s accelerators but accelerator.type is %s; change one of them", spec.InstanceType, info.Accelerator,
 			spec.Accelerator.Type), warnings
+	}
+	if spec.RunAsRoot && policy.Executor == kvv1.ExecutorAgent && policy.SameNode != kvv1.SameNodeForbid {
+		return problem(kvv1.ReasonRootInHostPID, "runAsRoot with the policy's sameNode: %s would run root engines in the host's PID namespace, "+
+			"where they could signal any process of the node; unset runAsRoot, or use a policy with sameNode: Forbid", policy.SameNode), warnings
 	}
 	if policy.SameNode != kvv1.SameNodeForbid && spec.Accelerator.Type != kvv1.AcceleratorNvidiaGPU {
 		return problem(kvv1.ReasonSameNodeUnsupported, "the policy's sameNode: %s lets a pair share a node, whose KV the transfer agent moves with "+

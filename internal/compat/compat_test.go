@@ -198,3 +198,22 @@ func TestCheckPair(t *testing.T) {
 		})
 	}
 }
+
+// Engines that share the node's agent sockets run as root only when their pool says so,
+// with a warning; root engines in the host's PID namespace are refused.
+func TestRootEngines(t *testing.T) {
+	agent := builder.Policy("p").Executor(kvv1.ExecutorAgent).Obj().Spec
+	sameNode := builder.Policy("p").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodePrefer).Obj().Spec
+	root := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").RunAsRoot(true).Obj().Spec.EngineSpec
+	p, warnings := CheckPool(&root, &agent)
+	if p != nil || !slices.ContainsFunc(warnings, func(w Warning) bool { return w.Reason == WarningEngineRunsAsRoot }) {
+		t.Errorf("runAsRoot with executor Agent: problem %v, warnings %v; want the EngineRunsAsRoot warning", p, warnings)
+	}
+	if p, _ := CheckPool(&root, &sameNode); p == nil || p.Reason != kvv1.ReasonRootInHostPID {
+		t.Errorf("runAsRoot with sameNode Prefer: problem %v, want %s", p, kvv1.ReasonRootInHostPID)
+	}
+	nonRoot := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").Obj().Spec.EngineSpec
+	if _, warnings := CheckPool(&nonRoot, &agent); slices.ContainsFunc(warnings, func(w Warning) bool { return w.Reason == WarningEngineRunsAsRoot }) {
+		t.Errorf("a pool that runs its engines as uid %d warned of root", 1000)
+	}
+}

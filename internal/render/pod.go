@@ -37,6 +37,11 @@ const (
 	// --socket-gid); engine pods of executor Agent get it as a supplemental group, so they
 	// reach the agent without running as root.
 	AgentGroup = 7470
+	// EngineUser is the uid executor-Agent engines run as unless their pool sets
+	// runAsRoot; HOME is set to a folder it can write (engineHome), as the images' own
+	// home belongs to root.
+	EngineUser = 1000
+	engineHome = "/tmp/home"
 
 	labelInstanceType = "node.kubernetes.io/instance-type"
 	labelZone         = "topology.kubernetes.io/zone"
@@ -68,7 +73,7 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 		Image:   in.Spec.Image,
 		Command: []string{"vllm", "serve"},
 		Args:    args(in),
-		Env:     mergeEnv(env(in), in.Spec.Env),
+		Env:     mergeEnv(mergeEnv(env(in), homeEnv(in)), in.Spec.Env),
 		Ports: []corev1.ContainerPort{
 			{Name: "http", ContainerPort: HTTPPort, Protocol: corev1.ProtocolTCP},
 			{Name: "nixl", ContainerPort: SideChannelPort, Protocol: corev1.ProtocolTCP},
@@ -96,12 +101,17 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 	var initContainers []corev1.Container
 	if in.Policy.Executor == kvv1.ExecutorAgent {
 		labels[kvv1.LabelExecutor] = string(kvv1.ExecutorAgent)
+		// Read-only: connecting to a socket needs no write access, and nothing an engine
+		// does can then replace or add anything where every engine of the node connects.
 		engine.VolumeMounts = append(engine.VolumeMounts,
-			corev1.VolumeMount{Name: "kvhandoff-agent", MountPath: AgentSocketDir},
+			corev1.VolumeMount{Name: "kvhandoff-agent", MountPath: AgentSocketDir, ReadOnly: true},
 			corev1.VolumeMount{Name: "kvhandoff-connector", MountPath: ConnectorDir, ReadOnly: true})
 		volumes = append(volumes, hostPathVolume("kvhandoff-agent", AgentSocketDir),
 			corev1.Volume{Name: "kvhandoff-connector", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}})
 		podSecurity = &corev1.PodSecurityContext{SupplementalGroups: []int64{AgentGroup}}
+		if !in.Spec.RunAsRoot {
+			podSecurity.RunAsNonRoot, podSecurity.RunAsUser = ptr.To(true), ptr.To[int64](EngineUser)
+		}
 		initContainers = []corev1.Container{connectorInit(in)}
 	}
 
@@ -245,6 +255,15 @@ func resourcesFor(in Input) (corev1.ResourceRequirements, error) {
 	}
 	// Requests equal limits: accelerators, NICs and hugepages cannot be overcommitted.
 	return corev1.ResourceRequirements{Limits: list, Requests: list.DeepCopy()}, nil
+}
+
+// homeEnv gives engines that run as EngineUser a HOME they can write (vLLM and its
+// libraries cache there); a pool's env may set another.
+func homeEnv(in Input) []corev1.EnvVar {
+	if in.Policy.Executor != kvv1.ExecutorAgent || in.Spec.RunAsRoot {
+		return nil
+	}
+	return []corev1.EnvVar{{Name: "HOME", Value: engineHome}}
 }
 
 func securityContext(policy *kvv1.KVTransferPolicySpec) *corev1.SecurityContext {

@@ -108,10 +108,10 @@ func checkGolden(t *testing.T, name string, got []byte) {
 	}
 	want, err := os.ReadFile(golden)
 	if err != nil {
-		t.Fatalf("%v (run go test ./render -update to create it)", err)
+		t.Fatalf("%v (run go test ./internal/render -update to create it)", err)
 	}
 	if !bytes.Equal(got, want) {
-		t.Errorf("rendered objects differ from %s; if the change is intended, run go test ./render -update and review the diff.\n%s",
+		t.Errorf("rendered objects differ from %s; if the change is intended, run go test ./internal/render -update and review the diff.\n%s",
 			golden, lineDiff(string(want), string(got)))
 	}
 }
@@ -146,7 +146,7 @@ func argAfter(args []string, flag string) string {
 }
 
 func TestKVTransferConfigIsJSONOnceTheKubeletExpandsIt(t *testing.T) {
-	pw, dw := pair(t, builder.PrefillPool("p"), builder.DecodePool("d", "p"), builder.Policy("push").Lease(45).RegistrationTimeout(300).BlocksTTL(120))
+	pw, dw := pair(t, builder.PrefillPool("p"), builder.DecodePool("d", "p"), builder.Policy("push").Lease(45).RegistrationTimeout(300).BlocksTTL(120).LoadFailurePolicy(kvv1.LoadFailureRecompute))
 	for _, w := range []*Workload{pw, dw} {
 		raw := argAfter(engine(w).Args, "--kv-transfer-config")
 		expanded := strings.NewReplacer("$(POD_NAME)", w.StatefulSet.Name+"-0", "$(POD_NAMESPACE)", "ns").Replace(raw)
@@ -348,5 +348,31 @@ func TestDecodePlacementFollowsSameNode(t *testing.T) {
 	}
 	if !strings.Contains(string(ds), "hostPID: true") {
 		t.Error("config/agent/daemonset.yaml does not run the agent in the host's PID namespace, where engines' CUDA IPC handles open")
+	}
+}
+
+// Engines of executor Agent run non-root, in the socket group, with the socket folder
+// mounted read-only: a root engine could replace the node's sockets. runAsRoot opts out.
+func TestAgentEnginesRunNonRootWithTheSocketsReadOnly(t *testing.T) {
+	pol := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj()
+	for _, root := range []bool{false, true} {
+		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").RunAsRoot(root).Obj()
+		w, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+		if err != nil {
+			t.Fatal(err)
+		}
+		spec := w.StatefulSet.Spec.Template.Spec
+		sc := spec.SecurityContext
+		if nonRoot := sc.RunAsNonRoot != nil && *sc.RunAsNonRoot && sc.RunAsUser != nil && *sc.RunAsUser == EngineUser; nonRoot == root {
+			t.Errorf("runAsRoot %v: pod security context %+v", root, sc)
+		}
+		if !slices.Contains(sc.SupplementalGroups, AgentGroup) {
+			t.Errorf("runAsRoot %v: engines are not in the socket group %d", root, AgentGroup)
+		}
+		for _, m := range spec.Containers[0].VolumeMounts {
+			if m.Name == "kvhandoff-agent" && !m.ReadOnly {
+				t.Errorf("runAsRoot %v: the agent's socket folder is mounted read-write", root)
+			}
+		}
 	}
 }

@@ -39,7 +39,7 @@ func Policy(name string) *PolicyBuilder {
 			LeaseSeconds:               kvv1.DefaultLeaseSeconds,
 			RegistrationTimeoutSeconds: kvv1.DefaultRegistrationTimeoutSeconds,
 			BlocksTTLSeconds:           kvv1.DefaultBlocksTTLSeconds,
-			LoadFailurePolicy:          kvv1.LoadFailureRecompute,
+			LoadFailurePolicy:          kvv1.LoadFailureFail,
 			SameNode:                   kvv1.SameNodeForbid,
 		},
 	}}
@@ -185,6 +185,7 @@ func (b *PoolBuilder[P]) Env(name, value string) *PoolBuilder[P] {
 }
 
 // Template sets the pool's partial pod template, as the JSON a user would write.
+func (b *PoolBuilder[P]) RunAsRoot(on bool) *PoolBuilder[P] { b.spec.RunAsRoot = on; return b }
 func (b *PoolBuilder[P]) Template(json string) *PoolBuilder[P] {
 	b.spec.Template = &runtime.RawExtension{Raw: []byte(json)}
 	return b
