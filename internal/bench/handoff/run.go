@@ -135,9 +135,12 @@ type Report struct {
 	RailsGain *RailsGain `json:"rails_gain,omitempty"`
 }
 
-// agents are the options the scenario's agents run with.
+// agents are the options the scenario's agents run with. Engines that send no policy
+// timeouts (the throughput measurements') get a registration timeout and blocks TTL well
+// inside waitLimit, so that a lost message surfaces as the agents' own report of it.
 func (sc Scenario) agents() agentproc.Options {
-	return agentproc.Options{CPUs: sc.AgentCPUs, Flags: []string{"--rails", strconv.Itoa(max(sc.Rails, 1))}}
+	return agentproc.Options{CPUs: sc.AgentCPUs, Flags: []string{"--rails", strconv.Itoa(max(sc.Rails, 1)),
+		"--registration-timeout", "60s", "--blocks-ttl", "30s"}}
 }
 
 // mode is one way of handing off a request: the agents' mode, and for push how many
