@@ -60,6 +60,10 @@ func (ps *prefillSide) freeze() {
 	}
 	ps.w = writer.New(s.ep, ps.table, local, s.layout)
 	ps.w.OnPost = ps.onPost
+	ps.w.OnSignalError = func(err error) {
+		s.n.metrics.failures.WithLabelValues("signal_error").Inc()
+		s.n.log.Warn("a posted signal failed: its decode agent will report the request after its registration timeout", "engine", s.key, "err", err)
+	}
 	if s.gpu != nil {
 		ps.w.UseCopier(s.gpu.copier, s.devices())
 	}

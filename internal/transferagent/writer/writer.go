@@ -49,9 +49,17 @@ type Writer struct {
 	dests   map[rendezvous.Engine]Destination
 	queue   []queued
 	pending map[uint64]queued
-	nextID  uint64
-	buf     []fabric.Completion
-	reaped  []fabric.Completion // completions read while making room for a signal
+	// signals are the signals posted and not yet complete. Until their completions are
+	// reaped the writer is not idle, so its rank keeps driving the endpoint: a provider
+	// with manual progress (tcp;ofi_rxm) may hold a posted signal in its send queue until
+	// the initiator polls again, and nothing else would poll an idle rank's endpoint.
+	signals map[uint64]struct{}
+	// OnSignalError, when set, hears of a posted signal that then failed: its decode agent
+	// will not see it.
+	OnSignalError func(error)
+	nextID        uint64
+	buf           []fabric.Completion
+	reaped        []fabric.Completion // completions read while making room for a signal
 	// OnPost, when set, runs after each write is posted and before any completion is
 	// reaped (the agent times the post stage with it; tests land a cancel there).
 	OnPost func(req string, attempt uint64)
@@ -92,7 +100,7 @@ func New(ep *fabric.Endpoint, table *rendezvous.Table, local map[int]*fabric.Reg
 	return &Writer{
 		ep: ep, table: table, MaxInFlight: 64, MaxMessage: ep.Limits().MaxMsgSize, SignalPatience: DefaultSignalPatience,
 		src: local, layout: layout, dests: map[rendezvous.Engine]Destination{},
-		pending: map[uint64]queued{}, buf: make([]fabric.Completion, 64),
+		pending: map[uint64]queued{}, signals: map[uint64]struct{}{}, buf: make([]fabric.Completion, 64),
 	}
 }
 
@@ -159,8 +167,8 @@ type Failure struct {
 // the next Poll processes them.
 func (w *Writer) Absorb(cs []fabric.Completion) { w.reaped = append(w.reaped, cs...) }
 
-// Idle reports whether nothing is queued or in flight.
-func (w *Writer) Idle() bool { return len(w.queue) == 0 && len(w.pending) == 0 }
+// Idle reports whether nothing is queued or in flight, signals included.
+func (w *Writer) Idle() bool { return len(w.queue) == 0 && len(w.pending) == 0 && len(w.signals) == 0 }
 
 // Poll posts queued writes up to MaxInFlight — each admitted by the table first, so a
 // fenced attempt's queued writes are dropped, never posted — and reaps completions into
@@ -221,6 +229,13 @@ func (w *Writer) Poll(now time.Time) ([]rendezvous.Action, []Failure, error) {
 	}
 	w.reaped = nil
 	for _, c := range done {
+		if _, ok := w.signals[c.ID]; ok {
+			delete(w.signals, c.ID)
+			if c.Err != nil && w.OnSignalError != nil {
+				w.OnSignalError(c.Err)
+			}
+			continue
+		}
 		q, ok := w.pending[c.ID]
 		if !ok {
 			continue
@@ -256,6 +271,9 @@ func (w *Writer) Signal(engine rendezvous.Engine, data uint64) error {
 	for {
 		w.nextID++
 		err := w.ep.WriteData(d.Peer, data, d.Regions[0].Addr, d.Regions[0].Keys, w.nextID)
+		if err == nil {
+			w.signals[w.nextID] = struct{}{}
+		}
 		if !errors.Is(err, fabric.ErrAgain) {
 			return err
 		}

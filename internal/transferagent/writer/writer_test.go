@@ -153,8 +153,21 @@ func TestDeliversEveryBlockInMergedWrites(t *testing.T) {
 	if err := r.w.Signal(decode, 77); err != nil {
 		t.Fatal(err)
 	}
+	// Until the signal's own completion is reaped the writer is busy, so its rank keeps
+	// driving the endpoint: tcp;ofi_rxm may hold a posted signal until the sender polls
+	// again, and a rank whose writer looked idle stopped polling (a request then waited
+	// for its registration timeout: the bench's "no outcome" under load).
+	if r.w.Idle() {
+		t.Fatal("the writer reports idle with its signal in flight")
+	}
 	if got := r.signalled(); got != 77 {
 		t.Fatalf("signal carried %d, want 77", got)
+	}
+	for deadline := time.Now().Add(time.Minute); !r.w.Idle(); {
+		if time.Now().After(deadline) {
+			t.Fatal("the signal's completion never came back")
+		}
+		r.step()
 	}
 
 	// The second part splits run two at position 100: 3 runs per region.
