@@ -49,6 +49,9 @@ func TestAnOverloadedRunFinishesAndReturnsEveryBlock(t *testing.T) {
 			t.Errorf("%s: nothing failed: the scenario did not overload the agents, so it tests nothing\n%s", r.Mode, log.String())
 		}
 	}
+	if g := rep.RailsGain; g != nil && len(g.FailedRequests) > 0 {
+		t.Logf("the rails measurement left out requests the agents reported failed: %v", g.FailedRequests)
+	}
 	if rep.LeakedRanks != 0 {
 		t.Errorf("%d ranks' blocks were held back: an agent never answered", rep.LeakedRanks)
 	}

@@ -19,6 +19,9 @@ type RailsGain struct {
 	AgentTwoRailsGBps       float64 `json:"agent_two_rails_gb_per_s"`
 	AgentWritesOneRailGBps  float64 `json:"agent_writes_one_rail_gb_per_s"`
 	AgentWritesTwoRailsGBps float64 `json:"agent_writes_two_rails_gb_per_s"`
+	// FailedRequests are the agents' requests that failed, with their reasons (left out
+	// of the rates).
+	FailedRequests []string `json:"failed_requests,omitempty"`
 }
 
 // MeasureRailsGain measures RailsGain for one rank of layout l, with Blocks the blocks of
@@ -49,5 +52,6 @@ func MeasureRailsGain(ctx context.Context, sc Scenario, l simengine.Layout, cpus
 		PairOneRailGBps: pair1, PairTwoRailsGBps: pair2,
 		AgentOneRailGBps: agent1.endToEnd, AgentTwoRailsGBps: agent2.endToEnd,
 		AgentWritesOneRailGBps: agent1.writes, AgentWritesTwoRailsGBps: agent2.writes,
+		FailedRequests: append(agent1.failed, agent2.failed...),
 	}, nil
 }

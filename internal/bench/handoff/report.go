@@ -3,6 +3,7 @@ package handoff
 import (
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/kvhandoff/kvhandoff/internal/bench/report"
 )
@@ -66,6 +67,17 @@ func (r *Report) Markdown(w io.Writer) {
 			g.PairOneRailGBps, g.PairTwoRailsGBps, g.PairTwoRailsGBps/g.PairOneRailGBps, g.AgentOneRailGBps, g.AgentTwoRailsGBps,
 			g.AgentTwoRailsGBps/g.AgentOneRailGBps, g.AgentWritesOneRailGBps, g.AgentWritesTwoRailsGBps)
 	}
+	var failed []string
+	if r.Throughput != nil {
+		failed = append(failed, r.Throughput.FailedRequests...)
+	}
+	if r.RailsGain != nil {
+		failed = append(failed, r.RailsGain.FailedRequests...)
+	}
+	if len(failed) > 0 {
+		fmt.Fprintf(w, "The throughput measurements left out %d request(s) the agents reported failed: %s.\n", len(failed), strings.Join(failed, "; "))
+	}
+
 	if r.Rails > 1 {
 		fmt.Fprintf(w, "Every engine rank's agent session, and every floor pair, ran on %d rails.\n", r.Rails)
 	}

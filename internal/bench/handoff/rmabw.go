@@ -35,6 +35,9 @@ type Throughput struct {
 	// stages (pairing until the last write completed), without the engine's calls, the
 	// delivery signal and the event back — where the rest of the gap to fi_rma_bw is.
 	AgentWritesGBps float64 `json:"agent_writes_gb_per_s"`
+	// FailedRequests are the agents' requests that failed, with their reasons (left out
+	// of the rates).
+	FailedRequests []string `json:"failed_requests,omitempty"`
 	// AgentOverFiRmaBw is the target's ratio (≥ 0.95).
 	AgentOverFiRmaBw float64 `json:"agent_over_fi_rma_bw"`
 	// AgentInstalledGBps is the agent on the machine's own libfabric, for context.
@@ -87,6 +90,7 @@ func MeasureThroughput(ctx context.Context, sc Scenario, fabtests string, l sime
 		return nil, err
 	}
 	th.AgentInstalledGBps, th.Installed = installed.endToEnd, installed.libfabric
+	th.FailedRequests = append(onFabtests.failed, installed.failed...)
 	th.AgentOverFiRmaBw = th.AgentGBps / th.FiRmaBwGBps
 	return th, nil
 }
@@ -197,6 +201,9 @@ var libfabricVersion = regexp.MustCompile(`"libfabric":"([^"]+)"`)
 type agentRate struct {
 	endToEnd, writes, cpuPerGB float64
 	libfabric                  string
+	// failed are the requests the agents reported failed, each with its reason: left out
+	// of the rates, reported beside them.
+	failed []string
 }
 
 // agentThroughput pushes requests through two agents (run with env), one rank of layout
@@ -212,8 +219,9 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 	defer a.Stop()
 	defer b.Stop()
 	defer func() {
-		if err != nil { // what the agents said, for a measurement that could not finish
-			err = fmt.Errorf("%w\n%s's log:\n%s\n%s's log:\n%s", err, a.Name, a.Log(), b.Name, b.Log())
+		if err != nil { // what the agents said and counted, for a measurement that could not finish
+			err = fmt.Errorf("%w\n%s's log:\n%s\n%s's log:\n%s\n%s's metrics:\n%s\n%s's metrics:\n%s",
+				err, a.Name, a.Log(), b.Name, b.Log(), a.Name, agentMetrics(a), b.Name, agentMetrics(b))
 		}
 	}()
 	version := ""
@@ -268,8 +276,17 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 		if err != nil {
 			return rate, err
 		}
-		if ev.Type != agentv1.Event_DELIVERED {
-			return rate, fmt.Errorf("%s: %s: %s", req, ev.Type, ev.Reason)
+		// A request the agents report failed is an outcome, not a broken measurement: it is
+		// counted and named in the report, and left out of the rate. (On tcp;ofi_rxm 1.17
+		// beside a CPU hog, about one run in ten loses one request's delivery signal
+		// between the provider's send and the decode side's completion queue; decode
+		// reports it after its registration timeout, as it must.)
+		failed := ev.Type != agentv1.Event_DELIVERED
+		if failed {
+			if i == 0 {
+				return rate, fmt.Errorf("%s: %s: %s", req, ev.Type, ev.Reason)
+			}
+			rate.failed = append(rate.failed, fmt.Sprintf("%s: %s: %s", req, ev.Type, ev.Reason))
 		}
 		end, busyEnd := time.Now(), cpuBusy()
 		wctx, cancel = context.WithTimeout(ctx, waitLimit)
@@ -285,6 +302,9 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 			before = scrape(a) // its stages are recorded by SOURCE_DONE
 			continue
 		}
+		if failed {
+			continue
+		}
 		bytes += float64(n * l.BlockBytes() * l.Regions())
 		took += end.Sub(start)
 		busy += busyEnd - busyStart
@@ -295,9 +315,24 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 		series := fmt.Sprintf(`kvhandoff_agent_handoff_stage_seconds_sum{mode="push",stage="%s"}`, stage)
 		writing += after[series] - before[series]
 	}
-	rate = agentRate{endToEnd: bytes / took.Seconds() / 1e9, cpuPerGB: busy.Seconds() / (bytes / 1e9), libfabric: version}
+	rate = agentRate{endToEnd: bytes / took.Seconds() / 1e9, cpuPerGB: busy.Seconds() / (bytes / 1e9), libfabric: version, failed: rate.failed}
 	if writing > 0 {
 		rate.writes = bytes / writing / 1e9
 	}
 	return rate, nil
+}
+
+// agentMetrics is the kvhandoff series an agent exposes, as text.
+func agentMetrics(p *agentproc.Proc) string {
+	_, body, err := p.Get("/metrics")
+	if err != nil {
+		return err.Error()
+	}
+	var keep []string
+	for _, line := range strings.Split(body, "\n") {
+		if strings.HasPrefix(line, "kvhandoff_") {
+			keep = append(keep, line)
+		}
+	}
+	return strings.Join(keep, "\n")
 }
