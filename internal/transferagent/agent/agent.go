@@ -41,7 +41,7 @@ type Config struct {
 	// PeerListen is the TCP address peers connect to; Advertise is how they name it
 	// (defaults to the listener's address).
 	PeerListen, Advertise string
-	// Token authenticates peers: both sides prove they hold it (see peer.handshake).
+	// Token authenticates peers: both sides prove they hold it (see package mesh).
 	Token []byte
 	// Timeouts are the fallbacks for engines that do not send their policy's in
 	// RegisterEngine.
@@ -81,8 +81,8 @@ func DefaultTimeouts() Timeouts {
 	}.complete(Timeouts{})
 }
 
-// complete fills what t leaves zero from fallback, then derives what is still missing
-// from the lease: the one home of the agent's timeout defaults.
+// complete fills what t leaves zero from fallback, and sets the watchdog's tick: four
+// times per lease, and at least every 100 ms.
 func (t Timeouts) complete(fallback Timeouts) Timeouts {
 	pick := func(v, f time.Duration) time.Duration {
 		if v > 0 {
@@ -91,12 +91,9 @@ func (t Timeouts) complete(fallback Timeouts) Timeouts {
 		return f
 	}
 	t.Lease = pick(t.Lease, fallback.Lease)
-	t.RegistrationTimeout = pick(pick(t.RegistrationTimeout, fallback.RegistrationTimeout), 2*t.Lease)
-	t.BlocksTTL = pick(pick(t.BlocksTTL, fallback.BlocksTTL), t.Lease)
-	t.Tick = min(pick(t.Tick, fallback.Tick), t.Lease/4, 100*time.Millisecond)
-	if t.Tick <= 0 {
-		t.Tick = min(t.Lease/4, 100*time.Millisecond)
-	}
+	t.RegistrationTimeout = pick(t.RegistrationTimeout, fallback.RegistrationTimeout)
+	t.BlocksTTL = pick(t.BlocksTTL, fallback.BlocksTTL)
+	t.Tick = min(t.Lease/4, 100*time.Millisecond)
 	return t
 }
 

@@ -8,6 +8,7 @@ package mesh
 
 import (
 	"bufio"
+	"encoding/binary"
 	"fmt"
 	"log/slog"
 	"net"
@@ -143,19 +144,15 @@ func (m *Mesh) Serve(ln net.Listener) {
 		}
 		host := hostOf(conn.RemoteAddr())
 		_, known := m.known[host]
-		budget := &m.handshaking[0]
-		if known {
-			budget = &m.handshaking[1]
-		}
-		if *budget >= maxHandshakes || m.pending[host] >= maxHandshakesPerHost || len(m.inbound) >= maxInbound {
+		if m.handshaking[budget(known)] >= maxHandshakes || m.pending[host] >= maxHandshakesPerHost || len(m.inbound) >= maxInbound {
 			m.mu.Unlock()
 			m.cfg.Refused.WithLabelValues("peer", "ResourceExhausted").Inc()
 			conn.Close()
 			continue
 		}
 		p := newPeer(m, conn, false, conn.RemoteAddr().String())
-		p.budget = budget
-		*budget++
+		p.knownHost = known
+		m.handshaking[budget(known)]++
 		m.pending[host]++
 		m.inbound[p] = struct{}{}
 		m.count()
@@ -191,7 +188,7 @@ func (m *Mesh) handshakeDone(p *Peer, ok bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !p.outbound {
-		*p.budget--
+		m.handshaking[budget(p.knownHost)]--
 		if m.pending[host]--; m.pending[host] <= 0 {
 			delete(m.pending, host)
 		}
@@ -199,6 +196,14 @@ func (m *Mesh) handshakeDone(p *Peer, ok bool) {
 	if _, seen := m.known[host]; ok && !seen && len(m.known) < maxInbound {
 		m.known[host] = struct{}{}
 	}
+}
+
+// budget indexes handshaking: strangers' slots, or those of known hosts.
+func budget(known bool) int {
+	if known {
+		return 1
+	}
+	return 0
 }
 
 // hostOf is the IP of a TCP address, as a string.
@@ -223,13 +228,13 @@ type Peer struct {
 	local bool
 	addr  string // the address dialled (outbound) or the remote's advertised one
 	epoch uint64 // the remote agent's epoch
-	// budget is the handshake budget an inbound connection counts against.
-	budget *int
-	out    chan wire.Message
-	ready  chan struct{} // closed once the handshake is done
-	done   chan struct{}
-	once   sync.Once
-	err    error
+	// knownHost: an inbound connection from a known host, counted in that budget.
+	knownHost bool
+	out       chan wire.Message
+	ready     chan struct{} // closed once the handshake is done
+	done      chan struct{}
+	once      sync.Once
+	err       error
 
 	mu       sync.Mutex
 	sentInfo map[string]uint64           // engine key → epoch whose EngineInfo was sent
@@ -284,13 +289,21 @@ func (p *Peer) serve() {
 	for {
 		// Between frames a connection may idle; a frame once begun must arrive whole
 		// within frameTimeout, so a peer cannot pin a large frame's buffer by stalling.
-		if _, err := r.Peek(4); err != nil {
+		// A frame already buffered whole (the control messages, nearly always) needs
+		// no deadline.
+		hdr, err := r.Peek(4)
+		if err != nil {
 			p.fail(fmt.Errorf("reading from agent %s: %w", p.addr, err))
 			return
 		}
-		p.conn.SetReadDeadline(time.Now().Add(frameTimeout))
+		partial := r.Buffered() < 4+int(binary.BigEndian.Uint32(hdr))
+		if partial {
+			p.conn.SetReadDeadline(time.Now().Add(frameTimeout))
+		}
 		msg, err := wire.Read(r)
-		p.conn.SetReadDeadline(time.Time{})
+		if partial {
+			p.conn.SetReadDeadline(time.Time{})
+		}
 		if err != nil {
 			// A malformed frame ends this connection only; the agent serves every other.
 			m.cfg.Refused.WithLabelValues("peer", "Malformed").Inc()
