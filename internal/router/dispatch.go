@@ -55,8 +55,10 @@ func (s *Server) completions(path string) http.HandlerFunc {
 		var res result
 		select {
 		case s.slots <- struct{}{}:
-			res = s.dispatch(rq)
-			<-s.slots
+			func() {
+				defer func() { <-s.slots }() // also when a handler panics (net/http recovers it)
+				res = s.dispatch(rq)
+			}()
 		default:
 			res = result{outcome: OutcomeOverloaded, status: http.StatusTooManyRequests,
 				msg: fmt.Sprintf("the router is serving %d requests, its limit (--max-in-flight); retry later", cap(s.slots))}

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -322,17 +323,18 @@ func agentThroughput(ctx context.Context, sc Scenario, env []string, l simengine
 	return rate, nil
 }
 
-// agentMetrics is the kvhandoff series an agent exposes, as text.
+// agentMetrics is the kvhandoff series an agent exposes, one per line.
 func agentMetrics(p *agentproc.Proc) string {
-	_, body, err := p.Get("/metrics")
+	m, err := p.Metrics()
 	if err != nil {
 		return err.Error()
 	}
 	var keep []string
-	for _, line := range strings.Split(body, "\n") {
-		if strings.HasPrefix(line, "kvhandoff_") {
-			keep = append(keep, line)
+	for series, v := range m {
+		if strings.HasPrefix(series, "kvhandoff_") {
+			keep = append(keep, fmt.Sprintf("%s %g", series, v))
 		}
 	}
+	slices.Sort(keep)
 	return strings.Join(keep, "\n")
 }
