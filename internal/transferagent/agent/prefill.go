@@ -256,13 +256,9 @@ func (ps *prefillSide) delivered(d rendezvous.Delivered) {
 	if a == nil {
 		return
 	}
+	// Counted before the signal goes: the bytes are in decode memory already, and once
+	// the signal is posted decode may report them before this rank runs again.
 	now := time.Now()
-	if err := ps.w.Signal(a.decode, landing.SignalData(a.token, false)); err != nil {
-		s.n.metrics.failures.WithLabelValues("signal_error").Inc()
-		a.peer.Send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
-		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: d.Request, Attempt: d.Attempt, Reason: "signalling delivery failed"})
-		return
-	}
 	m := s.n.metrics
 	if !a.paired.IsZero() && !a.lastPost.IsZero() {
 		m.stage.WithLabelValues("push", "post").Observe(a.lastPost.Sub(a.paired).Seconds())
@@ -270,6 +266,12 @@ func (ps *prefillSide) delivered(d rendezvous.Delivered) {
 	}
 	m.bytes.WithLabelValues("push").Add(float64(a.bytes))
 	m.descriptors.WithLabelValues("push").Add(float64(a.writes))
+	if err := ps.w.Signal(a.decode, landing.SignalData(a.token, false)); err != nil {
+		m.failures.WithLabelValues("signal_error").Inc()
+		a.peer.Send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
+		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: d.Request, Attempt: d.Attempt, Reason: "signalling delivery failed"})
+		return
+	}
 	s.emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: d.Request, Attempt: d.Attempt, Bytes: a.bytes, Descriptors: uint64(a.writes)})
 }
 
