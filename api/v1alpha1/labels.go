@@ -22,6 +22,10 @@ const (
 	// LabelAgentReady marks a node whose transfer agent is serving. Engines of a policy with
 	// executor Agent are scheduled only onto such nodes.
 	LabelAgentReady = "kvhandoff.io/agent-ready"
+	// AnnotationAgentAddress on a node labelled agent-ready is the host:port its agent's
+	// peers reach it at. Agents dial no other address: an engine naming any other host or
+	// port gets a refusal, never a connection attempt.
+	AnnotationAgentAddress = "kvhandoff.io/agent-address"
 	// LabelRouter on a router's objects and pods names the DecodePool it routes to. Router
 	// pods carry neither the pool nor the role label, so they are never taken for engines.
 	LabelRouter = "kvhandoff.io/router"

@@ -26,6 +26,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/cudaipc"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/peercred"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
@@ -50,7 +51,15 @@ type Config struct {
 	// (the stream is its liveness); a session that never opens one is closed, so it cannot
 	// hold an endpoint and memory forever.
 	EventsDeadline time.Duration
-	Log            *slog.Logger
+	// Pods, when set, makes the agent check that each engine runs in the pod its
+	// engine_id names (identity.go); nil outside a cluster.
+	Pods Pods
+	// KnownPeer, when set, vets every peer address before the agent dials it (package
+	// peerset: the addresses ready agents publish); nil dials any.
+	KnownPeer func(addr string) error
+	// ProcRoot is where callers' /proc entries are read ("" for /proc).
+	ProcRoot string
+	Log      *slog.Logger
 	// Registry receives the agent's metrics.
 	Registry prometheus.Registerer
 }
@@ -139,6 +148,11 @@ type Agent struct {
 	peerLn net.Listener
 	memLn  *net.UnixListener // the memory socket: engines pass their KV memfds
 	self   string            // the advertised peer address
+	// callers reads who connected to the engine sockets; calls and memConns are each
+	// owner's share of calls in flight and of memory socket connections.
+	callers  peercred.Reader
+	calls    *peercred.Slots
+	memConns *peercred.Slots
 
 	mu        sync.Mutex
 	sessions  map[string]*session // by session id
@@ -175,7 +189,9 @@ func New(cfg Config) (*Agent, error) {
 	a := &Agent{
 		cfg: cfg, log: cfg.Log, epoch: newEpoch(),
 		sessions: map[string]*session{}, engines: map[string]*session{},
-		memory: memoryIndex{},
+		memory:  memoryIndex{},
+		callers: peercred.Reader{ProcRoot: cfg.ProcRoot},
+		calls:   peercred.NewSlots(maxCallsPerOwner), memConns: peercred.NewSlots(maxMemoryConnsPerOwner),
 	}
 	a.nextEpoch = a.epoch
 	a.metrics = newMetrics(cfg.Registry)
@@ -217,12 +233,14 @@ func New(cfg Config) (*Agent, error) {
 		a.self = a.peerLn.Addr().String()
 	}
 	a.mesh = mesh.New(mesh.Config{
-		Self: a.self, Epoch: a.epoch, Token: cfg.Token, Log: a.log,
+		Self: a.self, Epoch: a.epoch, Token: cfg.Token, Known: cfg.KnownPeer, Log: a.log,
 		Peers: a.metrics.peers, Refused: a.metrics.refused,
 		OnMessage: a.dispatch, OnLost: a.peerLost,
 	})
 	a.node = &node{log: a.log, metrics: a.metrics, mesh: a.mesh, gpus: &cudaipc.Devices{}, forget: a.forget, notifyDecode: a.notifyDecode}
 	a.grpc = grpc.NewServer(
+		grpc.Creds(peercred.Credentials{Reader: a.callers, Conns: peercred.NewSlots(maxConnsPerOwner)}),
+		grpc.InTapHandle(a.callLimit),
 		grpc.MaxRecvMsgSize(maxRequest),
 		grpc.StatsHandler(refusals{a}),
 	)
@@ -332,6 +350,9 @@ func (a *Agent) Ready() error {
 // Provider is the provider the agent runs on ("" when unavailable).
 func (a *Agent) Provider() string { return a.limits.Provider }
 
+// Address is the peer address the agent advertises.
+func (a *Agent) Address() string { return a.self }
+
 func newEpoch() uint64 {
 	var b [2]byte
 	_, _ = rand.Read(b[:])
@@ -345,17 +366,6 @@ func newEpoch() uint64 {
 // year 10889 (microseconds would not fit beside 16 bits: 2^48 µs ran out in 1978).
 func epochAt(t time.Time, random uint16) uint64 {
 	return uint64(t.UnixMilli())<<16 | uint64(random)
-}
-
-// session returns the session with id, or an error naming it.
-func (a *Agent) session(id string) (*session, error) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	s, ok := a.sessions[id]
-	if !ok {
-		return nil, fmt.Errorf("session %q: %w", id, errNoSession)
-	}
-	return s, nil
 }
 
 // engine returns the live session of an engine rank key.

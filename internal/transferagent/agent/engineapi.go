@@ -160,6 +160,13 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		return nil, invalid("registration_timeout_millis",
 			"%s is shorter than the lease %s (the policy's rule: registrationTimeout ≥ lease)", t.RegistrationTimeout, t.Lease)
 	}
+	caller, err := callerOf(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := a.checkEngineID(ctx, caller, r.EngineId); err != nil {
+		return nil, err
+	}
 	if err := a.Ready(); err != nil {
 		return nil, status.Error(codes.Unavailable, err.Error())
 	}
@@ -167,7 +174,6 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		return nil, err
 	}
 	var ep *fabric.Endpoint
-	var err error
 	if len(r.FabricDomains) > 0 {
 		ep, err = fabric.OpenDomains(a.cfg.Provider, r.FabricDomains)
 	} else {
@@ -190,6 +196,10 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		return refuse(status.Error(codes.Unavailable, "agent is shutting down"))
 	}
 	old := a.engines[key]
+	if old != nil && !old.ended() && old.owner != caller.Owner() {
+		return refuse(status.Errorf(codes.PermissionDenied, "engine_id: %s rank %d is held by %s, not the caller's %s",
+			r.EngineId, r.TpRank, old.owner, caller.Owner()))
+	}
 	if old != nil && !old.ended() && old.id != r.ReplacesSession {
 		// Only the live incarnation itself, which alone knows its session id, may hand its
 		// rank over; a restarted engine finds the rank free once its old stream closed.
@@ -200,7 +210,7 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		return refuse(status.Errorf(codes.ResourceExhausted, "the agent serves %d engine ranks, its limit", maxSessions))
 	}
 	a.nextEpoch++
-	s := newSession(a.node, a.cfg.Timeouts, hex.EncodeToString(id[:]), key, a.nextEpoch, r, ep)
+	s := newSession(a.node, a.cfg.Timeouts, hex.EncodeToString(id[:]), key, caller.Owner(), a.nextEpoch, r, ep)
 	a.sessions[s.id], a.engines[key] = s, s
 	a.metrics.sessions.Set(float64(len(a.sessions)))
 	a.mu.Unlock()
@@ -214,7 +224,7 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 		}
 	})
 	go s.run()
-	a.log.Info("engine registered", "engine", key, "role", r.Role.String(), "mode", r.Mode.String(), "epoch", s.epoch, "rails", ep.Domains())
+	a.log.Info("engine registered", "engine", key, "caller", caller.String(), "role", r.Role.String(), "mode", r.Mode.String(), "epoch", s.epoch, "rails", ep.Domains())
 	return &agentv1.RegisterEngineResponse{
 		Session: s.id, Epoch: s.epoch, Provider: a.limits.Provider,
 		Self: &agentv1.EngineRef{Agent: a.self, EngineId: r.EngineId, TpRank: r.TpRank},
@@ -222,9 +232,9 @@ func (e *engineAPI) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngin
 }
 
 func (e *engineAPI) RegisterRegion(ctx context.Context, r *agentv1.RegisterRegionRequest) (*agentv1.RegisterRegionResponse, error) {
-	s, err := e.a.session(r.Session)
+	s, err := e.session(ctx, r.Session)
 	if err != nil {
-		return nil, status.Error(codes.NotFound, err.Error())
+		return nil, err
 	}
 	switch {
 	case r.BlockLen == 0 || r.BlockCount == 0:
@@ -274,7 +284,7 @@ func (e *engineAPI) RegisterRegion(ctx context.Context, r *agentv1.RegisterRegio
 }
 
 func (e *engineAPI) RegisterDestination(ctx context.Context, r *agentv1.RegisterDestinationRequest) (*agentv1.Ack, error) {
-	s, err := e.sessionFor(r.Session, agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, "RegisterDestination")
+	s, err := e.sessionFor(ctx, r.Session, agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, "RegisterDestination")
 	if err != nil {
 		return nil, err
 	}
@@ -288,7 +298,7 @@ func (e *engineAPI) RegisterDestination(ctx context.Context, r *agentv1.Register
 }
 
 func (e *engineAPI) SourceReady(ctx context.Context, r *agentv1.SourceReadyRequest) (*agentv1.Ack, error) {
-	s, err := e.sessionFor(r.Session, agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_UNSPECIFIED, "SourceReady")
+	s, err := e.sessionFor(ctx, r.Session, agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_UNSPECIFIED, "SourceReady")
 	if err != nil {
 		return nil, err
 	}
@@ -299,7 +309,7 @@ func (e *engineAPI) SourceReady(ctx context.Context, r *agentv1.SourceReadyReque
 }
 
 func (e *engineAPI) Pull(ctx context.Context, r *agentv1.PullRequest) (*agentv1.Ack, error) {
-	s, err := e.sessionFor(r.Session, agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PULL, "Pull")
+	s, err := e.sessionFor(ctx, r.Session, agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PULL, "Pull")
 	if err != nil {
 		return nil, err
 	}
@@ -316,9 +326,9 @@ func (e *engineAPI) Pull(ctx context.Context, r *agentv1.PullRequest) (*agentv1.
 }
 
 func (e *engineAPI) Cancel(ctx context.Context, r *agentv1.CancelRequest) (*agentv1.Ack, error) {
-	s, err := e.a.session(r.Session)
+	s, err := e.session(ctx, r.Session)
 	if err != nil {
-		return nil, status.Error(codes.NotFound, err.Error())
+		return nil, err
 	}
 	if err := checkRequestID(r.RequestId); err != nil {
 		return nil, err
@@ -327,9 +337,9 @@ func (e *engineAPI) Cancel(ctx context.Context, r *agentv1.CancelRequest) (*agen
 }
 
 func (e *engineAPI) Heartbeat(ctx context.Context, r *agentv1.HeartbeatRequest) (*agentv1.Ack, error) {
-	s, err := e.a.session(r.Session)
+	s, err := e.session(ctx, r.Session)
 	if err != nil {
-		return nil, status.Error(codes.NotFound, err.Error())
+		return nil, err
 	}
 	return ack(s.call(func() error {
 		if ds := s.decode(); ds != nil {
@@ -340,9 +350,9 @@ func (e *engineAPI) Heartbeat(ctx context.Context, r *agentv1.HeartbeatRequest) 
 }
 
 func (e *engineAPI) Events(r *agentv1.EventsRequest, stream grpc.ServerStreamingServer[agentv1.Event]) error {
-	s, err := e.a.session(r.Session)
+	s, err := e.session(stream.Context(), r.Session)
 	if err != nil {
-		return status.Error(codes.NotFound, err.Error())
+		return err
 	}
 	if !s.attach() {
 		return status.Error(codes.AlreadyExists, "session: already has an event stream")
@@ -364,12 +374,21 @@ func (e *engineAPI) Events(r *agentv1.EventsRequest, stream grpc.ServerStreaming
 	}
 }
 
+// session returns the session a call names, if the caller owns it.
+func (e *engineAPI) session(ctx context.Context, id string) (*session, error) {
+	c, err := callerOf(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return e.a.session(id, c.Owner())
+}
+
 // sessionFor returns a session that may make a call, refusing calls its role or mode
 // does not allow (MODE_UNSPECIFIED: either mode).
-func (e *engineAPI) sessionFor(id string, role agentv1.Role, mode agentv1.Mode, call string) (*session, error) {
-	s, err := e.a.session(id)
+func (e *engineAPI) sessionFor(ctx context.Context, id string, role agentv1.Role, mode agentv1.Mode, call string) (*session, error) {
+	s, err := e.session(ctx, id)
 	if err != nil {
-		return nil, status.Error(codes.NotFound, err.Error())
+		return nil, err
 	}
 	if s.role != role || (mode != agentv1.Mode_MODE_UNSPECIFIED && s.mode != mode) {
 		return nil, status.Errorf(codes.FailedPrecondition, "%s: not allowed for a %s engine in %s", call, s.role, s.mode)

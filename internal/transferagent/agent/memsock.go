@@ -8,14 +8,17 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/status"
 )
 
 // Memory socket limits: fds a session may hold unclaimed (a rank registers its regions
-// from one memfd or a few), concurrent connections, and how long a connection may idle.
+// from one memfd or a few), concurrent connections in all and per owner (a TP8 engine's
+// ranks pass their memory at once), and how long a connection may idle.
 const (
-	maxDeposits    = 64
-	maxMemoryConns = 64
-	memoryIdle     = 10 * time.Second
+	maxDeposits            = 64
+	maxMemoryConns         = 256
+	maxMemoryConnsPerOwner = 16
+	memoryIdle             = 10 * time.Second
 )
 
 // serveMemory answers the memory socket (agentv1.MemorySocketName; the protocol is
@@ -28,9 +31,23 @@ func (a *Agent) serveMemory() {
 		if err != nil {
 			return // closed at shutdown
 		}
+		caller, err := a.callers.Of(c)
+		if err != nil {
+			a.log.Warn("refused a memory socket connection", "err", err)
+			a.metrics.refused.WithLabelValues("memory", "Unauthenticated").Inc()
+			c.Close()
+			continue
+		}
+		release, ok := a.memConns.Take(caller.Owner())
+		if !ok {
+			a.metrics.refused.WithLabelValues("memory", "ResourceExhausted").Inc()
+			c.Close()
+			continue
+		}
 		select {
 		case slots <- struct{}{}:
 		default:
+			release()
 			a.metrics.refused.WithLabelValues("memory", "ResourceExhausted").Inc()
 			c.Close()
 			continue
@@ -38,14 +55,14 @@ func (a *Agent) serveMemory() {
 		a.wg.Add(1)
 		go func() {
 			defer a.wg.Done()
-			defer func() { <-slots }()
+			defer func() { <-slots; release() }()
 			defer c.Close()
-			a.memoryConn(c)
+			a.memoryConn(c, caller.Owner())
 		}()
 	}
 }
 
-func (a *Agent) memoryConn(c *net.UnixConn) {
+func (a *Agent) memoryConn(c *net.UnixConn, owner string) {
 	buf := make([]byte, 256)
 	oob := make([]byte, unix.CmsgSpace(4*4)) // room to see (and close) a few extra fds
 	for {
@@ -58,7 +75,7 @@ func (a *Agent) memoryConn(c *net.UnixConn) {
 			closeFDs(fds)
 			return
 		}
-		answer := a.deposit(string(buf[:n]), fds, perr)
+		answer := a.deposit(owner, string(buf[:n]), fds, perr)
 		if _, err := c.Write([]byte(answer)); err != nil {
 			return
 		}
@@ -91,9 +108,9 @@ func receivedFDs(oob []byte, flags int) ([]int, error) {
 	return fds, nil
 }
 
-// deposit checks one packet: a live session's id and exactly one sealed memfd. Every fd
-// that is not kept is closed.
-func (a *Agent) deposit(id string, fds []int, perr error) string {
+// deposit checks one packet: the id of a live session of the sender's owner and exactly
+// one sealed memfd. Every fd that is not kept is closed.
+func (a *Agent) deposit(owner, id string, fds []int, perr error) string {
 	refuse := func(format string, args ...any) string {
 		closeFDs(fds)
 		a.metrics.refused.WithLabelValues("memory", "InvalidArgument").Inc()
@@ -105,9 +122,9 @@ func (a *Agent) deposit(id string, fds []int, perr error) string {
 	case len(fds) != 1:
 		return refuse("pass exactly one fd per packet, got %d", len(fds))
 	}
-	s, err := a.session(id)
+	s, err := a.session(id, owner)
 	if err != nil {
-		return refuse("session: %v", err)
+		return refuse("%s", status.Convert(err).Message())
 	}
 	if _, _, err := checkSealed(fds[0]); err != nil {
 		return refuse("%v", err)

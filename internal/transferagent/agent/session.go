@@ -25,9 +25,12 @@ import (
 // peer messages reach it as closures on cmds, so no lock guards the transfer state and
 // the fabric is only touched from one thread, as libfabric's RDM endpoints expect.
 type session struct {
-	n     *node
-	id    string
-	key   string // engine id/rank
+	n   *node
+	id  string
+	key string // engine id/rank
+	// owner is the pod (or, outside pods, the user) that registered the session; only it
+	// may make calls naming the session (identity.go).
+	owner string
 	epoch uint64
 	role  agentv1.Role
 	mode  agentv1.Mode
@@ -115,9 +118,9 @@ func requestTimeouts(r *agentv1.RegisterEngineRequest) Timeouts {
 	return Timeouts{Lease: ms(r.LeaseMillis), RegistrationTimeout: ms(r.RegistrationTimeoutMillis), BlocksTTL: ms(r.BlocksTtlMillis)}
 }
 
-func newSession(n *node, fallback Timeouts, id, key string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *session {
+func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *session {
 	s := &session{
-		n: n, id: id, key: key, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
+		n: n, id: id, key: key, owner: owner, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
 		pol:  requestTimeouts(r).complete(fallback),
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),

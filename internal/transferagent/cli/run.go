@@ -19,6 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -26,6 +27,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/agent"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/monitoring"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/nodelabel"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/peerset"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
 )
@@ -69,8 +71,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 		"and authorizes for it "+
 		"(config/rbac's kvhandoff-metrics-reader); the probes stay open")
 	fs.StringVar(&o.monitoring.CertDir, "metrics-cert-dir", "", "folder with tls.crt and tls.key for --metrics-secure, reloaded on change (empty: self-signed)")
-	fs.StringVar(&o.node, "node-name", os.Getenv("NODE_NAME"), "node to label "+`kvhandoff.io/agent-ready=true`+" while ready (empty: no label)")
-	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for labelling the node (default: in-cluster)")
+	fs.StringVar(&o.node, "node-name", os.Getenv("NODE_NAME"), "the agent's node: labelled "+`kvhandoff.io/agent-ready=true`+" while ready, and engines must be pods their engine_id names (empty: outside a cluster, no label and no pod check)")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for labelling the node and finding engine pods (default: in-cluster)")
+	fs.StringVar(&cfg.ProcRoot, "proc-root", "/proc", "where engine processes' /proc entries are (the agent reads each caller's cgroup there to learn its pod)")
 	return o, fs.Parse(args)
 }
 
@@ -100,6 +103,26 @@ func Run(args []string, stderr io.Writer) int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 
+	var kube *rest.Config
+	if o.node != "" || o.monitoring.Secure {
+		if kube, err = kubeconfig.Load(o.kubeconfig); err != nil {
+			return fail(fmt.Errorf("kubernetes client for the node label, engine pods and secure metrics: %w", err))
+		}
+	}
+	if o.node != "" {
+		// In a cluster, each engine must be the pod its engine_id names, and the agent
+		// dials only the addresses ready agents publish.
+		c, err := kubernetes.NewForConfig(kube)
+		if err != nil {
+			return fail(err)
+		}
+		o.agent.Pods = podUIDs{c}
+		peers, err := peerset.Watch(ctx, c)
+		if err != nil {
+			return fail(err)
+		}
+		o.agent.KnownPeer = peers.Check
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	o.agent.Registry, o.agent.Log = reg, log
@@ -110,12 +133,6 @@ func Run(args []string, stderr io.Writer) int {
 	if o.socketGID >= 0 {
 		if err := shareSockets(o.agent.Socket, o.socketGID); err != nil {
 			return fail(err)
-		}
-	}
-	var kube *rest.Config
-	if o.node != "" || o.monitoring.Secure {
-		if kube, err = kubeconfig.Load(o.kubeconfig); err != nil {
-			return fail(fmt.Errorf("kubernetes client for the node label and secure metrics: %w", err))
 		}
 	}
 	// The endpoints outlive ctx: they keep answering while the agent drains after SIGTERM.
@@ -140,6 +157,17 @@ func Run(args []string, stderr io.Writer) int {
 		return fail(err)
 	}
 	return 0
+}
+
+// podUIDs looks engine pods up in the API server (agent.Pods).
+type podUIDs struct{ c kubernetes.Interface }
+
+func (p podUIDs) UID(ctx context.Context, namespace, name string) (string, error) {
+	pod, err := p.c.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return "", err
+	}
+	return string(pod.UID), nil
 }
 
 // readToken reads the peer token: the secret every agent of the cluster shares.
@@ -189,10 +217,10 @@ func labelNode(ctx context.Context, kube *rest.Config, node string, a *agent.Age
 		return nil, err
 	}
 	if a.Ready() == nil {
-		if err := nodelabel.Set(ctx, nodes, node, true); err != nil {
+		if err := nodelabel.Set(ctx, nodes, node, true, a.Address()); err != nil {
 			return nil, err
 		}
-		log.Info("node labelled ready", "node", node)
+		log.Info("node labelled ready", "node", node, "address", a.Address())
 	}
 	return &nodeLabel{nodes: nodes, node: node, log: log}, nil
 }
@@ -205,7 +233,7 @@ func (l *nodeLabel) clear() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := nodelabel.Set(ctx, l.nodes, l.node, false); err != nil {
+	if err := nodelabel.Set(ctx, l.nodes, l.node, false, ""); err != nil {
 		l.log.Error("clearing the node label", "err", err)
 	}
 }

@@ -46,6 +46,10 @@ type Config struct {
 	Epoch uint64
 	// Token authenticates peers: both sides prove they hold it (see handshake).
 	Token []byte
+	// Known, when set, vets every address before it is dialled (an error fails the peer
+	// at once, as a refused connection would, and nothing is sent): agents dial only
+	// agents they know, never whatever host:port an engine names.
+	Known func(addr string) error
 	Log   *slog.Logger
 	// Peers counts open connections; Refused counts refused frames and connections by
 	// reason (its labels are the socket, "peer", and the reason).
@@ -100,6 +104,13 @@ func (m *Mesh) Dial(addr string) *Peer {
 	m.wg.Add(1)
 	go func() {
 		defer m.wg.Done()
+		if m.cfg.Known != nil {
+			if err := m.cfg.Known(addr); err != nil {
+				m.cfg.Refused.WithLabelValues("peer", "PermissionDenied").Inc()
+				p.fail(fmt.Errorf("not connecting to agent %s: %w", addr, err))
+				return
+			}
+		}
 		conn, err := net.DialTimeout("tcp", addr, handshakeTimeout)
 		if err != nil {
 			p.fail(fmt.Errorf("connecting to agent %s: %w", addr, err))

@@ -18,8 +18,9 @@ import (
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
-// Against a real API server: the label comes and goes, and other labels stay.
-func TestSetAddsAndRemovesOnlyTheReadyLabel(t *testing.T) {
+// Against a real API server: the label and the address come and go, and other labels
+// stay.
+func TestSetAddsAndRemovesOnlyTheReadyLabelAndAddress(t *testing.T) {
 	env, err := envtest.Start(controller.NewScheme())
 	if err != nil {
 		t.Fatal(err)
@@ -31,26 +32,28 @@ func TestSetAddsAndRemovesOnlyTheReadyLabel(t *testing.T) {
 	if _, err := c.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	labels := func() map[string]string {
+	get := func() *corev1.Node {
 		n, err := c.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		return n.Labels
+		return n
 	}
-	if err := Set(ctx, c, node.Name, true); err != nil {
+	if err := Set(ctx, c, node.Name, true, "198.18.0.7:7470"); err != nil {
 		t.Fatal(err)
 	}
-	if l := labels(); l[v1alpha1.LabelAgentReady] != "true" || l["node.kubernetes.io/instance-type"] != "p5en.48xlarge" {
-		t.Fatalf("after Set(true): %v", l)
+	if n := get(); n.Labels[v1alpha1.LabelAgentReady] != "true" || n.Labels["node.kubernetes.io/instance-type"] != "p5en.48xlarge" ||
+		n.Annotations[v1alpha1.AnnotationAgentAddress] != "198.18.0.7:7470" {
+		t.Fatalf("after Set(true): labels %v, annotations %v", n.Labels, n.Annotations)
 	}
-	if err := Set(ctx, c, node.Name, false); err != nil {
+	if err := Set(ctx, c, node.Name, false, ""); err != nil {
 		t.Fatal(err)
 	}
-	if l := labels(); l[v1alpha1.LabelAgentReady] != "" || l["node.kubernetes.io/instance-type"] != "p5en.48xlarge" {
-		t.Fatalf("after Set(false): %v", l)
+	if n := get(); n.Labels[v1alpha1.LabelAgentReady] != "" || n.Labels["node.kubernetes.io/instance-type"] != "p5en.48xlarge" ||
+		n.Annotations[v1alpha1.AnnotationAgentAddress] != "" {
+		t.Fatalf("after Set(false): labels %v, annotations %v", n.Labels, n.Annotations)
 	}
-	if err := Set(ctx, c, "no-such-node", true); err == nil {
+	if err := Set(ctx, c, "no-such-node", true, "198.18.0.7:7470"); err == nil {
 		t.Fatal("labelled a node that does not exist")
 	}
 }
@@ -93,26 +96,32 @@ func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
 		return kubernetes.NewForConfigOrDie(cfg)
 	}
 	agentA := as("node-a")
+	const addr = "198.18.0.7:7470"
 	// The policy takes effect once the API server has loaded it.
 	deadline := time.Now().Add(30 * time.Second)
-	for Set(ctx, agentA, "node-b", true) == nil {
+	for Set(ctx, agentA, "node-b", true, addr) == nil {
 		if time.Now().After(deadline) {
 			t.Fatal("the agent of node-a labelled node-b: the policy never took effect")
 		}
-		_ = Set(ctx, admin, "node-b", false)
+		_ = Set(ctx, admin, "node-b", false, "")
 		time.Sleep(50 * time.Millisecond) // polling the API server's policy informer
 	}
-	if err := Set(ctx, agentA, "node-b", true); err == nil || !strings.Contains(err.Error(), "only the node it runs on") {
+	if err := Set(ctx, agentA, "node-b", true, addr); err == nil || !strings.Contains(err.Error(), "only the node it runs on") {
 		t.Errorf("the agent of node-a labelling node-b: %v", err)
 	}
-	if err := Set(ctx, as(""), "node-a", true); err == nil {
+	if err := Set(ctx, as(""), "node-a", true, addr); err == nil {
 		t.Error("a token without a node claim labelled a node")
 	}
-	if err := Set(ctx, agentA, "node-a", true); err != nil {
+	if err := Set(ctx, agentA, "node-a", true, addr); err != nil {
 		t.Errorf("the agent labelling its own node: %v", err)
 	}
-	if err := Set(ctx, agentA, "node-a", false); err != nil {
+	if err := Set(ctx, agentA, "node-a", false, ""); err != nil {
 		t.Errorf("the agent removing its own label: %v", err)
+	}
+	note := []byte(`{"metadata":{"annotations":{"team":"mine"}}}`)
+	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, note,
+		metav1.PatchOptions{}); err == nil || !strings.Contains(err.Error(), "kvhandoff.io/agent-address annotation") {
+		t.Errorf("the agent annotating its node with something else: %v", err)
 	}
 	patch := []byte(`{"metadata":{"labels":{"team":"mine"}}}`)
 	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, patch,

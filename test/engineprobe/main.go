@@ -1,0 +1,126 @@
+// Command engineprobe is a hostile engine for the agent's tests: run as a user or in a
+// pod other than the victim's, it tries what a compromised engine on the node would, and
+// prints what the agent answered, one line: the gRPC code (OK when it was let through)
+// and the message. The commands that hold something (hold-calls, hold-memory) print
+// their line once they hold it and keep holding until their stdin closes.
+//
+//	engineprobe --socket S register ENGINE_ID [REPLACES_SESSION]
+//	engineprobe --socket S heartbeat SESSION
+//	engineprobe --socket S deposit SESSION
+//	engineprobe --socket S hold-calls N     N calls that never send their request, then one more
+//	engineprobe --socket S hold-memory N    N memory socket connections
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/client"
+)
+
+func main() {
+	socket := flag.String("socket", client.DefaultSocket, "the agent's engine socket")
+	flag.Parse()
+	args := flag.Args()
+	if len(args) < 2 {
+		fmt.Fprintln(os.Stderr, "usage: engineprobe --socket S COMMAND ARG")
+		os.Exit(2)
+	}
+	conn, err := grpc.NewClient("unix://"+*socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	defer conn.Close()
+	api := agentv1.NewAgentClient(conn)
+	ctx := context.Background()
+	switch args[0] {
+	case "register":
+		r := &agentv1.RegisterEngineRequest{EngineId: args[1], Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+			Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}}
+		if len(args) > 2 {
+			r.ReplacesSession = args[2]
+		}
+		_, err := api.RegisterEngine(ctx, r)
+		answer(err)
+	case "heartbeat":
+		_, err := api.Heartbeat(ctx, &agentv1.HeartbeatRequest{Session: args[1]})
+		answer(err)
+	case "deposit":
+		fd, _, err := client.NewMemory("probe", 1<<16)
+		if err == nil {
+			_, err = client.PassMemory(agentv1.MemorySocket(*socket), args[1], fd)
+		}
+		answer(err)
+	case "hold-calls":
+		n := count(args[1])
+		for range n {
+			// A unary call whose request never comes: the agent's handler waits for it.
+			if _, err := conn.NewStream(ctx, &grpc.StreamDesc{ClientStreams: true}, agentv1.Agent_Heartbeat_FullMethodName); err != nil {
+				answer(err)
+				return
+			}
+		}
+		_, err := api.Heartbeat(ctx, &agentv1.HeartbeatRequest{Session: "none"})
+		answer(err)
+		hold()
+	case "hold-memory":
+		n, held := count(args[1]), 0
+		for range n {
+			conn, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: agentv1.MemorySocket(*socket), Net: "unixpacket"})
+			if err != nil {
+				continue
+			}
+			// A connection the agent serves answers a packet; one it refused is closed.
+			buf := make([]byte, 256)
+			if _, err := conn.Write([]byte("none")); err == nil {
+				if k, err := conn.Read(buf); err == nil && k > 0 {
+					held++
+					defer conn.Close()
+					continue
+				}
+			}
+			conn.Close()
+		}
+		fmt.Printf("OK held %d of %d\n", held, n)
+		hold()
+	default:
+		fmt.Fprintf(os.Stderr, "engineprobe: unknown command %q\n", args[0])
+		os.Exit(2)
+	}
+}
+
+func count(s string) int {
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 {
+		fmt.Fprintf(os.Stderr, "engineprobe: %q is not a count\n", s)
+		os.Exit(2)
+	}
+	return n
+}
+
+// answer prints the agent's answer: OK, or the refusal's code and message.
+func answer(err error) {
+	switch st, ok := status.FromError(err); {
+	case err == nil:
+		fmt.Println("OK")
+	case ok:
+		fmt.Println(st.Code(), strings.ReplaceAll(st.Message(), "\n", " "))
+	default:
+		fmt.Println("Error", strings.ReplaceAll(err.Error(), "\n", " "))
+	}
+}
+
+// hold keeps what was taken until stdin closes.
+func hold() { _, _ = io.Copy(io.Discard, os.Stdin) }
