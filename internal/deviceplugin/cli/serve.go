@@ -14,8 +14,23 @@ import (
 
 	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/health"
 	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/podresources"
 	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/server"
 )
+
+// Options are the serve command's settings.
+type Options struct {
+	// Inventory is where devices are found (sysfs and /dev roots, NVML).
+	Inventory inventory.Options
+	// PluginDir is the kubelet's device-plugin folder; PodResources its PodResources
+	// socket ("" reads none: every device is taken to be free).
+	PluginDir, PodResources string
+	Bundles                 bool
+	// Interval is the health check's period; RecoverAfter how long a failed device must
+	// pass every check before it is healthy again.
+	Interval, RecoverAfter time.Duration
+	Log                    *slog.Logger
+}
 
 // Serve runs the kubelet device plugin until SIGINT or SIGTERM.
 func Serve(args []string, stderr io.Writer) int {
@@ -23,43 +38,65 @@ func Serve(args []string, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	root := fs.String("sysfs-root", "/", "folder holding sys/ and proc/")
 	devRoot := fs.String("dev-root", "/dev", "folder holding the device nodes")
-	pluginDir := fs.String("plugin-dir", pluginapi.DevicePluginPath, "the kubelet's device-plugin folder")
 	useNVML := fs.Bool("nvml", true, "ask NVML about GPUs and watch their XID events")
-	bundles := fs.Bool("bundles", false,
+	o := Options{}
+	fs.StringVar(&o.PluginDir, "plugin-dir", pluginapi.DevicePluginPath, "the kubelet's device-plugin folder")
+	fs.StringVar(&o.PodResources, "pod-resources-socket", podresources.DefaultSocket, "the kubelet's PodResources API: devices it gave pods "+
+		"under another resource (another plugin's, or this one's before --bundles changed) are advertised unhealthy until released (empty: not read)")
+	fs.BoolVar(&o.Bundles, "bundles", false,
 		"advertise "+server.ResourceGPUEFA+" and "+server.ResourceNeuronEFA+", and "+server.ResourceEFA+" only for EFAs outside every bundle "+
 			"(replaces the stock GPU/Neuron and EFA plugins on the node)")
-	interval := fs.Duration("health-interval", 5*time.Second, "how often device nodes and EFA ports are checked")
-	recoverAfter := fs.Duration("recover-after", 2*time.Minute, "how long a failed device must pass every check before it is healthy again")
+	fs.DurationVar(&o.Interval, "health-interval", 5*time.Second, "how often device nodes, EFA ports, GPUs (NVML) and other resources' allocations are checked")
+	fs.DurationVar(&o.RecoverAfter, "recover-after", 2*time.Minute, "how long a failed device must pass every check before it is healthy again")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, nil))
+	o.Log = slog.New(slog.NewJSONHandler(stderr, nil))
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-
-	o := options(*root, *devRoot, *useNVML)
-	if o.NVML != nil {
-		defer o.NVML.Shutdown()
+	o.Inventory = options(*root, *devRoot, *useNVML)
+	if o.Inventory.NVML != nil {
+		defer o.Inventory.NVML.Shutdown()
 	}
-	inv := inventory.Discover(o)
+	if err := Run(ctx, o); err != nil {
+		fmt.Fprintln(stderr, "device-plugin:", err)
+		return 1
+	}
+	return 0
+}
+
+// Run discovers the node's devices and serves them to the kubelet until ctx ends. The
+// first health check, which reads what other resources hold, is done before the plugin
+// registers: nothing is advertised healthy that another pod holds.
+func Run(ctx context.Context, o Options) error {
+	log := o.Log
+	inv := inventory.Discover(o.Inventory)
 	log.Info("discovered", "gpus", len(inv.OfKind(inventory.GPU)), "efas", len(inv.OfKind(inventory.EFA)),
 		"neuron", len(inv.OfKind(inventory.Neuron)), "nvml", inv.NVML, "problems", inv.Problems)
 	if len(inv.Devices) == 0 {
 		log.Warn("no EFA, GPU or Neuron device found; serving empty resources")
 	}
+	resources := server.Resources(inv, o.Bundles)
 	state := server.NewState(inv)
-	mon := &health.Monitor{Root: *root, DevRoot: *devRoot, Interval: *interval, Tracker: health.NewTracker(*recoverAfter), Report: state.SetHealth}
-	if o.NVML != nil {
-		events, err := o.NVML.Events(ctx)
-		if err != nil {
-			log.Warn("NVML events unavailable; GPU health from device nodes only", "err", err)
+	mon := &health.Monitor{Root: o.Inventory.Root, DevRoot: o.Inventory.DevRoot, Interval: o.Interval,
+		Tracker: health.NewTracker(o.RecoverAfter), Report: state.SetHealth, Log: log}
+	if o.PodResources != "" {
+		mon.Held = func() (map[string]string, error) {
+			allocs, err := podresources.List(ctx, o.PodResources)
+			if err != nil {
+				return nil, err
+			}
+			return server.HeldElsewhere(inv, resources, allocs), nil
 		}
-		mon.Events, mon.NVML = events, o.NVML
 	}
+	if n := o.Inventory.NVML; n != nil {
+		events, err := n.Events(ctx)
+		if err != nil {
+			log.Warn("NVML events unavailable; GPU health from device nodes and NVML queries", "err", err)
+		}
+		mon.Events, mon.NVML = events, n
+	}
+	mon.Check(inv)
 	go mon.Run(ctx, inv)
-	if err := server.Serve(ctx, server.Config{PluginDir: *pluginDir, Resources: server.Resources(inv, *bundles), State: state, Log: log}); err != nil {
-		fmt.Fprintln(stderr, "device-plugin:", err)
-		return 1
-	}
-	return 0
+	return server.Serve(ctx, server.Config{PluginDir: o.PluginDir, Resources: resources, State: state, Log: log})
 }

@@ -22,11 +22,13 @@ type GPU struct {
 	NVLinkPeers []string
 }
 
-// Event is a critical event NVML reported for a GPU.
+// Event is a critical event NVML reported for a GPU, or, with no UUID, a failed wait for
+// events (Err says why): after GPU_IS_LOST, for one, every GPU must be asked again.
 type Event struct {
 	UUID string
 	// XID is the NVIDIA driver's error id.
 	XID uint64
+	Err string
 }
 
 // Interface is the part of NVML the device plugin uses.

@@ -3,6 +3,7 @@ package nvml
 import (
 	"context"
 	"fmt"
+	"time"
 
 	gonvml "github.com/NVIDIA/go-nvml/pkg/nvml"
 )
@@ -87,22 +88,52 @@ func (r *real) Events(ctx context.Context) (<-chan Event, error) {
 	go func() {
 		defer close(out)
 		defer set.Free()
-		for ctx.Err() == nil {
-			e, ret := set.Wait(1000)
-			if ret == gonvml.ERROR_TIMEOUT {
-				continue
-			}
-			if ret != gonvml.SUCCESS || e.EventType != gonvml.EventTypeXidCriticalError {
-				continue
-			}
-			uuid, _ := e.Device.GetUUID()
-			select {
-			case out <- Event{UUID: uuid, XID: e.EventData}:
-			case <-ctx.Done():
-			}
-		}
+		pump(ctx, set, out, time.After, r.lib.ErrorString)
 	}()
 	return out, nil
+}
+
+// waitBackoff is how long the pump waits after NVML failed a wait before it waits again.
+const waitBackoff = time.Second
+
+// waiter is the part of an NVML event set the pump uses.
+type waiter interface {
+	Wait(timeoutMs uint32) (gonvml.EventData, gonvml.Return)
+}
+
+// pump passes set's critical XID events to out until ctx ends. A failed wait (other than
+// a timeout) is passed on as an Event without a GPU, so the monitor asks NVML about
+// every GPU, and the next wait is put off by waitBackoff: errors such as GPU_IS_LOST
+// repeat at once, and skipping them spun the loop without anyone learning of them.
+func pump(ctx context.Context, set waiter, out chan<- Event, after func(time.Duration) <-chan time.Time, describe func(gonvml.Return) string) {
+	send := func(e Event) bool {
+		select {
+		case out <- e:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+	for ctx.Err() == nil {
+		e, ret := set.Wait(1000)
+		switch {
+		case ret == gonvml.ERROR_TIMEOUT:
+		case ret != gonvml.SUCCESS:
+			if !send(Event{Err: describe(ret)}) {
+				return
+			}
+			select {
+			case <-after(waitBackoff):
+			case <-ctx.Done():
+				return
+			}
+		case e.EventType == gonvml.EventTypeXidCriticalError:
+			uuid, _ := e.Device.GetUUID()
+			if !send(Event{UUID: uuid, XID: e.EventData}) {
+				return
+			}
+		}
+	}
 }
 
 func (r *real) Usable(uuid string) (bool, string) {
