@@ -314,8 +314,11 @@ const (
 	// ReasonRootInHostPID: runAsRoot with a policy whose sameNode puts engines in the
 	// host's PID namespace, where a root engine could signal any process of the node.
 	ReasonRootInHostPID = "RootInHostPID"
-	// ReasonInvalidTemplate: spec.template has unknown fields, or the API server refused the
-	// engine workload it produced.
+	// ReasonPrivilegedNotAllowed: the policy's fabric.privileged would run privileged engines
+	// in a namespace the cluster's administrators have not labelled kvhandoff.io/privileged-engines=true.
+	ReasonPrivilegedNotAllowed = "PrivilegedNotAllowed"
+	// ReasonInvalidTemplate: spec.template sets what a template may not (docs/api.md), has
+	// unknown fields, or the API server refused the engine workload it produced.
 	ReasonInvalidTemplate = "InvalidTemplate"
 	// ReasonNameConflict: a workload with the pool's name exists and belongs to something else.
 	ReasonNameConflict = "NameConflict"

@@ -116,7 +116,10 @@ type FabricSpec struct {
 	Hugepages2Mi *resource.Quantity `json:"hugepages2Mi,omitempty"`
 
 	// privileged runs engine containers privileged. false grants only IPC_LOCK, which is
-	// what memory registration needs; some older EFA stacks need more.
+	// what memory registration needs; some older EFA stacks need more. A privileged
+	// engine owns its node, so the manager honours it only in namespaces the cluster's
+	// administrators labelled kvhandoff.io/privileged-engines=true; elsewhere the pools
+	// report PrivilegedNotAllowed.
 	// +kubebuilder:default=false
 	// +optional
 	Privileged bool `json:"privileged,omitempty"`

@@ -22,6 +22,10 @@ const (
 	// LabelAgentReady marks a node whose transfer agent is serving. Engines of a policy with
 	// executor Agent are scheduled only onto such nodes.
 	LabelAgentReady = "kvhandoff.io/agent-ready"
+	// LabelPrivilegedEngines on a Namespace lets KVTransferPolicies there run privileged
+	// engines (fabric.privileged). A privileged engine owns its node, so the choice is the
+	// cluster administrator's, who alone labels namespaces, not the policy author's.
+	LabelPrivilegedEngines = "kvhandoff.io/privileged-engines"
 	// AnnotationAgentAddress on a node labelled agent-ready is the host:port its agent's
 	// peers reach it at. Agents dial no other address: an engine naming any other host or
 	// port gets a refusal, never a connection attempt.

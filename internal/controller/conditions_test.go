@@ -4,6 +4,7 @@ import (
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -140,7 +141,25 @@ var _ = Describe("Conditions for what CEL cannot check", func() {
 		Entry("a misspelt field", `{"spec":{"nodeSelecter":{"zone":"a"}}}`, `unknown field "spec.nodeSelecter"`),
 		Entry("a sidecar the API server refuses", `{"spec":{"containers":[{"name":"Not_A_DNS_Label","image":"busybox"}]}}`,
 			"the API server refused the StatefulSet this pool renders to"),
+		Entry("the host's network", `{"spec":{"hostNetwork":true}}`, "spec.template.spec.hostNetwork: not allowed"),
+		Entry("a privileged engine", `{"spec":{"containers":[{"name":"engine","securityContext":{"privileged":true}}]}}`,
+			"spec.template.spec.containers[0].securityContext: the engine container's securityContext is not the template's"),
 	)
+
+	It("runs privileged engines only in a namespace an administrator labelled for them", func() {
+		ns := freshNamespace()
+		pol := builder.Policy("policy").Obj()
+		pol.Spec.Fabric.Privileged = true
+		p := builder.PrefillPool("p").Obj()
+		create(ns, pol, p)
+		expectNotReady(p, kvv1.ReasonPrivilegedNotAllowed, "namespace "+ns+" is not labelled kvhandoff.io/privileged-engines=true")
+		update(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, func(n *corev1.Namespace) {
+			n.Labels[kvv1.LabelPrivilegedEngines] = "true"
+		})
+		Eventually(func() *corev1.SecurityContext {
+			return statefulSet(ns, "p").Spec.Template.Spec.Containers[0].SecurityContext
+		}).Should(HaveField("Privileged", HaveValue(BeTrue())))
+	})
 
 	It("reports UnsupportedEngineVersion for executor Agent below the connector's vLLM", func() {
 		ns := freshNamespace()

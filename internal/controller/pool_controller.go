@@ -41,6 +41,7 @@ type PoolReconciler struct {
 // +kubebuilder:rbac:groups=apps,resources=statefulsets,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
+// +kubebuilder:rbac:groups="",resources=namespaces,verbs=get;list;watch
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups="",resources=services;serviceaccounts,verbs=get;list;watch;create;patch;delete
@@ -139,7 +140,15 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 	}
 	var prob *compat.Problem
 	prob, v.warnings = compat.CheckPool(spec, &v.policy.Spec)
-	if v.problem = fromCompat(prob); v.problem != nil || p.role() != kvv1.RoleDecode {
+	if v.problem = fromCompat(prob); v.problem != nil {
+		return v, nil
+	}
+	if v.policy.Spec.Fabric.Privileged {
+		if v.problem, err = r.checkPrivileged(ctx, p.GetNamespace(), v.policy.Name); v.problem != nil || err != nil {
+			return v, err
+		}
+	}
+	if p.role() != kvv1.RoleDecode {
 		return v, nil
 	}
 
@@ -156,6 +165,22 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 		v.problem = fromCompat(compat.CheckPair(v.prefill.Name, &v.prefill.Spec.EngineSpec, spec, &v.policy.Spec))
 	}
 	return v, nil
+}
+
+// checkPrivileged refuses privileged engines in a namespace the cluster's administrators
+// have not opened to them: a privileged container owns its node, and whoever may write a
+// policy in a namespace must not be able to take a node through it.
+func (r *PoolReconciler) checkPrivileged(ctx context.Context, namespace, policy string) (*problem, error) {
+	ns := &corev1.Namespace{}
+	if err := r.Get(ctx, types.NamespacedName{Name: namespace}, ns); err != nil {
+		return nil, err
+	}
+	if ns.Labels[kvv1.LabelPrivilegedEngines] == "true" {
+		return nil, nil
+	}
+	return &problem{Reason: kvv1.ReasonPrivilegedNotAllowed, Message: fmt.Sprintf("KVTransferPolicy %s sets fabric.privileged, and namespace %s "+
+		"is not labelled %s=true; a privileged engine owns its node, so a cluster administrator must label the namespace (or the policy must "+
+		"drop fabric.privileged: IPC_LOCK is all memory registration needs)", policy, namespace, kvv1.LabelPrivilegedEngines)}, nil
 }
 
 func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validation) error {
@@ -180,8 +205,8 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 
 // SetupWithManager registers the reconciler: it follows the StatefulSet and Service of
 // the pool's name (its own, or a foreign one that blocks it: deleting that must clear the
-// NameConflict), the pool's pods, and the policy (and, for a decode pool, the prefill
-// pool) it references.
+// NameConflict), the pool's pods, the policy (and, for a decode pool, the prefill pool)
+// it references, and its namespace (whose label allows privileged engines).
 func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	if err := indexReferences(context.Background(), mgr, r.Role); err != nil {
 		return err
@@ -192,7 +217,8 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&appsv1.StatefulSet{}, enqueuePoolOfName()).
 		Watches(&corev1.Service{}, enqueuePoolOfName()).
 		Watches(&corev1.Pod{}, enqueuePoolOfPod(r.Role)).
-		Watches(&kvv1.KVTransferPolicy{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPolicy))
+		Watches(&kvv1.KVTransferPolicy{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPolicy)).
+		Watches(&corev1.Namespace{}, enqueuePoolsIn(mgr.GetClient(), r.Role))
 	if r.Role == kvv1.RoleDecode {
 		b = b.Watches(&kvv1.PrefillPool{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPrefillPool)).
 			// A hand edit of the router's Deployment or Service is undone.

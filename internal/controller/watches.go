@@ -38,30 +38,43 @@ func indexReferences(ctx context.Context, mgr ctrl.Manager, role kvv1.Role) erro
 // role whose field index names it.
 func enqueueReferrers(c client.Client, role kvv1.Role, index string) handler.EventHandler {
 	return handler.EnqueueRequestsFromMapFunc(func(ctx context.Context, o client.Object) []reconcile.Request {
-		var names []string
-		if role == kvv1.RoleDecode {
-			list := &kvv1.DecodePoolList{}
-			if err := c.List(ctx, list, client.InNamespace(o.GetNamespace()), client.MatchingFields{index: o.GetName()}); err != nil {
-				return nil
-			}
-			for _, d := range list.Items {
-				names = append(names, d.Name)
-			}
-		} else {
-			list := &kvv1.PrefillPoolList{}
-			if err := c.List(ctx, list, client.InNamespace(o.GetNamespace()), client.MatchingFields{index: o.GetName()}); err != nil {
-				return nil
-			}
-			for _, p := range list.Items {
-				names = append(names, p.Name)
-			}
-		}
-		reqs := make([]reconcile.Request, 0, len(names))
-		for _, n := range names {
-			reqs = append(reqs, reconcile.Request{NamespacedName: types.NamespacedName{Namespace: o.GetNamespace(), Name: n}})
-		}
-		return reqs
+		return poolRequests(ctx, c, role, o.GetNamespace(), client.MatchingFields{index: o.GetName()})
 	})
+}
+
+// enqueuePoolsIn maps a Namespace to every pool of role in it.
+func enqueuePoolsIn(c client.Client, role kvv1.Role) handler.EventHandler {
+	return handler.EnqueueRequestsFromMapFunc(func(ctx context.Context, o client.Object) []reconcile.Request {
+		return poolRequests(ctx, c, role, o.GetName())
+	})
+}
+
+// poolRequests lists the pools of role in namespace that match opts, as requests.
+func poolRequests(ctx context.Context, c client.Client, role kvv1.Role, namespace string, opts ...client.ListOption) []reconcile.Request {
+	var names []string
+	opts = append(opts, client.InNamespace(namespace))
+	if role == kvv1.RoleDecode {
+		list := &kvv1.DecodePoolList{}
+		if err := c.List(ctx, list, opts...); err != nil {
+			return nil
+		}
+		for _, d := range list.Items {
+			names = append(names, d.Name)
+		}
+	} else {
+		list := &kvv1.PrefillPoolList{}
+		if err := c.List(ctx, list, opts...); err != nil {
+			return nil
+		}
+		for _, p := range list.Items {
+			names = append(names, p.Name)
+		}
+	}
+	reqs := make([]reconcile.Request, 0, len(names))
+	for _, n := range names {
+		reqs = append(reqs, reconcile.Request{NamespacedName: types.NamespacedName{Namespace: namespace, Name: n}})
+	}
+	return reqs
 }
 
 // enqueuePoolOfName maps a StatefulSet or Service to the pool of the same name, whose

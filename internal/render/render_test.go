@@ -250,26 +250,82 @@ func TestTemplateWithUnknownFieldsIsRefusedNamingThem(t *testing.T) {
 	}
 }
 
-func TestTemplateCannotReplaceWhatWiresTheEngine(t *testing.T) {
-	pol := builder.Policy("push").Obj()
-	for _, c := range []struct{ template, want string }{
-		{`{"spec": {"containers": [{"name": "engine", "args": ["Qwen/Qwen3-32B"]}]}}`, "must not change the engine container's args"},
-		{`{"spec": {"containers": [{"name": "engine", "command": ["python3", "-m", "my.server"]}]}}`, "must not change the engine container's command"},
-		{`{"spec": {"containers": [{"name": "engine", "env": [{"name": "POD_NAME", "value": "someone-else"}]}]}}`,
-			"must not set the engine container's POD_NAME"},
-		{`{"spec": {"containers": [{"name": "engine", "env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "1"}]}]}}`, "VLLM_NIXL_SIDE_CHANNEL_PORT"},
+// Whoever may write a pool must not own the node through its template: every way into
+// the node found when the template merged anything is refused, naming the field.
+func TestTemplateCannotReachTheNodeOrRewireTheEngine(t *testing.T) {
+	pol := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj()
+	for _, c := range []struct{ name, template, want string }{
+		{"privileged engine", `{"spec": {"containers": [{"name": "engine", "securityContext": {"privileged": true}}]}}`,
+			"spec.template.spec.containers[0].securityContext: the engine container's securityContext is not the template's"},
+		{"root pod", `{"spec": {"securityContext": {"runAsUser": 0}}}`, "spec.template.spec.securityContext.runAsUser: not allowed"},
+		{"host network", `{"spec": {"hostNetwork": true}}`, "spec.template.spec.hostNetwork: not allowed"},
+		{"host IPC", `{"spec": {"hostIPC": true}}`, "spec.template.spec.hostIPC: not allowed"},
+		{"host PID", `{"spec": {"hostPID": true}}`, "spec.template.spec.hostPID: not allowed"},
+		{"a node of one's choosing", `{"spec": {"nodeName": "p5en-7"}}`, "spec.template.spec.nodeName: not allowed"},
+		{"the agent's volume repointed at /", `{"spec": {"volumes": [{"name": "kvhandoff-agent", "hostPath": {"path": "/"}}]}}`,
+			`spec.template.spec.volumes[0]: volume "kvhandoff-agent" is kvhandoff's`},
+		{"a hostPath of its own", `{"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}`,
+			"spec.template.spec.volumes[0].hostPath: not allowed"},
+		{"a sidecar mounting the socket folder", `{"spec": {"containers": [{"name": "tap", "image": "busybox",
+			"volumeMounts": [{"name": "kvhandoff-agent", "mountPath": "/s"}]}]}}`,
+			`spec.template.spec.containers[0].volumeMounts[0]: volume "kvhandoff-agent" is kvhandoff's`},
+		{"a privileged sidecar", `{"spec": {"containers": [{"name": "tap", "image": "busybox", "securityContext": {"privileged": true}}]}}`,
+			"spec.template.spec.containers[0].securityContext.privileged: not allowed"},
+		{"a root sidecar", `{"spec": {"containers": [{"name": "tap", "image": "busybox", "securityContext": {"runAsUser": 0}}]}}`,
+			"spec.template.spec.containers[0].securityContext.runAsUser: not allowed"},
+		{"a sidecar adding capabilities", `{"spec": {"containers": [{"name": "tap", "image": "busybox",
+			"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]}}`, "securityContext.capabilities.add: not allowed"},
+		{"a sidecar taking the GPUs", `{"spec": {"containers": [{"name": "tap", "image": "busybox", "resources": {"limits": {"nvidia.com/gpu": 8}}}]}}`,
+			"spec.template.spec.containers[0].resources.limits[nvidia.com/gpu]: set by kvhandoff"},
+		{"a swapped connector image", `{"spec": {"initContainers": [{"name": "kvhandoff-connector", "image": "evil/connector"}]}}`,
+			`spec.template.spec.initContainers[0]: container "kvhandoff-connector" is kvhandoff's`},
+		{"the engine's image", `{"spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai:v0.1.0"}]}}`,
+			"containers[0].image: the engine container's image is not the template's: spec.image is what runs"},
+		{"the engine's args", `{"spec": {"containers": [{"name": "engine", "args": ["Qwen/Qwen3-32B"]}]}}`,
+			"containers[0].args: the engine container's args is not the template's"},
+		{"the engine's command", `{"spec": {"containers": [{"name": "engine", "command": ["python3", "-m", "my.server"]}]}}`,
+			"containers[0].command: the engine container's command is not the template's"},
+		{"another engine's identity", `{"spec": {"containers": [{"name": "engine", "env": [{"name": "POD_NAME", "value": "someone-else"}]}]}}`,
+			"containers[0].env[0]: POD_NAME is set by kvhandoff"},
+		{"the connector's path", `{"spec": {"containers": [{"name": "engine", "env": [{"name": "PYTHONPATH", "value": "/evil"}]}]}}`,
+			"containers[0].env[0]: PYTHONPATH is set by kvhandoff"},
+		{"envFrom on the engine", `{"spec": {"containers": [{"name": "engine", "envFrom": [{"configMapRef": {"name": "x"}}]}]}}`,
+			"spec.template.spec.containers[0].envFrom: not allowed"},
+		{"the engine's mount of the socket folder", `{"spec": {"containers": [{"name": "engine",
+			"volumeMounts": [{"name": "cache", "mountPath": "/var/run/kvhandoff"}]}]}}`,
+			"containers[0].volumeMounts[0]: /var/run/kvhandoff is where kvhandoff mounts a volume"},
+		{"removing the engine", `{"spec": {"containers": [{"name": "engine", "$patch": "delete"}]}}`,
+			`unknown field "spec.containers[0].$patch"`},
+		{"replacing the node selector", `{"spec": {"nodeSelector": {"$patch": "replace", "zone": "a"}}}`,
+			"spec.template.spec.nodeSelector[$patch]: strategic-merge directives are not allowed"},
+		{"the agent-ready selector", `{"spec": {"nodeSelector": {"kvhandoff.io/agent-ready": "false"}}}`,
+			"spec.template.spec.nodeSelector[kvhandoff.io/agent-ready]: set by kvhandoff"},
+		{"the pool's labels", `{"metadata": {"labels": {"kvhandoff.io/role": "decode"}}}`,
+			"spec.template.metadata.labels[kvhandoff.io/role]: set by kvhandoff"},
 	} {
-		p := builder.PrefillPool("p").Template(c.template).Obj()
+		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").Policy("agent").Template(c.template).Obj()
 		_, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
 		var prob *TemplateError
 		if !errors.As(err, &prob) || !strings.Contains(prob.Message, c.want) {
-			t.Errorf("%s: err = %v, want InvalidTemplate saying %q", c.template, err, c.want)
+			t.Errorf("%s: err = %v, want InvalidTemplate saying %q", c.name, err, c.want)
 		}
 	}
-	// Other changes to the engine container are the template's to make.
-	p := builder.PrefillPool("p").Template(`{"spec": {"containers": [{"name": "engine", "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}], "imagePullPolicy": "Always"}]}}`).Obj()
+	// What the template is for passes.
+	p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").Policy("agent").Template(`{
+		"metadata": {"labels": {"team": "search"}, "annotations": {"prometheus.io/scrape": "true"}},
+		"spec": {
+			"priorityClassName": "inference", "serviceAccountName": "engines", "runtimeClassName": "nvidia",
+			"securityContext": {"fsGroup": 1000},
+			"tolerations": [{"key": "dedicated", "operator": "Exists"}],
+			"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+			"containers": [
+				{"name": "engine", "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}], "imagePullPolicy": "Always",
+				 "resources": {"limits": {"memory": "900Gi"}}, "volumeMounts": [{"name": "models", "mountPath": "/models"}]},
+				{"name": "log-shipper", "image": "fluent/fluent-bit", "volumeMounts": [{"name": "models", "mountPath": "/m", "readOnly": true}],
+				 "securityContext": {"runAsNonRoot": true, "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]},
+				 "seccompProfile": {"type": "RuntimeDefault"}}}]}}`).Obj()
 	if _, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec}); err != nil {
-		t.Errorf("a template adding env and a pull policy: %v", err)
+		t.Errorf("a template doing what templates are for: %v", err)
 	}
 }
 
