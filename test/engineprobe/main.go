@@ -9,6 +9,7 @@
 //	engineprobe --socket S deposit SESSION
 //	engineprobe --socket S hold-calls N     N calls that never send their request, then one more
 //	engineprobe --socket S hold-memory N    N memory socket connections
+//	engineprobe --socket S flood N          N concurrent calls of nearly 2 MiB each (the agent's request limit)
 package main
 
 import (
@@ -20,6 +21,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -95,6 +97,26 @@ func main() {
 		}
 		fmt.Printf("OK held %d of %d\n", held, n)
 		hold()
+	case "flood":
+		n := count(args[1])
+		big := &agentv1.RegisterRegionRequest{Session: "none", BlockLen: 1, BlockCount: 1, Size: 1, CudaIpcHandle: make([]byte, 2<<20-4096)}
+		codes := make(chan string, n)
+		var wg sync.WaitGroup
+		for range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, err := api.RegisterRegion(ctx, big)
+				codes <- status.Code(err).String()
+			}()
+		}
+		wg.Wait()
+		close(codes)
+		by := map[string]int{}
+		for c := range codes {
+			by[c]++
+		}
+		fmt.Println("OK", by)
 	default:
 		fmt.Fprintf(os.Stderr, "engineprobe: unknown command %q\n", args[0])
 		os.Exit(2)

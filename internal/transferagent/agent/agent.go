@@ -27,6 +27,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/mesh"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/peercred"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
@@ -285,7 +286,7 @@ func ownSocketDir(dir string) error {
 }
 
 // maxRequest bounds an engine API message: a registration of wire.MaxBlocks blocks fits.
-const maxRequest = 8 << 20
+const maxRequest = wire.MaxFrame
 
 // probe opens and closes an endpoint of the configured rails on the provider, to learn
 // its limits and whether it is there at all (rails need delivery-complete writes).

@@ -33,7 +33,7 @@ type Pods interface {
 // rank, and per rank two calls at most (the connector's worker and sender threads), twice
 // over. Event streams are not counted: each needs a session, and its request is a
 // session id. The calls bound what one owner can make the agent buffer: 32 requests of at
-// most maxRequest (8 MiB), 256 MiB.
+// most maxRequest (2 MiB), 64 MiB.
 const (
 	maxConnsPerOwner = 16
 	maxCallsPerOwner = 32

@@ -26,10 +26,13 @@ const Version = 1
 
 // Limits on what a peer may send.
 const (
-	// MaxFrame bounds a frame: a registration of MaxBlocks blocks fits.
-	MaxFrame = 8 << 20
-	// MaxBlocks bounds the blocks of one message (a 16k-token request is 1024).
-	MaxBlocks = 1 << 20
+	// MaxFrame bounds a frame: a registration of MaxBlocks blocks fits (at most 5 bytes
+	// each).
+	MaxFrame = 2 << 20
+	// MaxBlocks bounds the blocks of one message: a 16k-token request is 1024, and 1<<18
+	// is a 4M-token request at block size 16 (2M at 8). A higher bound costs memory an
+	// agent must be ready to buffer per request in flight, for every engine of its node.
+	MaxBlocks = 1 << 18
 	// MaxString bounds a request id, engine id, address or reason.
 	MaxString = 1024
 	// MaxRegions bounds the regions of one engine (vLLM has 2 per layer).
