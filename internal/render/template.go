@@ -56,9 +56,9 @@ var (
 
 // engineHints say why the engine container's owned fields are not the template's.
 var engineHints = map[string]string{
-	"image":   "spec.image is what runs (the vLLM version check and the compat-hash read it)",
-	"command": "kvhandoff runs vllm serve; use spec.engineArgs for extra arguments",
-	"args":    "they carry the pool's parallelism and its --kv-transfer-config; use spec.engineArgs for extra arguments",
+	"image":           "spec.image is what runs (the vLLM version check and the compat-hash read it)",
+	"command":         "kvhandoff runs vllm serve; use spec.engineArgs for extra arguments",
+	"args":            "they carry the pool's parallelism and its --kv-transfer-config; use spec.engineArgs for extra arguments",
 	"securityContext": "kvhandoff sets it from the policy (IPC_LOCK, or fabric.privileged) and the pool's runAsRoot",
 }
 
