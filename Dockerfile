@@ -1,7 +1,8 @@
 # Images: `docker build --target manager .` (default), `--target device-plugin .`,
 # `--target transfer-agent .`, `--target router .` and `--target vllm-connector .`. Build
 # the manager with --build-arg VERSION=<tag> so that it renders the router and the vLLM
-# connector of its own version.
+# connector of its own version. `make images` builds the same images without Docker;
+# hack/images/images.go describes them, and its test holds this file to that table.
 FROM golang:1.26 AS build
 WORKDIR /src
 COPY go.mod go.sum ./
@@ -21,8 +22,8 @@ RUN CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ld
 # The transfer agent links libfabric dynamically: built against Debian's headers, it runs
 # on the node's own libfabric (the AWS EFA installer's, mounted at /opt/amazon/efa and
 # first on LD_LIBRARY_PATH in config/agent), with Debian's as the fallback for tcp/shm.
-RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends libfabric-dev >/dev/null && \
-    CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ldflags "-s -w" -o /out/transfer-agent ./cmd/transfer-agent
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends libfabric-dev >/dev/null
+RUN CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ldflags "-s -w" -o /out/transfer-agent ./cmd/transfer-agent
 
 FROM debian:bookworm-slim AS transfer-agent
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends libfabric1 >/dev/null && rm -rf /var/lib/apt/lists/*

@@ -117,6 +117,12 @@ e2e-cluster-down: ## Stop the simulated cluster started by e2e-cluster-up.
 build: ## Build the binaries into bin/.
 	go build -o $(LOCALBIN)/ ./cmd/...
 
+VERSION ?= dev
+.PHONY: images
+images: ## Build the images without Docker (hack/images: Debian bases by mmdebstrap) into bin/images/<name>.tar, tagged ghcr.io/kvhandoff/<name>:$(VERSION).
+	hack/install-deps.sh >/dev/null
+	go run ./hack/images -version $(VERSION) -out $(LOCALBIN)/images
+
 .PHONY: bench-handoff
 bench-handoff: deps ## Handoff benchmark (push, push-layered, pull; the agent against fi_rma_bw): table, bench/results/handoff.json and handoff.png.
 	go run ./cmd/bench-handoff --out bench/results --fabtests "$$(hack/fabtests.sh)"

@@ -6,12 +6,14 @@
 #   hack/control-plane-bins.sh [binary...]   default: kube-apiserver etcd
 #
 # Binaries: kube-apiserver kube-scheduler kube-controller-manager kubectl (from hack/tools/kube,
-# the version pinned there), etcd (from hack/tools/etcd) and kwok (from hack/tools/kwok). A cached binary is reused as long
+# the version pinned there), a real node's kubelet and kube-proxy (hack/tools/node, the same
+# version), etcd (from hack/tools/etcd) and kwok (from hack/tools/kwok). A cached binary is reused as long
 # as the helper module's go.sum is unchanged; a second run takes well under a second.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 kube_mod=$here/tools/kube
+node_mod=$here/tools/node
 etcd_mod=$here/tools/etcd
 kwok_mod=$here/tools/kwok
 version=$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3}' "$kube_mod/go.mod")
@@ -44,6 +46,8 @@ for b in "${bins[@]}"; do
   case $b in
     kube-apiserver|kube-scheduler|kube-controller-manager|kubectl)
       build "$b" "$kube_mod" "k8s.io/kubernetes/cmd/$b" "$kube_ld" ;;
+    kubelet|kube-proxy)
+      build "$b" "$node_mod" "k8s.io/kubernetes/cmd/$b" "$kube_ld" ;;
     etcd)
       build etcd "$etcd_mod" go.etcd.io/etcd/server/v3 "" ;;
     kwok)
@@ -57,7 +61,7 @@ for b in "${bins[@]}"; do
         done > "$cache/kwok-stages.yaml.tmp"
         mv "$cache/kwok-stages.yaml.tmp" "$cache/kwok-stages.yaml"
       fi ;;
-    *) echo "control-plane-bins: unknown binary '$b' (want kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, etcd or kwok)" >&2; exit 2 ;;
+    *) echo "control-plane-bins: unknown binary '$b' (want kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, kubelet, kube-proxy, etcd or kwok)" >&2; exit 2 ;;
   esac
 done
 echo "$cache"

@@ -13,6 +13,9 @@ declare -A want=(
   [libfabric-bin]=/usr/bin/fi_info
   [pkg-config]=/usr/bin/pkg-config
   [protobuf-compiler]=/usr/bin/protoc
+  # The images (make images): Debian bases, and the distroless bases' CA bundle.
+  [mmdebstrap]=/usr/bin/mmdebstrap
+  [ca-certificates]=/etc/ssl/certs/ca-certificates.crt
 )
 missing=()
 for pkg in "${!want[@]}"; do

@@ -1,0 +1,60 @@
+package main
+
+// Image is one of kvhandoff's images: what goes into it and how it starts. Both ways of
+// building them follow this table: `make images` here (no Docker: go build, Debian's
+// archive through mmdebstrap, go-containerregistry), and the Dockerfile's targets, which
+// dockerfile_test.go checks against it.
+type Image struct {
+	// Name is the image's name under Registry, and the Dockerfile's target.
+	Name string
+	// Package is the Go command built into it, at Binary.
+	Package, Binary string
+	// CGO builds with cgo: go-nvml loads NVML, the agent links libfabric.
+	CGO bool
+	// Base is what the binary runs on.
+	Base Base
+	// Packages are Debian packages the image adds to its base (DebianSlim only).
+	Packages []string
+	// User is the image's user ("" runs as root).
+	User string
+	// StampsImages builds the binary with the tags of the images it renders (the manager).
+	StampsImages bool
+}
+
+// Base is an image's foundation: a distroless image, or Debian's slim one with packages.
+// Locally each is made from Debian's archive (base.go).
+type Base string
+
+const (
+	// Static is distroless/static: users, CA certificates, time zones, /tmp.
+	Static Base = "gcr.io/distroless/static-debian12:nonroot"
+	// Glibc is distroless/base: Static with glibc and OpenSSL, for cgo binaries.
+	Glibc Base = "gcr.io/distroless/base-debian12"
+	// DebianSlim is Debian's minimal system, for images that install packages.
+	DebianSlim Base = "debian:bookworm-slim"
+)
+
+// Registry is where kvhandoff's images live; the manager renders Registry/<name>:<version>.
+const Registry = "ghcr.io/kvhandoff"
+
+// Nonroot is distroless's nonroot user.
+const Nonroot = "65532:65532"
+
+// Images are kvhandoff's images.
+var Images = []Image{
+	{Name: "manager", Package: "./cmd/manager", Binary: "/manager", Base: Static, User: Nonroot, StampsImages: true},
+	{Name: "router", Package: "./cmd/router", Binary: "/router", Base: Static, User: Nonroot},
+	// The init container of executor-Agent engines: /install DIR copies the connector's
+	// Python package (embedded in the binary) into DIR, an emptyDir on the engine's
+	// PYTHONPATH.
+	{Name: "vllm-connector", Package: "./cmd/connector-install", Binary: "/install", Base: Static, User: Nonroot},
+	// go-nvml needs cgo; it loads libnvidia-ml.so.1 from the host's driver at run time.
+	{Name: "device-plugin", Package: "./cmd/device-plugin", Binary: "/device-plugin", CGO: true, Base: Glibc},
+	// The agent links libfabric dynamically: built against Debian's headers, it runs on the
+	// node's own libfabric (the AWS EFA installer's, mounted at /opt/amazon/efa and first on
+	// LD_LIBRARY_PATH in its DaemonSet), with Debian's as the fallback for tcp and shm.
+	{Name: "transfer-agent", Package: "./cmd/transfer-agent", Binary: "/transfer-agent", CGO: true, Base: DebianSlim, Packages: []string{"libfabric1"}},
+}
+
+// Ref is an image's reference at version.
+func (i Image) Ref(version string) string { return Registry + "/" + i.Name + ":" + version }

@@ -1,0 +1,136 @@
+// Command images builds kvhandoff's images without Docker (make images): each Go command
+// is built on this machine as the Dockerfile's build stage builds it, its base is made
+// from Debian's archive with mmdebstrap (cached), and the image is written as a Docker
+// archive that `ctr images import` and `docker load` take. images.go is the one
+// description both follow.
+//
+//	go run ./hack/images -version v0.3.0 -out bin/images [name...]
+package main
+
+import (
+	"bytes"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+)
+
+func main() {
+	version := flag.String("version", "dev", "the images' tag, stamped into the manager as the tag of the images it renders")
+	out := flag.String("out", "bin/images", "folder for the image archives (<name>.tar)")
+	cache := flag.String("cache", filepath.Join(os.Getenv("HOME"), ".cache", "kvhandoff", "images"), "folder for the Debian bases")
+	flag.Parse()
+	if err := run(*version, *out, *cache, flag.Args()); err != nil {
+		fmt.Fprintln(os.Stderr, "images:", err)
+		os.Exit(1)
+	}
+}
+
+func run(version, out, cache string, names []string) error {
+	for _, n := range names {
+		if !slices.ContainsFunc(Images, func(i Image) bool { return i.Name == n }) {
+			return fmt.Errorf("no image %q", n)
+		}
+	}
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return err
+	}
+	for _, img := range Images {
+		if len(names) > 0 && !slices.Contains(names, img.Name) {
+			continue
+		}
+		start := time.Now()
+		path := filepath.Join(out, img.Name+".tar")
+		if err := build(img, version, out, cache, path); err != nil {
+			return fmt.Errorf("%s: %w", img.Name, err)
+		}
+		fmt.Printf("%s\t%s\t%s\n", img.Ref(version), path, time.Since(start).Round(100*time.Millisecond))
+	}
+	return nil
+}
+
+// LDFlags are the linker flags of an image's binary at version.
+func (i Image) LDFlags(version string) string {
+	flags := "-s -w"
+	if i.StampsImages {
+		for _, stamp := range []struct{ v, image string }{{"DefaultRouterImage", "router"}, {"DefaultConnectorImage", "vllm-connector"}} {
+			flags += fmt.Sprintf(" -X github.com/kvhandoff/kvhandoff/internal/render.%s=%s/%s:%s", stamp.v, Registry, stamp.image, version)
+		}
+	}
+	return flags
+}
+
+func build(img Image, version, out, cache, path string) error {
+	bin := filepath.Join(out, ".bin", img.Name)
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", img.LDFlags(version), "-o", bin, img.Package)
+	cmd.Env = append(os.Environ(), "CGO_CFLAGS=-Wno-deprecated-declarations", fmt.Sprintf("CGO_ENABLED=%d", map[bool]int{false: 0, true: 1}[img.CGO]))
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("go build %s: %w", img.Package, err)
+	}
+	base, err := baseTar(filepath.Join(cache, "bases"), img.Base, img.Packages)
+	if err != nil {
+		return err
+	}
+	layers := []v1.Layer{}
+	l, err := tarball.LayerFromFile(base)
+	if err != nil {
+		return err
+	}
+	layers = append(layers, l)
+	if _, ok := distroless[img.Base]; ok {
+		files, err := distrolessFiles()
+		if err != nil {
+			return err
+		}
+		if l, err = layerOf(files); err != nil {
+			return err
+		}
+		layers = append(layers, l)
+	}
+	binary, err := os.ReadFile(bin)
+	if err != nil {
+		return err
+	}
+	if l, err = layerOf(fileTar(img.Binary, binary)); err != nil {
+		return err
+	}
+	layers = append(layers, l)
+
+	image, err := mutate.AppendLayers(empty.Image, layers...)
+	if err != nil {
+		return err
+	}
+	cfg, err := image.ConfigFile()
+	if err != nil {
+		return err
+	}
+	cfg = cfg.DeepCopy()
+	cfg.Architecture, cfg.OS = "amd64", "linux"
+	cfg.Config.Entrypoint = []string{img.Binary}
+	cfg.Config.User = img.User
+	cfg.Config.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+	cfg.Config.Labels = map[string]string{"org.opencontainers.image.source": "https://github.com/kvhandoff/kvhandoff", "org.opencontainers.image.version": version}
+	if image, err = mutate.ConfigFile(image, cfg); err != nil {
+		return err
+	}
+	tag, err := name.NewTag(img.Ref(version))
+	if err != nil {
+		return err
+	}
+	return tarball.WriteToFile(path, tag, image)
+}
+
+func layerOf(b []byte) (v1.Layer, error) {
+	return tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
+}
