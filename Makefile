@@ -57,7 +57,7 @@ vet: ## gofmt-clean, and go vet the module, the GPU tests included (they compile
 verify-generated: controller-gen protoc-gen-go ## Fail when committed generated files differ from a fresh generation.
 	CONTROLLER_GEN=$(CONTROLLER_GEN) PROTOC_GEN_GO=$(PROTOC_GEN_GO) PROTOC_GEN_GO_GRPC=$(PROTOC_GEN_GO_GRPC) hack/verify-generated.sh
 
-CLUSTER_BINS := kube-apiserver etcd kube-controller-manager kube-scheduler kwok kubectl
+CLUSTER_BINS := kube-apiserver etcd kube-controller-manager kube-scheduler kwok kubectl kubelet kube-proxy
 E2E_CLUSTER_DIR ?= $(CACHE)/e2e-cluster
 
 .PHONY: deps
@@ -65,7 +65,7 @@ deps: ## Install what the tests need: apt packages, control-plane binaries (cach
 	hack/install-deps.sh $(CLUSTER_BINS)
 
 .PHONY: test
-test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on the simulated cluster, the kubelet's device manager, real vLLM.
+test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on the simulated cluster, the real node (pods from images built here), the kubelet's device manager, real vLLM.
 	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./... -count=1 -timeout 30m
 	$(MAKE) test-kubelet
 	$(MAKE) test-vllm

@@ -16,6 +16,11 @@ declare -A want=(
   # The images (make images): Debian bases, and the distroless bases' CA bundle.
   [mmdebstrap]=/usr/bin/mmdebstrap
   [ca-certificates]=/etc/ssl/certs/ca-certificates.crt
+  # The real node (test/realnode): container runtime, and the node's networking.
+  [containerd]=/usr/bin/containerd
+  [runc]=/usr/sbin/runc
+  [iptables]=/usr/sbin/iptables-restore
+  [iproute2]=/usr/sbin/ip
 )
 missing=()
 for pkg in "${!want[@]}"; do

@@ -56,5 +56,12 @@ var Images = []Image{
 	{Name: "transfer-agent", Package: "./cmd/transfer-agent", Binary: "/transfer-agent", CGO: true, Base: DebianSlim, Packages: []string{"libfabric1"}},
 }
 
+// TestImages are the images the real-node tier needs beside kvhandoff's own; no
+// registry is reachable, so they are built here too. They are not in the Dockerfile.
+var TestImages = []Image{
+	// The pod sandbox: the kubelet's containerd runs it as every pod's first container.
+	{Name: "pause", Package: "./hack/pause", Binary: "/pause", Base: Static, User: Nonroot},
+}
+
 // Ref is an image's reference at version.
 func (i Image) Ref(version string) string { return Registry + "/" + i.Name + ":" + version }

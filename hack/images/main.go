@@ -37,15 +37,16 @@ func main() {
 }
 
 func run(version, out, cache string, names []string) error {
+	all := append(append([]Image{}, Images...), TestImages...)
 	for _, n := range names {
-		if !slices.ContainsFunc(Images, func(i Image) bool { return i.Name == n }) {
+		if !slices.ContainsFunc(all, func(i Image) bool { return i.Name == n }) {
 			return fmt.Errorf("no image %q", n)
 		}
 	}
 	if err := os.MkdirAll(out, 0o755); err != nil {
 		return err
 	}
-	for _, img := range Images {
+	for _, img := range all {
 		if len(names) > 0 && !slices.Contains(names, img.Name) {
 			continue
 		}

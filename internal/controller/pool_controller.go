@@ -234,3 +234,5 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 
 // Leader election takes a Lease in the manager's own namespace only.
 // +kubebuilder:rbac:groups=coordination.k8s.io,resources=leases,verbs=get;list;watch;create;update;patch,namespace=kvhandoff-system
+// and announces a new leader with a core Event there (client-go's leader election).
+// +kubebuilder:rbac:groups="",resources=events,verbs=create;patch,namespace=kvhandoff-system
