@@ -37,7 +37,7 @@ func TestSecureMetricsNeedTheReaderRole(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	admin := kubernetes.NewForConfigOrDie(env.Config)
-	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-system"}},
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-node"}},
 		metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -54,8 +54,8 @@ func TestSecureMetricsNeedTheReaderRole(t *testing.T) {
 	}
 	asAgent := rest.CopyConfig(env.Config)
 	asAgent.Impersonate = rest.ImpersonationConfig{
-		UserName: "system:serviceaccount:kvhandoff-system:kvhandoff-transfer-agent",
-		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:kvhandoff-system", "system:authenticated"},
+		UserName: "system:serviceaccount:kvhandoff-node:kvhandoff-transfer-agent",
+		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:kvhandoff-node", "system:authenticated"},
 	}
 
 	reg := prometheus.NewRegistry()

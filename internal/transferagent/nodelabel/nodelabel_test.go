@@ -76,7 +76,7 @@ func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
 		}
 	}
 	// The agent's own RBAC and policy, as config/agent installs them.
-	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-system"}},
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kvhandoff-node"}},
 		metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -87,8 +87,8 @@ func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
 	as := func(node string) kubernetes.Interface {
 		cfg := rest.CopyConfig(env.Config)
 		cfg.Impersonate = rest.ImpersonationConfig{
-			UserName: "system:serviceaccount:kvhandoff-system:kvhandoff-transfer-agent",
-			Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:kvhandoff-system", "system:authenticated"},
+			UserName: "system:serviceaccount:kvhandoff-node:kvhandoff-transfer-agent",
+			Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:kvhandoff-node", "system:authenticated"},
 		}
 		if node != "" {
 			cfg.Impersonate.Extra = map[string][]string{"authentication.kubernetes.io/node-name": {node}}
