@@ -27,8 +27,9 @@ help: ## Show this help.
 ##@ Development
 
 .PHONY: manifests
-manifests: controller-gen ## Generate CRDs and RBAC from the markers in api/ and internal/controller/.
+manifests: controller-gen ## Generate CRDs and RBAC from the markers in api/ and internal/controller/ (and copy them into the Helm chart).
 	$(CONTROLLER_GEN) rbac:roleName=kvhandoff-manager crd:generateEmbeddedObjectMeta=true paths="./..." output:crd:artifacts:config=config/crd/bases
+	hack/chart-sync.sh
 
 .PHONY: generate
 generate: controller-gen ## Generate DeepCopy methods for the API types.

@@ -13,7 +13,7 @@ tar -C "$root" --exclude=./bin --exclude=./.git -cf - . | tar -C "$scratch" -xf 
   PROTOC_GEN_GO="${PROTOC_GEN_GO:-$root/bin/protoc-gen-go}" PROTOC_GEN_GO_GRPC="${PROTOC_GEN_GO_GRPC:-$root/bin/protoc-gen-go-grpc}" >/dev/null)
 
 status=0
-for path in api config/crd/bases config/rbac transferagent/api vllm-connector/kvhandoff_vllm/_api; do
+for path in api config/crd/bases config/rbac charts/kvhandoff/crds charts/kvhandoff/templates/manager-role.yaml transferagent/api vllm-connector/kvhandoff_vllm/_api; do
   [ -e "$root/$path" ] || [ -e "$scratch/$path" ] || continue
   if ! diff -ruN "$root/$path" "$scratch/$path" >"$scratch/diff.txt"; then
     echo "generated files under $path are out of date; run 'make generate manifests' and commit:" >&2

@@ -1,0 +1,121 @@
+// Package chart checks the Helm chart (charts/kvhandoff) against the kustomize overlays
+// of config/: the same objects, field for field, from each install path.
+package chart
+
+import (
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"sort"
+	"strings"
+	"testing"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/kvhandoff/kvhandoff/test/envtest"
+)
+
+// onlyInKustomize are the objects config/ makes and the chart, by design, does not: the
+// chart's own namespace is Helm's to create (helm install --create-namespace), not a
+// template's.
+var onlyInKustomize = map[string]string{
+	"Namespace//kvhandoff-system": "the release namespace: helm install -n kvhandoff-system --create-namespace makes it",
+}
+
+func run(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+func objects(t *testing.T, docs string) map[string]map[string]any {
+	t.Helper()
+	out := map[string]map[string]any{}
+	for _, doc := range strings.Split(docs, "\n---") {
+		var o map[string]any
+		if err := yaml.Unmarshal([]byte(doc), &o); err != nil {
+			t.Fatalf("%v in\n%s", err, doc)
+		}
+		if len(o) == 0 {
+			continue
+		}
+		meta, _ := o["metadata"].(map[string]any)
+		ns, _ := meta["namespace"].(string)
+		out[fmt.Sprintf("%s/%s/%s", o["kind"], ns, meta["name"])] = o
+	}
+	return out
+}
+
+// `helm template` with the default values renders what config/default, config/agent and
+// config/device-plugin render (the CRDs included: the chart's crds/ are copies make
+// manifests keeps current), except onlyInKustomize.
+func TestTheChartRendersWhatKustomizeRenders(t *testing.T) {
+	root := envtest.RepoRoot()
+	helm := strings.TrimSpace(run(t, filepath.Join(root, "hack", "helm.sh")))
+	bins, err := envtest.Binaries("kubectl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	chart := filepath.Join(root, "charts", "kvhandoff")
+	run(t, helm, "lint", "--strict", chart)
+	fromChart := objects(t, run(t, helm, "template", "kvhandoff", chart, "--namespace", "kvhandoff-system", "--include-crds"))
+	fromKustomize := map[string]map[string]any{}
+	for _, dir := range []string{"default", "agent", "device-plugin"} {
+		for k, o := range objects(t, run(t, filepath.Join(bins, "kubectl"), "kustomize", filepath.Join(root, "config", dir))) {
+			fromKustomize[k] = o
+		}
+	}
+	var keys []string
+	for k := range fromKustomize {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		c, ok := fromChart[k]
+		switch {
+		case onlyInKustomize[k] != "":
+			if ok {
+				t.Errorf("%s: the chart renders it, and onlyInKustomize says it should not (%s)", k, onlyInKustomize[k])
+			}
+		case !ok:
+			t.Errorf("%s: config/ renders it, the chart does not", k)
+		case !reflect.DeepEqual(c, fromKustomize[k]):
+			a, _ := yaml.Marshal(fromKustomize[k])
+			b, _ := yaml.Marshal(c)
+			t.Errorf("%s differs:\n--- config/\n%s\n--- chart\n%s", k, a, b)
+		}
+		delete(fromChart, k)
+	}
+	for k := range fromChart {
+		t.Errorf("%s: the chart renders it, config/ does not", k)
+	}
+}
+
+// The values a user sets reach the objects: images and tag, the provider (whose EFA
+// mounts go with it), the socket group, secure metrics and a created token.
+func TestTheChartsValuesReachTheObjects(t *testing.T) {
+	root := envtest.RepoRoot()
+	helm := strings.TrimSpace(run(t, filepath.Join(root, "hack", "helm.sh")))
+	out := run(t, helm, "template", "kvhandoff", filepath.Join(root, "charts", "kvhandoff"), "--namespace", "kvhandoff-system",
+		"--set", "image.registry=registry.example/kvh", "--set", "image.tag=v9", "--set", "image.pullPolicy=Never",
+		"--set", "agent.provider=tcp;ofi_rxm", "--set", "agent.socketGID=4242", "--set", "agent.metricsSecure=false",
+		"--set", "agent.token.create=true", "--set", "devicePlugin.bundles=true")
+	for _, want := range []string{
+		"image: registry.example/kvh/manager:v9", "image: registry.example/kvh/transfer-agent:v9", "image: registry.example/kvh/device-plugin:v9",
+		"--router-image=registry.example/kvh/router:v9", "--connector-image=registry.example/kvh/vllm-connector:v9",
+		"imagePullPolicy: Never", "--provider=tcp;ofi_rxm", "--socket-gid=4242", "scheme: HTTP}", `"--bundles"`, "kind: Secret",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("helm template with values lacks %q", want)
+		}
+	}
+	for _, unwanted := range []string{"--metrics-secure\n", "/dev/infiniband", "/opt/amazon/efa"} {
+		if strings.Contains(out, unwanted) {
+			t.Errorf("helm template with provider tcp and insecure metrics still has %q", unwanted)
+		}
+	}
+}
