@@ -61,6 +61,8 @@ var Images = []Image{
 var TestImages = []Image{
 	// The pod sandbox: the kubelet's containerd runs it as every pod's first container.
 	{Name: "pause", Package: "./hack/pause", Binary: "/pause", Base: Static, User: Nonroot},
+	// A hostile engine (test/engineprobe), run as a pod the way the manager renders engines.
+	{Name: "engineprobe", Package: "./test/engineprobe", Binary: "/engineprobe", Base: Static, User: Nonroot},
 }
 
 // Ref is an image's reference at version.

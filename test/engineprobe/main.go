@@ -9,6 +9,7 @@
 //	engineprobe --socket S deposit SESSION
 //	engineprobe --socket S hold-calls N     N calls that never send their request, then one more
 //	engineprobe --socket S hold-memory N    N memory socket connections
+//	engineprobe --socket S replace          remove the engine socket and bind one of its own there
 //	engineprobe --socket S flood N          N concurrent calls of nearly 2 MiB each (the agent's request limit)
 package main
 
@@ -35,6 +36,16 @@ func main() {
 	socket := flag.String("socket", client.DefaultSocket, "the agent's engine socket")
 	flag.Parse()
 	args := flag.Args()
+	if len(args) == 1 && args[0] == "replace" {
+		// What a root engine beside a writable socket folder did: every engine of the node
+		// would then connect to the intruder.
+		err := os.Remove(*socket)
+		if err == nil {
+			_, err = net.Listen("unix", *socket)
+		}
+		answer(err)
+		return
+	}
 	if len(args) < 2 {
 		fmt.Fprintln(os.Stderr, "usage: engineprobe --socket S COMMAND ARG")
 		os.Exit(2)

@@ -76,10 +76,11 @@ func Main(m *testing.M) int {
 	}
 	// What the node's pods mount from the host, and the places the kubelet and containerd
 	// write to whatever their configuration says.
-	for _, dir := range []string{"/var/run/kvhandoff", "/var/log/pods", "/var/log/containers", "/run/containerd", "/var/run/netns"} {
+	for _, dir := range []string{"/var/run/kvhandoff", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/run/containerd", "/var/run/netns"} {
 		err := os.MkdirAll(dir, 0o755)
 		if err == nil {
-			err = syscall.Mount("tmpfs", dir, "tmpfs", 0, "")
+			// 0755 as the folders they stand for (tmpfs defaults to 1777).
+			err = syscall.Mount("tmpfs", dir, "tmpfs", 0, "mode=0755")
 		}
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "real-node tier: tmpfs over %s: %v\n", dir, err)
@@ -131,14 +132,14 @@ var globalSysctls = []string{"vm/overcommit_memory", "kernel/panic", "kernel/pan
 
 // Start brings up the node in dir and imports the image archives into its containerd.
 // On error, whatever started is stopped.
-func Start(ctx context.Context, dir string, images ...string) (n *Node, err error) {
+func Start(ctx context.Context, dir string, images ...string) (_ *Node, err error) {
 	if os.Getenv(inNamespaces) == "" {
 		return nil, errors.New("realnode: Start outside the tier's namespaces (use realnode.Main as TestMain)")
 	}
 	if _, err := os.Stat("/sys/fs/cgroup/memory/kubepods"); err == nil {
 		return nil, errors.New("realnode: /sys/fs/cgroup/memory/kubepods exists: another kubelet runs on this machine, or a run before this one left it")
 	}
-	n = &Node{Dir: dir, sysctls: map[string]string{}, socket: filepath.Join(dir, "containerd.sock")}
+	n := &Node{Dir: dir, sysctls: map[string]string{}, socket: filepath.Join(dir, "containerd.sock")}
 	defer func() {
 		if err != nil {
 			err = fmt.Errorf("%w\n%s", err, n.LogTail(15))
@@ -152,7 +153,7 @@ func Start(ctx context.Context, dir string, images ...string) (n *Node, err erro
 		}
 		n.sysctls[s] = strings.TrimSpace(string(b))
 	}
-	for _, d := range []string{"logs", "etcd", "containerd", "containerd-state", "kubelet", "cni/net.d", "cni/ipam"} {
+	for _, d := range []string{"logs", "etcd", "containerd", "containerd-state", "cni/net.d", "cni/ipam"} {
 		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
 			return nil, err
 		}
@@ -190,6 +191,9 @@ func (n *Node) network() error {
 		{"ip", "link", "add", "cni0", "type", "bridge"},
 		{"ip", "addr", "add", NodeIP + "/24", "dev", "cni0"},
 		{"ip", "link", "set", "cni0", "up"},
+		// Services are reached through the node's routes, as a default route does on a
+		// real node: host-network pods (the agent) connect to them from here.
+		{"ip", "route", "add", ServiceCIDR, "dev", "cni0"},
 	} {
 		if out, err := exec.Command(c[0], c[1:]...).CombinedOutput(); err != nil {
 			return fmt.Errorf("%v: %v %s", c, err, out)
@@ -244,7 +248,9 @@ func (n *Node) controlPlane(ctx context.Context, p *pki) error {
 		"--kubelet-client-certificate", p.path("apiserver-kubelet-client.crt"), "--kubelet-client-key", p.path("apiserver-kubelet-client.key"),
 		"--service-account-key-file", p.path("sa.pub"), "--service-account-signing-key-file", p.path("sa.key"),
 		"--service-account-issuer", "https://kubernetes.default.svc", "--service-cluster-ip-range", ServiceCIDR,
-		"--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction", "--allow-privileged=true"); err != nil {
+		"--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction", "--allow-privileged=true",
+		// There is no DNS here: reach the kubelet (logs, exec) at its address.
+		"--kubelet-preferred-address-types", "InternalIP"); err != nil {
 		return err
 	}
 	var err error
@@ -356,7 +362,9 @@ imageGCLowThresholdPercent: 99
 		return err
 	}
 	if err := n.run("kubelet", filepath.Join(n.bins, "kubelet"), "--config", filepath.Join(d, "kubelet.yaml"), "--kubeconfig", kc,
-		"--root-dir", filepath.Join(d, "kubelet"), "--cert-dir", filepath.Join(d, "kubelet", "pki"), "--hostname-override", Name,
+		// The default root (a tmpfs of the tier's mount namespace, see Main): the device
+		// plugin's DaemonSet mounts its device-plugins and pod-resources folders from there.
+		"--hostname-override", Name,
 		"--node-ip", NodeIP); err != nil {
 		return err
 	}
@@ -443,8 +451,9 @@ func (n *Node) LogTail(lines int) string {
 }
 
 // Stop stops the node: its processes in reverse order, then every container process the
-// kubelet's cgroups still hold; it removes those cgroups and restores the host sysctls.
-// The bridge, iptables rules and mounts go with the test's namespaces.
+// kubelet's cgroups still hold; it removes those cgroups, the mounts, the bridge and the
+// rules kube-proxy wrote, and restores the host sysctls. The test's namespaces are then
+// as Main made them, ready for the next node.
 func (n *Node) Stop() error {
 	var errs []error
 	for i := len(n.procs) - 1; i >= 0; i-- {
@@ -464,7 +473,14 @@ func (n *Node) Stop() error {
 	}
 	killMatching(n.socket) // containerd's shims, which outlive it
 	errs = append(errs, removeCgroups("kubepods"))
-	errs = append(errs, unmountUnder(n.Dir))
+	errs = append(errs, unmountUnder(n.Dir), unmountUnder("/var/lib/kubelet"))
+	// The network namespace is the tier's own: nothing else's rules are in it.
+	for _, c := range [][]string{{"ip", "link", "del", "cni0"}, {"iptables", "-t", "nat", "-F"}, {"iptables", "-t", "nat", "-X"},
+		{"iptables", "-t", "filter", "-F"}, {"iptables", "-t", "filter", "-X"}, {"iptables", "-t", "mangle", "-F"}, {"iptables", "-t", "mangle", "-X"}} {
+		if out, err := exec.Command(c[0], c[1:]...).CombinedOutput(); err != nil {
+			errs = append(errs, fmt.Errorf("%v: %v %s", c, err, out))
+		}
+	}
 	for s, v := range n.sysctls {
 		if err := os.WriteFile("/proc/sys/"+s, []byte(v), 0o644); err != nil {
 			errs = append(errs, fmt.Errorf("restoring %s=%s: %w", s, v, err))
