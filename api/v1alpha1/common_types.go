@@ -7,7 +7,7 @@ import (
 )
 
 // AcceleratorType names the kind of accelerator an engine runs on.
-// +kubebuilder:validation:Enum=NvidiaGPU;Neuron
+// +kubebuilder:validation:Enum=NvidiaGPU;Neuron;CPU
 type AcceleratorType string
 
 const (
@@ -15,11 +15,16 @@ const (
 	AcceleratorNvidiaGPU AcceleratorType = "NvidiaGPU"
 	// AcceleratorNeuron is an AWS Neuron device (Trainium/Inferentia), requested as aws.amazon.com/neuron.
 	AcceleratorNeuron AcceleratorType = "Neuron"
+	// AcceleratorCPU is no accelerator: the engines run vLLM's CPU backend (a CPU build of
+	// vLLM, such as vllm-cpu images) on any node, request no device, and keep their KV in
+	// host memory. For trying P/D without accelerators, and for tests.
+	AcceleratorCPU AcceleratorType = "CPU"
 )
 
 // AcceleratorSpec says which accelerators an engine pod gets and how many.
 type AcceleratorSpec struct {
-	// type is the kind of accelerator: NvidiaGPU or Neuron.
+	// type is the kind of accelerator: NvidiaGPU, Neuron, or CPU (none: vLLM's CPU
+	// backend, with a policy whose fabric.provider is tcp or shm).
 	// +required
 	Type AcceleratorType `json:"type"`
 
@@ -52,6 +57,7 @@ type PoolReference struct {
 // EngineSpec is what PrefillPool and DecodePool have in common: the vLLM engines of one
 // pool, their parallelism, accelerators and the transfer policy they use.
 //
+// +kubebuilder:validation:XValidation:rule="self.accelerator.type != 'CPU' || self.accelerator.count == 0",message="accelerator.count must be 0 for CPU: CPU engines request no device (give them CPU and memory with spec.template's engine container resources)"
 // +kubebuilder:validation:XValidation:rule="self.accelerator.type != 'NvidiaGPU' || self.accelerator.count == 0 || self.accelerator.count >= self.tensorParallelSize * self.pipelineParallelSize",message="accelerator.count must be 0 (meaning tensorParallelSize × pipelineParallelSize) or at least tensorParallelSize × pipelineParallelSize for NvidiaGPU: every GPU-sharded rank needs its own GPU"
 type EngineSpec struct {
 	// model is the model the engines serve, as vLLM takes it: a Hugging Face id
@@ -311,6 +317,9 @@ const (
 	// ReasonSameNodeUnsupported: the policy lets pairs share a node, and the pool's
 	// accelerators have no intra-node transport in the agent (CUDA IPC is NVIDIA's).
 	ReasonSameNodeUnsupported = "SameNodeUnsupported"
+	// ReasonUnsupportedFabric: the policy's fabric provider cannot serve the pool's
+	// accelerators (EFA interfaces are counted per accelerator; CPU engines have none).
+	ReasonUnsupportedFabric = "UnsupportedFabric"
 	// ReasonRootInHostPID: runAsRoot with a policy whose sameNode puts engines in the
 	// host's PID namespace, where a root engine could signal any process of the node.
 	ReasonRootInHostPID = "RootInHostPID"

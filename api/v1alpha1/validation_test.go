@@ -97,7 +97,10 @@ var _ = Describe("PrefillPool and DecodePool validation", func() {
 		Entry("rejects negative replicas", builder.PrefillPool("p").Replicas(-1),
 			"spec.replicas in body should be greater than or equal to 0"),
 		Entry("rejects an unknown accelerator", builder.PrefillPool("p").Accelerator("TPU", 0),
-			`spec.accelerator.type: Unsupported value: "TPU": supported values: "NvidiaGPU", "Neuron"`),
+			`spec.accelerator.type: Unsupported value: "TPU": supported values: "NvidiaGPU", "Neuron", "CPU"`),
+		Entry("accepts CPU engines", builder.PrefillPool("p").InstanceType("").Accelerator(kvv1.AcceleratorCPU, 0), ""),
+		Entry("rejects a device count for CPU engines", builder.PrefillPool("p").InstanceType("").Accelerator(kvv1.AcceleratorCPU, 2),
+			"accelerator.count must be 0 for CPU: CPU engines request no device"),
 		Entry("rejects fewer GPUs than TP × PP ranks", builder.PrefillPool("p").TP(8).PP(2).Accelerator(kvv1.AcceleratorNvidiaGPU, 8),
 			"accelerator.count must be 0 (meaning tensorParallelSize × pipelineParallelSize) or at least tensorParallelSize × pipelineParallelSize "+
 				"for NvidiaGPU"),

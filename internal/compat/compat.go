@@ -127,6 +127,8 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 	if policy.Executor == kvv1.ExecutorAgent {
 		// Rendered anyway, so the pool reports its engines' own error rather than none.
 		switch {
+		case spec.Accelerator.Type == kvv1.AcceleratorCPU:
+			// Host memory: the agent moves it between nodes and within one.
 		case spec.Accelerator.Type != kvv1.AcceleratorNvidiaGPU:
 			warnings = append(warnings, Warning{WarningDeviceMemoryUnsupported, fmt.Sprintf(
 				"executor Agent: vLLM on %s keeps its KV in device memory, which the transfer agent does not move "+
@@ -144,16 +146,20 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 		}
 	}
 
+	if spec.Accelerator.Type == kvv1.AcceleratorCPU && policy.Fabric.Provider == kvv1.ProviderEFA {
+		return problem(kvv1.ReasonUnsupportedFabric, "accelerator.type CPU with the policy's fabric.provider efa: EFA interfaces are requested per "+
+			"accelerator, and CPU engines have none; use a policy whose fabric.provider is tcp or shm"), warnings
+	}
 	if info, ok := instancetype.Lookup(spec.InstanceType); ok && info.Accelerator != spec.Accelerator.Type {
 		return problem(kvv1.ReasonInstanceTypeMismatch,
 			"instanceType %s carries %s accelerators but accelerator.type is %s; change one of them", spec.InstanceType, info.Accelerator,
 			spec.Accelerator.Type), warnings
 	}
-	if spec.RunAsRoot && policy.Executor == kvv1.ExecutorAgent && policy.SameNode != kvv1.SameNodeForbid {
+	if spec.RunAsRoot && policy.Executor == kvv1.ExecutorAgent && SharesHostPID(spec, policy) {
 		return problem(kvv1.ReasonRootInHostPID, "runAsRoot with the policy's sameNode: %s would run root engines in the host's PID namespace, "+
 			"where they could signal any process of the node; unset runAsRoot, or use a policy with sameNode: Forbid", policy.SameNode), warnings
 	}
-	if policy.SameNode != kvv1.SameNodeForbid && spec.Accelerator.Type != kvv1.AcceleratorNvidiaGPU {
+	if policy.SameNode != kvv1.SameNodeForbid && spec.Accelerator.Type == kvv1.AcceleratorNeuron {
 		return problem(kvv1.ReasonSameNodeUnsupported, "the policy's sameNode: %s lets a pair share a node, whose KV the transfer agent moves with "+
 			"CUDA IPC, and this pool's accelerators are %s; use sameNode: Forbid", policy.SameNode, spec.Accelerator.Type), warnings
 	}
@@ -198,6 +204,14 @@ func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.Engine
 }
 
 // Accelerators is the number of accelerator devices an engine pod gets.
+// SharesHostPID says whether a pool's engines join the host's PID namespace: GPU pairs
+// that may share a node move KV with CUDA IPC, whose legacy handles open only in a process
+// of the exporter's PID namespace (the agent runs in the host's). Host-memory KV (CPU
+// engines) needs no such thing.
+func SharesHostPID(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) bool {
+	return policy.SameNode != kvv1.SameNodeForbid && spec.Accelerator.Type == kvv1.AcceleratorNvidiaGPU
+}
+
 func Accelerators(spec *kvv1.EngineSpec) int32 {
 	if spec.Accelerator.Count > 0 {
 		return spec.Accelerator.Count

@@ -217,3 +217,17 @@ func TestRootEngines(t *testing.T) {
 		t.Errorf("a pool that runs its engines as uid %d warned of root", 1000)
 	}
 }
+
+// CPU engines have no accelerator to count EFA interfaces by: EFA is refused by name;
+// tcp and shm serve them.
+func TestCPUEnginesNeedAHostFabric(t *testing.T) {
+	spec := builder.PrefillPool("p").InstanceType("").Accelerator(kvv1.AcceleratorCPU, 0).Obj().Spec.EngineSpec
+	if p, _ := CheckPool(&spec, &builder.Policy("efa").Obj().Spec); p == nil || p.Reason != kvv1.ReasonUnsupportedFabric {
+		t.Errorf("CPU engines with EFA: %v, want UnsupportedFabric", p)
+	}
+	for _, prov := range []kvv1.FabricProvider{kvv1.ProviderTCP, kvv1.ProviderSHM} {
+		if p, _ := CheckPool(&spec, &builder.Policy("host").Provider(prov).Obj().Spec); p != nil {
+			t.Errorf("CPU engines with %s: %v", prov, p)
+		}
+	}
+}

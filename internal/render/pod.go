@@ -128,7 +128,7 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			NodeSelector:    nodeSelector(in),
 			Tolerations:     tolerations(in.Spec.Accelerator.Type),
 			Affinity:        affinity(in),
-			HostPID:         sharesHostPID(in),
+			HostPID:         compat.SharesHostPID(in.Spec, in.Policy),
 			// A Service named like vLLM's own variables (a "vllm" Service sets VLLM_PORT)
 			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
 			EnableServiceLinks: ptr.To(false),
@@ -235,11 +235,13 @@ func mergeEnv(rendered, user []corev1.EnvVar) []corev1.EnvVar {
 func resourcesFor(in Input) (corev1.ResourceRequirements, error) {
 	n := compat.Accelerators(in.Spec)
 	list := corev1.ResourceList{}
-	if in.Spec.Accelerator.Type == kvv1.AcceleratorNeuron {
+	switch in.Spec.Accelerator.Type {
+	case kvv1.AcceleratorNeuron:
 		list[ResourceNeuron] = *resource.NewQuantity(int64(n), resource.DecimalSI)
-	} else {
+	case kvv1.AcceleratorNvidiaGPU:
 		list[ResourceNvidiaGPU] = *resource.NewQuantity(int64(n), resource.DecimalSI)
 	}
+	// CPU engines request no device: their CPU and memory are the template's to set.
 	if in.Policy.Fabric.Provider == kvv1.ProviderEFA {
 		efa, err := instancetype.EFACount(n, in.Spec.InstanceType, in.Policy.Fabric.EFAPerAccelerator)
 		if err != nil {
@@ -288,8 +290,12 @@ func nodeSelector(in Input) map[string]string {
 	return sel
 }
 
-// tolerations let engines onto the accelerator nodes that EKS taints for them.
+// tolerations let engines onto the accelerator nodes that EKS taints for them (CPU
+// engines: none).
 func tolerations(t kvv1.AcceleratorType) []corev1.Toleration {
+	if t == kvv1.AcceleratorCPU {
+		return nil
+	}
 	key := string(ResourceNvidiaGPU)
 	if t == kvv1.AcceleratorNeuron {
 		key = string(ResourceNeuron)
@@ -339,14 +345,6 @@ func affinity(in Input) *corev1.Affinity {
 		return nil
 	}
 	return a
-}
-
-// sharesHostPID says whether engine pods join the host's PID namespace: pairs that may
-// share a node move GPU KV with CUDA IPC, and the driver opens a legacy IPC handle only in
-// a process of the exporter's PID namespace, as UCX and NCCL report (the agent's DaemonSet
-// runs with hostPID too).
-func sharesHostPID(in Input) bool {
-	return in.Policy.SameNode != kvv1.SameNodeForbid
 }
 
 func fieldEnv(name, path string) corev1.EnvVar {

@@ -432,3 +432,23 @@ func TestAgentEnginesRunNonRootWithTheSocketsReadOnly(t *testing.T) {
 		}
 	}
 }
+
+// CPU engines (vLLM's CPU backend) request no device and get no accelerator taint
+// toleration, and with a policy that lets pairs share a node they stay in their own PID
+// namespace: only CUDA IPC needs the host's.
+func TestCPUEnginesRequestNoDevice(t *testing.T) {
+	p := builder.PrefillPool("p").InstanceType("").Accelerator(kvv1.AcceleratorCPU, 0).Obj()
+	pol := builder.Policy("tcp").Provider(kvv1.ProviderTCP).Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodeAllow).Obj()
+	p.Spec.Image = "vllm/vllm-openai:v0.33.0"
+	w, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := w.StatefulSet.Spec.Template.Spec
+	if r := spec.Containers[0].Resources; len(r.Limits)+len(r.Requests) != 0 {
+		t.Errorf("CPU engine resources %v", r)
+	}
+	if len(spec.Tolerations) != 0 || spec.HostPID {
+		t.Errorf("CPU engines: tolerations %v, hostPID %v", spec.Tolerations, spec.HostPID)
+	}
+}
