@@ -63,6 +63,9 @@ var TestImages = []Image{
 	{Name: "pause", Package: "./hack/pause", Binary: "/pause", Base: Static, User: Nonroot},
 	// A hostile engine (test/engineprobe), run as a pod the way the manager renders engines.
 	{Name: "engineprobe", Package: "./test/engineprobe", Binary: "/engineprobe", Base: Static, User: Nonroot},
+	// The simulated engine (test/simvllm) as `vllm`, which the manager's rendered command
+	// runs.
+	{Name: "simvllm", Package: "./test/simvllm", Binary: "/usr/local/bin/vllm", CGO: true, Base: Glibc, User: Nonroot},
 }
 
 // Ref is an image's reference at version.

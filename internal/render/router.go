@@ -156,16 +156,21 @@ func Router(in RouterInput) (*RouterWorkload, error) {
 }
 
 // routerAffinity keeps routers off accelerator nodes (every instance type kvhandoff
-// knows carries accelerators, and nodes with a transfer agent are accelerator nodes:
-// the router needs neither) and spreads replicas over nodes.
+// knows carries accelerators: the router needs none), prefers nodes without a transfer
+// agent (engines' nodes), and spreads replicas over nodes. The agent rule is only a
+// preference: CPU engines run on ordinary nodes, and a small cluster may have no other.
 func routerAffinity(pool string) *corev1.Affinity {
 	return &corev1.Affinity{
-		NodeAffinity: &corev1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
-			NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{
-				{Key: labelInstanceType, Operator: corev1.NodeSelectorOpNotIn, Values: instancetype.Accelerated()},
-				{Key: kvv1.LabelAgentReady, Operator: corev1.NodeSelectorOpDoesNotExist},
+		NodeAffinity: &corev1.NodeAffinity{
+			RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
+				NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{
+					{Key: labelInstanceType, Operator: corev1.NodeSelectorOpNotIn, Values: instancetype.Accelerated()},
+				}}},
+			},
+			PreferredDuringSchedulingIgnoredDuringExecution: []corev1.PreferredSchedulingTerm{{Weight: 100, Preference: corev1.NodeSelectorTerm{
+				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: kvv1.LabelAgentReady, Operator: corev1.NodeSelectorOpDoesNotExist}},
 			}}},
-		}},
+		},
 		PodAntiAffinity: &corev1.PodAntiAffinity{PreferredDuringSchedulingIgnoredDuringExecution: []corev1.WeightedPodAffinityTerm{{
 			Weight:          100,
 			PodAffinityTerm: corev1.PodAffinityTerm{LabelSelector: &metav1.LabelSelector{MatchLabels: RouterSelectorLabels(pool)}, TopologyKey: labelHostname},

@@ -49,15 +49,17 @@ func TestTheRouterKeepsOffEveryAcceleratorNode(t *testing.T) {
 		t.Fatalf("%d node selector terms, want 1 (terms are ORed)", len(terms))
 	}
 	excluded := map[string]bool{}
-	agent := false
 	for _, e := range terms[0].MatchExpressions {
-		switch {
-		case e.Key == "node.kubernetes.io/instance-type" && e.Operator == corev1.NodeSelectorOpNotIn:
+		if e.Key == "node.kubernetes.io/instance-type" && e.Operator == corev1.NodeSelectorOpNotIn {
 			for _, v := range e.Values {
 				excluded[v] = true
 			}
-		case e.Key == kvv1.LabelAgentReady && e.Operator == corev1.NodeSelectorOpDoesNotExist:
-			agent = true
+		}
+	}
+	agent := false
+	for _, p := range w.Deployment.Spec.Template.Spec.Affinity.NodeAffinity.PreferredDuringSchedulingIgnoredDuringExecution {
+		for _, e := range p.Preference.MatchExpressions {
+			agent = agent || (e.Key == kvv1.LabelAgentReady && e.Operator == corev1.NodeSelectorOpDoesNotExist)
 		}
 	}
 	for _, it := range instancetype.Accelerated() {
@@ -66,7 +68,7 @@ func TestTheRouterKeepsOffEveryAcceleratorNode(t *testing.T) {
 		}
 	}
 	if !agent {
-		t.Error("the router may land on nodes that run a transfer agent")
+		t.Error("the router does not prefer nodes without a transfer agent")
 	}
 	if l := w.Deployment.Spec.Template.Labels; l[kvv1.LabelPool] != "" || l[kvv1.LabelRole] != "" {
 		t.Errorf("router pods carry engine labels %v: the manager would take them for engines", l)

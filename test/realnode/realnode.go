@@ -429,10 +429,30 @@ func (n *Node) until(ctx context.Context, what string, cond func(context.Context
 	return nil
 }
 
-// LogTail returns the last lines of every process's and every container's log, for
-// failure reports.
+// LogTail returns every pod's state and the last lines of every process's and every
+// container's log, for failure reports.
 func (n *Node) LogTail(lines int) string {
 	var b strings.Builder
+	pods := &corev1.PodList{}
+	if n.Client != nil && n.Client.List(context.Background(), pods) == nil {
+		for _, p := range pods.Items {
+			fmt.Fprintf(&b, "pod %s/%s: %s on %q", p.Namespace, p.Name, p.Status.Phase, p.Spec.NodeName)
+			for _, c := range p.Status.Conditions {
+				if c.Status != corev1.ConditionTrue && c.Message != "" {
+					fmt.Fprintf(&b, "; %s: %s", c.Type, c.Message)
+				}
+			}
+			for _, c := range append(p.Status.InitContainerStatuses, p.Status.ContainerStatuses...) {
+				if w := c.State.Waiting; w != nil {
+					fmt.Fprintf(&b, "; %s waiting: %s %s", c.Name, w.Reason, w.Message)
+				}
+				if x := c.LastTerminationState.Terminated; x != nil {
+					fmt.Fprintf(&b, "; %s last exited %d: %s", c.Name, x.ExitCode, x.Reason)
+				}
+			}
+			b.WriteString("\n")
+		}
+	}
 	files, _ := filepath.Glob(filepath.Join(n.Dir, "logs", "*.log"))
 	containers, _ := filepath.Glob(filepath.Join(n.Dir, "pod-logs", "*", "*", "*.log"))
 	files = append(files, containers...)

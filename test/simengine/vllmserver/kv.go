@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"strconv"
 	"sync"
@@ -25,6 +26,10 @@ type AgentKV struct {
 	Ranks []*simengine.Engine
 	// Client reaches prefill engines' side channels (nil: http.DefaultClient).
 	Client *http.Client
+	// AgentAddressed: a prefill leg's remote_host and remote_port are its agent's address,
+	// as kvhandoff's vLLM connector publishes them (and a router of executor-Agent pools
+	// names them from the pool's status), not a side channel to ask for it.
+	AgentAddressed bool
 	// Accepted counts decode legs whose registration (push) or pull every rank's agent
 	// accepted: from then on an abort fences them through the agents, so tests that
 	// abort wait for it.
@@ -158,7 +163,10 @@ func (k *AgentKV) abandon(key string, dst []uint32) {
 
 // resolve asks a prefill engine's side channel for its agent, once per side channel.
 func (k *AgentKV) resolve(ctx context.Context, host string, port int) (string, error) {
-	addr := host + ":" + strconv.Itoa(port)
+	addr := net.JoinHostPort(host, strconv.Itoa(port))
+	if k.AgentAddressed {
+		return addr, nil
+	}
 	k.mu.Lock()
 	agent, ok := k.agents[addr]
 	k.mu.Unlock()

@@ -1,0 +1,123 @@
+// Command simvllm is the simulated engine as the real-node tier runs it: an image whose
+// `vllm serve` takes the command line kvhandoff renders (the model, parallelism, block
+// size, port and --kv-transfer-config of the kvhandoff connector) and serves vLLM's
+// OpenAI endpoints with test/simengine/vllmserver, moving each request's KV through the
+// node's transfer agent as the connector does, every byte verified before the first
+// token. Flags it does not know (a pool's engineArgs) are accepted and ignored.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/test/simengine"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+)
+
+// kvConfig is the part of --kv-transfer-config the simulated engine reads.
+type kvConfig struct {
+	EngineID string `json:"engine_id"`
+	Extra    struct {
+		Mode   string `json:"mode"`
+		Role   string `json:"role"`
+		Socket string `json:"socket"`
+	} `json:"kv_connector_extra_config"`
+}
+
+type options struct {
+	model, kvConfig     string
+	tp, blockSize, port int
+}
+
+func parse(args []string) (options, error) {
+	o := options{tp: 1, blockSize: 16, port: 8000}
+	if len(args) < 2 || args[0] != "serve" {
+		return o, errors.New("usage: vllm serve MODEL [--tensor-parallel-size N] [--block-size B] [--port P] --kv-transfer-config JSON")
+	}
+	o.model = args[1]
+	for i := 2; i < len(args); i++ {
+		name, value, inline := strings.Cut(args[i], "=")
+		if !inline && i+1 < len(args) && !strings.HasPrefix(args[i+1], "--") {
+			value = args[i+1]
+		}
+		var err error
+		switch name {
+		case "--tensor-parallel-size":
+			o.tp, err = strconv.Atoi(value)
+		case "--block-size":
+			o.blockSize, err = strconv.Atoi(value)
+		case "--port":
+			o.port, err = strconv.Atoi(value)
+		case "--kv-transfer-config":
+			o.kvConfig = value
+		}
+		if err != nil {
+			return o, fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	return o, nil
+}
+
+func main() {
+	log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	if err := run(log, os.Args[1:]); err != nil {
+		log.Error("simvllm", "err", err)
+		os.Exit(1)
+	}
+}
+
+func run(log *slog.Logger, args []string) error {
+	o, err := parse(args)
+	if err != nil {
+		return err
+	}
+	var kc kvConfig
+	if err := json.Unmarshal([]byte(o.kvConfig), &kc); err != nil {
+		return fmt.Errorf("--kv-transfer-config: %w", err)
+	}
+	role := map[string]agentv1.Role{"prefill": agentv1.Role_ROLE_PREFILL, "decode": agentv1.Role_ROLE_DECODE}[kc.Extra.Role]
+	mode := map[string]agentv1.Mode{"push": agentv1.Mode_MODE_PUSH, "pull": agentv1.Mode_MODE_PULL}[kc.Extra.Mode]
+	if kc.EngineID == "" || role == agentv1.Role_ROLE_UNSPECIFIED || mode == agentv1.Mode_MODE_UNSPECIFIED || kc.Extra.Socket == "" {
+		return fmt.Errorf("--kv-transfer-config names no engine_id, role, mode or socket: %s (kvhandoff's connector with executor Agent renders them)", o.kvConfig)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	layout := simengine.Layout{Layers: 2, BlockSize: o.blockSize, KVHeads: 8, HeadDim: 16, DTypeBytes: 2, TP: o.tp, Blocks: 512}
+	kv, err := vllmserver.StartAgentKV(ctx, kc.EngineID, role, mode, layout, kc.Extra.Socket)
+	if err != nil {
+		return fmt.Errorf("registering with the agent at %s: %w", kc.Extra.Socket, err)
+	}
+	defer kv.Stop()
+	// As kvhandoff's connector: a prefill leg names this engine's agent as its remote_host
+	// and remote_port, and a decode leg's are the prefill engine's agent.
+	kv.AgentAddressed = true
+	host, port, err := net.SplitHostPort(kv.Agent())
+	if err != nil {
+		return fmt.Errorf("the agent's address %q: %w", kv.Agent(), err)
+	}
+	agentPort, _ := strconv.Atoi(port)
+	cfg := vllmserver.Config{EngineID: kc.EngineID, Model: o.model, SideChannelHost: host, SideChannelPort: agentPort, TP: o.tp, KV: kv,
+		TPOT: time.Millisecond, Log: log}
+	server := &http.Server{Addr: ":" + strconv.Itoa(o.port), Handler: vllmserver.New(cfg), ReadHeaderTimeout: 10 * time.Second}
+	errs := make(chan error, 1)
+	go func() { errs <- server.ListenAndServe() }()
+	log.Info("serving", "engine", kc.EngineID, "role", kc.Extra.Role, "mode", kc.Extra.Mode, "model", o.model, "port", o.port, "agent", kv.Agent())
+	select {
+	case err := <-errs:
+		return err
+	case <-ctx.Done():
+		return server.Shutdown(context.Background())
+	}
+}
