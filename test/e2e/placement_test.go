@@ -185,14 +185,15 @@ var _ = Describe("Node programs", func() {
 		{"agent", "transfer-agent"},
 	} {
 		It("runs the "+program.component+" DaemonSet from config/"+program.dir+" on exactly the accelerator nodes", func() {
-			ns := namespace()
 			dir := filepath.Join(envtest.RepoRoot(), "config", program.dir)
 			selector := map[string]string{"app.kubernetes.io/component": program.component}
-			applyYAML(ns, `{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"kvhandoff-system"}}`)
-			mustKubectl("kvhandoff-system", "apply", "--server-side", "-k", dir)
+			// The node components' namespace (kvhandoff-node, Pod Security privileged) comes
+			// with them; the cleanup removes the DaemonSet and leaves the namespace for the
+			// next spec.
+			mustKubectl("kvhandoff-node", "apply", "--server-side", "-k", dir)
 			DeferCleanup(func() {
-				mustKubectl("kvhandoff-system", "delete", "-k", dir, "--wait=false")
-				Eventually(func() []corev1.Pod { return pods("kvhandoff-system", selector) }).Should(BeEmpty())
+				mustKubectl("kvhandoff-node", "delete", "daemonset", "-l", "app.kubernetes.io/component="+program.component, "--wait=false")
+				Eventually(func() []corev1.Pod { return pods("kvhandoff-node", selector) }).Should(BeEmpty())
 			})
 
 			accelerators := map[string]bool{}
@@ -207,7 +208,7 @@ var _ = Describe("Node programs", func() {
 			Expect(len(accelerators)).To(BeNumerically("<", len(list.Items)), "the cluster needs a node without accelerators for this spec to mean anything")
 			Eventually(func(g Gomega) {
 				on := map[string]bool{}
-				for _, p := range pods("kvhandoff-system", selector) {
+				for _, p := range pods("kvhandoff-node", selector) {
 					g.Expect(p.Status.Phase).To(Equal(corev1.PodRunning))
 					on[p.Spec.NodeName] = true
 				}

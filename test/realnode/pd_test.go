@@ -3,16 +3,19 @@ package realnode_test
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -27,11 +30,28 @@ import (
 // router Service returns the engines' answer, its KV moved through the agent pod and
 // verified by the decode engine before its first token; the agent counts the bytes.
 func TestAChatRequestThroughTheRouterServiceInPushAndPull(t *testing.T) {
+	n := installPairs(t, kvv1.TransferPush, kvv1.TransferPull)
+	before := agentMetric(t, "kvhandoff_agent_transferred_bytes_total")
+	for _, mode := range []string{"push", "pull"} {
+		if status, b, err := chat(n, mode, "What moves the KV cache in "+mode+" mode?"); err != nil || status != http.StatusOK {
+			t.Errorf("%s: %d %s %v", mode, status, b, err)
+		}
+	}
+	if after := agentMetric(t, "kvhandoff_agent_transferred_bytes_total"); after <= before {
+		t.Errorf("the agent pod moved no KV bytes for the two requests (%v before, %v after)", before, after)
+	}
+}
+
+// installPairs installs the chart on a real node and a CPU pair of pools per mode, named
+// <mode>-prefill and <mode>-decode, and waits until they and the decode pool's router
+// serve.
+func installPairs(t *testing.T, modes ...kvv1.TransferMode) *realnode.Node {
+	t.Helper()
 	n, _ := startNode(t, "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", "simvllm")
 	helmInstall(t, n, `agent.provider="tcp;ofi_rxm"`, `agent.token.create=true`, `agent.metricsSecure=false`,
 		"agent.nodeAffinity="+onTheRealNode, "devicePlugin.nodeAffinity="+onTheRealNode)
 	image := "ghcr.io/kvhandoff/simvllm:" + realnode.Tag
-	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+	for _, mode := range modes {
 		name := strings.ToLower(string(mode))
 		pol := builder.Policy(name).Mode(mode).Executor(kvv1.ExecutorAgent).Provider(kvv1.ProviderTCP).Obj()
 		prefill := builder.PrefillPool(name+"-prefill").Image(image).Model("sim").TP(1).InstanceType("").
@@ -46,59 +66,138 @@ func TestAChatRequestThroughTheRouterServiceInPushAndPull(t *testing.T) {
 			}
 		}
 	}
-	for _, mode := range []string{"push", "pull"} {
-		until(t, "the "+mode+" pools to be Ready", 4*time.Minute, func() bool {
-			ready := 0
-			p, d := &kvv1.PrefillPool{}, &kvv1.DecodePool{}
-			for _, o := range []client.Object{p, d} {
-				name := mode + "-prefill"
-				if o == client.Object(d) {
-					name = mode + "-decode"
-				}
-				if n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: name}, o) != nil {
-					return false
-				}
-			}
-			for _, c := range [][]metav1.Condition{p.Status.Conditions, d.Status.Conditions} {
-				for _, cond := range c {
-					if cond.Type == kvv1.ConditionReady && cond.Status == metav1.ConditionTrue {
-						ready++
-					}
-				}
-			}
-			return ready == 2
-		})
-		until(t, "the "+mode+" router to be available", 2*time.Minute, func() bool {
-			dep := &appsv1.Deployment{}
-			return n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, dep) == nil && dep.Status.AvailableReplicas == 1
-		})
+	for _, m := range modes {
+		waitPair(t, n, strings.ToLower(string(m)))
 	}
-	before := agentMetric(t, "kvhandoff_agent_transferred_bytes_total")
-	for _, mode := range []string{"push", "pull"} {
-		svc := &corev1.Service{}
-		if err := n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, svc); err != nil {
-			t.Fatal(err)
+	return n
+}
+
+// waitPair waits until a mode's pools are Ready and its router is available.
+func waitPair(t *testing.T, n *realnode.Node, mode string) {
+	t.Helper()
+	until(t, "the "+mode+" pools to be Ready", 4*time.Minute, func() bool {
+		p, d := &kvv1.PrefillPool{}, &kvv1.DecodePool{}
+		if n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-prefill"}, p) != nil ||
+			n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode"}, d) != nil {
+			return false
 		}
-		body, _ := json.Marshal(map[string]any{"model": "sim", "max_tokens": 8,
-			"messages": []map[string]string{{"role": "user", "content": "What moves the KV cache in " + mode + " mode?"}}})
-		url := fmt.Sprintf("http://%s:%d/v1/chat/completions", svc.Spec.ClusterIP, svc.Spec.Ports[0].Port)
-		resp, err := http.Post(url, "application/json", bytes.NewReader(body))
-		if err != nil {
-			t.Fatalf("%s: %v", mode, err)
+		return isReady(p.Status.Conditions) && isReady(d.Status.Conditions)
+	})
+	until(t, "the "+mode+" router to be available", 2*time.Minute, func() bool {
+		dep := &appsv1.Deployment{}
+		return n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, dep) == nil && dep.Status.AvailableReplicas == 1
+	})
+}
+
+func isReady(conds []metav1.Condition) bool {
+	for _, c := range conds {
+		if c.Type == kvv1.ConditionReady {
+			return c.Status == metav1.ConditionTrue
 		}
-		b, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
+	}
+	return false
+}
+
+// chat sends one chat request through a mode's router Service, with a deadline: a
+// request must end, one way or the other.
+func chat(n *realnode.Node, mode, prompt string) (int, string, error) {
+	svc := &corev1.Service{}
+	if err := n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, svc); err != nil {
+		return 0, "", err
+	}
+	body, _ := json.Marshal(map[string]any{"model": "sim", "max_tokens": 8, "messages": []map[string]string{{"role": "user", "content": prompt}}})
+	url := fmt.Sprintf("http://%s:%d/v1/chat/completions", svc.Spec.ClusterIP, svc.Spec.Ports[0].Port)
+	c := &http.Client{Timeout: 90 * time.Second}
+	resp, err := c.Post(url, "application/json", bytes.NewReader(body))
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode == http.StatusOK {
 		var answer struct {
 			Choices []struct {
 				Message struct{ Content string } `json:"message"`
 			} `json:"choices"`
 		}
-		if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &answer) != nil || len(answer.Choices) != 1 || answer.Choices[0].Message.Content == "" {
-			t.Errorf("%s through %s: %d %s", mode, url, resp.StatusCode, b)
+		if json.Unmarshal(b, &answer) != nil || len(answer.Choices) != 1 || answer.Choices[0].Message.Content == "" {
+			return resp.StatusCode, string(b), errors.New("no answer in a 200")
 		}
 	}
-	if after := agentMetric(t, "kvhandoff_agent_transferred_bytes_total"); after <= before {
-		t.Errorf("the agent pod moved no KV bytes for the two requests (%v before, %v after)", before, after)
+	return resp.StatusCode, string(b), nil
+}
+
+// Pods deleted under traffic: an engine pod, the agent pod, a router pod. Requests in
+// flight either complete or fail with a named error (an HTTP status and a message, or a
+// refused connection), never hang past their deadline; once the pod is back (the pool
+// Ready again, the agent's node label back), requests succeed again.
+func TestPodsDeletedUnderTrafficFailByNameAndRecover(t *testing.T) {
+	n := installPairs(t, kvv1.TransferPush)
+	for _, victim := range []struct{ what, ns, selector string }{
+		{"the decode engine", "default", "kvhandoff.io/pool=push-decode"},
+		{"the transfer agent", "kvhandoff-node", "app.kubernetes.io/component=transfer-agent"},
+		{"the router", "default", "kvhandoff.io/router=push-decode"},
+	} {
+		stop := make(chan struct{})
+		results := make(chan string, 1024)
+		var wg sync.WaitGroup
+		for w := range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; ; i++ {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					status, body, err := chat(n, "push", fmt.Sprintf("request %d of worker %d while %s goes", i, w, victim.what))
+					switch {
+					case err != nil && strings.Contains(err.Error(), "Client.Timeout"):
+						results <- "hung: " + err.Error()
+					case err != nil:
+						results <- "error: " + err.Error()
+					case status != http.StatusOK && !strings.Contains(body, "message"):
+						results <- fmt.Sprintf("unnamed %d: %s", status, body)
+					case status != http.StatusOK:
+						results <- "failed"
+					default:
+						results <- "ok"
+					}
+				}
+			}()
+		}
+		pods := &corev1.PodList{}
+		sel, _ := labels.Parse(victim.selector)
+		if err := n.Client.List(bg, pods, client.InNamespace(victim.ns), client.MatchingLabelsSelector{Selector: sel}); err != nil || len(pods.Items) == 0 {
+			t.Fatalf("%s: %d pods, %v", victim.what, len(pods.Items), err)
+		}
+		for _, p := range pods.Items {
+			if err := n.Client.Delete(bg, &p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// Back: the pool Ready again, the router available again, the agent's label again.
+		until(t, victim.what+"'s replacement to serve", 3*time.Minute, func() bool {
+			node := &corev1.Node{}
+			return n.Client.Get(bg, client.ObjectKey{Name: realnode.Name}, node) == nil && node.Labels[kvv1.LabelAgentReady] == "true"
+		})
+		waitPair(t, n, "push")
+		until(t, "a request to succeed after "+victim.what+" came back", 2*time.Minute, func() bool {
+			status, _, err := chat(n, "push", "after "+victim.what)
+			return err == nil && status == http.StatusOK
+		})
+		close(stop)
+		wg.Wait()
+		close(results)
+		counts := map[string]int{}
+		for r := range results {
+			if strings.HasPrefix(r, "hung") || strings.HasPrefix(r, "unnamed") {
+				t.Errorf("%s: a request %s", victim.what, r)
+			}
+			counts[strings.SplitN(r, ":", 2)[0]]++
+		}
+		t.Logf("%s deleted under traffic: %v", victim.what, counts)
 	}
 }
 

@@ -44,6 +44,7 @@ type Engine struct {
 	mu      sync.Mutex
 	free    []uint32
 	freed   chan struct{} // closed (and replaced) whenever blocks are freed
+	done    chan struct{} // closed when the session has ended
 	waiters map[waitKey]chan *agentv1.Event
 	early   map[waitKey]*agentv1.Event
 }
@@ -86,7 +87,7 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	cache.dev = dev
-	e := &Engine{Cache: cache, cfg: cfg, mem: mem, waiters: map[waitKey]chan *agentv1.Event{}, early: map[waitKey]*agentv1.Event{}, freed: make(chan struct{})}
+	e := &Engine{Cache: cache, cfg: cfg, mem: mem, waiters: map[waitKey]chan *agentv1.Event{}, early: map[waitKey]*agentv1.Event{}, freed: make(chan struct{}), done: make(chan struct{})}
 	for b := l.Blocks - 1; b >= 0; b-- {
 		e.free = append(e.free, uint32(b))
 	}
@@ -140,8 +141,13 @@ func (e *Engine) Stop() {
 	e.release()
 }
 
+// Done is closed when the session has ended (its event stream closed: the engine
+// stopped, or its agent went away).
+func (e *Engine) Done() <-chan struct{} { return e.done }
+
 // route hands events to whoever waits for them.
 func (e *Engine) route() {
+	defer close(e.done)
 	for ev := range e.Events() {
 		k := waitKey{ev.RequestId, ev.Attempt}
 		e.mu.Lock()

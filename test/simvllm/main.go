@@ -114,9 +114,23 @@ func run(log *slog.Logger, args []string) error {
 	errs := make(chan error, 1)
 	go func() { errs <- server.ListenAndServe() }()
 	log.Info("serving", "engine", kc.EngineID, "role", kc.Extra.Role, "mode", kc.Extra.Mode, "model", o.model, "port", o.port, "agent", kv.Agent())
+	// A session the agent ended (it restarted, or was deleted) cannot be resumed: exit, and
+	// the kubelet restarts the engine, which registers again.
+	ended := make(chan struct{}, len(kv.Ranks))
+	for _, r := range kv.Ranks {
+		go func() {
+			select {
+			case <-r.Done():
+				ended <- struct{}{}
+			case <-ctx.Done():
+			}
+		}()
+	}
 	select {
 	case err := <-errs:
 		return err
+	case <-ended:
+		return errors.New("the agent ended the engine's session; exiting so that the engine restarts and registers again")
 	case <-ctx.Done():
 		return server.Shutdown(context.Background())
 	}
