@@ -147,8 +147,13 @@ func (c *Cluster) waitNodesReady(ctx context.Context, want int) error {
 
 // LogTail returns the last lines of every process's log, for failure reports.
 func (c *Cluster) LogTail(lines int) string {
-	var b strings.Builder
 	files, _ := filepath.Glob(filepath.Join(c.LogDir, "*.log"))
+	return TailFiles(files, lines)
+}
+
+// TailFiles returns the last lines of each file, headed by its name.
+func TailFiles(files []string, lines int) string {
+	var b strings.Builder
 	for _, f := range files {
 		data, err := os.ReadFile(f)
 		if err != nil {

@@ -31,23 +31,7 @@ var bg = context.Background()
 // Service (kube-proxy) with their service account's token, take the leader lease, and
 // turn a pool into its StatefulSet with the RBAC config/rbac grants.
 func TestTheManagerRunsAsItsDeploymentOnARealNode(t *testing.T) {
-	cache := filepath.Join(envtest.RepoRoot(), "bin", "images")
-	images, err := realnode.BuildImages(cache, "pause", "manager")
-	if err != nil {
-		t.Fatal(err)
-	}
-	n, err := realnode.Start(bg, t.TempDir(), images...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Log(n.LogTail(30))
-		}
-		if err := n.Stop(); err != nil {
-			t.Error(err)
-		}
-	})
+	n, _ := startNode(t, "manager")
 	objs := kustomize(t, n, "config/default")
 	for _, o := range objs {
 		if o.GetKind() == "Deployment" {

@@ -30,6 +30,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/kvhandoff/kvhandoff/internal/controller"
+	"github.com/kvhandoff/kvhandoff/test/cluster"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
@@ -120,7 +121,7 @@ type Node struct {
 	Dir string
 
 	bins     string
-	procs    []*exec.Cmd
+	procs    []*proc
 	sysctls  map[string]string
 	socket   string
 	stopping bool
@@ -407,9 +408,26 @@ func (n *Node) run(name, bin string, args ...string) error {
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting %s: %w", name, err)
 	}
-	n.procs = append(n.procs, cmd)
-	go func() { _ = cmd.Wait(); log.Close() }()
+	p := &proc{name: name, cmd: cmd, exited: make(chan struct{})}
+	n.procs = append(n.procs, p)
+	go func() { _ = cmd.Wait(); log.Close(); close(p.exited) }()
 	return nil
+}
+
+// proc is a process of the node; exited closes when it has.
+type proc struct {
+	name   string
+	cmd    *exec.Cmd
+	exited chan struct{}
+}
+
+func (p *proc) done() bool {
+	select {
+	case <-p.exited:
+		return true
+	default:
+		return false
+	}
 }
 
 // until polls cond until it holds, failing when a process of the node exits or after two
@@ -417,8 +435,8 @@ func (n *Node) run(name, bin string, args ...string) error {
 func (n *Node) until(ctx context.Context, what string, cond func(context.Context) bool) error {
 	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
 		for _, p := range n.procs {
-			if p.ProcessState != nil {
-				return false, fmt.Errorf("%s exited", filepath.Base(p.Path))
+			if p.done() {
+				return false, fmt.Errorf("%s exited", p.name)
 			}
 		}
 		return cond(ctx), nil
@@ -455,18 +473,7 @@ func (n *Node) LogTail(lines int) string {
 	}
 	files, _ := filepath.Glob(filepath.Join(n.Dir, "logs", "*.log"))
 	containers, _ := filepath.Glob(filepath.Join(n.Dir, "pod-logs", "*", "*", "*.log"))
-	files = append(files, containers...)
-	for _, f := range files {
-		data, err := os.ReadFile(f)
-		if err != nil {
-			continue
-		}
-		all := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
-		if len(all) > lines {
-			all = all[len(all)-lines:]
-		}
-		fmt.Fprintf(&b, "==> %s (last %d lines)\n%s\n", f, len(all), strings.Join(all, "\n"))
-	}
+	b.WriteString(cluster.TailFiles(append(files, containers...), lines))
 	return b.String()
 }
 
@@ -477,19 +484,23 @@ func (n *Node) LogTail(lines int) string {
 func (n *Node) Stop() error {
 	var errs []error
 	for i := len(n.procs) - 1; i >= 0; i-- {
-		p := n.procs[i]
-		if p.ProcessState == nil {
-			_ = syscall.Kill(-p.Process.Pid, syscall.SIGTERM)
+		if p := n.procs[i]; !p.done() {
+			_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
 		}
 	}
-	deadline := time.Now().Add(10 * time.Second)
+	grace, expired := time.NewTimer(10*time.Second), false
+	defer grace.Stop()
 	for _, p := range n.procs {
-		for p.ProcessState == nil && time.Now().Before(deadline) {
-			time.Sleep(50 * time.Millisecond) // the process's own Wait goroutine sets ProcessState
+		if !expired {
+			select {
+			case <-p.exited:
+				continue
+			case <-grace.C:
+				expired = true
+			}
 		}
-		if p.ProcessState == nil {
-			_ = syscall.Kill(-p.Process.Pid, syscall.SIGKILL)
-		}
+		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+		<-p.exited
 	}
 	killMatching(n.socket) // containerd's shims, which outlive it
 	errs = append(errs, removeCgroups("kubepods"))
