@@ -279,23 +279,15 @@ func (c *templateChecker) resources(path string, v any) {
 
 // mounts refuses mounts of kvhandoff's volumes, and at the paths of its mounts.
 func (c *templateChecker) mounts(path string, v any, volumes map[string]bool, rendered []corev1.VolumeMount) {
-	items, ok := v.([]any)
-	if !ok {
-		c.refuse(path, "must be a list")
-		return
-	}
-	for i, it := range items {
-		m, _ := it.(map[string]any)
-		name, _ := m["name"].(string)
-		at, _ := m["mountPath"].(string)
-		p := fmt.Sprintf("%s[%d]", path, i)
+	c.list(path, v, func(path, name string, item map[string]any) {
+		at, _ := item["mountPath"].(string)
 		switch {
 		case volumes[name]:
-			c.refuse(p, "volume %q is kvhandoff's", name)
+			c.refuse(path, "volume %q is kvhandoff's", name)
 		case slices.ContainsFunc(rendered, func(r corev1.VolumeMount) bool { return r.MountPath == at }):
-			c.refuse(p, "%s is where kvhandoff mounts a volume", at)
+			c.refuse(path, "%s is where kvhandoff mounts a volume", at)
 		}
-	}
+	})
 }
 
 func sortedKeys[V any](m map[string]V) []string {

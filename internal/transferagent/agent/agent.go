@@ -240,7 +240,10 @@ func New(cfg Config) (*Agent, error) {
 	})
 	a.node = &node{log: a.log, metrics: a.metrics, mesh: a.mesh, gpus: &cudaipc.Devices{}, forget: a.forget, notifyDecode: a.notifyDecode}
 	a.grpc = grpc.NewServer(
-		grpc.Creds(peercred.Credentials{Reader: a.callers, Conns: peercred.NewSlots(maxConnsPerOwner)}),
+		grpc.Creds(peercred.Credentials{Reader: a.callers, Conns: peercred.NewSlots(maxConnsPerOwner), Refused: func(code string, err error) {
+			a.metrics.refused.WithLabelValues("connection", code).Inc()
+			a.log.Warn("refused an engine connection", "err", err)
+		}}),
 		grpc.InTapHandle(a.callLimit),
 		grpc.MaxRecvMsgSize(maxRequest),
 		grpc.StatsHandler(refusals{a}),

@@ -36,6 +36,10 @@ func FromContext(ctx context.Context) (Caller, bool) {
 type Credentials struct {
 	Reader Reader
 	Conns  *Slots
+	// Refused, when set, hears of every connection refused, with a gRPC code's name
+	// (gRPC itself only logs it at its own verbosity): operators must see a caller
+	// being turned away.
+	Refused func(code string, err error)
 }
 
 var errServerOnly = errors.New("peercred: server credentials only")
@@ -49,16 +53,23 @@ func (c Credentials) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthI
 	}
 	caller, err := c.Reader.Of(uc)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, c.refuse("Unauthenticated", err)
 	}
 	release, ok := c.Conns.Take(caller.Owner())
 	if !ok {
-		return nil, nil, fmt.Errorf("peercred: %s already holds %d connections, its limit", caller, c.Conns.Limit())
+		return nil, nil, c.refuse("ResourceExhausted", fmt.Errorf("peercred: %s already holds %d connections, its limit", caller, c.Conns.Limit()))
 	}
 	return &slotConn{Conn: conn, release: release}, AuthInfo{
 		CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity},
 		Caller:         caller,
 	}, nil
+}
+
+func (c Credentials) refuse(code string, err error) error {
+	if c.Refused != nil {
+		c.Refused(code, err)
+	}
+	return err
 }
 
 // ClientHandshake is not used: engines dial without credentials.

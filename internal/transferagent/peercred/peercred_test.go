@@ -1,6 +1,11 @@
 package peercred
 
-import "testing"
+import (
+	"net"
+	"path/filepath"
+	"strings"
+	"testing"
+)
 
 // The pod UID is found as both kubelet cgroup drivers write it, in cgroup v1 and v2
 // files, and in paths relative to the reader's cgroup namespace; nothing else is taken
@@ -22,5 +27,48 @@ func TestPodOfCgroup(t *testing.T) {
 		if got := PodOfCgroup(c.cgroup); got != c.want {
 			t.Errorf("%s: pod %q, want %q", name, got, c.want)
 		}
+	}
+}
+
+// An owner's connections beyond its share are refused, and the refusal is reported (gRPC
+// only logs a failed handshake); a closed connection gives its slot back. Over a real
+// Unix socket, whose peer credentials are this process's.
+func TestConnectionsBeyondAnOwnersShareAreRefusedAndReported(t *testing.T) {
+	ln, err := net.Listen("unix", filepath.Join(t.TempDir(), "s"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var refused []string
+	creds := Credentials{Conns: NewSlots(1), Refused: func(code string, err error) { refused = append(refused, code+": "+err.Error()) }}
+	handshake := func() (net.Conn, error) {
+		c, err := net.Dial("unix", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		s, err := ln.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		conn, _, err := creds.ServerHandshake(s)
+		if err != nil {
+			s.Close()
+		}
+		return conn, err
+	}
+	first, err := handshake()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := handshake(); err == nil || len(refused) != 1 || !strings.HasPrefix(refused[0], "ResourceExhausted: ") ||
+		!strings.Contains(refused[0], "already holds 1 connections") {
+		t.Fatalf("a second connection of the owner: %v, reported %q", err, refused)
+	}
+	first.Close()
+	if c, err := handshake(); err != nil {
+		t.Fatalf("after the first closed: %v", err)
+	} else {
+		c.Close()
 	}
 }
