@@ -87,6 +87,30 @@ func waitPair(t *testing.T, n *realnode.Node, mode string) {
 		dep := &appsv1.Deployment{}
 		return n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, dep) == nil && dep.Status.AvailableReplicas == 1
 	})
+	// An available Deployment is not yet a reachable Service: kube-proxy programs the
+	// Service's rules once it sees the EndpointSlice, and until then the cluster IP
+	// refuses connections. Clients wait for the Service itself to answer.
+	until(t, "the "+mode+" router Service to answer", time.Minute, func() bool {
+		url, err := routerURL(n, mode, "/readyz")
+		if err != nil {
+			return false
+		}
+		resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(url)
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+}
+
+// routerURL is the URL of path on a mode's router Service.
+func routerURL(n *realnode.Node, mode, path string) (string, error) {
+	svc := &corev1.Service{}
+	if err := n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, svc); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("http://%s:%d%s", svc.Spec.ClusterIP, svc.Spec.Ports[0].Port, path), nil
 }
 
 func isReady(conds []metav1.Condition) bool {
@@ -101,12 +125,11 @@ func isReady(conds []metav1.Condition) bool {
 // chat sends one chat request through a mode's router Service, with a deadline: a
 // request must end, one way or the other.
 func chat(n *realnode.Node, mode, prompt string) (int, string, error) {
-	svc := &corev1.Service{}
-	if err := n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, svc); err != nil {
+	url, err := routerURL(n, mode, "/v1/chat/completions")
+	if err != nil {
 		return 0, "", err
 	}
 	body, _ := json.Marshal(map[string]any{"model": "sim", "max_tokens": 8, "messages": []map[string]string{{"role": "user", "content": prompt}}})
-	url := fmt.Sprintf("http://%s:%d/v1/chat/completions", svc.Spec.ClusterIP, svc.Spec.Ports[0].Port)
 	c := &http.Client{Timeout: 90 * time.Second}
 	resp, err := c.Post(url, "application/json", bytes.NewReader(body))
 	if err != nil {
@@ -139,7 +162,19 @@ func TestPodsDeletedUnderTrafficFailByNameAndRecover(t *testing.T) {
 		{"the router", "default", "kvhandoff.io/router=push-decode"},
 	} {
 		stop := make(chan struct{})
-		results := make(chan string, 1024)
+		// A collector drains the results as they come, so that workers failing fast
+		// (a refused connection) never block on a full channel.
+		results := make(chan string, 64)
+		counts, collected := map[string]int{}, make(chan struct{})
+		go func() {
+			defer close(collected)
+			for r := range results {
+				if strings.HasPrefix(r, "hung") || strings.HasPrefix(r, "unnamed") {
+					t.Errorf("%s: a request %s", victim.what, r)
+				}
+				counts[strings.SplitN(r, ":", 2)[0]]++
+			}
+		}()
 		var wg sync.WaitGroup
 		for w := range 4 {
 			wg.Add(1)
@@ -190,13 +225,7 @@ func TestPodsDeletedUnderTrafficFailByNameAndRecover(t *testing.T) {
 		close(stop)
 		wg.Wait()
 		close(results)
-		counts := map[string]int{}
-		for r := range results {
-			if strings.HasPrefix(r, "hung") || strings.HasPrefix(r, "unnamed") {
-				t.Errorf("%s: a request %s", victim.what, r)
-			}
-			counts[strings.SplitN(r, ":", 2)[0]]++
-		}
+		<-collected
 		t.Logf("%s deleted under traffic: %v", victim.what, counts)
 	}
 }
