@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# make demo: the whole operator on a simulated cluster. A real kube-apiserver, etcd,
-# kube-controller-manager and kube-scheduler on loopback, KWOK playing the kubelets of
-# fake p5en and trn2 nodes, kvhandoff installed from config/default, its manager running,
-# the samples applied; then two transfer agents on loopback pushing one verified request,
-# and one chat request per mode through the router binary.
+# make demo: the whole operator, twice over. First on a simulated cluster: a real
+# kube-apiserver, etcd, kube-controller-manager and kube-scheduler on loopback, KWOK
+# playing the kubelets of fake p5en and trn2 nodes, kvhandoff installed from
+# config/default, its manager running, the samples applied, what it renders and reports;
+# then two transfer agents on loopback pushing one verified request. Then on a real node
+# (hack/realnode-demo, root): the images built here, the Helm chart installed on a real
+# kubelet with containerd, a CPU pair of pools per mode running as pods, one chat request
+# through each router Service, and the agent pod's account of the KV it moved.
 # Everything it starts is stopped on exit.
 #
-#   DEMO_KEEP=1 make demo   keeps the cluster up until Ctrl-C, for kubectl by hand.
+#   DEMO_KEEP=1 make demo   keeps both clusters up until Ctrl-C, for kubectl by hand.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -21,7 +24,7 @@ until_ok() {
   echo "demo: timed out waiting for: $1" >&2; return 1
 }
 
-assets=$(hack/control-plane-bins.sh kube-apiserver etcd kube-controller-manager kube-scheduler kwok kubectl)
+assets=$(hack/control-plane-bins.sh kube-apiserver etcd kube-controller-manager kube-scheduler kwok kubectl kubelet kube-proxy)
 kubectl=$assets/kubectl
 work=$(mktemp -d /tmp/kvhandoff-demo.XXXXXX)
 export KUBECONFIG=$work/kubeconfig
@@ -136,11 +139,12 @@ until_ok 'test -n "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.statu
 bold "transfer agents: two agents as processes on loopback push one request's KV (real libfabric, tcp;ofi_rxm)"
 (cd "$root" && go run ./cmd/bench-handoff --demo)
 
-bold "the router: one chat request in push mode and one in pull mode, through the router binary to engines whose KV moves through two agents"
-(cd "$root" && go run ./cmd/bench-serving --demo)
-
 if [ "${DEMO_KEEP:-}" = 1 ]; then
-  bold "cluster kept up: export KUBECONFIG=$KUBECONFIG   (Ctrl-C stops it)"
-  wait "$cluster_pid"
+  bold "simulated cluster kept up: export KUBECONFIG=$KUBECONFIG   (until Ctrl-C ends the real node below)"
 fi
-bold "demo done; stopping the cluster"
+
+bold "the real node: kvhandoff as pods, installed from its chart (hack/realnode-demo)"
+go build -o "$work/realnode-demo" ./hack/realnode-demo
+KUBEBUILDER_ASSETS=$assets "$work/realnode-demo"
+
+bold "demo done; stopping the simulated cluster"

@@ -1,7 +1,7 @@
 // Command bench-serving runs the serving benchmark (make bench-serving): requests through
 // the router to simulated engines and two transfer agents, push and pull on the same
 // seeded arrivals; it prints a markdown table and writes bench/results/serving.json and
-// serving.png. With --demo it sends one chat request per mode instead (make demo).
+// serving.png.
 package main
 
 import (
@@ -22,17 +22,16 @@ func main() {
 	flag.IntVar(&sc.KVBytesPerToken, "kv-bytes-per-token", sc.KVBytesPerToken, "KV bytes per token over all ranks (Qwen3-32B's shape, head "+
 		"dimension scaled; the real model's is 262144)")
 	out := flag.String("out", "bench/results", "folder for serving.json and serving.png")
-	demo := flag.Bool("demo", false, "instead of the benchmark, send one chat request per mode through the router (make demo)")
 	flag.StringVar(&sc.AgentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")
 	flag.StringVar(&sc.RouterBin, "router-bin", "", "a prebuilt router binary (default: build one)")
 	flag.Parse()
-	if err := run(sc, *out, *demo); err != nil {
+	if err := run(sc, *out); err != nil {
 		fmt.Fprintln(os.Stderr, "bench-serving:", err)
 		os.Exit(1)
 	}
 }
 
-func run(sc serving.Scenario, out string, demo bool) error {
+func run(sc serving.Scenario, out string) error {
 	work, err := os.MkdirTemp(shm(), "kvhandoff-serving")
 	if err != nil {
 		return err
@@ -49,9 +48,6 @@ func run(sc serving.Scenario, out string, demo bool) error {
 		}
 	}
 	ctx := context.Background()
-	if demo {
-		return serving.Demo(ctx, sc.AgentBin, sc.RouterBin, work, sc.Provider, os.Stdout)
-	}
 	sc.WorkDir, sc.Log = work, os.Stderr
 	rep, err := serving.Run(ctx, sc)
 	if err != nil {

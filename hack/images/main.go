@@ -29,22 +29,31 @@ func main() {
 	version := flag.String("version", "dev", "the images' tag, stamped into the manager as the tag of the images it renders")
 	out := flag.String("out", "bin/images", "folder for the image archives (<name>.tar)")
 	cache := flag.String("cache", filepath.Join(os.Getenv("HOME"), ".cache", "kvhandoff", "images"), "folder for the Debian bases")
+	venv := flag.String("vllm-venv", "", "the real-vLLM tier's Python environment, which the "+VLLMCPU.Name+" image (built only when named) carries")
 	flag.Parse()
-	if err := run(*version, *out, *cache, flag.Args()); err != nil {
+	if err := run(*version, *out, *cache, *venv, flag.Args()); err != nil {
 		fmt.Fprintln(os.Stderr, "images:", err)
 		os.Exit(1)
 	}
 }
 
-func run(version, out, cache string, names []string) error {
+func run(version, out, cache, venv string, names []string) error {
 	all := append(append([]Image{}, Images...), TestImages...)
 	for _, n := range names {
-		if !slices.ContainsFunc(all, func(i Image) bool { return i.Name == n }) {
+		if n != VLLMCPU.Name && !slices.ContainsFunc(all, func(i Image) bool { return i.Name == n }) {
 			return fmt.Errorf("no image %q", n)
 		}
 	}
 	if err := os.MkdirAll(out, 0o755); err != nil {
 		return err
+	}
+	if slices.Contains(names, VLLMCPU.Name) {
+		start := time.Now()
+		path, err := buildVLLM(version, cache, venv)
+		if err != nil {
+			return fmt.Errorf("%s: %w", VLLMCPU.Name, err)
+		}
+		fmt.Printf("%s\t%s\t%s\n", VLLMCPU.Ref(version), path, time.Since(start).Round(100*time.Millisecond))
 	}
 	for _, img := range all {
 		if len(names) > 0 && !slices.Contains(names, img.Name) {
@@ -108,6 +117,11 @@ func build(img Image, version, out, cache, path string) error {
 	}
 	layers = append(layers, l)
 
+	return writeImage(path, img, version, layers)
+}
+
+// writeImage writes img at version, made of layers, as a Docker archive at path.
+func writeImage(path string, img Image, version string, layers []v1.Layer) error {
 	image, err := mutate.AppendLayers(empty.Image, layers...)
 	if err != nil {
 		return err

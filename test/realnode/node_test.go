@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -50,30 +49,6 @@ func startNode(t *testing.T, images ...string) (*realnode.Node, *kubernetes.Clie
 	}
 	return n, kubernetes.NewForConfigOrDie(cfg)
 }
-
-// helmInstall installs the chart with the images built here and values.
-func helmInstall(t *testing.T, n *realnode.Node, values ...string) {
-	t.Helper()
-	root := envtest.RepoRoot()
-	out, err := exec.Command(filepath.Join(root, "hack", "helm.sh")).Output()
-	if err != nil {
-		t.Fatalf("hack/helm.sh: %v", err)
-	}
-	args := []string{"install", "kvhandoff", filepath.Join(root, "charts", "kvhandoff"), "--namespace", "kvhandoff-system", "--create-namespace",
-		"--kubeconfig", n.Kubeconfig, "--set", "image.tag=" + realnode.Tag, "--set", "image.pullPolicy=Never"}
-	for _, v := range values {
-		args = append(args, "--set-json", v)
-	}
-	cmd := exec.Command(strings.TrimSpace(string(out)), args...)
-	if b, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("helm install: %v\n%s", err, b)
-	}
-}
-
-// onTheRealNode is a node affinity that places the node components on the real node,
-// which carries no instance type.
-const onTheRealNode = `{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":[{"matchExpressions":` +
-	`[{"key":"kubernetes.io/hostname","operator":"In","values":["` + realnode.Name + `"]}]}]}}`
 
 func logs(t *testing.T, cs *kubernetes.Clientset, ns, pod string) string {
 	t.Helper()
@@ -132,8 +107,9 @@ func runPod(t *testing.T, n *realnode.Node, cs *kubernetes.Clientset, pod *corev
 // security issue's socket group, read-only mount and pod identity run on a real kubelet.
 func TestTheChartRunsTheNodeComponentsAndEnginesReachTheAgent(t *testing.T) {
 	n, cs := startNode(t, "manager", "transfer-agent", "device-plugin", "vllm-connector", "engineprobe")
-	helmInstall(t, n, `agent.provider="tcp;ofi_rxm"`, `agent.token.create=true`,
-		"agent.nodeAffinity="+onTheRealNode, "devicePlugin.nodeAffinity="+onTheRealNode)
+	if err := n.InstallChart(realnode.ChartValues...); err != nil {
+		t.Fatal(err)
+	}
 	for _, ds := range []string{"kvhandoff-transfer-agent", "kvhandoff-device-plugin"} {
 		until(t, ds+" to be ready on the real node", 3*time.Minute, func() bool {
 			d := &appsv1.DaemonSet{}

@@ -47,10 +47,13 @@ const (
 
 const inNamespaces = "KVHANDOFF_REALNODE_IN_NAMESPACES"
 
-// Main is a TestMain for the real-node tier: it runs the tests again in a network and
-// mount namespace of their own, with loopback up and tmpfs over the host folders the
-// node's pods mount (/var/run/kvhandoff), so nothing of the host is used or touched.
-func Main(m *testing.M) int {
+// Main is a TestMain for the real-node tier: Run(m.Run).
+func Main(m *testing.M) int { return Run(m.Run) }
+
+// Run runs this program again in a network and mount namespace of its own, with loopback
+// up and tmpfs over the host folders the node's pods mount (/var/run/kvhandoff), so
+// nothing of the host is used or touched, and there calls f; it returns the exit code.
+func Run(f func() int) int {
 	if os.Getenv(inNamespaces) == "" {
 		if missing := prerequisites(); len(missing) > 0 {
 			fmt.Fprintf(os.Stderr, "real-node tier: missing %s; hack/install-deps.sh installs them\n", strings.Join(missing, ", "))
@@ -88,7 +91,7 @@ func Main(m *testing.M) int {
 			return 1
 		}
 	}
-	return m.Run()
+	return f()
 }
 
 // cniPlugins builds the CNI plugins (hack/cni-plugins.sh, cached) and returns their folder.

@@ -1,0 +1,138 @@
+// Command realnode-demo is make demo's real node: kvhandoff installed from its Helm chart
+// on a real kubelet with containerd (test/realnode), images built here, a CPU pair of
+// pools in push and one in pull whose engines are the simulated-engine image, one chat
+// request through each DecodePool's router Service, and the agent pod's account of the
+// KV it moved. With DEMO_KEEP=1 the node stays up until Ctrl-C. It needs root, as the
+// kubelet does, and runs in a network and mount namespace of its own.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/test/envtest"
+	"github.com/kvhandoff/kvhandoff/test/realnode"
+)
+
+func main() { os.Exit(realnode.Run(demo)) }
+
+func demo() int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "realnode-demo:", err)
+		return 1
+	}
+	return 0
+}
+
+func run(ctx context.Context) error {
+	step("building the images without Docker (hack/images) and starting a real node: kubelet, containerd, runc, CNI bridge, kube-proxy")
+	archives, err := realnode.BuildImages(filepath.Join(envtest.RepoRoot(), "bin", "images"),
+		"pause", "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", realnode.SimEngines.Image)
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "kvhandoff-realnode-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	n, err := realnode.Start(ctx, dir, archives...)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err := n.Stop(); err != nil {
+			fmt.Fprintln(os.Stderr, "realnode-demo: stopping the node:", err)
+		}
+	}()
+	kubectl := func(args ...string) error {
+		cmd := exec.CommandContext(ctx, n.Kubectl(), append([]string{"--kubeconfig", n.Kubeconfig}, args...)...)
+		out, err := cmd.CombinedOutput()
+		fmt.Print(indent(string(out)))
+		return err
+	}
+	if err := kubectl("get", "nodes", "-o", "wide"); err != nil {
+		return err
+	}
+
+	step("helm install kvhandoff charts/kvhandoff   (the manager's Deployment; the agent and device plugin DaemonSets)")
+	if err := n.InstallChart(append(realnode.ChartValues, realnode.PlainMetrics)...); err != nil {
+		return fmt.Errorf("%w\n%s", err, n.LogTail(20))
+	}
+
+	step("a CPU pair of pools per mode (accelerator.type: CPU, executor: Agent, provider: tcp), engines = the simulated-engine image")
+	modes := []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull}
+	for _, m := range modes {
+		if err := n.CreatePair(ctx, realnode.SimEngines, m); err != nil {
+			return err
+		}
+	}
+	for _, m := range modes {
+		if err := n.WaitPair(ctx, strings.ToLower(string(m)), 4*time.Minute); err != nil {
+			return fmt.Errorf("%w\n%s", err, n.LogTail(20))
+		}
+	}
+	if err := kubectl("get", "kvtp,pfp,dcp", "-o", "wide"); err != nil {
+		return err
+	}
+
+	step("the pods on the real node: kubectl get pods -A -o wide")
+	if err := kubectl("get", "pods", "-A", "-o", "wide"); err != nil {
+		return err
+	}
+
+	step("one chat request through each DecodePool's router Service; the agent pod's account of the KV it moved")
+	for _, m := range modes {
+		mode := strings.ToLower(string(m))
+		series := fmt.Sprintf("kvhandoff_agent_transferred_bytes_total{mode=%q}", mode)
+		before, err := realnode.AgentMetric(series)
+		if err != nil {
+			return err
+		}
+		url, _ := n.RouterURL(mode, "/v1/chat/completions")
+		prompt := "What moves the KV cache in " + mode + " mode?"
+		status, body, answer, err := n.Chat(mode, realnode.SimEngines.Model, prompt)
+		if err != nil || status != 200 {
+			return fmt.Errorf("%s: POST %s: %d %s %v", mode, url, status, body, err)
+		}
+		after, err := realnode.AgentMetric(series)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("  %s: POST %s %q\n    200: %q\n    agent pod: %s %.0f -> %.0f bytes\n", mode, url, prompt, answer, series, before, after)
+		if after <= before {
+			return fmt.Errorf("%s: the agent pod moved no KV bytes", mode)
+		}
+	}
+	if err := kubectl("logs", "-n", "kvhandoff-node", "daemonset/kvhandoff-transfer-agent", "--tail", "6"); err != nil {
+		return err
+	}
+
+	if os.Getenv("DEMO_KEEP") == "1" {
+		step(fmt.Sprintf("real node kept up (Ctrl-C stops it); its network is this program's own:\n"+
+			"  nsenter --net=/proc/%d/ns/net %s --kubeconfig %s get pods -A -o wide", os.Getpid(), n.Kubectl(), n.Kubeconfig))
+		<-ctx.Done()
+	}
+	step("stopping the real node")
+	return nil
+}
+
+func step(s string) { fmt.Printf("\n\033[1m== %s\033[0m\n", s) }
+
+func indent(s string) string {
+	s = strings.TrimRight(s, "\n")
+	if s == "" {
+		return ""
+	}
+	return "  " + strings.ReplaceAll(s, "\n", "\n  ") + "\n"
+}

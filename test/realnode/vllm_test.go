@@ -1,0 +1,154 @@
+package realnode_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/render"
+	"github.com/kvhandoff/kvhandoff/test/realnode"
+)
+
+// vllmArgs are what the pools add to the rendered `vllm serve`: the real-vLLM tier's
+// settings for its tiny model on the CPU backend (vllm-connector/tests/stack.py).
+var vllmArgs = []string{"--served-model-name", "m", "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0"}
+
+// vllmEngines are real vLLM engines on the CPU backend (hack/images/vllm.go), each
+// pair's prefill engine's threads on CPU 0 and its decode engine's on CPU 1, 1 GiB of KV
+// cache each, in blocks of 128 tokens (the CPU backend's).
+var vllmEngines = realnode.Engines{Image: realnode.VLLMImage, Model: realnode.VLLMModel, BlockSize: 128, Args: vllmArgs,
+	Env: map[kvv1.Role][]corev1.EnvVar{
+		kvv1.RolePrefill: {{Name: "VLLM_CPU_KVCACHE_SPACE", Value: "1"}, {Name: "VLLM_CPU_OMP_THREADS_BIND", Value: "0"}},
+		kvv1.RoleDecode:  {{Name: "VLLM_CPU_KVCACHE_SPACE", Value: "1"}, {Name: "VLLM_CPU_OMP_THREADS_BIND", Value: "1"}},
+	}}
+
+// Prompts from a few tokens to several 128-token blocks.
+var vllmPrompts = []string{
+	"the quick brown fox",
+	strings.TrimSpace(strings.Repeat("fox jumps ", 20)),
+	func() string {
+		var b strings.Builder
+		for i := range 150 {
+			fmt.Fprintf(&b, "brown %d quick ", i)
+		}
+		return strings.TrimSpace(b.String())
+	}(),
+}
+
+// Real vLLM engines as pods: the engine image carries vLLM's CPU backend and the tiny
+// model, the connector comes from the rendered init container, and the command line is
+// the manager's. Through each mode's router Service, greedy generation returns the token
+// ids of one engine alone (a plain pod of the same image, no connector), and the agent
+// pod moved the KV of each mode.
+func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
+	start := time.Now()
+	n := createPairs(t, vllmEngines, kvv1.TransferPush, kvv1.TransferPull)
+	created := time.Now()
+	alone := engineAlone(t, n)
+	waitPair(t, n, "push")
+	waitPair(t, n, "pull")
+	// Five vLLM engines start at once on this machine's cores: the time is reported, not
+	// asserted.
+	t.Logf("node, chart and pools in %s; the five engines serving %s later", created.Sub(start).Round(time.Second), time.Since(created).Round(time.Second))
+	for _, mode := range []string{"push", "pull"} {
+		series := fmt.Sprintf("kvhandoff_agent_transferred_bytes_total{mode=%q}", mode)
+		before := agentMetric(t, series)
+		for _, p := range vllmPrompts {
+			want, err := completion("http://"+alone+"/v1/completions", p)
+			if err != nil {
+				t.Fatalf("the engine alone: %v", err)
+			}
+			url, err := n.RouterURL(mode, "/v1/completions")
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := completion(url, p)
+			if err != nil {
+				t.Fatalf("%s through the router Service: %v", mode, err)
+			}
+			if !slices.Equal(got, want) {
+				t.Errorf("%s: prompt %.30q: %v through the pools, %v from one engine alone", mode, p, got, want)
+			}
+		}
+		if after := agentMetric(t, series); after <= before {
+			t.Errorf("%s: the agent pod moved no KV bytes (%v before, %v after)", mode, before, after)
+		}
+	}
+}
+
+// engineAlone runs the engine image as one plain vLLM pod, without a connector, and
+// returns its address once it is Ready.
+func engineAlone(t *testing.T, n *realnode.Node) string {
+	t.Helper()
+	args := append([]string{realnode.VLLMModel, "--block-size", "128", "--port", fmt.Sprint(render.HTTPPort)}, vllmArgs...)
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "vllm-alone", Namespace: "default"},
+		Spec: corev1.PodSpec{
+			NodeName:        realnode.Name,
+			SecurityContext: &corev1.PodSecurityContext{RunAsNonRoot: ptr.To(true), RunAsUser: ptr.To[int64](render.EngineUser)},
+			Containers: []corev1.Container{{
+				Name: "engine", Image: realnode.Registry + "/" + realnode.VLLMImage + ":" + realnode.Tag, ImagePullPolicy: corev1.PullNever,
+				Command: []string{"vllm", "serve"}, Args: args,
+				Env: append([]corev1.EnvVar{{Name: "HOME", Value: "/tmp/home"}}, vllmEngines.Env[kvv1.RolePrefill]...),
+				ReadinessProbe: &corev1.Probe{
+					ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/v1/models", Port: intstr.FromInt32(render.HTTPPort)}},
+					PeriodSeconds: 2,
+				},
+				// vLLM's processes share tensors through /dev/shm, as in the rendered engines.
+				VolumeMounts: []corev1.VolumeMount{{Name: "shm", MountPath: "/dev/shm"}},
+			}},
+			Volumes: []corev1.Volume{{Name: "shm", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}}}},
+		},
+	}
+	if err := n.Client.Create(bg, pod); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "the engine alone to be Ready", 5*time.Minute, func() bool {
+		if n.Client.Get(bg, client.ObjectKeyFromObject(pod), pod) != nil {
+			return false
+		}
+		for _, c := range pod.Status.Conditions {
+			if c.Type == corev1.PodReady {
+				return c.Status == corev1.ConditionTrue
+			}
+		}
+		return false
+	})
+	return fmt.Sprintf("%s:%d", pod.Status.PodIP, render.HTTPPort)
+}
+
+// completion is a greedy completion's token ids.
+func completion(url, prompt string) ([]int, error) {
+	body, _ := json.Marshal(map[string]any{"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": true})
+	resp, err := (&http.Client{Timeout: 2 * time.Minute}).Post(url, "application/json", bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: %s", resp.Status, b)
+	}
+	var out struct {
+		Choices []struct {
+			TokenIDs []int `json:"token_ids"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal(b, &out); err != nil || len(out.Choices) != 1 || len(out.Choices[0].TokenIDs) == 0 {
+		return nil, fmt.Errorf("no token ids in %s", b)
+	}
+	return out.Choices[0].TokenIDs, nil
+}
