@@ -66,7 +66,7 @@ func run(ctx context.Context) error {
 	}
 
 	step("helm install kvhandoff charts/kvhandoff   (the manager's Deployment; the agent and device plugin DaemonSets)")
-	if err := n.InstallChart(append(realnode.ChartValues, realnode.PlainMetrics)...); err != nil {
+	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
 		return fmt.Errorf("%w\n%s", err, n.LogTail(20))
 	}
 
@@ -95,7 +95,7 @@ func run(ctx context.Context) error {
 	for _, m := range modes {
 		mode := strings.ToLower(string(m))
 		series := fmt.Sprintf("kvhandoff_agent_transferred_bytes_total{mode=%q}", mode)
-		before, err := realnode.AgentMetric(series)
+		before, err := n.AgentMetric(series)
 		if err != nil {
 			return err
 		}
@@ -105,7 +105,7 @@ func run(ctx context.Context) error {
 		if err != nil || status != 200 {
 			return fmt.Errorf("%s: POST %s: %d %s %v", mode, url, status, body, err)
 		}
-		after, err := realnode.AgentMetric(series)
+		after, err := n.AgentMetric(series)
 		if err != nil {
 			return err
 		}

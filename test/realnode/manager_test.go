@@ -31,6 +31,7 @@ var bg = context.Background()
 // Service (kube-proxy) with their service account's token, take the leader lease, and
 // turn a pool into its StatefulSet with the RBAC config/rbac grants.
 func TestTheManagerRunsAsItsDeploymentOnARealNode(t *testing.T) {
+	onThisMachine(t)
 	n, _ := startNode(t, "manager")
 	objs := kustomize(t, n, "config/default")
 	for _, o := range objs {

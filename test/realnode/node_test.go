@@ -27,11 +27,18 @@ import (
 // logs printed if the test failed) when the test ends.
 func startNode(t *testing.T, images ...string) (*realnode.Node, *kubernetes.Clientset) {
 	t.Helper()
-	archives, err := realnode.BuildImages(filepath.Join(envtest.RepoRoot(), "bin", "images"), append([]string{"pause"}, images...)...)
-	if err != nil {
-		t.Fatal(err)
+	var n *realnode.Node
+	var err error
+	if kubeconfig := realnode.External(); kubeconfig != "" {
+		// The cluster's nodes hold the images already (realnode.External).
+		n, err = realnode.Attach(kubeconfig)
+	} else {
+		var archives []string
+		if archives, err = realnode.BuildImages(filepath.Join(envtest.RepoRoot(), "bin", "images"), append([]string{"pause"}, images...)...); err != nil {
+			t.Fatal(err)
+		}
+		n, err = realnode.Start(bg, t.TempDir(), archives...)
 	}
-	n, err := realnode.Start(bg, t.TempDir(), archives...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -106,8 +113,9 @@ func runPod(t *testing.T, n *realnode.Node, cs *kubernetes.Clientset, pod *corev
 // cannot register another pod's, and cannot replace the socket. This is where the
 // security issue's socket group, read-only mount and pod identity run on a real kubelet.
 func TestTheChartRunsTheNodeComponentsAndEnginesReachTheAgent(t *testing.T) {
+	onThisMachine(t)
 	n, cs := startNode(t, "manager", "transfer-agent", "device-plugin", "vllm-connector", "engineprobe")
-	if err := n.InstallChart(realnode.ChartValues...); err != nil {
+	if err := n.InstallChart(n.ChartValues()...); err != nil {
 		t.Fatal(err)
 	}
 	for _, ds := range []string{"kvhandoff-transfer-agent", "kvhandoff-device-plugin"} {
@@ -144,5 +152,14 @@ func TestTheChartRunsTheNodeComponentsAndEnginesReachTheAgent(t *testing.T) {
 	}
 	if _, err := os.Stat("/var/run/kvhandoff/agent.sock"); err != nil {
 		t.Errorf("the agent's socket after the attempt: %v", err)
+	}
+}
+
+// onThisMachine skips, on an existing cluster (realnode.External), a test that checks this
+// machine's node itself: its name, addresses, host folders and the images built here.
+func onThisMachine(t *testing.T) {
+	t.Helper()
+	if realnode.External() != "" {
+		t.Skip("checks the node this machine runs; $KUBECONFIG names an existing cluster")
 	}
 }

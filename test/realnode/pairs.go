@@ -28,17 +28,8 @@ import (
 // What the tier and the demo run on the node: kvhandoff's chart, then a CPU pair of
 // pools per transfer mode, named <mode>-prefill and <mode>-decode, in namespace default.
 
-// ChartValues are the chart values the node needs (helm --set-json): tcp between agents
-// (there is no EFA), the agents' peer token made by the chart, and the node components
-// on this node, which carries no instance type.
-var ChartValues = []string{`agent.provider="tcp;ofi_rxm"`, `agent.token.create=true`,
-	"agent.nodeAffinity=" + onThisNode, "devicePlugin.nodeAffinity=" + onThisNode}
-
 // PlainMetrics serves the agent's metrics over plain HTTP, for AgentMetric.
 const PlainMetrics = `agent.metricsSecure=false`
-
-const onThisNode = `{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":[{"matchExpressions":` +
-	`[{"key":"kubernetes.io/hostname","operator":"In","values":["` + Name + `"]}]}]}}`
 
 // InstallChart installs charts/kvhandoff as release kvhandoff in kvhandoff-system, with
 // the images built here (Tag, never pulled) and values (helm --set-json).
@@ -131,7 +122,7 @@ func (n *Node) pairNotServing(ctx context.Context, mode string) string {
 	if err != nil {
 		return err.Error()
 	}
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(url)
+	resp, err := n.HTTPClient(url, 5*time.Second).Get(url)
 	if err != nil {
 		return "the router Service: " + err.Error()
 	}
@@ -142,11 +133,16 @@ func (n *Node) pairNotServing(ctx context.Context, mode string) string {
 	return ""
 }
 
-// RouterURL is the URL of path on a mode's router Service.
+// RouterURL is the URL of path on a mode's router Service: its cluster IP on this node
+// (through kube-proxy's rules), the API server's Service proxy on an existing cluster,
+// whose Service addresses are not reachable from outside it.
 func (n *Node) RouterURL(mode, path string) (string, error) {
 	svc := &corev1.Service{}
 	if err := n.Client.Get(context.Background(), client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, svc); err != nil {
 		return "", err
+	}
+	if n.external {
+		return fmt.Sprintf("%s/api/v1/namespaces/default/services/http:%s:%d/proxy%s", strings.TrimSuffix(n.api.Host, "/"), svc.Name, svc.Spec.Ports[0].Port, path), nil
 	}
 	return fmt.Sprintf("http://%s:%d%s", svc.Spec.ClusterIP, svc.Spec.Ports[0].Port, path), nil
 }
@@ -160,7 +156,7 @@ func (n *Node) Chat(mode, model, prompt string) (status int, body, answer string
 		return 0, "", "", err
 	}
 	req, _ := json.Marshal(map[string]any{"model": model, "max_tokens": 8, "messages": []map[string]string{{"role": "user", "content": prompt}}})
-	resp, err := (&http.Client{Timeout: 90 * time.Second}).Post(url, "application/json", bytes.NewReader(req))
+	resp, err := n.HTTPClient(url, 90*time.Second).Post(url, "application/json", bytes.NewReader(req))
 	if err != nil {
 		return 0, "", "", err
 	}
@@ -180,26 +176,67 @@ func (n *Node) Chat(mode, model, prompt string) (status int, body, answer string
 	return resp.StatusCode, string(b), out.Choices[0].Message.Content, nil
 }
 
-// AgentMetric sums a metric's series, or gives one series (name with its labels), on
-// the agent pod's /metrics (host network, plain HTTP with PlainMetrics).
-func AgentMetric(name string) (float64, error) {
-	resp, err := http.Get("http://" + NodeIP + ":9470/metrics")
-	if err != nil {
+// AgentMetric sums a metric's series, or gives one series (name with its labels), over
+// the agent pods' /metrics (plain HTTP with PlainMetrics), read through the API server.
+func (n *Node) AgentMetric(name string) (float64, error) {
+	pods := &corev1.PodList{}
+	if err := n.Client.List(context.Background(), pods, client.InNamespace("kvhandoff-node"), client.MatchingLabels{"app.kubernetes.io/component": "transfer-agent"}); err != nil {
 		return 0, err
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
+	if len(pods.Items) == 0 {
+		return 0, errors.New("no transfer-agent pod")
 	}
 	var sum float64
-	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, name); ok && (strings.HasPrefix(rest, " ") || !strings.HasSuffix(name, "}") && strings.HasPrefix(rest, "{")) {
-			var v float64
-			if _, err := fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v); err == nil {
-				sum += v
+	for _, p := range pods.Items {
+		url := n.PodURL(p.Namespace, p.Name, AgentMetricsPort, "/metrics")
+		resp, err := n.HTTPClient(url, 10*time.Second).Get(url)
+		if err != nil {
+			return 0, err
+		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			return 0, err
+		}
+		if resp.StatusCode != http.StatusOK {
+			return 0, fmt.Errorf("%s: %s: %s", p.Name, resp.Status, b)
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if rest, ok := strings.CutPrefix(line, name); ok && (strings.HasPrefix(rest, " ") || !strings.HasSuffix(name, "}") && strings.HasPrefix(rest, "{")) {
+				var v float64
+				if _, err := fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v); err == nil {
+					sum += v
+				}
 			}
 		}
 	}
 	return sum, nil
+}
+
+// AgentMetricsPort is where the chart's agents serve /metrics.
+const AgentMetricsPort = 9470
+
+// AgentsServe says whether every agent pod is Ready and its node labelled as serving
+// (the label engines of executor Agent select).
+func (n *Node) AgentsServe(ctx context.Context) bool {
+	pods := &corev1.PodList{}
+	if n.Client.List(ctx, pods, client.InNamespace("kvhandoff-node"), client.MatchingLabels{"app.kubernetes.io/component": "transfer-agent"}) != nil || len(pods.Items) == 0 {
+		return false
+	}
+	for _, p := range pods.Items {
+		node := &corev1.Node{}
+		if !podReady(&p) || n.Client.Get(ctx, client.ObjectKey{Name: p.Spec.NodeName}, node) != nil || node.Labels[kvv1.LabelAgentReady] != "true" {
+			return false
+		}
+	}
+	return true
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }

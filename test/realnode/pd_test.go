@@ -23,13 +23,13 @@ import (
 // verified by the decode engine before its first token; the agent counts the bytes.
 func TestAChatRequestThroughTheRouterServiceInPushAndPull(t *testing.T) {
 	n := installPairs(t, realnode.SimEngines, kvv1.TransferPush, kvv1.TransferPull)
-	before := agentMetric(t, "kvhandoff_agent_transferred_bytes_total")
+	before := agentMetric(t, n, "kvhandoff_agent_transferred_bytes_total")
 	for _, mode := range []string{"push", "pull"} {
 		if status, b, err := chat(n, mode, "What moves the KV cache in "+mode+" mode?"); err != nil || status != http.StatusOK {
 			t.Errorf("%s: %d %s %v", mode, status, b, err)
 		}
 	}
-	if after := agentMetric(t, "kvhandoff_agent_transferred_bytes_total"); after <= before {
+	if after := agentMetric(t, n, "kvhandoff_agent_transferred_bytes_total"); after <= before {
 		t.Errorf("the agent pod moved no KV bytes for the two requests (%v before, %v after)", before, after)
 	}
 }
@@ -49,7 +49,7 @@ func installPairs(t *testing.T, e realnode.Engines, modes ...kvv1.TransferMode) 
 func createPairs(t *testing.T, e realnode.Engines, modes ...kvv1.TransferMode) *realnode.Node {
 	t.Helper()
 	n, _ := startNode(t, "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", e.Image)
-	if err := n.InstallChart(append(realnode.ChartValues, realnode.PlainMetrics)...); err != nil {
+	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
 		t.Fatal(err)
 	}
 	for _, mode := range modes {
@@ -136,11 +136,9 @@ func TestPodsDeletedUnderTrafficFailByNameAndRecover(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		// Back: the pool Ready again, the router available again, the agent's label again.
-		until(t, victim.what+"'s replacement to serve", 3*time.Minute, func() bool {
-			node := &corev1.Node{}
-			return n.Client.Get(bg, client.ObjectKey{Name: realnode.Name}, node) == nil && node.Labels[kvv1.LabelAgentReady] == "true"
-		})
+		// Back: the agents Ready with their nodes' label again, the pool Ready again, the
+		// router Service answering again.
+		until(t, victim.what+"'s replacement to serve", 3*time.Minute, func() bool { return n.AgentsServe(bg) })
 		waitPair(t, n, "push")
 		until(t, "a request to succeed after "+victim.what+" came back", 2*time.Minute, func() bool {
 			status, _, err := chat(n, "push", "after "+victim.what)
@@ -154,9 +152,9 @@ func TestPodsDeletedUnderTrafficFailByNameAndRecover(t *testing.T) {
 	}
 }
 
-func agentMetric(t *testing.T, name string) float64 {
+func agentMetric(t *testing.T, n *realnode.Node, name string) float64 {
 	t.Helper()
-	v, err := realnode.AgentMetric(name)
+	v, err := n.AgentMetric(name)
 	if err != nil {
 		t.Fatal(err)
 	}

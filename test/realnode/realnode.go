@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -26,6 +27,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -53,7 +55,11 @@ func Main(m *testing.M) int { return Run(m.Run) }
 // Run runs this program again in a network and mount namespace of its own, with loopback
 // up and tmpfs over the host folders the node's pods mount (/var/run/kvhandoff), so
 // nothing of the host is used or touched, and there calls f; it returns the exit code.
+// With $KUBECONFIG set (External) it calls f as it is: the cluster is elsewhere.
 func Run(f func() int) int {
+	if External() != "" {
+		return f()
+	}
 	if os.Getenv(inNamespaces) == "" {
 		if missing := prerequisites(); len(missing) > 0 {
 			fmt.Fprintf(os.Stderr, "real-node tier: missing %s; hack/install-deps.sh installs them\n", strings.Join(missing, ", "))
@@ -123,7 +129,12 @@ type Node struct {
 	// Dir holds the node's state and one log per process (logs/).
 	Dir string
 
-	bins     string
+	bins string
+	// api is the admin's REST configuration; http carries requests through the API
+	// server's proxy with its credentials.
+	api      *rest.Config
+	http     http.RoundTripper
+	external bool
 	procs    []*proc
 	sysctls  map[string]string
 	socket   string
@@ -261,11 +272,7 @@ func (n *Node) controlPlane(ctx context.Context, p *pki) error {
 	if n.Kubeconfig, err = p.kubeconfig("admin", server); err != nil {
 		return err
 	}
-	cfg, err := clientcmd.BuildConfigFromFlags("", n.Kubeconfig)
-	if err != nil {
-		return err
-	}
-	if n.Client, err = client.New(cfg, client.Options{Scheme: controller.NewScheme()}); err != nil {
+	if err := n.connect(); err != nil {
 		return err
 	}
 	if err := n.until(ctx, "the API server to serve", func(ctx context.Context) bool {
@@ -450,6 +457,19 @@ func (n *Node) until(ctx context.Context, what string, cond func(context.Context
 	return nil
 }
 
+// connect makes the node's client and API transport from its kubeconfig.
+func (n *Node) connect() error {
+	var err error
+	if n.api, err = clientcmd.BuildConfigFromFlags("", n.Kubeconfig); err != nil {
+		return err
+	}
+	if n.Client, err = client.New(n.api, client.Options{Scheme: controller.NewScheme()}); err != nil {
+		return err
+	}
+	n.http, err = rest.TransportFor(n.api)
+	return err
+}
+
 // LogTail returns every pod's state and the last lines of every process's and every
 // container's log, for failure reports.
 func (n *Node) LogTail(lines int) string {
@@ -485,6 +505,9 @@ func (n *Node) LogTail(lines int) string {
 // rules kube-proxy wrote, and restores the host sysctls. The test's namespaces are then
 // as Main made them, ready for the next node.
 func (n *Node) Stop() error {
+	if n.external {
+		return n.reset()
+	}
 	var errs []error
 	for i := len(n.procs) - 1; i >= 0; i-- {
 		if p := n.procs[i]; !p.done() {

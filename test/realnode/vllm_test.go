@@ -65,9 +65,9 @@ func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 	t.Logf("node, chart and pools in %s; the five engines serving %s later", created.Sub(start).Round(time.Second), time.Since(created).Round(time.Second))
 	for _, mode := range []string{"push", "pull"} {
 		series := fmt.Sprintf("kvhandoff_agent_transferred_bytes_total{mode=%q}", mode)
-		before := agentMetric(t, series)
+		before := agentMetric(t, n, series)
 		for _, p := range vllmPrompts {
-			want, err := completion("http://"+alone+"/v1/completions", p)
+			want, err := completion(n, alone, p)
 			if err != nil {
 				t.Fatalf("the engine alone: %v", err)
 			}
@@ -75,7 +75,7 @@ func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			got, err := completion(url, p)
+			got, err := completion(n, url, p)
 			if err != nil {
 				t.Fatalf("%s through the router Service: %v", mode, err)
 			}
@@ -83,21 +83,20 @@ func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 				t.Errorf("%s: prompt %.30q: %v through the pools, %v from one engine alone", mode, p, got, want)
 			}
 		}
-		if after := agentMetric(t, series); after <= before {
+		if after := agentMetric(t, n, series); after <= before {
 			t.Errorf("%s: the agent pod moved no KV bytes (%v before, %v after)", mode, before, after)
 		}
 	}
 }
 
 // engineAlone runs the engine image as one plain vLLM pod, without a connector, and
-// returns its address once it is Ready.
+// returns its completions URL (through the API server) once it is Ready.
 func engineAlone(t *testing.T, n *realnode.Node) string {
 	t.Helper()
 	args := append([]string{realnode.VLLMModel, "--block-size", "128", "--port", fmt.Sprint(render.HTTPPort)}, vllmArgs...)
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "vllm-alone", Namespace: "default"},
+		ObjectMeta: metav1.ObjectMeta{Name: "vllm-alone", Namespace: "default", Labels: map[string]string{realnode.LabelTestPod: "vllm-alone"}},
 		Spec: corev1.PodSpec{
-			NodeName:        realnode.Name,
 			SecurityContext: &corev1.PodSecurityContext{RunAsNonRoot: ptr.To(true), RunAsUser: ptr.To[int64](render.EngineUser)},
 			Containers: []corev1.Container{{
 				Name: "engine", Image: realnode.Registry + "/" + realnode.VLLMImage + ":" + realnode.Tag, ImagePullPolicy: corev1.PullNever,
@@ -127,13 +126,13 @@ func engineAlone(t *testing.T, n *realnode.Node) string {
 		}
 		return false
 	})
-	return fmt.Sprintf("%s:%d", pod.Status.PodIP, render.HTTPPort)
+	return n.PodURL(pod.Namespace, pod.Name, render.HTTPPort, "/v1/completions")
 }
 
 // completion is a greedy completion's token ids.
-func completion(url, prompt string) ([]int, error) {
+func completion(n *realnode.Node, url, prompt string) ([]int, error) {
 	body, _ := json.Marshal(map[string]any{"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": true})
-	resp, err := (&http.Client{Timeout: 2 * time.Minute}).Post(url, "application/json", bytes.NewReader(body))
+	resp, err := n.HTTPClient(url, 2*time.Minute).Post(url, "application/json", bytes.NewReader(body))
 	if err != nil {
 		return nil, err
 	}
