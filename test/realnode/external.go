@@ -20,14 +20,16 @@ import (
 )
 
 // External is the kubeconfig of an existing cluster (kind, EKS) the tier runs on instead
-// of a node of its own: $KUBECONFIG, or "".
+// of a node of its own: $KVHANDOFF_TEST_KUBECONFIG, or "". It is a variable of its own,
+// not $KUBECONFIG, because the suite removes kvhandoff from the cluster it runs on: a
+// make test must never do that to whatever cluster a shell happens to point at.
 //
 // There the images must already be on the nodes, tagged Registry/<name>:Tag (make images,
 // then `kind load image-archive`), and the suite owns the release "kvhandoff" in
 // kvhandoff-system and the pools, policies and test pods of namespace default: it removes
 // them before and after each test. Tests that check this machine's node itself say so and
 // are skipped there.
-func External() string { return os.Getenv("KUBECONFIG") }
+func External() string { return os.Getenv("KVHANDOFF_TEST_KUBECONFIG") }
 
 // Attach returns a Node for the cluster of kubeconfig, cleared of what an earlier run of
 // the suite left.

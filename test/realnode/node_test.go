@@ -160,6 +160,6 @@ func TestTheChartRunsTheNodeComponentsAndEnginesReachTheAgent(t *testing.T) {
 func onThisMachine(t *testing.T) {
 	t.Helper()
 	if realnode.External() != "" {
-		t.Skip("checks the node this machine runs; $KUBECONFIG names an existing cluster")
+		t.Skip("checks the node this machine runs; $KVHANDOFF_TEST_KUBECONFIG names an existing cluster")
 	}
 }

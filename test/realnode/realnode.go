@@ -55,7 +55,7 @@ func Main(m *testing.M) int { return Run(m.Run) }
 // Run runs this program again in a network and mount namespace of its own, with loopback
 // up and tmpfs over the host folders the node's pods mount (/var/run/kvhandoff), so
 // nothing of the host is used or touched, and there calls f; it returns the exit code.
-// With $KUBECONFIG set (External) it calls f as it is: the cluster is elsewhere.
+// With $KVHANDOFF_TEST_KUBECONFIG set (External) it calls f as it is: the cluster is elsewhere.
 func Run(f func() int) int {
 	if External() != "" {
 		return f()
