@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"time"
 
@@ -57,13 +55,8 @@ const LabelTestPod = "kvhandoff.io/realnode-test"
 func (n *Node) reset() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	helm, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "helm.sh")).Output()
-	if err != nil {
-		return fmt.Errorf("hack/helm.sh: %w", err)
-	}
-	if out, err := exec.CommandContext(ctx, strings.TrimSpace(string(helm)), "uninstall", "kvhandoff", "--namespace", "kvhandoff-system",
-		"--kubeconfig", n.Kubeconfig, "--ignore-not-found", "--wait").CombinedOutput(); err != nil {
-		return fmt.Errorf("helm uninstall: %w\n%s", err, out)
+	if err := helm(ctx, "uninstall", "kvhandoff", "--namespace", "kvhandoff-system", "--kubeconfig", n.Kubeconfig, "--ignore-not-found", "--wait"); err != nil {
+		return err
 	}
 	var errs []error
 	for _, o := range []client.Object{&kvv1.DecodePool{}, &kvv1.PrefillPool{}, &kvv1.KVTransferPolicy{}} {

@@ -34,18 +34,22 @@ const PlainMetrics = `agent.metricsSecure=false`
 // InstallChart installs charts/kvhandoff as release kvhandoff in kvhandoff-system, with
 // the images built here (Tag, never pulled) and values (helm --set-json).
 func (n *Node) InstallChart(values ...string) error {
-	root := envtest.RepoRoot()
-	helm, err := exec.Command(filepath.Join(root, "hack", "helm.sh")).Output()
-	if err != nil {
-		return fmt.Errorf("hack/helm.sh: %w", err)
-	}
-	args := []string{"install", "kvhandoff", filepath.Join(root, "charts", "kvhandoff"), "--namespace", "kvhandoff-system", "--create-namespace",
+	args := []string{"install", "kvhandoff", filepath.Join(envtest.RepoRoot(), "charts", "kvhandoff"), "--namespace", "kvhandoff-system", "--create-namespace",
 		"--kubeconfig", n.Kubeconfig, "--set", "image.tag=" + Tag, "--set", "image.pullPolicy=Never"}
 	for _, v := range values {
 		args = append(args, "--set-json", v)
 	}
-	if out, err := exec.Command(strings.TrimSpace(string(helm)), args...).CombinedOutput(); err != nil {
-		return fmt.Errorf("helm install: %w\n%s", err, out)
+	return helm(context.Background(), args...)
+}
+
+// helm runs helm (hack/helm.sh builds it once) with args.
+func helm(ctx context.Context, args ...string) error {
+	bin, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "helm.sh")).Output()
+	if err != nil {
+		return fmt.Errorf("hack/helm.sh: %w", err)
+	}
+	if out, err := exec.CommandContext(ctx, strings.TrimSpace(string(bin)), args...).CombinedOutput(); err != nil {
+		return fmt.Errorf("helm %s: %w\n%s", args[0], err, out)
 	}
 	return nil
 }
@@ -225,14 +229,15 @@ func (n *Node) AgentsServe(ctx context.Context) bool {
 	}
 	for _, p := range pods.Items {
 		node := &corev1.Node{}
-		if !podReady(&p) || n.Client.Get(ctx, client.ObjectKey{Name: p.Spec.NodeName}, node) != nil || node.Labels[kvv1.LabelAgentReady] != "true" {
+		if !PodReady(&p) || n.Client.Get(ctx, client.ObjectKey{Name: p.Spec.NodeName}, node) != nil || node.Labels[kvv1.LabelAgentReady] != "true" {
 			return false
 		}
 	}
 	return true
 }
 
-func podReady(p *corev1.Pod) bool {
+// PodReady says whether a pod's Ready condition is true.
+func PodReady(p *corev1.Pod) bool {
 	for _, c := range p.Status.Conditions {
 		if c.Type == corev1.PodReady {
 			return c.Status == corev1.ConditionTrue

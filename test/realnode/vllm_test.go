@@ -116,15 +116,7 @@ func engineAlone(t *testing.T, n *realnode.Node) string {
 		t.Fatal(err)
 	}
 	until(t, "the engine alone to be Ready", 5*time.Minute, func() bool {
-		if n.Client.Get(bg, client.ObjectKeyFromObject(pod), pod) != nil {
-			return false
-		}
-		for _, c := range pod.Status.Conditions {
-			if c.Type == corev1.PodReady {
-				return c.Status == corev1.ConditionTrue
-			}
-		}
-		return false
+		return n.Client.Get(bg, client.ObjectKeyFromObject(pod), pod) == nil && realnode.PodReady(pod)
 	})
 	return n.PodURL(pod.Namespace, pod.Name, render.HTTPPort, "/v1/completions")
 }
