@@ -466,6 +466,12 @@ func (s *Server) send(ctx context.Context, rq *request, e discovery.Engine, body
 	copyClientHeaders(req.Header, rq.r.Header)
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", rq.id)
+	// A leg may be sent again on a new connection when the kept-alive one it went out on
+	// fails before a byte of answer (the engine's server closed it as idle just as the
+	// leg was written): net/http does that for requests marked replayable, and the
+	// engine never acted on such a leg. An empty Idempotency-Key marks it without
+	// sending the header.
+	req.Header["Idempotency-Key"] = nil
 	return s.client.Do(req)
 }
 

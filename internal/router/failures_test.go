@@ -2,9 +2,11 @@ package router_test
 
 import (
 	"context"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -262,4 +264,70 @@ func TestStreamedCompletionsThroughBothModes(t *testing.T) {
 			t.Errorf("%s: TTFT and router-added latency not observed", mode)
 		}
 	}
+}
+
+// An engine's server may close a kept-alive connection just as the router writes the
+// next leg on it (uvicorn closes idle connections after its keep-alive, 5 s in vLLM):
+// the engine never answered, nor acted on, that leg. The router sends the leg again on a
+// new connection instead of failing the request with a 502; nothing counts as a failed
+// leg or a retry on another engine. Both legs, in both modes.
+func TestALegOnAConnectionTheEngineClosedIsSentAgainOnANewOne(t *testing.T) {
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		kv := vllmserver.NewLocalKV()
+		p, d := startClosingEngine(t, "p-0", kv), startClosingEngine(t, "d-0", kv)
+		r := startRouter(t, mode, engines(p.engine), engines(d.engine))
+		for i := range 3 {
+			resp, body := post(t, r.URL, "/v1/completions", small)
+			if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+				t.Fatalf("%s: request %d: %s %s", mode, i, resp.Status, body)
+			}
+		}
+		if p.closed.Load() == 0 || d.closed.Load() == 0 {
+			t.Fatalf("%s: the engines closed %d and %d kept-alive connections; the test needs both to", mode, p.closed.Load(), d.closed.Load())
+		}
+		for _, leg := range []string{"prefill", "decode"} {
+			if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": leg}); got != 0 {
+				t.Errorf("%s: %v %s legs counted as failed", mode, got, leg)
+			}
+		}
+		if got := r.metric(t, "kvhandoff_router_retries_total", nil); got != 0 {
+			t.Errorf("%s: %v retries on another engine", mode, got)
+		}
+	}
+}
+
+// closingEngine is a simulated engine whose server closes each connection the moment a
+// second request arrives on it, without a byte of answer: a keep-alive timeout met by a
+// request, every time.
+type closingEngine struct {
+	*engine
+	closed atomic.Int32
+}
+
+type connRequests struct{}
+
+func startClosingEngine(t *testing.T, id string, kv vllmserver.KV) *closingEngine {
+	t.Helper()
+	e := &closingEngine{}
+	s := vllmserver.New(vllmserver.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv})
+	hs := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Context().Value(connRequests{}).(*atomic.Int32).Add(1) > 1 {
+			conn, _, err := http.NewResponseController(w).Hijack()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			conn.Close()
+			e.closed.Add(1)
+			return
+		}
+		s.ServeHTTP(w, r)
+	}))
+	hs.Config.ConnContext = func(ctx context.Context, _ net.Conn) context.Context {
+		return context.WithValue(ctx, connRequests{}, new(atomic.Int32))
+	}
+	hs.Start()
+	t.Cleanup(hs.Close)
+	e.engine = &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}
+	return e
 }

@@ -95,7 +95,10 @@ func New(cfg Config) *Server {
 			DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 			MaxIdleConns:        1024,
 			MaxIdleConnsPerHost: 256,
-			IdleConnTimeout:     90 * time.Second,
+			// Below vLLM's HTTP keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): the
+			// router drops an idle connection before the engine closes it, so a leg
+			// seldom meets a closing one (send re-sends it when it does).
+			IdleConnTimeout: 4 * time.Second,
 			// Bytes pass through as the engine sent them: the router never asks for,
 			// nor undoes, compression.
 			DisableCompression: true,
