@@ -10,6 +10,7 @@ type metrics struct {
 	descriptors *prometheus.CounterVec
 	expiries    *prometheus.CounterVec
 	cancels     prometheus.Counter
+	pullWaits   prometheus.Counter
 	failures    *prometheus.CounterVec
 	refused     *prometheus.CounterVec
 	parts       *prometheus.CounterVec
@@ -41,6 +42,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		cancels: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_cancels_total", Help: "Attempts cancelled by engines.",
 		}),
+		pullWaits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_pull_waits_total", Help: "Pulls that reached this prefill agent before their blocks were reported ready, and " +
+				"waited for them (up to half the lease).",
+		}),
 		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_failures_total", Help: "Attempts that ended without delivery, by reason.",
 		}, []string{"reason"}),
@@ -61,6 +66,6 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvhandoff_agent_provider_info", Help: "1 for the libfabric provider the agent runs on.",
 		}, []string{"provider"}),
 	}
-	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
+	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.pullWaits, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
 	return m
 }

@@ -27,6 +27,20 @@ type prefillSide struct {
 	w        *writer.Writer
 	holds    *rendezvous.Holds[*mesh.Peer]
 	attempts map[landing.Key]*pushAttempt
+	// waiting are pulls that came before their blocks were reported ready, by request:
+	// the prefill engine's answer can reach the router, and the decode engine's pull
+	// this agent, before the engine's worker reports the blocks. Such a pull waits for
+	// them, never fails at once into a recompute.
+	waiting map[string]*waitingPull
+}
+
+// waitingPull is a pull waiting for its blocks until a deadline: half the lease from its
+// arrival, so the decode side, which counts the lease from before it asked, still has
+// the other half to read in.
+type waitingPull struct {
+	peer  *mesh.Peer
+	m     *wire.Acquire
+	until time.Time
 }
 
 // pushAttempt is what the driver keeps of one decode registration beside the table's
@@ -42,7 +56,8 @@ type pushAttempt struct {
 }
 
 func newPrefillSide(s *session) *prefillSide {
-	return &prefillSide{s: s, holds: rendezvous.NewHolds[*mesh.Peer](s.pol.BlocksTTL, s.pol.Lease), attempts: map[landing.Key]*pushAttempt{}}
+	return &prefillSide{s: s, holds: rendezvous.NewHolds[*mesh.Peer](s.pol.BlocksTTL, s.pol.Lease), attempts: map[landing.Key]*pushAttempt{},
+		waiting: map[string]*waitingPull{}}
 }
 
 // Prefill memory is a source for writes and readable by peers (pull).
@@ -102,6 +117,10 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 	if s.mode == agentv1.Mode_MODE_PULL {
 		if err := ps.holds.Ready(now, part); err != nil {
 			return status.Error(codes.InvalidArgument, err.Error())
+		}
+		if w := ps.waiting[r.RequestId]; w != nil {
+			delete(ps.waiting, r.RequestId)
+			ps.acquire(now, w)
 		}
 	} else {
 		acts, err := ps.table.SourceReady(now, part)
@@ -332,18 +351,45 @@ func (ps *prefillSide) onCancel(p *mesh.Peer, m *wire.Cancel) {
 
 // onAcquire grants a pull: the blocks stay held for a lease from now. The decode agent
 // counts the same lease from before it sent Acquire, so it stops trusting its reads
-// before this side can release the blocks.
+// before this side can release the blocks. A pull of blocks not reported ready yet
+// waits for them (waitingPull).
 func (ps *prefillSide) onAcquire(p *mesh.Peer, m *wire.Acquire) {
-	s := ps.s
-	lease, err := ps.holds.Acquire(time.Now(), m.Request, m.Attempt, p, m.Blocks)
+	now := time.Now()
+	w := &waitingPull{peer: p, m: m, until: now.Add(ps.holds.Lease() / 2)}
+	if ps.acquire(now, w); ps.waiting[m.Request] == w {
+		ps.s.n.metrics.pullWaits.Inc()
+	}
+}
+
+// acquire grants w, parks it until its blocks are ready, or refuses it.
+func (ps *prefillSide) acquire(now time.Time, w *waitingPull) {
+	s, m := ps.s, w.m
+	lease, err := ps.holds.Acquire(now, m.Request, m.Attempt, w.peer, m.Blocks)
+	if errors.Is(err, rendezvous.ErrNotReady) && now.Before(w.until) {
+		other := ps.waiting[m.Request]
+		switch {
+		case other == nil:
+			ps.waiting[m.Request] = w
+			return
+		case other.peer == w.peer && other.m.Attempt == m.Attempt:
+			return // asked again: it keeps waiting until its first deadline
+		}
+		err = fmt.Errorf("request %s is being pulled by attempt %d, which waits for its blocks", m.Request, other.m.Attempt)
+	}
 	if err != nil {
-		s.n.metrics.refused.WithLabelValues("peer", "Acquire").Inc()
-		s.n.metrics.failures.WithLabelValues("acquire_refused").Inc()
-		p.Send(&wire.Failed{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, Reason: fmt.Sprintf("prefill engine %s: %v", s.key, err)})
+		ps.refuse(w, "acquire_refused", err.Error())
 		return
 	}
-	p.Describe(s.key, s.epoch, s.describe)
-	p.Send(&wire.Acquired{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, LeaseMillis: uint64(lease.Milliseconds())})
+	w.peer.Describe(s.key, s.epoch, s.describe)
+	w.peer.Send(&wire.Acquired{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, LeaseMillis: uint64(lease.Milliseconds())})
+}
+
+// refuse answers a pull that cannot be granted with a Failed naming why.
+func (ps *prefillSide) refuse(w *waitingPull, failure, why string) {
+	s := ps.s
+	s.n.metrics.refused.WithLabelValues("peer", "Acquire").Inc()
+	s.n.metrics.failures.WithLabelValues(failure).Inc()
+	w.peer.Send(&wire.Failed{Request: w.m.Request, Attempt: w.m.Attempt, Engine: w.m.Engine, Reason: fmt.Sprintf("prefill engine %s: %s", s.key, why)})
 }
 
 func (ps *prefillSide) onRelease(p *mesh.Peer, m *wire.Release) {
@@ -372,6 +418,12 @@ func (ps *prefillSide) watchdog(now time.Time) {
 		ps.s.n.metrics.failures.WithLabelValues("blocks_ttl").Inc()
 		ps.s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: e.Request, Reason: e.Reason})
 	}
+	for req, w := range ps.waiting {
+		if !now.Before(w.until) {
+			delete(ps.waiting, req)
+			ps.refuse(w, "acquire_timeout", fmt.Sprintf("request %s's blocks were not reported ready within %s of the pull", req, ps.holds.Lease()/2))
+		}
+	}
 }
 
 // peerLost fails the lost peer's registrations (nobody is left to tell); its pulls keep
@@ -379,6 +431,11 @@ func (ps *prefillSide) watchdog(now time.Time) {
 // still be in flight.
 func (ps *prefillSide) peerLost(now time.Time, p *mesh.Peer) {
 	ps.holds.PeerLost(p)
+	for req, w := range ps.waiting {
+		if w.peer == p {
+			delete(ps.waiting, req)
+		}
+	}
 	for k, a := range ps.attempts {
 		if a.peer == p {
 			ps.handle(now, ps.table.Fail(now, k.Request, k.Attempt, "peer_lost", "decode agent connection lost"))
@@ -390,6 +447,11 @@ func (ps *prefillSide) peerLost(now time.Time, p *mesh.Peer) {
 // draining), its source and any unacquired hold dropped.
 func (ps *prefillSide) cancel(now time.Time, req string, attempt uint64) error {
 	found := ps.holds.Cancel(req)
+	if w := ps.waiting[req]; w != nil {
+		delete(ps.waiting, req)
+		ps.refuse(w, "acquire_refused", fmt.Sprintf("request %s was cancelled by its prefill engine", req))
+		found = true
+	}
 	if ps.table != nil {
 		acts, known := ps.table.CancelSource(now, req)
 		found = found || known
@@ -435,6 +497,10 @@ func (ps *prefillSide) warm() bool { return false }
 
 // fenceAll fails everything outstanding when the session ends.
 func (ps *prefillSide) fenceAll(now time.Time, reason string) {
+	for req, w := range ps.waiting {
+		delete(ps.waiting, req)
+		ps.refuse(w, "acquire_refused", "prefill engine's session ended: "+reason)
+	}
 	if ps.table == nil {
 		return
 	}

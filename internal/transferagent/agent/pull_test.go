@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -36,24 +37,82 @@ func TestPullReadsVerifiedBytesAndReleasesTheSource(t *testing.T) {
 	}
 }
 
-func TestPullOfBlocksThatAreNotReadyIsRefused(t *testing.T) {
+// The pull race: the prefill engine's answer can reach the router, and the decode
+// engine's pull the prefill agent, before the engine's worker reports the blocks ready.
+// Such a pull waits for them and reads them, in one part or several; it is not failed at
+// once (which the decode engine would turn into a recompute of the whole prompt).
+func TestAPullThatComesBeforeItsBlocksWaitsForThemAndReadsThem(t *testing.T) {
 	p := newPair(t, agentv1.Mode_MODE_PULL, 1, 64)
-	src, dst := alloc(t, p.P[0], 4), alloc(t, p.D[0], 4)
-	// Nothing is ready yet.
-	if err := p.D[0].Pull(bg, "early", 1, p.P[0].Self, src, dst); err != nil {
+	waits := 0.0
+	for _, parts := range []int{1, 2} {
+		req := fmt.Sprintf("early-%d", parts)
+		src, dst := alloc(t, p.P[0], 8), alloc(t, p.D[0], 8)
+		p.P[0].Cache.Fill(req, src)
+		if err := p.D[0].Pull(bg, req, 1, p.P[0].Self, src, dst); err != nil {
+			t.Fatal(err)
+		}
+		// The pull has reached the prefill agent and waits there: only now is the source
+		// reported, in parts.
+		waits++
+		until(t, "the pull to wait at the prefill agent", func() bool { return p.A.Metric(t, "kvhandoff_agent_pull_waits_total") == waits })
+		per := len(src) / parts
+		for i := range parts {
+			if err := p.P[0].SourceReady(bg, req, uint32(i*per), src[i*per:(i+1)*per], i == parts-1); err != nil {
+				t.Fatal(err)
+			}
+		}
+		expect(t, wait(t, p.D[0], req, 1), agentv1.Event_DELIVERED)
+		if err := p.D[0].Cache.Verify(req, dst); err != nil {
+			t.Fatal(err)
+		}
+		expect(t, wait(t, p.P[0], req, 1), agentv1.Event_SOURCE_DONE)
+	}
+	if got := p.A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="Acquire"}`); got != 0 {
+		t.Errorf("prefill agent refused %v acquires", got)
+	}
+}
+
+// A pull whose blocks never come is refused with a named reason after half the lease,
+// and one that names a block outside the request's final set at once: the decode agent
+// hears, and nothing waits forever.
+func TestAPullOfBlocksThatNeverComeIsRefusedByName(t *testing.T) {
+	A, B := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
+	l := testLayout(1, 64)
+	start := func(a *agentProc, id string, role agentv1.Role) *simengine.Engine {
+		e, err := simengine.Start(bg, simengine.Config{ID: id, Role: role, Mode: agentv1.Mode_MODE_PULL, Layout: l, Socket: a.Socket,
+			Lease: 400 * time.Millisecond, RegistrationTimeout: time.Second, BlocksTTL: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Stop)
+		return e
+	}
+	P, D := start(A, "prefill-0.default", agentv1.Role_ROLE_PREFILL), start(B, "decode-0.default", agentv1.Role_ROLE_DECODE)
+	src, dst := alloc(t, P, 4), alloc(t, D, 4)
+	if err := D.Pull(bg, "never", 1, P.Self, src, dst); err != nil {
 		t.Fatal(err)
 	}
-	ev := wait(t, p.D[0], "early", 1)
+	ev := wait(t, D, "never", 1)
 	expect(t, ev, agentv1.Event_FAILED)
-	// Ready, but the pull names a block that is not part of the request.
-	if err := p.P[0].SourceReady(bg, "partial", 0, src[:3], true); err != nil {
+	if !strings.Contains(ev.Reason, "were not reported ready within 200ms") {
+		t.Errorf("reason %q does not say the blocks never came", ev.Reason)
+	}
+	if got := A.Metric(t, `kvhandoff_agent_failures_total{reason="acquire_timeout"}`); got != 1 {
+		t.Errorf("acquire timeouts: %v, want 1", got)
+	}
+	// Ready, and final, but without a block the pull names.
+	if err := P.SourceReady(bg, "partial", 0, src[:3], true); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.D[0].Pull(bg, "partial", 1, p.P[0].Self, src, dst); err != nil {
+	if err := D.Pull(bg, "partial", 1, P.Self, src, dst); err != nil {
 		t.Fatal(err)
 	}
-	expect(t, wait(t, p.D[0], "partial", 1), agentv1.Event_FAILED)
-	if got := p.A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="Acquire"}`); got != 2 {
+	ev = wait(t, D, "partial", 1)
+	expect(t, ev, agentv1.Event_FAILED)
+	if !strings.Contains(ev.Reason, "is not among request partial's ready blocks") {
+		t.Errorf("reason %q does not name the missing block", ev.Reason)
+	}
+	if got := A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="Acquire"}`); got != 2 {
 		t.Errorf("prefill agent counted %v refused acquires, want 2", got)
 	}
 }

@@ -1,9 +1,16 @@
 package rendezvous
 
 import (
+	"errors"
 	"fmt"
 	"time"
 )
+
+// ErrNotReady is a pull of blocks not held (yet): the request's blocks were not reported
+// ready, or not all of them and its final part is still to come. They may be on their
+// way (the prefill engine's answer can reach the router, and the decode engine's pull
+// this agent, before the engine's worker reports them), so the caller may wait.
+var ErrNotReady = errors.New("not reported ready")
 
 // Holds is the prefill agent's pull side: a request's ready blocks, held for one decode
 // attempt to read under a lease. The blocks stay held until that attempt releases them,
@@ -80,12 +87,15 @@ func (h *Holds[P]) Acquire(now time.Time, req string, attempt uint64, by P, bloc
 	o := h.m[req]
 	switch {
 	case o == nil:
-		return 0, fmt.Errorf("request %s holds no blocks here (not ready, expired or released)", req)
+		return 0, fmt.Errorf("request %s holds no blocks here (%w, expired or released)", req, ErrNotReady)
 	case o.acquired && (o.attempt != attempt || o.by != by):
 		return 0, fmt.Errorf("request %s is being pulled by attempt %d", req, o.attempt)
 	}
 	for _, b := range blocks {
 		if !o.blocks[b] {
+			if !o.final {
+				return 0, fmt.Errorf("block %d of request %s: %w", b, req, ErrNotReady)
+			}
 			return 0, fmt.Errorf("block %d is not among request %s's ready blocks", b, req)
 		}
 	}
@@ -164,6 +174,9 @@ func (h *Holds[P]) PeerLost(by P) {
 		}
 	}
 }
+
+// Lease is the lease a grant gives.
+func (h *Holds[P]) Lease() time.Duration { return h.lease }
 
 // Acquired reports whether a decode agent may be reading now. The session's pump asks on
 // every turn, so it is a counter, not a scan.

@@ -1,6 +1,7 @@
 package rendezvous
 
 import (
+	"errors"
 	"testing"
 	"time"
 )
@@ -97,5 +98,30 @@ func TestAHoldWhoseLeaseEndedDrainsUntilItsReaderLetsGo(t *testing.T) {
 	h.Expire(end.Add(DrainLimit))
 	if h.Acquired() {
 		t.Fatal("r3 still drains after the drain limit")
+	}
+}
+
+// A pull that comes before its blocks is told they are not ready (the prefill agent then
+// waits for them), until the request's final part: a block missing then is refused.
+func TestAPullBeforeTheFinalPartIsNotReadyAndAfterItGrantedOrRefused(t *testing.T) {
+	a := &conn{"a"}
+	h := NewHolds[*conn](10*time.Second, 30*time.Second)
+	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); !errors.Is(err, ErrNotReady) {
+		t.Fatalf("before any part: %v, want ErrNotReady", err)
+	}
+	if err := h.Ready(t0, Part{Request: "r1", Blocks: []uint32{4}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); !errors.Is(err, ErrNotReady) {
+		t.Fatalf("before the final part: %v, want ErrNotReady", err)
+	}
+	if err := h.Ready(t0, Part{Request: "r1", Offset: 1, Blocks: []uint32{5}, Final: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5, 6}); err == nil || errors.Is(err, ErrNotReady) {
+		t.Fatalf("a block the final request lacks: %v, want a refusal", err)
+	}
+	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); err != nil {
+		t.Fatal(err)
 	}
 }
