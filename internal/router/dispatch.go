@@ -40,6 +40,17 @@ type request struct {
 	decodeTime      time.Duration // decode leg: send to first byte
 }
 
+// legID is the request id the legs of the current attempt carry (X-Request-Id, and push's
+// remote_request_id): the client's request id on the first attempt, and a new one on each
+// retry. vLLM's NIXL connectors pair a request's two legs by that id, not by transfer_id,
+// so a retried pair must not share it with the aborted one.
+func (rq *request) legID() string {
+	if rq.retries == 0 {
+		return rq.id
+	}
+	return fmt.Sprintf("%s-retry%d", rq.id, rq.retries)
+}
+
 // result is how a request ended.
 type result struct {
 	outcome string
@@ -154,7 +165,7 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 		decodeBody := protocol.PushDecodeLeg(rq.body, protocol.Prefill{
 			EngineID: p.EngineID, Host: p.Host, Port: p.SideChannelPort,
 			TP: p.TensorParallelSize, PP: p.PipelineParallelSize,
-		}, rq.id, transferID).Marshal()
+		}, rq.legID(), transferID).Marshal()
 
 		ctx, cancel := context.WithCancel(rq.r.Context())
 		defer cancel()
@@ -465,7 +476,7 @@ func (s *Server) send(ctx context.Context, rq *request, e discovery.Engine, body
 	}
 	copyClientHeaders(req.Header, rq.r.Header)
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Request-Id", rq.id)
+	req.Header.Set("X-Request-Id", rq.legID())
 	// A leg may be sent again on a new connection when the kept-alive one it went out on
 	// fails before a byte of answer (the engine's server closed it as idle just as the
 	// leg was written): net/http does that for requests marked replayable, and the

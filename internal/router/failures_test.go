@@ -86,6 +86,15 @@ func TestPushAbortsTheDecodeLegAndRetriesThePairWhenPrefillFails(t *testing.T) {
 	if params(t, ds[0].Body)["transfer_id"] == params(t, ds[1].Body)["transfer_id"] {
 		t.Error("the retried pair reused the transfer id of the aborted one")
 	}
+	// Each attempt's legs carry a request id of their own (vLLM's NIXL connectors pair
+	// legs by it): the client's on the first, a new one on the retry.
+	first, retry := bad.Seen()[0].RequestID, good.Seen()[0].RequestID
+	if first != resp.Header.Get("X-Request-Id") || retry == first || ds[0].RequestID != first || ds[1].RequestID != retry {
+		t.Errorf("request ids: client %q; prefill legs %q, %q; decode legs %q, %q", resp.Header.Get("X-Request-Id"), first, retry, ds[0].RequestID, ds[1].RequestID)
+	}
+	if params(t, ds[0].Body)["remote_request_id"] != first || params(t, ds[1].Body)["remote_request_id"] != retry {
+		t.Errorf("decode legs named prefill requests %v and %v, want %q and %q", params(t, ds[0].Body)["remote_request_id"], params(t, ds[1].Body)["remote_request_id"], first, retry)
+	}
 	if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"engine": "p-bad", "reason": "status_5xx"}); got != 1 {
 		t.Errorf("5xx prefill leg counted %v times", got)
 	}
