@@ -236,6 +236,10 @@ type PoolStatus struct {
 	// +optional
 	Mode TransferMode `json:"mode,omitempty"`
 
+	// handoffFailurePolicy is the policy's, which a DecodePool's router carries out.
+	// +optional
+	HandoffFailurePolicy HandoffFailurePolicy `json:"handoffFailurePolicy,omitempty"`
+
 	// compatHash is the kvhandoff.io/compat-hash that every engine of the pool runs with;
 	// empty while a rollout leaves engines of different configurations side by side.
 	// A DecodePool is Paired when its compatHash equals its PrefillPool's.

@@ -62,6 +62,7 @@ var _ = Describe("Defaults", func() {
 			RegistrationTimeoutSeconds: 480,
 			BlocksTTLSeconds:           480,
 			LoadFailurePolicy:          kvv1.LoadFailureFail,
+			HandoffFailurePolicy:       kvv1.HandoffFailureFail,
 			Bidirectional:              false,
 			SameNode:                   kvv1.SameNodeForbid,
 		}))

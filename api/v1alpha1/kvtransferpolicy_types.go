@@ -69,6 +69,22 @@ const (
 	LoadFailureRecompute LoadFailurePolicy = "Recompute"
 )
 
+// HandoffFailurePolicy says what a DecodePool's router does with a request whose prefill
+// side cannot serve it.
+// +kubebuilder:validation:Enum=Fail;ServeOnDecode
+type HandoffFailurePolicy string
+
+const (
+	// HandoffFailureFail answers the request with a named error: 502 naming the prefill
+	// engine that failed, or 503 naming what is missing.
+	HandoffFailureFail HandoffFailurePolicy = "Fail"
+	// HandoffFailureServeOnDecode serves the request on a decode engine alone, which
+	// prefills it itself (aggregated serving): the client gets its answer, later, and the
+	// decode engine's other requests slow down meanwhile. Every such request is counted
+	// (kvhandoff_router_fallbacks_total) and logged with its id.
+	HandoffFailureServeOnDecode HandoffFailurePolicy = "ServeOnDecode"
+)
+
 // SameNodePolicy says whether a decode engine may run on a node that runs a prefill engine
 // of its pair.
 // +kubebuilder:validation:Enum=Forbid;Allow;Prefer
@@ -187,6 +203,14 @@ type KVTransferPolicySpec struct {
 	// +kubebuilder:default=Fail
 	// +optional
 	LoadFailurePolicy LoadFailurePolicy `json:"loadFailurePolicy,omitempty"`
+
+	// handoffFailurePolicy is what the router does with a request whose prefill leg failed
+	// on every engine tried, or that arrives while its DecodePool's PrefillPool has no
+	// ready engine: Fail it with a named error, the default, or ServeOnDecode, serving it
+	// on a decode engine alone. It concerns only the router: changing it rolls no engine.
+	// +kubebuilder:default=Fail
+	// +optional
+	HandoffFailurePolicy HandoffFailurePolicy `json:"handoffFailurePolicy,omitempty"`
 
 	// bidirectional lets KV also flow from decode back to prefill. Pull mode only.
 	// +kubebuilder:default=false

@@ -73,6 +73,9 @@ var _ = Describe("KVTransferPolicy validation", func() {
 		Entry("accepts hugepages", builder.Policy("p").Hugepages2Mi("2Gi"), ""),
 		Entry("rejects an unknown load failure policy", builder.Policy("p").LoadFailurePolicy("Retry"),
 			`spec.loadFailurePolicy: Unsupported value: "Retry": supported values: "Fail", "Recompute"`),
+		Entry("rejects an unknown handoff failure policy", builder.Policy("p").HandoffFailurePolicy("Recompute"),
+			`spec.handoffFailurePolicy: Unsupported value: "Recompute": supported values: "Fail", "ServeOnDecode"`),
+		Entry("accepts serving on decode", builder.Policy("p").HandoffFailurePolicy(kvv1.HandoffFailureServeOnDecode), ""),
 	)
 })
 

@@ -41,6 +41,7 @@ var _ = Describe("Status", func() {
 		Expect(condition(p, kvv1.ConditionReady)).To(HaveField("Status", metav1.ConditionTrue))
 		Expect(p.Status.ReadyReplicas).To(BeEquivalentTo(1))
 		Expect(p.Status.Mode).To(Equal(kvv1.TransferPush))
+		Expect(d.Status.HandoffFailurePolicy).To(Equal(kvv1.HandoffFailureFail))
 		Expect(p.Status.Selector).To(Equal("kvhandoff.io/pool=p,kvhandoff.io/role=prefill"))
 		Expect(p.Status.CompatHash).NotTo(BeEmpty())
 		Expect(p.Status.Engines).To(Equal([]kvv1.EngineStatus{{
@@ -208,6 +209,20 @@ var _ = Describe("Lifecycle", func() {
 		for name, before := range map[string]string{"p": prefillBefore, "d": decodeBefore} {
 			Eventually(func() string { return hash(name) }).ShouldNot(Equal(before))
 			Expect(strings.Join(statefulSet(ns, name).Spec.Template.Spec.Containers[0].Args, " ")).To(ContainSubstring(`"kv_lease_duration":45`))
+		}
+	})
+
+	It("hands a change of handoffFailurePolicy to the router through the DecodePool's status, rolling no engine", func() {
+		ns, pol, _, d := readyPair()
+		sts := func(name string) *appsv1.StatefulSet { return statefulSet(ns, name) }
+		before := map[string]string{"p": sts("p").ResourceVersion, "d": sts("d").ResourceVersion}
+		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.HandoffFailurePolicy = kvv1.HandoffFailureServeOnDecode })
+		Eventually(func() kvv1.HandoffFailurePolicy {
+			Expect(k8s.Get(ctx, client.ObjectKeyFromObject(d), d)).To(Succeed())
+			return d.Status.HandoffFailurePolicy
+		}).Should(Equal(kvv1.HandoffFailureServeOnDecode))
+		for name, rv := range before {
+			Expect(sts(name).ResourceVersion).To(Equal(rv), "the %s StatefulSet was rewritten for a router-only setting", name)
 		}
 	})
 

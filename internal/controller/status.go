@@ -87,7 +87,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 	st.ObservedGeneration = gen
 	st.Selector = labels.SelectorFromSet(render.SelectorLabels(p.role(), p.GetName())).String()
 	if v.policy != nil {
-		st.Mode = v.policy.Spec.Mode
+		st.Mode, st.HandoffFailurePolicy = v.policy.Spec.Mode, v.policy.Spec.HandoffFailurePolicy
 	}
 	st.RouterService = ""
 	if routerEnabled(p) && v.problem == nil {

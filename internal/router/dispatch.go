@@ -33,6 +33,7 @@ type request struct {
 	// What the request log and the metrics report.
 	prefill, decode string
 	retries         int
+	fallback        string        // why the request was served on a decode engine alone, if it was
 	added           time.Duration // the router's own share of the time to first byte
 	relay           time.Duration // of which relaying the decode leg's first byte
 	firstByte       time.Time
@@ -107,10 +108,54 @@ func (s *Server) dispatch(rq *request) result {
 		return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: "no engines discovered yet"}
 	}
 	rq.mode = modeLabel(set.Mode)
+	var res result
 	if set.Mode == kvv1.TransferPush {
-		return s.push(rq, set)
+		res = s.push(rq, set)
+	} else {
+		res = s.pull(rq, set)
 	}
-	return s.pull(rq, set)
+	if reason := fallbackReason(res, set); reason != "" && set.HandoffFailurePolicy == kvv1.HandoffFailureServeOnDecode {
+		return s.serveOnDecode(rq, set, reason, res)
+	}
+	return res
+}
+
+// fallbackReason names why a request's prefill side could not serve it, or is "" when it
+// was not the prefill side that failed.
+func fallbackReason(res result, set *discovery.Set) string {
+	switch {
+	case res.outcome == OutcomePrefillFailed:
+		return FallbackPrefillFailed
+	case res.outcome == OutcomeNoEngine && len(set.Prefill) == 0:
+		return FallbackNoPrefillEngine
+	}
+	return ""
+}
+
+// serveOnDecode serves a request whose prefill side failed on a decode engine alone
+// (handoffFailurePolicy ServeOnDecode): the client's own body, so the engine prefills it
+// itself. The failed attempt's legs have ended (push aborts its decode leg before it
+// returns), so the request holds no other engine's resources and gets one answer. Each
+// such request is counted, logged with its id, and says so in X-Kvhandoff-Fallback.
+func (s *Server) serveOnDecode(rq *request, set *discovery.Set, reason string, failed result) result {
+	if len(set.Decode) == 0 {
+		return failed
+	}
+	s.m.fallbacks.WithLabelValues(rq.mode, reason).Inc()
+	s.cfg.Log.Warn("serving the request on a decode engine alone (handoffFailurePolicy ServeOnDecode)", "request_id", rq.id, "mode", rq.mode,
+		"reason", reason, "err", failed.msg)
+	rq.fallback = reason
+	rq.w.Header().Set("X-Kvhandoff-Fallback", reason)
+	// A request id of its own, as for any new attempt (legID).
+	rq.retries++
+	d, release := s.take(balance.Decode, set.Decode, rq.tokens)
+	rq.decode = d.EngineID
+	ctx, cancel := context.WithCancel(rq.r.Context())
+	defer cancel()
+	sent := time.Now()
+	ds := s.decodeLeg(ctx, rq, d, release, rq.body.Marshal())
+	rq.decodeTime = time.Since(sent)
+	return s.finishDecode(rq, d, ds)
 }
 
 // attempts is how often a request's legs are sent: once, and once more on another
@@ -549,6 +594,9 @@ func (s *Server) record(rq *request, res result) {
 		ms(time.Since(rq.start))}
 	if cid := rq.r.Header.Get("X-Request-Id"); cid != "" {
 		attrs = append(attrs, "client_request_id", cid)
+	}
+	if rq.fallback != "" {
+		attrs = append(attrs, "fallback", rq.fallback)
 	}
 	if !rq.firstByte.IsZero() {
 		attrs = append(attrs, "ttft_ms", ms(rq.firstByte.Sub(rq.start)), "router_added_ms", ms(rq.added), "router_relay_ms", ms(rq.relay))

@@ -1,7 +1,9 @@
 package router_test
 
 import (
+	"bytes"
 	"context"
+	"fmt"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -13,6 +15,7 @@ import (
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -339,4 +342,61 @@ func startClosingEngine(t *testing.T, id string, kv vllmserver.KV) *closingEngin
 	t.Cleanup(hs.Close)
 	e.engine = &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}
 	return e
+}
+
+// handoffFailurePolicy ServeOnDecode: a request whose prefill side cannot serve it (its
+// prefill leg failed on every engine tried, or no prefill engine is ready) is served on
+// a decode engine alone, from the client's own body, which the engine prefills itself.
+// The client gets one answer, told in X-Kvhandoff-Fallback; the fallback is counted by
+// reason; in push the first attempt's decode leg was aborted before. Under Fail, the
+// default, the same requests fail by name and nothing falls back.
+func TestServeOnDecodeServesWhatThePrefillSideCannotAndFailDoesNot(t *testing.T) {
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		for _, c := range []struct {
+			what   string
+			bad    bool // a prefill engine that fails; none at all otherwise
+			reason string
+			status int
+		}{
+			{"the prefill leg fails", true, router.FallbackPrefillFailed, http.StatusBadGateway},
+			{"no prefill engine is ready", false, router.FallbackNoPrefillEngine, http.StatusServiceUnavailable},
+		} {
+			for _, policy := range []kvv1.HandoffFailurePolicy{kvv1.HandoffFailureServeOnDecode, kvv1.HandoffFailureFail} {
+				kv := vllmserver.NewLocalKV()
+				d := startEngine(t, "d-0", kv, 0)
+				var prefill []discovery.Engine
+				if c.bad {
+					bad := startEngine(t, "p-bad", kv, 0)
+					bad.Fail.Store(http.StatusInternalServerError)
+					prefill = engines(bad)
+				}
+				r := startRouter(t, mode, prefill, engines(d))
+				r.Update(&discovery.Set{Mode: mode, HandoffFailurePolicy: policy, Prefill: prefill, Decode: engines(d), Source: "test"})
+				resp, body := post(t, r.URL, "/v1/completions", small)
+				fallbacks := r.metric(t, "kvhandoff_router_fallbacks_total", map[string]string{"reason": c.reason})
+				name := fmt.Sprintf("%s, %s, %s", mode, c.what, policy)
+				if policy == kvv1.HandoffFailureFail {
+					if resp.StatusCode != c.status || fallbacks != 0 || resp.Header.Get("X-Kvhandoff-Fallback") != "" {
+						t.Errorf("%s: %s %s, %v fallbacks; want %d and none", name, resp.Status, body, fallbacks, c.status)
+					}
+					continue
+				}
+				if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+					t.Fatalf("%s: %s %s", name, resp.Status, body)
+				}
+				if got := resp.Header.Get("X-Kvhandoff-Fallback"); got != c.reason || fallbacks != 1 {
+					t.Errorf("%s: X-Kvhandoff-Fallback %q, %v fallbacks counted; want %q and 1", name, got, fallbacks, c.reason)
+				}
+				seen := d.Seen()
+				last := seen[len(seen)-1]
+				if bytes.Contains(last.Body, []byte(protocol.KVTransferParams)) {
+					t.Errorf("%s: the decode engine alone got kv_transfer_params: %s", name, last.Body)
+				}
+				// Push sent a decode leg with the first attempt: it was aborted.
+				for i := range len(seen) - 1 {
+					eventually(t, name+": the failed attempt's decode leg is aborted", 5*time.Second, func() bool { return d.Seen()[i].Cancelled })
+				}
+			}
+		}
+	}
 }

@@ -27,8 +27,18 @@ const (
 	OutcomeOverloaded = "overloaded"
 )
 
+// Why a request was served on a decode engine alone (handoffFailurePolicy ServeOnDecode),
+// the reason label of kvhandoff_router_fallbacks_total.
+const (
+	// FallbackPrefillFailed: its prefill leg failed on every engine tried.
+	FallbackPrefillFailed = "prefill_failed"
+	// FallbackNoPrefillEngine: the PrefillPool had no ready engine.
+	FallbackNoPrefillEngine = "no_prefill_engine"
+)
+
 type metrics struct {
 	requests  *prometheus.CounterVec
+	fallbacks *prometheus.CounterVec
 	retries   *prometheus.CounterVec
 	legFails  *prometheus.CounterVec
 	ttft      *prometheus.HistogramVec
@@ -44,6 +54,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvhandoff_router_requests_total",
 			Help: "Client requests by mode, outcome and engine (the decode engine, or the engine that failed).",
 		}, []string{"mode", "outcome", "engine"}),
+		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_router_fallbacks_total",
+			Help: "Requests served on a decode engine alone because their prefill side could not serve them (handoffFailurePolicy ServeOnDecode), by reason.",
+		}, []string{"mode", "reason"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_router_retries_total",
 			Help: "Requests whose prefill leg was retried on another prefill engine (push: the pair).",
@@ -77,6 +91,6 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Engines the router may send legs to (Ready), per role.",
 		}, []string{"role"}),
 	}
-	reg.MustRegister(m.requests, m.retries, m.legFails, m.ttft, m.leg, m.added, m.inflight, m.endpoints)
+	reg.MustRegister(m.requests, m.fallbacks, m.retries, m.legFails, m.ttft, m.leg, m.added, m.inflight, m.endpoints)
 	return m
 }

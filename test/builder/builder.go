@@ -40,6 +40,7 @@ func Policy(name string) *PolicyBuilder {
 			RegistrationTimeoutSeconds: kvv1.DefaultRegistrationTimeoutSeconds,
 			BlocksTTLSeconds:           kvv1.DefaultBlocksTTLSeconds,
 			LoadFailurePolicy:          kvv1.LoadFailureFail,
+			HandoffFailurePolicy:       kvv1.HandoffFailureFail,
 			SameNode:                   kvv1.SameNodeForbid,
 		},
 	}}
@@ -96,6 +97,10 @@ func (b *PolicyBuilder) BlocksTTL(seconds int32) *PolicyBuilder {
 }
 func (b *PolicyBuilder) LoadFailurePolicy(p kvv1.LoadFailurePolicy) *PolicyBuilder {
 	b.obj.Spec.LoadFailurePolicy = p
+	return b
+}
+func (b *PolicyBuilder) HandoffFailurePolicy(p kvv1.HandoffFailurePolicy) *PolicyBuilder {
+	b.obj.Spec.HandoffFailurePolicy = p
 	return b
 }
 

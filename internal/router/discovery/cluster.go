@@ -129,7 +129,7 @@ func (c *Cluster) read(ctx context.Context, r client.Reader) (*Set, error) {
 	if d.Status.Mode == "" {
 		return nil, nil
 	}
-	s := &Set{Mode: d.Status.Mode, Source: fmt.Sprintf("DecodePool %s, PrefillPool %s", src, d.Spec.PrefillPoolRef.Name)}
+	s := &Set{Mode: d.Status.Mode, HandoffFailurePolicy: d.Status.HandoffFailurePolicy, Source: fmt.Sprintf("DecodePool %s, PrefillPool %s", src, d.Spec.PrefillPoolRef.Name)}
 	pods := &corev1.PodList{}
 	if err := r.List(ctx, pods, client.InNamespace(c.Namespace)); err != nil {
 		return nil, err

@@ -167,4 +167,11 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 		t.Fatal(err)
 	}
 	next("the mode follows", churn, func(s *discovery.Set) bool { return s.Mode == kvv1.TransferPull })
+
+	// So does the policy's handoffFailurePolicy.
+	d.Status.HandoffFailurePolicy = kvv1.HandoffFailureServeOnDecode
+	if err := c.Status().Update(ctx, d); err != nil {
+		t.Fatal(err)
+	}
+	next("the handoff failure policy follows", churn, func(s *discovery.Set) bool { return s.HandoffFailurePolicy == kvv1.HandoffFailureServeOnDecode })
 }

@@ -35,6 +35,8 @@ type Engine struct {
 type Set struct {
 	// Mode is the DecodePool's policy's mode: Push or Pull.
 	Mode kvv1.TransferMode `json:"mode"`
+	// HandoffFailurePolicy is the policy's: Fail ("" too) or ServeOnDecode.
+	HandoffFailurePolicy kvv1.HandoffFailurePolicy `json:"handoffFailurePolicy,omitempty"`
 	// Prefill and Decode are the eligible engines of each pool.
 	Prefill []Engine `json:"prefill"`
 	Decode  []Engine `json:"decode"`
@@ -47,6 +49,11 @@ type Set struct {
 func (s *Set) Validate() error {
 	if s.Mode != kvv1.TransferPush && s.Mode != kvv1.TransferPull {
 		return fmt.Errorf("mode is %q: must be Push or Pull", s.Mode)
+	}
+	switch s.HandoffFailurePolicy {
+	case "", kvv1.HandoffFailureFail, kvv1.HandoffFailureServeOnDecode:
+	default:
+		return fmt.Errorf("handoffFailurePolicy is %q: must be Fail or ServeOnDecode", s.HandoffFailurePolicy)
 	}
 	var errs []error
 	check := func(role string, engines []Engine) {
