@@ -76,18 +76,7 @@ func TestAPullThatComesBeforeItsBlocksWaitsForThemAndReadsThem(t *testing.T) {
 // and one that names a block outside the request's final set at once: the decode agent
 // hears, and nothing waits forever.
 func TestAPullOfBlocksThatNeverComeIsRefusedByName(t *testing.T) {
-	A, B := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
-	l := testLayout(1, 64)
-	start := func(a *agentProc, id string, role agentv1.Role) *simengine.Engine {
-		e, err := simengine.Start(bg, simengine.Config{ID: id, Role: role, Mode: agentv1.Mode_MODE_PULL, Layout: l, Socket: a.Socket,
-			Lease: 400 * time.Millisecond, RegistrationTimeout: time.Second, BlocksTTL: time.Minute})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(e.Stop)
-		return e
-	}
-	P, D := start(A, "prefill-0.default", agentv1.Role_ROLE_PREFILL), start(B, "decode-0.default", agentv1.Role_ROLE_DECODE)
+	A, P, D := pullPairWithLease(t, testLayout(1, 64), 400*time.Millisecond)
 	src, dst := alloc(t, P, 4), alloc(t, D, 4)
 	if err := D.Pull(bg, "never", 1, P.Self, src, dst); err != nil {
 		t.Fatal(err)
@@ -177,19 +166,9 @@ func TestUnpulledBlocksExpireAfterTheBlocksTTL(t *testing.T) {
 // outlasts it on any machine; a shorter lease would end before the grant, and the
 // decode agent would not read at all.
 func TestAPullWhoseReadsOutlastTheLeaseIsReportedFailed(t *testing.T) {
-	A, B := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
 	l := testLayout(1, 256)
 	l.HeadDim = 512 // 128 KiB blocks, 512 KiB a position over 4 regions
-	start := func(a *agentProc, id string, role agentv1.Role) *simengine.Engine {
-		e, err := simengine.Start(bg, simengine.Config{ID: id, Role: role, Mode: agentv1.Mode_MODE_PULL, Layout: l, Socket: a.Socket,
-			Lease: 10 * time.Millisecond, RegistrationTimeout: time.Second, BlocksTTL: time.Minute})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(e.Stop)
-		return e
-	}
-	P, D := start(A, "prefill-0.default", agentv1.Role_ROLE_PREFILL), start(B, "decode-0.default", agentv1.Role_ROLE_DECODE)
+	_, P, D := pullPairWithLease(t, l, 10*time.Millisecond)
 	src, dst := alloc(t, P, 256), alloc(t, D, 256)
 	if err := P.SourceReady(bg, "long-reads", 0, src, true); err != nil {
 		t.Fatal(err)
@@ -200,4 +179,21 @@ func TestAPullWhoseReadsOutlastTheLeaseIsReportedFailed(t *testing.T) {
 	ev := wait(t, D, "long-reads", 1)
 	expect(t, ev, agentv1.Event_FAILED)
 	expect(t, wait(t, P, "long-reads", 1), agentv1.Event_FAILED)
+}
+
+// pullPairWithLease is a pull pair of one rank each, on agents of their own, whose
+// policy's lease is lease; it returns the prefill agent and the two engines.
+func pullPairWithLease(t *testing.T, l simengine.Layout, lease time.Duration) (prefillAgent *agentProc, p, d *simengine.Engine) {
+	t.Helper()
+	A, B := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
+	start := func(a *agentProc, id string, role agentv1.Role) *simengine.Engine {
+		e, err := simengine.Start(bg, simengine.Config{ID: id, Role: role, Mode: agentv1.Mode_MODE_PULL, Layout: l, Socket: a.Socket,
+			Lease: lease, RegistrationTimeout: time.Second, BlocksTTL: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(e.Stop)
+		return e
+	}
+	return A, start(A, "prefill-0.default", agentv1.Role_ROLE_PREFILL), start(B, "decode-0.default", agentv1.Role_ROLE_DECODE)
 }
