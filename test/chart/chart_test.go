@@ -4,6 +4,7 @@ package chart
 
 import (
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
@@ -117,5 +118,37 @@ func TestTheChartsValuesReachTheObjects(t *testing.T) {
 		if strings.Contains(out, unwanted) {
 			t.Errorf("helm template with provider tcp and insecure metrics still has %q", unwanted)
 		}
+	}
+}
+
+// With monitoring.prometheusRule.enabled the chart installs its alert rules, exactly the
+// groups of files/alerts.yaml (which test/alerts runs through promtool), with the labels
+// the values give; without it, none.
+func TestTheChartInstallsItsAlertRulesWhenAsked(t *testing.T) {
+	root := envtest.RepoRoot()
+	helm := strings.TrimSpace(run(t, filepath.Join(root, "hack", "helm.sh")))
+	chart := filepath.Join(root, "charts", "kvhandoff")
+	if out := run(t, helm, "template", "kvhandoff", chart, "--namespace", "kvhandoff-system"); strings.Contains(out, "kind: PrometheusRule") {
+		t.Error("a PrometheusRule without monitoring.prometheusRule.enabled")
+	}
+	out := run(t, helm, "template", "kvhandoff", chart, "--namespace", "kvhandoff-system",
+		"--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.prometheusRule.labels.release=prom")
+	rule := objects(t, out)["PrometheusRule/kvhandoff-system/kvhandoff"]
+	if rule == nil {
+		t.Fatal("no PrometheusRule kvhandoff in kvhandoff-system")
+	}
+	b, err := os.ReadFile(filepath.Join(chart, "files", "alerts.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var file map[string]any
+	if err := yaml.Unmarshal(b, &file); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(rule["spec"], file) {
+		t.Errorf("the PrometheusRule's spec differs from files/alerts.yaml:\n%v\n%v", rule["spec"], file)
+	}
+	if labels := rule["metadata"].(map[string]any)["labels"].(map[string]any); labels["release"] != "prom" {
+		t.Errorf("labels %v lack the value's release=prom", labels)
 	}
 }
