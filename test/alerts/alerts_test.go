@@ -15,7 +15,9 @@ import (
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
-func rules() string { return filepath.Join(envtest.RepoRoot(), "charts", "kvhandoff", "files", "alerts.yaml") }
+func rules() string {
+	return filepath.Join(envtest.RepoRoot(), "charts", "kvhandoff", "files", "alerts.yaml")
+}
 
 func TestTheAlertRulesParseAndFireAsDescribed(t *testing.T) {
 	out, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "promtool.sh")).Output()
