@@ -25,8 +25,8 @@ import (
 // There the images must already be on the nodes, tagged Registry/<name>:Tag (make images,
 // then `kind load image-archive`), and the suite owns the release "kvhandoff" in
 // kvhandoff-system and the pools, policies and test pods of namespace default: it removes
-// them before and after each test. Tests that check this machine's node itself say so and
-// are skipped there.
+// them before and after each test. Tests that check this machine's node itself fail there,
+// naming the tests to run instead.
 func External() string { return os.Getenv("KVHANDOFF_TEST_KUBECONFIG") }
 
 // Attach returns a Node for the cluster of kubeconfig, cleared of what an earlier run of
