@@ -211,6 +211,16 @@ type EngineStatus struct {
 	// ready is true when the engine's pod is Ready: its OpenAI API answers.
 	// +optional
 	Ready bool `json:"ready,omitempty"`
+
+	// agentSession is true when the transfer agent of the engine's node reports a session
+	// of this engine (executor Agent only): its KV can move.
+	// +optional
+	AgentSession bool `json:"agentSession,omitempty"`
+
+	// fabric is the libfabric provider the agent of the engine's node opened (executor
+	// Agent only); empty while that agent reports none.
+	// +optional
+	Fabric string `json:"fabric,omitempty"`
 }
 
 // PoolStatus is the observed state of a PrefillPool or DecodePool.
@@ -240,6 +250,11 @@ type PoolStatus struct {
 	// +optional
 	HandoffFailurePolicy HandoffFailurePolicy `json:"handoffFailurePolicy,omitempty"`
 
+	// handoffFailureLimitPercent is the policy's, which a DecodePool's router checks its
+	// failed and fallen-back handoffs against.
+	// +optional
+	HandoffFailureLimitPercent int32 `json:"handoffFailureLimitPercent,omitempty"`
+
 	// compatHash is the kvhandoff.io/compat-hash that every engine of the pool runs with;
 	// empty while a rollout leaves engines of different configurations side by side.
 	// A DecodePool is Paired when its compatHash equals its PrefillPool's.
@@ -265,7 +280,8 @@ type PoolStatus struct {
 	// +optional
 	Warnings []PoolWarning `json:"warnings,omitempty"`
 
-	// conditions are Ready, Progressing and Degraded (and Paired on a DecodePool), in the
+	// conditions are Ready, Progressing, Degraded and TransferHealthy (and Paired on a
+	// DecodePool), in the
 	// kstatus convention that Argo CD and Flux read health from.
 	// +listType=map
 	// +listMapKey=type
@@ -293,6 +309,34 @@ const (
 	ConditionDegraded = "Degraded"
 	// ConditionPaired is True on a DecodePool when it and its PrefillPool can exchange KV.
 	ConditionPaired = "Paired"
+	// ConditionTransferHealthy is True when the transfer agents of the pool's engines run
+	// the policy's provider and see no failures, and (on a DecodePool) its routers hand
+	// requests off within the policy's limit. False makes the pool Degraded and not Ready.
+	ConditionTransferHealthy = "TransferHealthy"
+)
+
+// Reasons of the TransferHealthy condition. The agents and routers report them (package
+// health), the manager puts the worst on the pool, naming the nodes or pods.
+const (
+	// ReasonTransfersHealthy: every agent and router of the pool sees nothing wrong.
+	ReasonTransfersHealthy = "TransfersHealthy"
+	// ReasonAgentNotReady: an engine runs on a node whose transfer agent is missing or not
+	// ready (its provider cannot be opened, or it stopped), so its KV cannot move.
+	ReasonAgentNotReady = "AgentNotReady"
+	// ReasonProviderFallback: an agent of the pool's engines runs another libfabric
+	// provider than the policy asks for (TCP where EFA was asked: about 100 times slower).
+	ReasonProviderFallback = "ProviderFallback"
+	// ReasonPeersLost: transfers failed because the other side's agent connection broke.
+	ReasonPeersLost = "PeersLost"
+	// ReasonTransferFailures: more than 5% (and at least 3) of an agent's attempts failed
+	// over its health window.
+	ReasonTransferFailures = "TransferFailures"
+	// ReasonLeasesExpiring: at least 3 leases or TTLs ran out at an agent over its health
+	// window: engines stop heartbeating, or leaseSeconds is too short.
+	ReasonLeasesExpiring = "LeasesExpiring"
+	// ReasonHandoffFailures: a router failed, or served on decode alone, more of its
+	// requests than the policy's handoffFailureLimitPercent over its health window.
+	ReasonHandoffFailures = "HandoffFailures"
 )
 
 // Reasons of the pool conditions. Those that say why a pool cannot be rendered also tell

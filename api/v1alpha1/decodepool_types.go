@@ -61,6 +61,7 @@ type RouterSpec struct {
 // +kubebuilder:printcolumn:name="Ready",type=integer,JSONPath=`.status.readyReplicas`
 // +kubebuilder:printcolumn:name="Mode",type=string,JSONPath=`.status.mode`
 // +kubebuilder:printcolumn:name="Router",type=string,JSONPath=`.status.routerService`
+// +kubebuilder:printcolumn:name="Transfer",type=string,JSONPath=`.status.conditions[?(@.type=="TransferHealthy")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Prefill",type=string,JSONPath=`.spec.prefillPoolRef.name`,priority=1
 // +kubebuilder:printcolumn:name="Policy",type=string,JSONPath=`.spec.transferPolicyRef.name`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`

@@ -1,6 +1,6 @@
 package v1alpha1
 
-// Defaults of KVTransferPolicy's timeouts. The CRD's +kubebuilder:default markers cannot
+// Defaults of KVTransferPolicy's timeouts and limits. The CRD's +kubebuilder:default markers cannot
 // name a constant, so they repeat these numbers; the transfer agent's fallbacks (for
 // engines that send no policy) and the test builders use these constants, and an envtest
 // spec checks that a policy the API server defaults equals the builder's, so no copy can
@@ -12,4 +12,6 @@ const (
 	DefaultRegistrationTimeoutSeconds = 480
 	// DefaultBlocksTTLSeconds is spec.blocksTTLSeconds' default.
 	DefaultBlocksTTLSeconds = 480
+	// DefaultHandoffFailureLimitPercent is spec.handoffFailureLimitPercent's default.
+	DefaultHandoffFailureLimitPercent = 5
 )

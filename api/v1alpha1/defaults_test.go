@@ -63,6 +63,7 @@ var _ = Describe("Defaults", func() {
 			BlocksTTLSeconds:           480,
 			LoadFailurePolicy:          kvv1.LoadFailureFail,
 			HandoffFailurePolicy:       kvv1.HandoffFailureFail,
+			HandoffFailureLimitPercent: ptr.To[int32](5),
 			Bidirectional:              false,
 			SameNode:                   kvv1.SameNodeForbid,
 		}))

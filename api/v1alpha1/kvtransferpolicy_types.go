@@ -212,6 +212,17 @@ type KVTransferPolicySpec struct {
 	// +optional
 	HandoffFailurePolicy HandoffFailurePolicy `json:"handoffFailurePolicy,omitempty"`
 
+	// handoffFailureLimitPercent is the share of a DecodePool's requests, over the router's
+	// health window (a minute), whose handoff may fail — answered with an error, or served
+	// on decode alone under ServeOnDecode — before the pool reports TransferHealthy False
+	// (HandoffFailures) and Degraded. It concerns only the router: changing it rolls no
+	// engine.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=100
+	// +kubebuilder:default=5
+	// +optional
+	HandoffFailureLimitPercent *int32 `json:"handoffFailureLimitPercent,omitempty"`
+
 	// bidirectional lets KV also flow from decode back to prefill. Pull mode only.
 	// +kubebuilder:default=false
 	// +optional

@@ -30,9 +30,18 @@ const (
 	// peers reach it at. Agents dial no other address: an engine naming any other host or
 	// port gets a refusal, never a connection attempt.
 	AnnotationAgentAddress = "kvhandoff.io/agent-address"
+	// AnnotationAgentHealth on a node is its transfer agent's report of its transfers
+	// (JSON: the provider it opened, the engines with a session, a TransferHealthy reason
+	// and message). The agent writes it only when it changes; the manager reads it into
+	// the pools' TransferHealthy condition.
+	AnnotationAgentHealth = "kvhandoff.io/agent-health"
 	// LabelRouter on a router's objects and pods names the DecodePool it routes to. Router
-	// pods carry neither the pool nor the role label, so they are never taken for engines.
+	// pods carry the pool label too (never the role label), so they are never taken for
+	// engines.
 	LabelRouter = "kvhandoff.io/router"
+	// AnnotationRouterHealth on a router pod is the router's own report of its handoffs
+	// (JSON, as the agent's), written by the router on its own pod only when it changes.
+	AnnotationRouterHealth = "kvhandoff.io/router-health"
 
 	// AnnotationPolicyHash on an engine pod template is the hash of the policy spec the pod
 	// was rendered from, so that any policy change rolls both pools.

@@ -22,6 +22,7 @@ type PrefillPoolSpec struct {
 // +kubebuilder:printcolumn:name="Ready",type=integer,JSONPath=`.status.readyReplicas`
 // +kubebuilder:printcolumn:name="Mode",type=string,JSONPath=`.status.mode`
 // +kubebuilder:printcolumn:name="Policy",type=string,JSONPath=`.spec.transferPolicyRef.name`,priority=1
+// +kubebuilder:printcolumn:name="Transfer",type=string,JSONPath=`.status.conditions[?(@.type=="TransferHealthy")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type PrefillPool struct {
 	metav1.TypeMeta   `json:",inline"`

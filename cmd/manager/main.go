@@ -5,6 +5,7 @@ package main
 import (
 	"flag"
 	"os"
+	"time"
 
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
@@ -22,11 +23,14 @@ func main() {
 		"/metrics (false: plain HTTP to anyone)")
 	flag.StringVar(&probeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
 	flag.BoolVar(&leaderElect, "leader-elect", false, "elect a leader, so that only one of several manager replicas reconciles")
-	var images controller.Images
+	var o controller.Options
+	images := &o.Images
 	flag.StringVar(&images.Router, "router-image", render.DefaultRouterImage, "router image for DecodePools whose spec.router.image is empty: the "+
 		"router of this manager's version")
 	flag.StringVar(&images.Connector, "connector-image", render.DefaultConnectorImage, "image of the vLLM connector init container for engines of "+
 		"a policy with executor Agent: the connector of this manager's version")
+	flag.DurationVar(&o.RouterHealthInterval, "router-health-interval", 10*time.Second, "how often every router pod's transfer health "+
+		"report is read into its DecodePool's TransferHealthy condition")
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
 	flag.Parse()
@@ -45,7 +49,7 @@ func main() {
 		log.Error(err, "creating the manager")
 		os.Exit(1)
 	}
-	if err := controller.Setup(mgr, images); err != nil {
+	if err := controller.Setup(mgr, o); err != nil {
 		log.Error(err, "setting up the controllers")
 		os.Exit(1)
 	}

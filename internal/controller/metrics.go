@@ -20,10 +20,14 @@ var (
 		Name: "kvhandoff_pool_condition",
 		Help: "1 when the pool's condition of this type is True, 0 otherwise.",
 	}, []string{"namespace", "pool", "role", "type"})
+	transferProblem = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kvhandoff_pool_transfer_problem",
+		Help: "1 while the pool's TransferHealthy condition is False, labelled with its reason (AgentNotReady, ProviderFallback, ...).",
+	}, []string{"namespace", "pool", "role", "reason"})
 )
 
 func init() {
-	metrics.Registry.MustRegister(poolEngines, poolCondition)
+	metrics.Registry.MustRegister(poolEngines, poolCondition, transferProblem)
 }
 
 // recordMetrics publishes a pool's status as metrics.
@@ -33,7 +37,7 @@ func recordMetrics(p pool, desired int32, unschedulable int) {
 	poolEngines.WithLabelValues(ns, name, role, "desired").Set(float64(desired))
 	poolEngines.WithLabelValues(ns, name, role, "ready").Set(float64(st.ReadyReplicas))
 	poolEngines.WithLabelValues(ns, name, role, "unschedulable").Set(float64(unschedulable))
-	for _, t := range []string{kvv1.ConditionReady, kvv1.ConditionProgressing, kvv1.ConditionDegraded, kvv1.ConditionPaired} {
+	for _, t := range []string{kvv1.ConditionReady, kvv1.ConditionProgressing, kvv1.ConditionDegraded, kvv1.ConditionPaired, kvv1.ConditionTransferHealthy} {
 		c := meta.FindStatusCondition(st.Conditions, t)
 		if c == nil {
 			continue
@@ -44,6 +48,12 @@ func recordMetrics(p pool, desired int32, unschedulable int) {
 		}
 		poolCondition.WithLabelValues(ns, name, role, t).Set(v)
 	}
+	// One series per pool while its transfers are unhealthy, labelled with the reason an
+	// alert names; none while they are healthy.
+	transferProblem.DeletePartialMatch(prometheus.Labels{"namespace": ns, "pool": name, "role": role})
+	if c := meta.FindStatusCondition(st.Conditions, kvv1.ConditionTransferHealthy); c != nil && c.Status == metav1.ConditionFalse {
+		transferProblem.WithLabelValues(ns, name, role, c.Reason).Set(1)
+	}
 }
 
 // forgetMetrics drops a deleted pool's series.
@@ -51,4 +61,5 @@ func forgetMetrics(namespace, name string, role kvv1.Role) {
 	labels := prometheus.Labels{"namespace": namespace, "pool": name, "role": string(role)}
 	poolEngines.DeletePartialMatch(labels)
 	poolCondition.DeletePartialMatch(labels)
+	transferProblem.DeletePartialMatch(labels)
 }

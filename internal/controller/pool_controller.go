@@ -13,7 +13,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/compat"
@@ -33,6 +36,8 @@ type PoolReconciler struct {
 	RouterImage string
 	// ConnectorImage is the vLLM connector init container's image ("" for the default).
 	ConnectorImage string
+	// routers holds the routers' health reports (DecodePools).
+	routers *routerHealth
 }
 
 // +kubebuilder:rbac:groups=kvhandoff.io,resources=prefillpools;decodepools,verbs=get;list;watch
@@ -42,6 +47,7 @@ type PoolReconciler struct {
 // +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=namespaces,verbs=get;list;watch
+// +kubebuilder:rbac:groups="",resources=nodes,verbs=get;list;watch
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups="",resources=services;serviceaccounts,verbs=get;list;watch;create;patch;delete
@@ -206,7 +212,8 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 // SetupWithManager registers the reconciler: it follows the StatefulSet and Service of
 // the pool's name (its own, or a foreign one that blocks it: deleting that must clear the
 // NameConflict), the pool's pods, the policy (and, for a decode pool, the prefill pool)
-// it references, and its namespace (whose label allows privileged engines).
+// it references, its namespace (whose label allows privileged engines), the agents'
+// labels and reports on its engines' nodes, and (a decode pool) its routers' reports.
 func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 	if err := indexReferences(context.Background(), mgr, r.Role); err != nil {
 		return err
@@ -218,9 +225,11 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&corev1.Service{}, enqueuePoolOfName()).
 		Watches(&corev1.Pod{}, enqueuePoolOfPod(r.Role)).
 		Watches(&kvv1.KVTransferPolicy{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPolicy)).
-		Watches(&corev1.Namespace{}, enqueuePoolsIn(mgr.GetClient(), r.Role))
+		Watches(&corev1.Namespace{}, enqueuePoolsIn(mgr.GetClient(), r.Role)).
+		WatchesMetadata(&corev1.Node{}, enqueuePoolsOnNode(mgr.GetClient(), r.Role), builder.WithPredicates(agentChanged))
 	if r.Role == kvv1.RoleDecode {
-		b = b.Watches(&kvv1.PrefillPool{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPrefillPool)).
+		b = b.WatchesRawSource(source.Channel(r.routers.events, &handler.EnqueueRequestForObject{})).
+			Watches(&kvv1.PrefillPool{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPrefillPool)).
 			// A hand edit of the router's Deployment or Service is undone.
 			Owns(&appsv1.Deployment{}).
 			Owns(&corev1.Service{})

@@ -1,6 +1,10 @@
 package controller
 
 import (
+	"cmp"
+	"context"
+	"time"
+
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
@@ -41,11 +45,26 @@ type Images struct {
 	Connector string
 }
 
-// Setup registers the PrefillPool and DecodePool reconcilers with mgr.
-func Setup(mgr ctrl.Manager, images Images) error {
+// Options are the manager's settings beyond the controller-runtime manager's own.
+type Options struct {
+	Images Images
+	// RouterHealthInterval is how often every router pod's health report is read.
+	RouterHealthInterval time.Duration
+}
+
+// Setup registers the PrefillPool and DecodePool reconcilers with mgr, and the poller of
+// the routers' health reports.
+func Setup(mgr ctrl.Manager, o Options) error {
+	if err := indexPodNodes(context.Background(), mgr); err != nil {
+		return err
+	}
+	routers := newRouterHealth(mgr.GetClient(), cmp.Or(o.RouterHealthInterval, 10*time.Second))
+	if err := mgr.Add(routers); err != nil {
+		return err
+	}
 	for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
 		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role,
-			RouterImage: images.Router, ConnectorImage: images.Connector}
+			RouterImage: o.Images.Router, ConnectorImage: o.Images.Connector, routers: routers}
 		if err := r.SetupWithManager(mgr); err != nil {
 			return err
 		}
@@ -54,7 +73,8 @@ func Setup(mgr ctrl.Manager, images Images) error {
 }
 
 // CacheOptions keep the manager's memory proportional to its engines: of all pods it
-// caches only those that carry a pool label. StatefulSets and Services are cached whole,
+// caches only those that carry a pool label (engines and routers); of nodes, only their
+// metadata (the agents' labels and health reports). StatefulSets and Services are cached whole,
 // so that a foreign object with a pool's name is seen and reported, never taken over.
 //
 // Of Deployments, PodDisruptionBudgets, ServiceAccounts, Roles and RoleBindings it caches

@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/health"
 	"github.com/kvhandoff/kvhandoff/internal/render"
 )
 
@@ -32,6 +33,10 @@ type observed struct {
 	// pending are the engine pods the scheduler cannot place (sorted), and its reason.
 	pending       []string
 	schedulerSays string
+	// agents are the transfer agents of the engines' nodes, by node; routers are the
+	// health reports of a DecodePool's routers, by pod.
+	agents  map[string]agentView
+	routers map[string]health.Report
 }
 
 // updateStatus observes the pool's workload, computes its status (poolStatus, a pure
@@ -76,6 +81,30 @@ func (r *PoolReconciler) observe(ctx context.Context, p pool) (observed, error) 
 		return obs, err
 	}
 	obs.engines, obs.pending, obs.schedulerSays = engines(pods.Items)
+	obs.agents = map[string]agentView{}
+	for _, e := range obs.engines {
+		if e.Agent == "" || e.NodeName == "" {
+			continue
+		}
+		if _, seen := obs.agents[e.NodeName]; seen {
+			continue
+		}
+		node := &metav1.PartialObjectMetadata{}
+		node.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Node"))
+		err := r.Get(ctx, client.ObjectKey{Name: e.NodeName}, node)
+		if client.IgnoreNotFound(err) != nil {
+			return obs, err
+		}
+		var a agentView
+		if err == nil {
+			a.ready = node.Labels[kvv1.LabelAgentReady] == "true"
+			a.report, a.reported = health.Parse(node.Annotations[kvv1.AnnotationAgentHealth])
+		}
+		obs.agents[e.NodeName] = a
+	}
+	if p.role() == kvv1.RoleDecode && r.routers != nil {
+		obs.routers = r.routers.of(p.GetNamespace(), p.GetName())
+	}
 	return obs, nil
 }
 
@@ -86,8 +115,11 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 	gen := p.object().GetGeneration()
 	st.ObservedGeneration = gen
 	st.Selector = labels.SelectorFromSet(render.SelectorLabels(p.role(), p.GetName())).String()
+	var provider kvv1.FabricProvider
 	if v.policy != nil {
 		st.Mode, st.HandoffFailurePolicy = v.policy.Spec.Mode, v.policy.Spec.HandoffFailurePolicy
+		st.HandoffFailureLimitPercent = ptr.Deref(v.policy.Spec.HandoffFailureLimitPercent, kvv1.DefaultHandoffFailureLimitPercent)
+		provider = v.policy.Spec.Fabric.Provider
 	}
 	st.RouterService = ""
 	if routerEnabled(p) && v.problem == nil {
@@ -103,7 +135,8 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 			st.CompatHash = sts.Spec.Template.Labels[kvv1.LabelCompatHash]
 		}
 	}
-	st.Engines = obs.engines
+	st.Engines = slices.Clone(obs.engines)
+	transfer := transferHealth(st.Engines, obs.agents, obs.routers, provider)
 	st.Warnings = nil
 	for _, w := range v.warnings {
 		st.Warnings = append(st.Warnings, kvv1.PoolWarning{Reason: w.Reason, Message: w.Message})
@@ -128,6 +161,16 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		set(kvv1.ConditionReady, metav1.ConditionFalse, kvv1.ReasonEnginesUnschedulable, unschedulable)
 		set(kvv1.ConditionDegraded, metav1.ConditionTrue, kvv1.ReasonEnginesUnschedulable, unschedulable)
 		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, desired))
+	case transfer.Status == metav1.ConditionFalse:
+		// The engines serve, but their KV does not move as the policy says: slow
+		// (another provider), failing, or falling back to decode alone.
+		set(kvv1.ConditionReady, metav1.ConditionFalse, transfer.Reason, transfer.Message)
+		set(kvv1.ConditionDegraded, metav1.ConditionTrue, transfer.Reason, transfer.Message)
+		if ready {
+			set(kvv1.ConditionProgressing, metav1.ConditionFalse, kvv1.ReasonRolledOut, fmt.Sprintf("%d/%d engines ready, all on the current configuration", st.ReadyReplicas, desired))
+		} else {
+			set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, desired))
+		}
 	case ready:
 		msg := fmt.Sprintf("%d/%d engines ready", st.ReadyReplicas, desired)
 		set(kvv1.ConditionReady, metav1.ConditionTrue, kvv1.ReasonEnginesReady, msg)
@@ -139,6 +182,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		set(kvv1.ConditionDegraded, metav1.ConditionFalse, kvv1.ReasonAsExpected, valid)
 		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, msg)
 	}
+	set(transfer.Type, transfer.Status, transfer.Reason, transfer.Message)
 	if p.role() == kvv1.RoleDecode {
 		c := paired(&st, v)
 		set(c.Type, c.Status, c.Reason, c.Message)
@@ -150,8 +194,10 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 type event struct{ kind, reason, action, message string }
 
 // statusEvents are the events a status change from old to cur tells a user: a warning
-// that appeared, and each Ready, Degraded or Paired condition whose status or reason
-// changed (what a user watching `kubectl get events` needs to see). Keyed on the saved
+// that appeared, and each Ready, Degraded, Paired or TransferHealthy condition whose
+// status or reason changed (what a user watching `kubectl get events` needs to see).
+// Ready and Degraded that only follow TransferHealthy's reason are not told again: one
+// transfer problem is one Warning event. Keyed on the saved
 // status rather than on the generation, a warning is sent once even when the reconcile
 // that first saw the generation could not yet check it (its policy not yet in the cache).
 func statusEvents(old, cur *kvv1.PoolStatus) []event {
@@ -161,9 +207,13 @@ func statusEvents(old, cur *kvv1.PoolStatus) []event {
 			out = append(out, event{corev1.EventTypeWarning, w.Reason, "Validate", w.Message})
 		}
 	}
-	for _, t := range []string{kvv1.ConditionReady, kvv1.ConditionDegraded, kvv1.ConditionPaired} {
+	transfer := meta.FindStatusCondition(cur.Conditions, kvv1.ConditionTransferHealthy)
+	for _, t := range []string{kvv1.ConditionReady, kvv1.ConditionDegraded, kvv1.ConditionPaired, kvv1.ConditionTransferHealthy} {
 		c := meta.FindStatusCondition(cur.Conditions, t)
 		if c == nil {
+			continue
+		}
+		if t != kvv1.ConditionTransferHealthy && transfer != nil && transfer.Status == metav1.ConditionFalse && c.Reason == transfer.Reason {
 			continue
 		}
 		if o := meta.FindStatusCondition(old.Conditions, t); o != nil && o.Status == c.Status && o.Reason == c.Reason {

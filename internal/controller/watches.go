@@ -2,11 +2,16 @@ package controller
 
 import (
 	"context"
+	"slices"
+
+	corev1 "k8s.io/api/core/v1"
 
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	ctrlevent "sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -17,7 +22,43 @@ import (
 const (
 	indexPolicy      = "spec.transferPolicyRef.name"
 	indexPrefillPool = "spec.prefillPoolRef.name"
+	// indexNode indexes the cached pods (engines and routers) by node.
+	indexNode = "spec.nodeName"
 )
+
+func indexPodNodes(ctx context.Context, mgr ctrl.Manager) error {
+	return mgr.GetFieldIndexer().IndexField(ctx, &corev1.Pod{}, indexNode, func(o client.Object) []string {
+		return []string{o.(*corev1.Pod).Spec.NodeName}
+	})
+}
+
+// enqueuePoolsOnNode maps a node to the pools of role with engines on it.
+func enqueuePoolsOnNode(c client.Client, role kvv1.Role) handler.EventHandler {
+	return handler.EnqueueRequestsFromMapFunc(func(ctx context.Context, o client.Object) []reconcile.Request {
+		pods := &corev1.PodList{}
+		if err := c.List(ctx, pods, client.MatchingFields{indexNode: o.GetName()}, client.MatchingLabels{kvv1.LabelRole: string(role)}); err != nil {
+			return nil
+		}
+		var reqs []reconcile.Request
+		for _, p := range pods.Items {
+			r := reconcile.Request{NamespacedName: types.NamespacedName{Namespace: p.Namespace, Name: p.Labels[kvv1.LabelPool]}}
+			if !slices.Contains(reqs, r) {
+				reqs = append(reqs, r)
+			}
+		}
+		return reqs
+	})
+}
+
+// agentChanged passes node updates that change what the manager reads of the node's
+// transfer agent (its ready label, its health report); the kubelet's status updates do not.
+var agentChanged = predicate.Funcs{
+	UpdateFunc: func(e ctrlevent.UpdateEvent) bool {
+		o, n := e.ObjectOld, e.ObjectNew
+		return o.GetLabels()[kvv1.LabelAgentReady] != n.GetLabels()[kvv1.LabelAgentReady] ||
+			o.GetAnnotations()[kvv1.AnnotationAgentHealth] != n.GetAnnotations()[kvv1.AnnotationAgentHealth]
+	},
+}
 
 func indexReferences(ctx context.Context, mgr ctrl.Manager, role kvv1.Role) error {
 	idx := mgr.GetFieldIndexer()

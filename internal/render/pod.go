@@ -59,8 +59,8 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 	if hashed.SameNode == kvv1.SameNodeForbid {
 		hashed.SameNode = ""
 	}
-	// The router carries out handoffFailurePolicy; engines never see it.
-	hashed.HandoffFailurePolicy = ""
+	// The router carries out handoffFailurePolicy and its limit; engines never see them.
+	hashed.HandoffFailurePolicy, hashed.HandoffFailureLimitPercent = "", nil
 	policyHash, err := hashJSON(&hashed)
 	if err != nil {
 		return nil, err

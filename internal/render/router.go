@@ -113,8 +113,12 @@ func Router(in RouterInput) (*RouterWorkload, error) {
 			SeccompProfile:           &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
 		},
 	}
+	// The pool label puts router pods in the manager's cache of pods (it polls their
+	// health reports); without the role label they are never taken for engines.
+	podLabels := maps.Clone(labels)
+	podLabels[kvv1.LabelPool] = in.Pool
 	pod := corev1.PodTemplateSpec{
-		ObjectMeta: metav1.ObjectMeta{Labels: maps.Clone(labels)},
+		ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
 		Spec: corev1.PodSpec{
 			ServiceAccountName: name,
 			Containers:         []corev1.Container{container},

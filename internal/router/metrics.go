@@ -91,6 +91,12 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "Engines the router may send legs to (Ready), per role.",
 		}, []string{"role"}),
 	}
+	// Fallbacks start at zero, so the first ones show in rate() (an alert) at once.
+	for _, mode := range []string{"push", "pull"} {
+		for _, reason := range []string{FallbackPrefillFailed, FallbackNoPrefillEngine} {
+			m.fallbacks.WithLabelValues(mode, reason)
+		}
+	}
 	reg.MustRegister(m.requests, m.fallbacks, m.retries, m.legFails, m.ttft, m.leg, m.added, m.inflight, m.endpoints)
 	return m
 }

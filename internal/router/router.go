@@ -24,6 +24,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/health"
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
@@ -44,6 +45,9 @@ type Config struct {
 	MaxInFlight int
 	// ScrapeInterval is how often engines' /metrics are read for their load; 0 never.
 	ScrapeInterval time.Duration
+	// HealthWindow is how far back the health report (GET /health/transfer) looks, and
+	// HealthInterval how often it is computed.
+	HealthWindow, HealthInterval time.Duration
 	// Log gets one line per request and every change of endpoints.
 	Log *slog.Logger
 	// Registry gets the router's metrics; /metrics serves Gatherer.
@@ -60,6 +64,8 @@ func Defaults() Config {
 		BodyTimeout:    30 * time.Second,
 		MaxInFlight:    1024,
 		ScrapeInterval: time.Second,
+		HealthWindow:   time.Minute,
+		HealthInterval: 5 * time.Second,
 	}
 }
 
@@ -71,6 +77,7 @@ type Server struct {
 	client *http.Client
 	m      *metrics
 	mux    *http.ServeMux
+	health atomic.Pointer[health.Report]
 
 	// slots holds a token per request being served (MaxInFlight).
 	slots chan struct{}
@@ -116,6 +123,11 @@ func New(cfg Config) *Server {
 	if cfg.Gatherer != nil {
 		s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{}))
 	}
+	s.health.Store(&health.Report{})
+	s.mux.HandleFunc("GET /health/transfer", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(s.health.Load().Encode()))
+	})
 	return s
 }
 
@@ -153,6 +165,9 @@ func (s *Server) Run(ctx context.Context, src discovery.Source) error {
 	go func() { errc <- src.Run(ctx, sets) }()
 	if s.cfg.ScrapeInterval > 0 {
 		go s.scrape(ctx)
+	}
+	if s.cfg.Gatherer != nil && s.cfg.HealthInterval > 0 {
+		go s.watchHealth(ctx)
 	}
 	for {
 		select {

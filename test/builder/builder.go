@@ -41,6 +41,7 @@ func Policy(name string) *PolicyBuilder {
 			BlocksTTLSeconds:           kvv1.DefaultBlocksTTLSeconds,
 			LoadFailurePolicy:          kvv1.LoadFailureFail,
 			HandoffFailurePolicy:       kvv1.HandoffFailureFail,
+			HandoffFailureLimitPercent: ptr.To[int32](kvv1.DefaultHandoffFailureLimitPercent),
 			SameNode:                   kvv1.SameNodeForbid,
 		},
 	}}

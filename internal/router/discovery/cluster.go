@@ -49,7 +49,8 @@ func (c *Cluster) Run(ctx context.Context, out chan<- *Set) error {
 	if err := kvv1.AddToScheme(scheme); err != nil {
 		return err
 	}
-	engines, err := labels.NewRequirement(kvv1.LabelPool, selection.Exists, nil)
+	// Router pods carry the pool label too; only engines carry the role label.
+	engines, err := labels.NewRequirement(kvv1.LabelRole, selection.Exists, nil)
 	if err != nil {
 		return err
 	}
@@ -129,7 +130,8 @@ func (c *Cluster) read(ctx context.Context, r client.Reader) (*Set, error) {
 	if d.Status.Mode == "" {
 		return nil, nil
 	}
-	s := &Set{Mode: d.Status.Mode, HandoffFailurePolicy: d.Status.HandoffFailurePolicy, Source: fmt.Sprintf("DecodePool %s, PrefillPool %s", src, d.Spec.PrefillPoolRef.Name)}
+	s := &Set{Mode: d.Status.Mode, HandoffFailurePolicy: d.Status.HandoffFailurePolicy,
+		HandoffFailureLimitPercent: &d.Status.HandoffFailureLimitPercent, Source: fmt.Sprintf("DecodePool %s, PrefillPool %s", src, d.Spec.PrefillPoolRef.Name)}
 	pods := &corev1.PodList{}
 	if err := r.List(ctx, pods, client.InNamespace(c.Namespace)); err != nil {
 		return nil, err

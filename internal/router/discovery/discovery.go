@@ -37,6 +37,10 @@ type Set struct {
 	Mode kvv1.TransferMode `json:"mode"`
 	// HandoffFailurePolicy is the policy's: Fail ("" too) or ServeOnDecode.
 	HandoffFailurePolicy kvv1.HandoffFailurePolicy `json:"handoffFailurePolicy,omitempty"`
+	// HandoffFailureLimitPercent is the policy's: the share of requests whose handoff may
+	// fail (or fall back) over the health window before the router reports HandoffFailures.
+	// nil: 5, the policy's default.
+	HandoffFailureLimitPercent *int32 `json:"handoffFailureLimitPercent,omitempty"`
 	// Prefill and Decode are the eligible engines of each pool.
 	Prefill []Engine `json:"prefill"`
 	Decode  []Engine `json:"decode"`
@@ -54,6 +58,9 @@ func (s *Set) Validate() error {
 	case "", kvv1.HandoffFailureFail, kvv1.HandoffFailureServeOnDecode:
 	default:
 		return fmt.Errorf("handoffFailurePolicy is %q: must be Fail or ServeOnDecode", s.HandoffFailurePolicy)
+	}
+	if l := s.HandoffFailureLimitPercent; l != nil && (*l < 0 || *l > 100) {
+		return fmt.Errorf("handoffFailureLimitPercent is %d: must be 0 to 100", *l)
 	}
 	var errs []error
 	check := func(role string, engines []Engine) {

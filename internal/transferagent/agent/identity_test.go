@@ -169,6 +169,7 @@ func decodeEngine(id string) *agentv1.RegisterEngineRequest {
 // process of any pod: the agent reads a caller's pod when it connects.
 type cluster struct {
 	t          *testing.T
+	env        *envtest.Env
 	c          kubernetes.Interface
 	kubeconfig string
 	procRoot   string
@@ -181,7 +182,7 @@ func newCluster(t *testing.T) *cluster {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = env.Stop() })
-	k := &cluster{t: t, c: kubernetes.NewForConfigOrDie(env.Config), procRoot: t.TempDir()}
+	k := &cluster{t: t, env: env, c: kubernetes.NewForConfigOrDie(env.Config), procRoot: t.TempDir()}
 	k.kubeconfig = agentUser(t, env, k.c)
 	if err := os.Mkdir(filepath.Join(k.procRoot, fmt.Sprint(os.Getpid())), 0o755); err != nil {
 		t.Fatal(err)

@@ -20,6 +20,13 @@ type metrics struct {
 	provider    *prometheus.GaugeVec
 }
 
+// failureReasons are the reason label's values of kvhandoff_agent_failures_total
+// (docs/operations.md says what each means).
+var failureReasons = []string{
+	"acquire_refused", "acquire_timeout", "bad_blocks", "blocks_ttl", "engine_restarted", "lease_expired", "no_outcome", "peer_lost",
+	"peer_unreachable", "pull_failed", "pull_late", "registration_timeout", "session_closed", "signal_error", "source_cancelled", "write_error",
+}
+
 func newMetrics(reg prometheus.Registerer) *metrics {
 	m := &metrics{
 		stage: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -65,6 +72,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		provider: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvhandoff_agent_provider_info", Help: "1 for the libfabric provider the agent runs on.",
 		}, []string{"provider"}),
+	}
+	// Every known reason and kind starts at zero: Prometheus' rate() sees no increase in a
+	// series' first sample, so a burst of failures on a reason never seen before would
+	// otherwise pass without an alert.
+	for _, reason := range failureReasons {
+		m.failures.WithLabelValues(reason)
+	}
+	for _, kind := range []string{"push", "source", "hold", "pull"} {
+		m.expiries.WithLabelValues(kind)
 	}
 	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.pullWaits, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
 	return m

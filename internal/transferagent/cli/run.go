@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/kvhandoff/kvhandoff/internal/health"
 	"github.com/kvhandoff/kvhandoff/internal/kubeconfig"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/agent"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/monitoring"
@@ -40,6 +41,8 @@ type options struct {
 	tokenFile  string
 	node       string
 	kubeconfig string
+	// health is the window of the node's health report, and how often it is computed.
+	healthWindow, healthEvery time.Duration
 }
 
 // parse reads the command line.
@@ -73,6 +76,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.monitoring.CertDir, "metrics-cert-dir", "", "folder with tls.crt and tls.key for --metrics-secure, reloaded on change (empty: self-signed)")
 	fs.StringVar(&o.node, "node-name", os.Getenv("NODE_NAME"), "the agent's node: labelled "+`kvhandoff.io/agent-ready=true`+" while ready, and engines must be pods their engine_id names (empty: outside a cluster, no label and no pod check)")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for labelling the node and finding engine pods (default: in-cluster)")
+	fs.DurationVar(&o.healthWindow, "health-window", time.Minute, "how far back the health report on the node (kvhandoff.io/agent-health) "+
+		"looks for failures and lease expiries")
+	fs.DurationVar(&o.healthEvery, "health-interval", 5*time.Second, "how often the health report is computed; it is written only when it changes")
 	fs.StringVar(&cfg.ProcRoot, "proc-root", "/proc", "where engine processes' /proc entries are (the agent reads each caller's cgroup there to learn its pod)")
 	return o, fs.Parse(args)
 }
@@ -151,7 +157,9 @@ func Run(args []string, stderr io.Writer) int {
 	if err != nil {
 		return fail(err)
 	}
+	healthDone := label.publishHealth(ctx, a, reg, o.healthWindow, o.healthEvery)
 	err = a.Serve(ctx)
+	<-healthDone // its last write must not land after clear's
 	label.clear()
 	if err != nil {
 		return fail(err)
@@ -223,6 +231,34 @@ func labelNode(ctx context.Context, kube *rest.Config, node string, a *agent.Age
 		log.Info("node labelled ready", "node", node, "address", a.Address())
 	}
 	return &nodeLabel{nodes: nodes, node: node, log: log}, nil
+}
+
+// publishHealth writes the agent's health report on the node whenever it changes, until
+// ctx ends; the channel closes when it has stopped. Even an agent that is not ready
+// publishes it: its reason is what the pools with engines there report.
+func (l *nodeLabel) publishHealth(ctx context.Context, a *agent.Agent, g prometheus.Gatherer, window, every time.Duration) <-chan struct{} {
+	done := make(chan struct{})
+	if l.nodes == nil {
+		close(done)
+		return done
+	}
+	w := &health.Window{Gatherer: g, Span: window}
+	p := &health.Publisher{
+		Write:       func(ctx context.Context, value string) error { return nodelabel.SetHealth(ctx, l.nodes, l.node, value) },
+		Every:       every,
+		MinInterval: every,
+		Log:         l.log,
+	}
+	go func() {
+		defer close(done)
+		p.Run(ctx, func(now time.Time) health.Report {
+			if err := w.Observe(now); err != nil {
+				l.log.Error("reading the agent's metrics for its health report", "err", err)
+			}
+			return a.Health(w)
+		})
+	}()
+	return done
 }
 
 // clear removes the label, with its own deadline since the agent's context has ended by

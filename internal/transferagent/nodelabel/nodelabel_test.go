@@ -115,12 +115,21 @@ func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
 	if err := Set(ctx, agentA, "node-a", true, addr); err != nil {
 		t.Errorf("the agent labelling its own node: %v", err)
 	}
+	if err := SetHealth(ctx, agentA, "node-a", `{"provider":"efa"}`); err != nil {
+		t.Errorf("the agent publishing its health on its own node: %v", err)
+	}
+	if err := SetHealth(ctx, agentA, "node-b", `{"provider":"efa"}`); err == nil {
+		t.Error("the agent of node-a published its health on node-b")
+	}
 	if err := Set(ctx, agentA, "node-a", false, ""); err != nil {
 		t.Errorf("the agent removing its own label: %v", err)
 	}
+	if n, _ := admin.CoreV1().Nodes().Get(ctx, "node-a", metav1.GetOptions{}); n.Annotations[v1alpha1.AnnotationAgentHealth] != "" {
+		t.Errorf("the agent stopped and left its health report: %v", n.Annotations)
+	}
 	note := []byte(`{"metadata":{"annotations":{"team":"mine"}}}`)
 	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, note,
-		metav1.PatchOptions{}); err == nil || !strings.Contains(err.Error(), "kvhandoff.io/agent-address annotation") {
+		metav1.PatchOptions{}); err == nil || !strings.Contains(err.Error(), "agent-health annotations") {
 		t.Errorf("the agent annotating its node with something else: %v", err)
 	}
 	patch := []byte(`{"metadata":{"labels":{"team":"mine"}}}`)
