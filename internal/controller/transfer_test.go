@@ -45,9 +45,9 @@ func TestTransferHealth(t *testing.T) {
 		engines: []kvv1.EngineStatus{engine("d-0", "n1")}, agents: map[string]agentView{"n1": {}},
 		provider: kvv1.ProviderTCP, reason: kvv1.ReasonAgentNotReady, says: []string{"not running"},
 	}, {
-		name:    "the wrong provider",
-		engines: []kvv1.EngineStatus{engine("d-0", "n1"), engine("d-1", "n2")},
-		agents:  map[string]agentView{"n1": healthy(), "n2": {ready: true, reported: true, report: health.Report{Provider: "tcp;ofi_rxm"}}},
+		name:     "the wrong provider",
+		engines:  []kvv1.EngineStatus{engine("d-0", "n1"), engine("d-1", "n2")},
+		agents:   map[string]agentView{"n1": healthy(), "n2": {ready: true, reported: true, report: health.Report{Provider: "tcp;ofi_rxm"}}},
 		provider: kvv1.ProviderEFA, reason: kvv1.ReasonProviderFallback, says: []string{"asks for provider efa", "n1, n2", "opened tcp;ofi_rxm"},
 	}, {
 		name:    "peers lost outrank failures",

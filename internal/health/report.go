@@ -34,7 +34,7 @@ func Parse(value string) (r Report, ok bool) {
 // Encode is the report as its annotation's value.
 func (r Report) Encode() string {
 	r.Engines = slices.Sorted(slices.Values(r.Engines)) // not the caller's slice
-	b, _ := json.Marshal(r) // a struct of strings always marshals
+	b, _ := json.Marshal(r)                             // a struct of strings always marshals
 	return string(b)
 }
 
