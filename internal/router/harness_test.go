@@ -100,13 +100,15 @@ func post(t *testing.T, url, path, body string) (*http.Response, []byte) {
 	return resp, data
 }
 
-// metric is the value of one series of the router's registry (0 if absent).
+// metric sums the series of the router's registry whose labels include labels (0 if
+// none): counts, gauges, and histograms' sample counts.
 func (r *testRouter) metric(t *testing.T, name string, labels map[string]string) float64 {
 	t.Helper()
 	mfs, err := r.reg.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
+	sum := 0.0
 	for _, mf := range mfs {
 		if mf.GetName() != name {
 			continue
@@ -124,15 +126,15 @@ func (r *testRouter) metric(t *testing.T, name string, labels map[string]string)
 			}
 			switch {
 			case m.Counter != nil:
-				return m.GetCounter().GetValue()
+				sum += m.GetCounter().GetValue()
 			case m.Gauge != nil:
-				return m.GetGauge().GetValue()
+				sum += m.GetGauge().GetValue()
 			case m.Histogram != nil:
-				return float64(m.GetHistogram().GetSampleCount())
+				sum += float64(m.GetHistogram().GetSampleCount())
 			}
 		}
 	}
-	return 0
+	return sum
 }
 
 // field decodes one field of a JSON body.

@@ -35,8 +35,9 @@ var healthFlags = []string{"--health-window", "8s", "--health-interval", "250ms"
 // the pools' TransferHealthy condition, Degraded and Ready, with one Warning event; the
 // agents' counters grow; a real Prometheus, scraping the agents and the manager with the
 // chart's alert rules (windows shortened), fires the alert; and all of it clears once
-// the fault is gone. The faults: an agent that cannot open its provider, a prefill
-// engine killed mid-push, and decode registrations whose leases run out.
+// the fault is gone. The faults: an agent that cannot open its provider, an agent on
+// another provider than the policy's, a prefill engine killed mid-push, and decode
+// registrations whose leases run out.
 func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	k := newCluster(t)
 	k.node("node-a")
@@ -74,7 +75,18 @@ func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	resolved(t, prom, "KvhandoffAgentNotReady")
 	k.expectOneWarning("p", kvv1.ReasonAgentNotReady)
 
-	// Fault 2: the prefill engine dies while decode's registrations wait for its KV.
+	// Fault 2: node-b's agent runs libfabric's sockets provider, not the policy's tcp.
+	b.Stop()
+	b = k.agent("b", "node-b", append([]string{"--provider", "sockets", "--http", httpB}, healthFlags...)...)
+	k.expectTransfer("d", kvv1.ReasonProviderFallback, "the policy asks for provider tcp, and the agents of node(s) node-b opened sockets")
+	firing(t, prom, "KvhandoffProviderFallback", map[string]string{"pool": "d", "reason": kvv1.ReasonProviderFallback})
+	b.Stop()
+	b = k.agent("b", "node-b", append([]string{"--http", httpB}, healthFlags...)...)
+	k.expectTransfer("d", kvv1.ReasonTransfersHealthy, "1 transfer agent(s)")
+	resolved(t, prom, "KvhandoffProviderFallback")
+	k.expectOneWarning("d", kvv1.ReasonProviderFallback)
+
+	// Fault 3: the prefill engine dies while decode's registrations wait for its KV.
 	layout := testLayout(1, 64)
 	k.standIn(systemdCgroup(prefillPod))
 	p := engine(t, a, "p-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PUSH, 0, layout)
@@ -111,7 +123,7 @@ func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	resolved(t, prom, "KvhandoffTransferUnhealthy")
 	k.expectOneWarning("p", kvv1.ReasonTransferFailures)
 
-	// Fault 3: decode registers and stops heartbeating, with half-second leases.
+	// Fault 4: decode registers and stops heartbeating, with half-second leases.
 	d.Stop()
 	b.Stop()
 	a.Stop()

@@ -1,0 +1,114 @@
+package controller
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"time"
+
+	. "github.com/onsi/ginkgo/v2"
+	. "github.com/onsi/gomega"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/router"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+)
+
+var _ = Describe("Router health", func() {
+	// A real router whose prefill engine refuses every connection fails its requests by
+	// name (handoffFailurePolicy Fail); its report, polled by the manager from the
+	// router's pod, makes the DecodePool TransferHealthy=False (HandoffFailures), Ready
+	// False and Degraded; once the window passes with no new failure, it clears. A pod
+	// that only carries the router label, not owned by a router Deployment's ReplicaSet,
+	// is neither polled nor believed.
+	It("brings a router's failed handoffs into the DecodePool's condition, and clears", func() {
+		ns, _, _, d := readyPair()
+		r := router.New(router.Config{PrefillTimeout: time.Second, DecodeTimeout: time.Second, MaxBodyBytes: 1 << 20, BodyTimeout: time.Second,
+			MaxInFlight: 8, HealthWindow: 3 * time.Second, HealthInterval: 100 * time.Millisecond})
+		closed := closedURL()
+		set := &discovery.Set{Mode: kvv1.TransferPull, HandoffFailureLimitPercent: ptr.To[int32](5),
+			Prefill: []discovery.Engine{{URL: closed, EngineID: "p-0." + ns, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 8}},
+			Decode:  []discovery.Engine{{URL: closed, EngineID: "d-0." + ns, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 8}}}
+		srv := httptest.NewServer(r)
+		DeferCleanup(srv.Close)
+		runCtx, stop := context.WithCancel(ctx)
+		DeferCleanup(stop)
+		go func() { _ = r.Run(runCtx, staticSource{set}) }()
+		Eventually(func() int { return get(srv.URL + "/readyz") }).Should(Equal(http.StatusOK))
+
+		routerPod(ns, "d", "d-router-5d9c7-x2x1", "d-router-5d9c7", srv.URL)
+		routerPod(ns, "d", "impostor", "", srv.URL) // labelled, but no router Deployment's
+		for range 4 {
+			resp, err := http.Post(srv.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"a","max_tokens":1}`))
+			Expect(err).NotTo(HaveOccurred())
+			resp.Body.Close()
+			Expect(resp.StatusCode).To(Equal(http.StatusBadGateway))
+		}
+		Eventually(func(g Gomega) {
+			c := condition(d, kvv1.ConditionTransferHealthy)
+			g.Expect(c.Reason).To(Equal(kvv1.ReasonHandoffFailures))
+			g.Expect(c.Message).To(And(HavePrefix("router pod(s) d-router-5d9c7-x2x1: more than 5% of requests"), ContainSubstring("prefill_failed")))
+			g.Expect(condition(d, kvv1.ConditionDegraded)).To(HaveField("Reason", kvv1.ReasonHandoffFailures))
+			g.Expect(condition(d, kvv1.ConditionReady)).To(And(HaveField("Status", metav1.ConditionFalse), HaveField("Reason", kvv1.ReasonHandoffFailures)))
+		}).Should(Succeed())
+		Eventually(func() string { return condition(d, kvv1.ConditionTransferHealthy).Reason }).Should(Equal(kvv1.ReasonTransfersHealthy))
+		Expect(condition(d, kvv1.ConditionTransferHealthy).Message).To(ContainSubstring("and 1 router(s) report no problem"))
+		Expect(condition(d, kvv1.ConditionReady)).To(HaveField("Reason", kvv1.ReasonEnginesReady))
+	})
+})
+
+// routerPod plays the ReplicaSet controller and the kubelet: a router pod of pool, owned
+// by ReplicaSet owner ("" for none), serving at url.
+func routerPod(ns, pool, name, owner, url string) {
+	host, port, err := net.SplitHostPort(strings.TrimPrefix(url, "http://"))
+	Expect(err).NotTo(HaveOccurred())
+	p, err := strconv.Atoi(port)
+	Expect(err).NotTo(HaveOccurred())
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{kvv1.LabelRouter: pool, kvv1.LabelPool: pool}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "router", Image: "router",
+			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: int32(p)}}}}},
+	}
+	if owner != "" {
+		pod.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: owner, UID: "5d9c7", Controller: ptr.To(true)}}
+	}
+	create(ns, pod)
+	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: host}
+	Expect(k8s.Status().Update(ctx, pod)).To(Succeed())
+}
+
+// staticSource routes over one set.
+type staticSource struct{ set *discovery.Set }
+
+func (s staticSource) Run(ctx context.Context, out chan<- *discovery.Set) error {
+	select {
+	case out <- s.set:
+	case <-ctx.Done():
+	}
+	<-ctx.Done()
+	return nil
+}
+
+func closedURL() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	Expect(err).NotTo(HaveOccurred())
+	addr := l.Addr().String()
+	Expect(l.Close()).To(Succeed())
+	return fmt.Sprintf("http://%s", addr)
+}
+
+func get(url string) int {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
