@@ -200,13 +200,17 @@ func TestHealthReportsCostNoWritesInASteadyState(t *testing.T) {
 			r.Problem, r.Message = kvv1.ReasonTransferFailures, "more than 5% of transfers failed in the last 1m0s (reasons: peer_lost)"
 		}
 	})
-	phase("a fault on 10 nodes", 3*time.Second, func() bool { return transfer("p") == kvv1.ReasonTransferFailures && transfer("d") == kvv1.ReasonTransferFailures })
+	phase("a fault on 10 nodes", 3*time.Second, func() bool {
+		return transfer("p") == kvv1.ReasonTransferFailures && transfer("d") == kvv1.ReasonTransferFailures
+	})
 	a, m = phase("steady, unhealthy", 10*time.Second, nil)
 	if a != 0 || m != 0 {
 		t.Errorf("an unhealthy steady state cost %d agent and %d manager writes, want none", a, m)
 	}
 	set(func(_ string, r *health.Report) { r.Problem, r.Message = "", "" })
-	phase("the fault clears", 3*time.Second, func() bool { return transfer("p") == kvv1.ReasonTransfersHealthy && transfer("d") == kvv1.ReasonTransfersHealthy })
+	phase("the fault clears", 3*time.Second, func() bool {
+		return transfer("p") == kvv1.ReasonTransfersHealthy && transfer("d") == kvv1.ReasonTransfersHealthy
+	})
 }
 
 func waitFor(t *testing.T, what string, cond func() bool) {
