@@ -1,10 +1,12 @@
 // Package alerts checks kvhandoff's alert rules (charts/kvhandoff/files/alerts.yaml) with
 // Prometheus's own promtool, built from its Go module (hack/promtool.sh): the rules parse,
 // each fires on series shaped like kvhandoff's metrics only past its threshold and its
-// "for" (alerts_test.yaml), and every metric they name is one kvhandoff exports.
+// "for" (alerts_test.yaml), and every metric they and the dashboard name is one kvhandoff
+// exports.
 package alerts
 
 import (
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,13 +34,23 @@ func TestTheAlertRulesParseAndFireAsDescribed(t *testing.T) {
 	}
 }
 
-// A rule on a metric nobody exports never fires: each kvhandoff_* name in the rules must
-// be registered by the code (a metric renamed alone fails here).
-func TestTheAlertRulesNameOnlyExportedMetrics(t *testing.T) {
+// A rule on a metric nobody exports never fires, and a dashboard panel on one stays
+// empty: each kvhandoff_* name in the rules and the dashboard must be registered by the
+// code (a metric renamed alone fails here). The dashboard's queries run on a real
+// Prometheus in internal/transferagent/agent's fault test.
+func TestTheAlertRulesAndDashboardNameOnlyExportedMetrics(t *testing.T) {
 	b, err := os.ReadFile(rules())
 	if err != nil {
 		t.Fatal(err)
 	}
+	dashboard, err := os.ReadFile(filepath.Join(envtest.RepoRoot(), "charts", "kvhandoff", "files", "dashboard.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !json.Valid(dashboard) {
+		t.Fatal("files/dashboard.json is not JSON")
+	}
+	b = append(b, dashboard...)
 	exported := map[string]bool{}
 	registered := regexp.MustCompile(`Name:\s*"(kvhandoff_[a-z_]+)"`)
 	err = filepath.WalkDir(filepath.Join(envtest.RepoRoot(), "internal"), func(p string, d os.DirEntry, err error) error {
@@ -56,12 +68,12 @@ func TestTheAlertRulesNameOnlyExportedMetrics(t *testing.T) {
 	}
 	names := regexp.MustCompile(`kvhandoff_[a-z_]+`).FindAllString(string(b), -1)
 	if len(names) == 0 {
-		t.Fatal("the rules name no kvhandoff metric")
+		t.Fatal("the rules and dashboard name no kvhandoff metric")
 	}
 	for _, n := range names {
 		base := regexp.MustCompile(`_(bucket|count|sum)$`).ReplaceAllString(n, "")
 		if !exported[n] && !exported[base] {
-			t.Errorf("the rules name %s, which no kvhandoff component exports", n)
+			t.Errorf("the rules or the dashboard name %s, which no kvhandoff component exports", n)
 		}
 	}
 }

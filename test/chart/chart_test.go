@@ -152,3 +152,57 @@ func TestTheChartInstallsItsAlertRulesWhenAsked(t *testing.T) {
 		t.Errorf("labels %v lack the value's release=prom", labels)
 	}
 }
+
+// With monitoring.podMonitors.enabled the chart installs a PodMonitor for the manager
+// (honoring the pools' namespace label), the agents (in the node namespace) and the
+// routers of every namespace, scraping secure endpoints over HTTPS with the token
+// Secret; with monitoring.dashboard.enabled, the dashboard as a Grafana sidecar
+// ConfigMap, byte for byte files/dashboard.json. Without them, none of it.
+func TestTheChartInstallsMonitorsAndTheDashboardWhenAsked(t *testing.T) {
+	root := envtest.RepoRoot()
+	helm := strings.TrimSpace(run(t, filepath.Join(root, "hack", "helm.sh")))
+	chart := filepath.Join(root, "charts", "kvhandoff")
+	if out := run(t, helm, "template", "kvhandoff", chart, "--namespace", "kvhandoff-system"); strings.Contains(out, "kind: PodMonitor") ||
+		strings.Contains(out, "kvhandoff-dashboard") {
+		t.Error("monitors or a dashboard without being asked")
+	}
+	out := run(t, helm, "template", "kvhandoff", chart, "--namespace", "kvhandoff-system", "--set", "monitoring.podMonitors.enabled=true",
+		"--set", "monitoring.dashboard.enabled=true", "--set", "monitoring.podMonitors.labels.release=prom")
+	objs := objects(t, out)
+	endpoint := func(key string) map[string]any {
+		o := objs[key]
+		if o == nil {
+			t.Fatalf("no %s", key)
+		}
+		if o["metadata"].(map[string]any)["labels"].(map[string]any)["release"] != "prom" {
+			t.Errorf("%s lacks the value's label release=prom", key)
+		}
+		return o["spec"].(map[string]any)["podMetricsEndpoints"].([]any)[0].(map[string]any)
+	}
+	manager := endpoint("PodMonitor/kvhandoff-system/kvhandoff-manager")
+	if manager["honorLabels"] != true || manager["scheme"] != "https" || manager["port"] != "metrics" {
+		t.Errorf("manager endpoint %v", manager)
+	}
+	agent := endpoint("PodMonitor/kvhandoff-node/kvhandoff-transfer-agent")
+	if agent["scheme"] != "https" || agent["authorization"].(map[string]any)["credentials"].(map[string]any)["name"] != "kvhandoff-metrics-token" {
+		t.Errorf("agent endpoint %v", agent)
+	}
+	routers := endpoint("PodMonitor/kvhandoff-system/kvhandoff-routers")
+	if routers["port"] != "http" || objs["PodMonitor/kvhandoff-system/kvhandoff-routers"]["spec"].(map[string]any)["namespaceSelector"].(map[string]any)["any"] != true {
+		t.Errorf("routers endpoint %v", routers)
+	}
+	cm := objs["ConfigMap/kvhandoff-system/kvhandoff-dashboard"]
+	if cm == nil {
+		t.Fatal("no dashboard ConfigMap")
+	}
+	file, err := os.ReadFile(filepath.Join(chart, "files", "dashboard.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := cm["data"].(map[string]any)["kvhandoff.json"]; got != strings.TrimSuffix(string(file), "\n") {
+		t.Error("the dashboard ConfigMap differs from files/dashboard.json")
+	}
+	if cm["metadata"].(map[string]any)["labels"].(map[string]any)["grafana_dashboard"] != "1" {
+		t.Error("the dashboard ConfigMap lacks grafana_dashboard=1")
+	}
+}

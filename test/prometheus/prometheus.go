@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -146,6 +147,66 @@ func (s *Server) Firing(name string, match map[string]string) ([]Alert, error) {
 		}
 	}
 	return out, nil
+}
+
+// Query evaluates expr now and returns its series' label sets; an expression Prometheus
+// refuses is an error naming why.
+func (s *Server) Query(expr string) ([]map[string]string, error) {
+	resp, err := http.Get(s.URL + "/api/v1/query?query=" + url.QueryEscape(expr))
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	var body struct {
+		Status string `json:"status"`
+		Error  string `json:"error"`
+		Data   struct {
+			Result []struct {
+				Metric map[string]string `json:"metric"`
+			} `json:"result"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&body); err != nil {
+		return nil, err
+	}
+	if body.Status != "success" {
+		return nil, fmt.Errorf("%s: %s", expr, body.Error)
+	}
+	out := make([]map[string]string, len(body.Data.Result))
+	for i, r := range body.Data.Result {
+		out[i] = r.Metric
+	}
+	return out, nil
+}
+
+// DashboardQueries are the expressions of the chart's Grafana dashboard, with its
+// variables set to every namespace and a rate interval of window.
+func DashboardQueries(t testing.TB, window string) map[string]string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(envtest.RepoRoot(), "charts", "kvhandoff", "files", "dashboard.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d struct {
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr         string `json:"expr"`
+				LegendFormat string `json:"legendFormat"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(b, &d); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]string{}
+	for _, p := range d.Panels {
+		for _, tg := range p.Targets {
+			expr := strings.NewReplacer(`"$namespace"`, `".*"`, "$__rate_interval", window).Replace(tg.Expr)
+			out[p.Title+": "+tg.LegendFormat] = expr
+		}
+	}
+	return out
 }
 
 type syncBuffer struct {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -118,6 +119,19 @@ func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	}
 	k.expectTransfer("p", kvv1.ReasonTransferFailures, "node(s) node-a: more than 5% of transfers failed in the last 8s (reasons: session_closed)")
 	firing(t, prom, "KvhandoffTransferFailures", map[string]string{"pod": "agent-a", "reason": "session_closed"})
+	// The dashboard's queries run on these series: every one is valid, and the failures
+	// panel shows this one's reason.
+	for panel, expr := range prometheus.DashboardQueries(t, "4s") {
+		series, err := prom.Query(expr)
+		if err != nil {
+			t.Errorf("dashboard panel %q: %v", panel, err)
+		}
+		if strings.Contains(expr, "kvhandoff_agent_failures_total") && !slices.ContainsFunc(series, func(l map[string]string) bool {
+			return l["reason"] == "session_closed"
+		}) {
+			t.Errorf("dashboard panel %q shows no session_closed failures: %v", panel, series)
+		}
+	}
 	firing(t, prom, "KvhandoffTransferUnhealthy", map[string]string{"pool": "p", "reason": kvv1.ReasonTransferFailures})
 	k.expectTransfer("p", kvv1.ReasonTransfersHealthy, "") // the window passes with no new failure
 	resolved(t, prom, "KvhandoffTransferUnhealthy")
