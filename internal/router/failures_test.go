@@ -13,6 +13,7 @@ import (
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/health"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
@@ -397,6 +398,55 @@ func TestServeOnDecodeServesWhatThePrefillSideCannotAndFailDoesNot(t *testing.T)
 					eventually(t, name+": the failed attempt's decode leg is aborted", 5*time.Second, func() bool { return d.Seen()[i].Cancelled })
 				}
 			}
+		}
+	}
+}
+
+// The router's health report (GET /health/transfer, which the manager reads into the
+// DecodePool's TransferHealthy condition): requests served on decode alone count against
+// the policy's handoffFailureLimitPercent over the window. Under the limit, or with fewer
+// than three, nothing is reported; over it, HandoffFailures naming the reason.
+func TestTheHealthReportCountsFallbacksAgainstThePolicysLimit(t *testing.T) {
+	for _, c := range []struct {
+		limit, good, fallbacks int
+		want                   string
+	}{
+		{limit: 5, good: 0, fallbacks: 2, want: ""},                         // too few to judge
+		{limit: 5, good: 3, fallbacks: 3, want: kvv1.ReasonHandoffFailures}, // 50%
+		{limit: 60, good: 3, fallbacks: 3, want: ""},                        // 50% is within 60%
+		{limit: 0, good: 0, fallbacks: 3, want: kvv1.ReasonHandoffFailures}, // none allowed
+		{limit: 100, good: 0, fallbacks: 4, want: ""},                       // all allowed
+	} {
+		kv := vllmserver.NewLocalKV()
+		d, p := startEngine(t, "d-0", kv, 0), startEngine(t, "p-0", kv, 0)
+		r := startRouter(t, kvv1.TransferPull, engines(p), engines(d))
+		limit := int32(c.limit)
+		set := func(prefill []discovery.Engine) {
+			r.Update(&discovery.Set{Mode: kvv1.TransferPull, HandoffFailurePolicy: kvv1.HandoffFailureServeOnDecode,
+				HandoffFailureLimitPercent: &limit, Prefill: prefill, Decode: engines(d), Source: "test"})
+		}
+		w := &health.Window{Gatherer: r.reg, Span: time.Hour}
+		if err := w.Observe(time.Now()); err != nil {
+			t.Fatal(err)
+		}
+		set(engines(p))
+		for range c.good {
+			if resp, body := post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK {
+				t.Fatalf("%s %s", resp.Status, body)
+			}
+		}
+		set(nil) // no prefill engine: each request is served on decode alone
+		for range c.fallbacks {
+			if resp, body := post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK || resp.Header.Get("X-Kvhandoff-Fallback") == "" {
+				t.Fatalf("%s %s", resp.Status, body)
+			}
+		}
+		if err := w.Observe(time.Now()); err != nil {
+			t.Fatal(err)
+		}
+		rep := r.Health(w)
+		if rep.Problem != c.want || (c.want != "" && !strings.Contains(rep.Message, "no_prefill_engine")) {
+			t.Errorf("limit %d%%, %d served, %d on decode alone: report %+v, want problem %q", c.limit, c.good, c.fallbacks, rep, c.want)
 		}
 	}
 }

@@ -1,6 +1,7 @@
 package realnode_test
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"strings"
@@ -9,7 +10,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -31,6 +35,46 @@ func TestAChatRequestThroughTheRouterServiceInPushAndPull(t *testing.T) {
 	}
 	if after := agentMetric(t, n, "kvhandoff_agent_transferred_bytes_total"); after <= before {
 		t.Errorf("the agent pod moved no KV bytes for the two requests (%v before, %v after)", before, after)
+	}
+	// Transfer health as the chart installs it: the agent pod publishes its report on the
+	// node (its admission policy allows it), the manager polls the router pod over the pod
+	// network, and each pool says so.
+	for _, mode := range []string{"push", "pull"} {
+		expectTransferHealth(t, n, mode+"-prefill", &kvv1.PrefillPool{}, "1 transfer agent(s) and 0 router(s)")
+		expectTransferHealth(t, n, mode+"-decode", &kvv1.DecodePool{}, "1 transfer agent(s) and 1 router(s)")
+	}
+}
+
+// expectTransferHealth waits until pool is TransferHealthy saying says, with every engine's
+// agent session up on the tcp provider.
+func expectTransferHealth(t *testing.T, n *realnode.Node, name string, pool client.Object, says string) {
+	t.Helper()
+	var last string
+	err := wait.PollUntilContextTimeout(bg, 250*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		if err := n.Client.Get(ctx, client.ObjectKey{Namespace: "default", Name: name}, pool); err != nil {
+			return false, err
+		}
+		var st kvv1.PoolStatus
+		switch p := pool.(type) {
+		case *kvv1.PrefillPool:
+			st = p.Status
+		case *kvv1.DecodePool:
+			st = p.Status
+		}
+		c := meta.FindStatusCondition(st.Conditions, kvv1.ConditionTransferHealthy)
+		last = fmt.Sprintf("%+v %+v", c, st.Engines)
+		if c == nil || c.Status != metav1.ConditionTrue || !strings.Contains(c.Message, says) || len(st.Engines) == 0 {
+			return false, nil
+		}
+		for _, e := range st.Engines {
+			if !e.AgentSession || e.Fabric != "tcp;ofi_rxm" {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Errorf("%s: not TransferHealthy (%q) with its engines' sessions up: %v; last %s", name, says, err, last)
 	}
 }
 
