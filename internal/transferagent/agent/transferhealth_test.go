@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -22,8 +24,11 @@ import (
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/controller"
+	"github.com/kvhandoff/kvhandoff/internal/router"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/test/builder"
 	"github.com/kvhandoff/kvhandoff/test/prometheus"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
@@ -37,8 +42,9 @@ var healthFlags = []string{"--health-window", "8s", "--health-interval", "250ms"
 // agents' counters grow; a real Prometheus, scraping the agents and the manager with the
 // chart's alert rules (windows shortened), fires the alert; and all of it clears once
 // the fault is gone. The faults: an agent that cannot open its provider, an agent on
-// another provider than the policy's, a prefill engine killed mid-push, and decode
-// registrations whose leases run out.
+// another provider than the policy's, a prefill engine killed mid-push, decode
+// registrations whose leases run out, and a router serving on decode alone for want of
+// a prefill engine. The router runs here too, and Prometheus scrapes it.
 func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	k := newCluster(t)
 	k.node("node-a")
@@ -61,13 +67,15 @@ func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	// Fault 1: node-a's agent is asked for EFA, which this machine lacks.
 	a := k.agent("a", "node-a", append([]string{"--provider", "efa", "--http", httpA}, healthFlags...)...)
 	b := k.agent("b", "node-b", append([]string{"--http", httpB}, healthFlags...)...)
+	routerAddr := k.startRouter("d", "d-router-6b7f9-x2x1")
 	prom := prometheus.Start(t, prometheus.Rules(t, "4s", "1s"),
 		prometheus.Target{Address: httpA, Labels: map[string]string{"namespace": "kvhandoff-node", "pod": "agent-a"}},
 		prometheus.Target{Address: httpB, Labels: map[string]string{"namespace": "kvhandoff-node", "pod": "agent-b"}},
+		prometheus.Target{Address: routerAddr, Labels: map[string]string{"namespace": "default", "pod": "d-router-6b7f9-x2x1"}},
 		prometheus.Target{Address: managerMetrics, HonorLabels: true})
 
 	k.expectTransfer("p", kvv1.ReasonAgentNotReady, `libfabric provider "efa" unavailable`)
-	k.expectTransfer("d", kvv1.ReasonTransfersHealthy, "1 transfer agent(s)")
+	k.expectTransfer("d", kvv1.ReasonTransfersHealthy, "1 transfer agent(s) and 1 router(s)")
 	firing(t, prom, "KvhandoffAgentNotReady", map[string]string{"pool": "p", "reason": kvv1.ReasonAgentNotReady})
 	// The fault is removed: the agent restarts on the provider this machine has.
 	a.Stop()
@@ -163,6 +171,81 @@ func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	k.expectTransfer("p", kvv1.ReasonTransfersHealthy, "")
 	resolved(t, prom, "KvhandoffLeaseExpiries")
 	k.expectOneWarning("p", kvv1.ReasonLeasesExpiring)
+
+	// Fault 5: the PrefillPool has no ready engine, and the policy serves on decode alone:
+	// every client gets its answer, each fallback is counted, and past the policy's 5% the
+	// DecodePool says so.
+	for range 4 {
+		resp, err := http.Post("http://"+routerAddr+"/v1/completions", "application/json",
+			strings.NewReader(`{"model":"tiny","prompt":"one two three","max_tokens":3}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || resp.Header.Get("X-Kvhandoff-Fallback") != "no_prefill_engine" {
+			t.Fatalf("a request with no prefill engine: %s, fallback %q", resp.Status, resp.Header.Get("X-Kvhandoff-Fallback"))
+		}
+	}
+	k.expectTransfer("d", kvv1.ReasonHandoffFailures, "router pod(s) d-router-6b7f9-x2x1: more than 5% of requests failed before decode or "+
+		"were served on decode alone in the last 8s (no_prefill_engine)")
+	firing(t, prom, "KvhandoffServingOnDecode", map[string]string{"pod": "d-router-6b7f9-x2x1", "reason": "no_prefill_engine"})
+	firing(t, prom, "KvhandoffTransferUnhealthy", map[string]string{"pool": "d", "reason": kvv1.ReasonHandoffFailures})
+	k.expectTransfer("d", kvv1.ReasonTransfersHealthy, "")
+	resolved(t, prom, "KvhandoffServingOnDecode")
+	k.expectOneWarning("d", kvv1.ReasonHandoffFailures)
+}
+
+// startRouter runs a real router for DecodePool pool in this process, as router pod name
+// of a router Deployment's ReplicaSet (which the test creates: the manager polls only
+// those), with ServeOnDecode and no prefill engine: every request it gets is served by a
+// simulated decode engine alone. It returns the router's address.
+func (k *cluster) startRouter(pool, name string) string {
+	t := k.t
+	d := httptest.NewServer(vllmserver.New(vllmserver.Config{EngineID: "d-0.default", Model: "tiny", SideChannelHost: "127.0.0.1",
+		SideChannelPort: 5600, TP: 1, KV: vllmserver.NewLocalKV()}))
+	t.Cleanup(d.Close)
+	cfg := router.Defaults()
+	cfg.ScrapeInterval, cfg.HealthWindow, cfg.HealthInterval = 0, 8*time.Second, 250*time.Millisecond
+	r := router.New(cfg)
+	srv := httptest.NewServer(r)
+	t.Cleanup(srv.Close)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	set := &discovery.Set{Mode: kvv1.TransferPull, HandoffFailurePolicy: kvv1.HandoffFailureServeOnDecode,
+		Decode: []discovery.Engine{{URL: d.URL, EngineID: "d-0.default", Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}}
+	go func() { defer close(done); _ = r.Run(ctx, oneSet{set}) }()
+
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	_, port, _ := net.SplitHostPort(addr)
+	p, _ := strconv.Atoi(port)
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default", Labels: map[string]string{kvv1.LabelRouter: pool, kvv1.LabelPool: pool},
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: name[:strings.LastIndexByte(name, '-')],
+				UID: "6b7f9", Controller: new(true)}}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "router", Image: "router",
+			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: int32(p)}}}}},
+	}
+	if err := k.env.Client.Create(bg, pod); err != nil {
+		t.Fatal(err)
+	}
+	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "127.0.0.1"}
+	if err := k.env.Client.Status().Update(bg, pod); err != nil {
+		t.Fatal(err)
+	}
+	return addr
+}
+
+// oneSet routes over one set.
+type oneSet struct{ set *discovery.Set }
+
+func (o oneSet) Run(ctx context.Context, out chan<- *discovery.Set) error {
+	select {
+	case out <- o.set:
+	case <-ctx.Done():
+	}
+	<-ctx.Done()
+	return nil
 }
 
 // startManager runs the manager against the cluster's API server, and serves its metrics
@@ -176,7 +259,7 @@ func (k *cluster) startManager() string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := controller.Setup(mgr, controller.Options{}); err != nil {
+	if err := controller.Setup(mgr, controller.Options{RouterHealthInterval: 250 * time.Millisecond}); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
