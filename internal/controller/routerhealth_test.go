@@ -40,7 +40,7 @@ var _ = Describe("Router health", func() {
 		DeferCleanup(srv.Close)
 		runCtx, stop := context.WithCancel(ctx)
 		DeferCleanup(stop)
-		go func() { _ = r.Run(runCtx, staticSource{set}) }()
+		go func() { _ = r.Run(runCtx, discovery.Static{Set: set}) }()
 		Eventually(func() int { return get(srv.URL + "/readyz") }).Should(Equal(http.StatusOK))
 
 		routerPod(ns, "d", "d-router-5d9c7-x2x1", "d-router-5d9c7", srv.URL)
@@ -82,18 +82,6 @@ func routerPod(ns, pool, name, owner, url string) {
 	create(ns, pod)
 	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: host}
 	Expect(k8s.Status().Update(ctx, pod)).To(Succeed())
-}
-
-// staticSource routes over one set.
-type staticSource struct{ set *discovery.Set }
-
-func (s staticSource) Run(ctx context.Context, out chan<- *discovery.Set) error {
-	select {
-	case out <- s.set:
-	case <-ctx.Done():
-	}
-	<-ctx.Done()
-	return nil
 }
 
 func closedURL() string {

@@ -214,7 +214,7 @@ func (k *cluster) startRouter(pool, name string) string {
 	t.Cleanup(func() { cancel(); <-done })
 	set := &discovery.Set{Mode: kvv1.TransferPull, HandoffFailurePolicy: kvv1.HandoffFailureServeOnDecode,
 		Decode: []discovery.Engine{{URL: d.URL, EngineID: "d-0.default", Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}}
-	go func() { defer close(done); _ = r.Run(ctx, oneSet{set}) }()
+	go func() { defer close(done); _ = r.Run(ctx, discovery.Static{Set: set}) }()
 
 	addr := strings.TrimPrefix(srv.URL, "http://")
 	_, port, _ := net.SplitHostPort(addr)
@@ -234,18 +234,6 @@ func (k *cluster) startRouter(pool, name string) string {
 		t.Fatal(err)
 	}
 	return addr
-}
-
-// oneSet routes over one set.
-type oneSet struct{ set *discovery.Set }
-
-func (o oneSet) Run(ctx context.Context, out chan<- *discovery.Set) error {
-	select {
-	case out <- o.set:
-	case <-ctx.Done():
-	}
-	<-ctx.Done()
-	return nil
 }
 
 // startManager runs the manager against the cluster's API server, and serves its metrics
