@@ -212,8 +212,10 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 			TP: p.TensorParallelSize, PP: p.PipelineParallelSize,
 		}, rq.legID(), transferID).Marshal()
 
-		ctx, cancel := context.WithCancel(rq.r.Context())
-		defer cancel()
+		// Once the client has its answer, a prefill leg still in flight (its response
+		// late, or sent again on a new connection) is cancelled as answered, not failed.
+		ctx, cancel := context.WithCancelCause(rq.r.Context())
+		defer cancel(errAnswered)
 		rq.added = time.Since(mark)
 		sent := time.Now()
 		prefillDone := make(chan legResult, 1)
@@ -226,7 +228,7 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 		case pr := <-prefillDone:
 			rq.prefillTime = time.Since(sent)
 			if pr.res.outcome != "" {
-				cancel()
+				cancel(nil)
 				if ds := <-decodeStarted; ds.resp != nil {
 					ds.resp.Body.Close()
 				}
@@ -248,6 +250,9 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 		return s.finishDecode(rq, d, ds), false
 	})
 }
+
+// errAnswered cancels a push request's prefill leg once the client has its answer.
+var errAnswered = errors.New("the request was answered")
 
 // pull sends the prefill leg first and chooses the decode engine when it returns; the
 // decode leg carries the prefill engine's kv_transfer_params, and decode reads the
@@ -338,7 +343,9 @@ func (s *Server) prefillLeg(ctx context.Context, rq *request, e discovery.Engine
 	defer release()
 	start := time.Now()
 	fail := func(reason, msg string) legResult {
-		s.m.legFails.WithLabelValues("prefill", e.EngineID, reason).Inc()
+		if context.Cause(ctx) != errAnswered {
+			s.m.legFails.WithLabelValues("prefill", e.EngineID, reason).Inc()
+		}
 		return legResult{res: result{outcome: OutcomePrefillFailed, status: http.StatusBadGateway, engine: e.EngineID,
 			msg: fmt.Sprintf("prefill engine %s: %s", e.EngineID, msg)}, took: time.Since(start)}
 	}

@@ -289,7 +289,10 @@ func TestALegOnAConnectionTheEngineClosedIsSentAgainOnANewOne(t *testing.T) {
 		kv := vllmserver.NewLocalKV()
 		p, d := startClosingEngine(t, "p-0", kv), startClosingEngine(t, "d-0", kv)
 		r := startRouter(t, mode, engines(p.engine), engines(d.engine))
-		for i := range 3 {
+		// Until each engine has closed a kept-alive connection under a leg: in push, a
+		// request answered before its prefill response was read tears that connection
+		// down, and the next leg gets a new one.
+		for i := 0; i < 3 || (i < 50 && (p.closed.Load() == 0 || d.closed.Load() == 0)); i++ {
 			resp, body := post(t, r.URL, "/v1/completions", small)
 			if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
 				t.Fatalf("%s: request %d: %s %s", mode, i, resp.Status, body)
@@ -448,5 +451,33 @@ func TestTheHealthReportCountsFallbacksAgainstThePolicysLimit(t *testing.T) {
 		if rep.Problem != c.want || (c.want != "" && !strings.Contains(rep.Message, "no_prefill_engine")) {
 			t.Errorf("limit %d%%, %d served, %d on decode alone: report %+v, want problem %q", c.limit, c.good, c.fallbacks, rep, c.want)
 		}
+	}
+}
+
+// Push: when decode answers before the prefill engine's response is read (its response
+// late, or its leg sent again on a new connection), the client has its answer and the
+// prefill leg still in flight is cancelled — as answered, not as a failed leg (before, it
+// counted as kvhandoff_router_leg_failures_total{leg="prefill",reason="cancelled"}).
+func TestAPrefillLegCancelledAfterTheAnswerIsNoFailure(t *testing.T) {
+	kv := vllmserver.NewLocalKV()
+	p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
+	// The prefill engine does its work (the KV reaches decode) and then holds its
+	// response until the router gives up on it.
+	late := startHTTP(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.Server.ServeHTTP(httptest.NewRecorder(), r)
+		<-r.Context().Done()
+	}))
+	prefill := p.Engine
+	prefill.URL = late
+	r := startRouter(t, kvv1.TransferPush, []discovery.Engine{prefill}, engines(d))
+	resp, body := post(t, r.URL, "/v1/completions", small)
+	if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+		t.Fatalf("%s %s", resp.Status, body)
+	}
+	eventually(t, "the prefill leg ends", 10*time.Second, func() bool {
+		return r.metric(t, "kvhandoff_router_inflight", map[string]string{"role": "prefill"}) == 0
+	})
+	if n := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": "prefill"}); n != 0 {
+		t.Errorf("%v prefill legs counted as failed after the client had its answer", n)
 	}
 }
