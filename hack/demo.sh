@@ -131,9 +131,9 @@ fi
 
 bold "kubectl scale dcp qwen3-32b-decode --replicas=4   (more engines than one zone has free nodes)"
 "$kubectl" scale dcp qwen3-32b-decode --replicas=4 | sed 's/^/  /'
-until_ok 'test "$("$kubectl" get pods -l kvhandoff.io/pool=qwen3-32b-decode -o name | wc -l)" -eq 4'
+until_ok 'test "$("$kubectl" get pods -l kvhandoff.io/pool=qwen3-32b-decode,kvhandoff.io/role=decode -o name | wc -l)" -eq 4'
 until_ok 'test -n "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.status.conditions[?(@.reason=="EnginesUnschedulable")].message}'\'')"'
-"$kubectl" get pods -l kvhandoff.io/pool=qwen3-32b-decode -o custom-columns='POD:.metadata.name,NODE:.spec.nodeName,PHASE:.status.phase'
+"$kubectl" get pods -l kvhandoff.io/pool=qwen3-32b-decode,kvhandoff.io/role=decode -o custom-columns='POD:.metadata.name,NODE:.spec.nodeName,PHASE:.status.phase'
 "$kubectl" get dcp qwen3-32b-decode -o jsonpath='{range .status.conditions[?(@.type=="Degraded")]}  {.type}={.status} {.reason}: {.message}{"\n"}{end}'
 
 bold "transfer agents: two agents as processes on loopback push one request's KV (real libfabric, tcp;ofi_rxm)"

@@ -3,7 +3,8 @@ package v1alpha1
 // Labels and annotations kvhandoff puts on the objects it manages. Routers, dashboards and
 // the other kvhandoff programs select on them, so they are part of the API.
 const (
-	// LabelPool is the name of the pool an engine workload or pod belongs to.
+	// LabelPool is the name of the pool an engine workload or pod belongs to, and on a
+	// router pod the DecodePool it routes to; select engines with LabelRole beside it.
 	LabelPool = "kvhandoff.io/pool"
 	// LabelRole is the engine's role: prefill or decode.
 	LabelRole = "kvhandoff.io/role"

@@ -125,7 +125,7 @@ func chat(n *realnode.Node, mode, prompt string) (int, string, error) {
 func TestPodsDeletedUnderTrafficFailByNameAndRecover(t *testing.T) {
 	n := installPairs(t, realnode.SimEngines, kvv1.TransferPush)
 	for _, victim := range []struct{ what, ns, selector string }{
-		{"the decode engine", "default", "kvhandoff.io/pool=push-decode"},
+		{"the decode engine", "default", "kvhandoff.io/pool=push-decode,kvhandoff.io/role=decode"},
 		{"the transfer agent", "kvhandoff-node", "app.kubernetes.io/component=transfer-agent"},
 		{"the router", "default", "kvhandoff.io/router=push-decode"},
 	} {
