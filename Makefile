@@ -93,10 +93,10 @@ test-kubelet: ## The device plugin against the kubelet's own device manager (its
 	cd test/kubelet && go vet ./... && go test ./... -count=1 -timeout 10m
 
 .PHONY: test-vllm
-test-vllm: ## The vLLM connector: its scheduler side in vLLM's Scheduler, and real vLLM engines through the agents (push and pull).
+test-vllm: ## The vLLM connector: its scheduler side in vLLM's Scheduler, real vLLM engines through the agents (push and pull), and stock NIXL engines behind the router.
 	go build -o bin/ ./cmd/transfer-agent ./cmd/router
-	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && cd vllm-connector && \
-		KVHANDOFF_BIN_DIR=$(CURDIR)/bin KVHANDOFF_VLLM_REPORT=$(CURDIR)/bin/vllm-report.json \
+	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && nixl="$$(hack/nixl.sh)" && cd vllm-connector && \
+		PYTHONPATH="$$nixl" KVHANDOFF_BIN_DIR=$(CURDIR)/bin KVHANDOFF_VLLM_REPORT=$(CURDIR)/bin/vllm-report.json \
 		"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests
 	@cat bin/vllm-report.json
 
@@ -127,6 +127,12 @@ images: ## Build the images without Docker (hack/images: Debian bases by mmdebst
 .PHONY: bench-handoff
 bench-handoff: deps ## Handoff benchmark (push, push-layered, pull; the agent against fi_rma_bw): table, bench/results/handoff.json and handoff.png.
 	go run ./cmd/bench-handoff --out bench/results --fabtests "$$(hack/fabtests.sh)"
+
+.PHONY: bench-vllm
+bench-vllm: deps ## Real vLLM engines on one seeded load: one engine alone, stock NIXL pull and push, kvhandoff pull and push; bench/results/vllm/.
+	go build -o bin/ ./cmd/transfer-agent ./cmd/router
+	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && nixl="$$(hack/nixl.sh)" && \
+		PYTHONPATH="$$nixl" KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" vllm-connector/bench/bench_vllm.py --out bench/results/vllm
 
 .PHONY: bench-serving
 bench-serving: deps ## Router under load, push vs pull on the same arrivals: table, bench/results/serving.json and serving.png.

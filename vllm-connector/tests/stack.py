@@ -139,7 +139,8 @@ def kv_config(mode: str, role: str, engine_id: str, socket_path: str) -> str:
 class Engine(Proc):
     """A vLLM OpenAI server on the CPU backend, pinned to one core."""
 
-    def __init__(self, name: str, model: str, log_dir: str, cpu: int, kv: str | None = None, extra: list[str] | None = None):
+    def __init__(self, name: str, model: str, log_dir: str, cpu: int, kv: str | None = None, extra: list[str] | None = None,
+                 env: dict | None = None):
         self.port = free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
                 "--host", "127.0.0.1", "--served-model-name", "m", "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0"]
@@ -147,14 +148,75 @@ class Engine(Proc):
             args += ["--kv-transfer-config", kv]
         args += extra or []
         connector = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
-               "PYTHONPATH": os.pathsep.join(filter(None, [connector, os.environ.get("PYTHONPATH")]))}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu), **(env or {})}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [connector, env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]))
         super().__init__(name, args, log_dir, env)
         self.started = time.monotonic()
 
     def ready(self, timeout: float = 300) -> float:
         self.wait_until("/health", lambda: http_ok(f"http://127.0.0.1:{self.port}/health"), timeout)
         return time.monotonic() - self.started
+
+
+class NixlEngine(Engine):
+    """A stock vLLM engine with vLLM's own NIXL connector (kv_buffer_device cpu: vLLM's CPU
+    backend allows it), its side channel on a port of its own. keep_affinity puts
+    bench/sitecustomize.py on its path, which stops NIXL's worker from moving the engine's
+    compute thread to the NUMA node's last core."""
+
+    def __init__(self, name: str, model: str, log_dir: str, cpu: int, connector: str, keep_affinity: bool = False):
+        self.side = free_port()
+        kv = json.dumps({"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu", "engine_id": name + "-0.default"})
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        if keep_affinity:
+            env["KVH_BENCH_KEEP_AFFINITY"] = "1"
+            env["PYTHONPATH"] = os.path.join(REPO, "vllm-connector", "bench")
+        super().__init__(name, model, log_dir, cpu, kv, env=env)
+
+
+class NixlRouter(Proc):
+    """kvhandoff's router in front of two stock NIXL engines: the side channels are the
+    engines' own."""
+
+    def __init__(self, bins: str, log_dir: str, mode: str, p: NixlEngine, d: NixlEngine):
+        self.port = free_port()
+        endpoints = os.path.join(log_dir, "endpoints.json")
+        with open(endpoints, "w") as f:
+            json.dump({"mode": mode.capitalize(),
+                       "prefill": [{"url": f"http://127.0.0.1:{p.port}", "engineID": "prefill-0.default", "host": "127.0.0.1",
+                                    "sideChannelPort": p.side, "tensorParallelSize": 1}],
+                       "decode": [{"url": f"http://127.0.0.1:{d.port}", "engineID": "decode-0.default", "host": "127.0.0.1",
+                                   "sideChannelPort": d.side, "tensorParallelSize": 1}]}, f)
+        super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}", "--endpoints", endpoints,
+                                    "--scrape-interval", "0"], log_dir)
+        self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
+
+
+class NixlStack:
+    """Two stock NIXL engines (prefill on core 0, decode on core 1) behind the router."""
+
+    def __init__(self, bins, model, d, mode: str, keep_affinity: bool = False):
+        connector = "NixlPushConnector" if mode == "push" else "NixlConnector"
+        self.procs = []
+        try:
+            self.p = self._add(NixlEngine("prefill", model, d, 0, connector, keep_affinity))
+            self.d = self._add(NixlEngine("decode", model, d, 1, connector, keep_affinity))
+            TIMINGS[f"nixl {mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
+            self.r = self._add(NixlRouter(bins, d, mode, self.p, self.d))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _add(self, p):
+        self.procs.append(p)
+        return p
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log()[-4000:]}" for p in self.procs)
 
 
 class Router(Proc):
