@@ -86,7 +86,13 @@ func (r *PoolReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.
 			}
 		}
 	}
-	return ctrl.Result{}, r.updateStatus(ctx, p, before, v)
+	err = r.updateStatus(ctx, p, before, v)
+	if apierrors.IsConflict(err) {
+		// The status was computed from a stale copy. The change that made it stale is a
+		// watch event of its own, which reconciles the pool again from the fresh one.
+		return ctrl.Result{}, nil
+	}
+	return ctrl.Result{}, err
 }
 
 // problem is why a pool is not rendered as written: a condition reason and a message

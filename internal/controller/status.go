@@ -55,7 +55,10 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 	if equality.Semantic.DeepEqual(*old, st) {
 		return nil
 	}
-	if err := r.Status().Patch(ctx, p.object(), client.MergeFrom(before)); err != nil {
+	// The patch carries the resourceVersion the status was computed from: a reconcile that
+	// read a stale copy conflicts and runs again on the fresh one, instead of writing the
+	// same status a second time and sending its events twice.
+	if err := r.Status().Patch(ctx, p.object(), client.MergeFromWithOptions(before, client.MergeFromWithOptimisticLock{})); err != nil {
 		return err
 	}
 	for _, e := range statusEvents(old, &st) {
