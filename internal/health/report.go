@@ -40,7 +40,7 @@ func (r Report) Encode() string {
 
 // Publisher writes a component's Report whenever it changes.
 type Publisher struct {
-	// Write stores the annotation's value ("" removes it).
+	// Write stores the annotation's value (always a Report's JSON).
 	Write func(ctx context.Context, value string) error
 	// Every is how often the report is computed.
 	Every time.Duration

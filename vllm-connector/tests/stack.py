@@ -192,7 +192,24 @@ class NixlRouter(Proc):
         self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
 
 
-class NixlStack:
+class Procs:
+    """The processes of a stack: stopped in reverse order of start, their logs together."""
+
+    procs: list
+
+    def _add(self, p):
+        self.procs.append(p)
+        return p
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log()[-4000:]}" for p in self.procs)
+
+
+class NixlStack(Procs):
     """Two stock NIXL engines (prefill on core 0, decode on core 1) behind the router."""
 
     def __init__(self, bins, model, d, mode: str, keep_affinity: bool = False):
@@ -206,17 +223,6 @@ class NixlStack:
         except BaseException:
             self.stop()
             raise
-
-    def _add(self, p):
-        self.procs.append(p)
-        return p
-
-    def stop(self):
-        for p in reversed(self.procs):
-            p.stop()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.log()[-4000:]}" for p in self.procs)
 
 
 class Router(Proc):
@@ -243,7 +249,7 @@ def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120)
         return list(json.load(r)["choices"][0]["token_ids"])
 
 
-class Stack:
+class Stack(Procs):
     def __init__(self, bins, model, d, mode, decode_extra=None):
         self.procs = []
         try:
@@ -256,17 +262,6 @@ class Stack:
         except BaseException:
             self.stop()  # nothing outlives a stack that failed to start
             raise
-
-    def _add(self, p):
-        self.procs.append(p)
-        return p
-
-    def stop(self):
-        for p in reversed(self.procs):
-            p.stop()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.log()[-4000:]}" for p in self.procs)
 
 
 def engine_metric(e: Engine, name: str) -> float:
