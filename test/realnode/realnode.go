@@ -7,8 +7,8 @@
 // Everything runs in a network and mount namespace of the test's own (Main): pods get
 // addresses from 198.18.0.0/24 on a bridge whose gateway, 198.18.0.1, is the node and
 // the API server's address; Services get 198.19.0.0/24. Nothing routes off the machine.
-// The kubelet changes three host sysctls and makes cgroups; Stop restores and removes
-// them.
+// The kubelet changes three host sysctls and makes cgroups, under a cgroup root of the
+// run's own so that it never meets another kubelet's; Stop restores and removes them.
 package realnode
 
 import (
@@ -138,7 +138,10 @@ type Node struct {
 	procs    []*proc
 	sysctls  map[string]string
 	socket   string
-	stopping bool
+	// cgroupRoot is the kubelet's cgroup root (kubepods lives below it), one per node,
+	// in every hierarchy.
+	cgroupRoot string
+	stopping   bool
 }
 
 // globalSysctls are the host settings the kubelet changes (they are not per network
@@ -151,10 +154,8 @@ func Start(ctx context.Context, dir string, images ...string) (_ *Node, err erro
 	if os.Getenv(inNamespaces) == "" {
 		return nil, errors.New("realnode: Start outside the tier's namespaces (use realnode.Main as TestMain)")
 	}
-	if _, err := os.Stat("/sys/fs/cgroup/memory/kubepods"); err == nil {
-		return nil, errors.New("realnode: /sys/fs/cgroup/memory/kubepods exists: another kubelet runs on this machine, or a run before this one left it")
-	}
-	n := &Node{Dir: dir, sysctls: map[string]string{}, socket: filepath.Join(dir, "containerd.sock")}
+	n := &Node{Dir: dir, sysctls: map[string]string{}, socket: filepath.Join(dir, "containerd.sock"),
+		cgroupRoot: fmt.Sprintf("%s%d", cgroupRootPrefix, time.Now().UnixNano())}
 	defer func() {
 		if err != nil {
 			err = fmt.Errorf("%w\n%s", err, n.LogTail(15))
@@ -167,6 +168,10 @@ func Start(ctx context.Context, dir string, images ...string) (_ *Node, err erro
 			return nil, err
 		}
 		n.sysctls[s] = strings.TrimSpace(string(b))
+	}
+	removeStaleCgroups()
+	if err := makeCgroupRoot(n.cgroupRoot); err != nil {
+		return nil, err
 	}
 	for _, d := range []string{"logs", "etcd", "containerd", "containerd-state", "cni/net.d", "cni/ipam"} {
 		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
@@ -352,6 +357,7 @@ kind: KubeletConfiguration
 # This machine mounts cgroup v1 beside v2 (hybrid), which the kubelet refuses by default.
 failCgroupV1: false
 cgroupDriver: cgroupfs
+cgroupRoot: /%s
 containerRuntimeEndpoint: unix://%s
 authentication: {anonymous: {enabled: false}, webhook: {enabled: true}, x509: {clientCAFile: %q}}
 authorization: {mode: Webhook}
@@ -363,7 +369,7 @@ podLogsDir: %q
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%%", imagefs.available: "1%%", nodefs.inodesFree: "1%%"}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
-`, n.socket, p.path("ca.crt"), NodeIP, filepath.Join(d, "pod-logs"))
+`, n.cgroupRoot, n.socket, p.path("ca.crt"), NodeIP, filepath.Join(d, "pod-logs"))
 	if err := os.WriteFile(filepath.Join(d, "kubelet.yaml"), []byte(cfg), 0o644); err != nil {
 		return err
 	}
@@ -529,7 +535,7 @@ func (n *Node) Stop() error {
 		<-p.exited
 	}
 	killMatching(n.socket) // containerd's shims, which outlive it
-	errs = append(errs, removeCgroups("kubepods"))
+	errs = append(errs, removeCgroups(n.cgroupRoot))
 	errs = append(errs, unmountUnder(n.Dir), unmountUnder("/var/lib/kubelet"))
 	// The network namespace is the tier's own: nothing else's rules are in it.
 	for _, c := range [][]string{{"ip", "link", "del", "cni0"}, {"iptables", "-t", "nat", "-F"}, {"iptables", "-t", "nat", "-X"},
@@ -582,12 +588,82 @@ func unmountUnder(dir string) error {
 	return errors.Join(errs...)
 }
 
+// cgroupRootPrefix names the nodes' cgroup roots; a root that holds no process and is
+// older than any run (staleCgroup) was left by a run that was killed before its Stop.
+const (
+	cgroupRootPrefix = "kvhandoff-realnode-"
+	staleCgroup      = 2 * time.Hour
+)
+
+// hierarchies are the mounted cgroup hierarchies: /sys/fs/cgroup itself where it is
+// cgroup v2 alone, else each controller's (and the v2 one a hybrid machine has beside).
+func hierarchies() []string {
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.procs"); err == nil {
+		return []string{"/sys/fs/cgroup"}
+	}
+	procs, _ := filepath.Glob("/sys/fs/cgroup/*/cgroup.procs")
+	dirs := make([]string, len(procs))
+	for i, p := range procs {
+		dirs[i] = filepath.Dir(p)
+	}
+	return dirs
+}
+
+// makeCgroupRoot makes the cgroup name in every hierarchy, as the kubelet wants its root
+// to exist. cpuset's cpus and mems start empty in cgroup v1 and are copied from the
+// parent, or no process could join it.
+func makeCgroupRoot(name string) error {
+	for _, h := range hierarchies() {
+		root := filepath.Join(h, name)
+		if err := os.Mkdir(root, 0o755); err != nil {
+			return fmt.Errorf("realnode: making the kubelet's cgroup root: %w", err)
+		}
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			if b, err := os.ReadFile(filepath.Join(h, f)); err == nil && len(b) > 0 {
+				if err := os.WriteFile(filepath.Join(root, f), b, 0o644); err != nil {
+					return fmt.Errorf("realnode: %s of the kubelet's cgroup root: %w", f, err)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// removeStaleCgroups removes the cgroup roots that runs killed before their Stop left
+// behind: those that hold no process and are older than staleCgroup. Roots of runs in
+// progress beside this one are left alone.
+func removeStaleCgroups() {
+	for _, h := range hierarchies() {
+		roots, _ := filepath.Glob(filepath.Join(h, cgroupRootPrefix+"*"))
+		for _, root := range roots {
+			if fi, err := os.Stat(root); err == nil && time.Since(fi.ModTime()) > staleCgroup && !holdsProcesses(root) {
+				_ = removeCgroups(filepath.Base(root))
+			}
+		}
+	}
+}
+
+// holdsProcesses says whether any cgroup in the tree at root has a process.
+func holdsProcesses(root string) bool {
+	found := false
+	_ = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err == nil && d.Name() == "cgroup.procs" {
+			if b, _ := os.ReadFile(path); len(strings.TrimSpace(string(b))) > 0 {
+				found = true
+				return filepath.SkipAll
+			}
+		}
+		return nil
+	})
+	return found
+}
+
 // removeCgroups kills every process in the cgroup name of every hierarchy (container
 // processes outlive containerd's shims) and removes the cgroups, deepest first.
 func removeCgroups(name string) error {
-	roots, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", "*", name))
 	var errs []error
-	for _, root := range roots {
+	for _, h := range hierarchies() {
+		root := filepath.Join(h, name)
 		var dirs []string
 		_ = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
 			if err == nil && d.IsDir() {
