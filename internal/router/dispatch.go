@@ -34,6 +34,7 @@ type request struct {
 	prefill, decode string
 	retries         int
 	fallback        string        // why the request was served on a decode engine alone, if it was
+	transferID      string        // push: the last attempt's, the key the agents and engines log it by
 	added           time.Duration // the router's own share of the time to first byte
 	relay           time.Duration // of which relaying the decode leg's first byte
 	firstByte       time.Time
@@ -206,6 +207,7 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 		rq.prefill, rq.decode = p.EngineID, d.EngineID
 		// A new transfer id for every attempt: a retried pair never matches the aborted one.
 		transferID := newID("xfer-")
+		rq.transferID = transferID
 		prefillBody := protocol.PrefillLeg(rq.body, transferID).Marshal()
 		decodeBody := protocol.PushDecodeLeg(rq.body, protocol.Prefill{
 			EngineID: p.EngineID, Host: p.Host, Port: p.SideChannelPort,
@@ -601,6 +603,9 @@ func (s *Server) record(rq *request, res result) {
 		ms(time.Since(rq.start))}
 	if cid := rq.r.Header.Get("X-Request-Id"); cid != "" {
 		attrs = append(attrs, "client_request_id", cid)
+	}
+	if rq.transferID != "" {
+		attrs = append(attrs, "transfer_id", rq.transferID)
 	}
 	if rq.fallback != "" {
 		attrs = append(attrs, "fallback", rq.fallback)

@@ -5,10 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -51,6 +53,33 @@ func deadEngine(t *testing.T, id string) discovery.Engine {
 	addr := l.Addr().String()
 	l.Close()
 	return discovery.Engine{URL: "http://" + addr, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}
+}
+
+// requestLogs keeps the router's request log lines (JSON) for a test to read.
+type requestLogs struct {
+	mu    sync.Mutex
+	lines []map[string]any
+}
+
+func (l *requestLogs) Write(p []byte) (int, error) {
+	var rec map[string]any
+	if json.Unmarshal(p, &rec) == nil && rec["msg"] == "request" {
+		l.mu.Lock()
+		l.lines = append(l.lines, rec)
+		l.mu.Unlock()
+	}
+	return len(p), nil
+}
+
+func (l *requestLogs) get() []map[string]any {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]map[string]any(nil), l.lines...)
+}
+
+// logTo sends the router's logs to l.
+func logTo(l *requestLogs) func(*router.Config) {
+	return func(c *router.Config) { c.Log = slog.New(slog.NewJSONHandler(l, nil)) }
 }
 
 type testRouter struct {

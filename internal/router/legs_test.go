@@ -99,7 +99,8 @@ func TestPullSendsDecodeAfterPrefillWithExactlyWhatPrefillReturned(t *testing.T)
 func TestPushSendsBothLegsAtOnceAndDecodeRegistersBeforePrefillEnds(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
 	p, d := startEngine(t, "p-0", kv, 200*time.Millisecond), startEngine(t, "d-0", kv, 0)
-	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d))
+	logs := &requestLogs{}
+	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d), logTo(logs))
 
 	resp, body := post(t, r.URL, "/v1/completions", clientBody)
 	if resp.StatusCode != http.StatusOK {
@@ -116,6 +117,11 @@ func TestPushSendsBothLegsAtOnceAndDecodeRegistersBeforePrefillEnds(t *testing.T
 	tid, _ := pp["transfer_id"].(string)
 	if tid == "" || dp["transfer_id"] != tid {
 		t.Fatalf("transfer_id: prefill %v, decode %v; both legs must carry the same", pp["transfer_id"], dp["transfer_id"])
+	}
+	// The request's log line names the key the agents and engines log the handoff under.
+	eventually(t, "the request is logged", 5*time.Second, func() bool { return len(logs.get()) == 1 })
+	if got := logs.get()[0]["transfer_id"]; got != tid {
+		t.Errorf("request log transfer_id = %v, want %s", got, tid)
 	}
 	wantDecode := map[string]any{"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": "p-0",
 		"remote_host": "127.0.0.1", "remote_port": 5600.0, "tp_size": 1.0, "pp_size": 1.0, "remote_request_id": pl.RequestID, "transfer_id": tid}
