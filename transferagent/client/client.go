@@ -177,6 +177,13 @@ func (e *Engine) Cancel(ctx context.Context, req string, attempt uint64) error {
 	return err
 }
 
+// Decline (push, decode) says the engine computes a request itself and takes none of its
+// KV; the source's agent frees the prefill engine's blocks at once.
+func (e *Engine) Decline(ctx context.Context, req string, source *agentv1.EngineRef) error {
+	_, err := e.c.API.Decline(ctx, &agentv1.DeclineRequest{Session: e.Session, RequestId: req, Source: source})
+	return err
+}
+
 // Heartbeat renews the leases of everything the engine has outstanding.
 func (e *Engine) Heartbeat(ctx context.Context) error {
 	_, err := e.c.API.Heartbeat(ctx, &agentv1.HeartbeatRequest{Session: e.Session})

@@ -2,11 +2,15 @@
 seeded load, back to back: one engine alone, stock NixlConnector pull (as shipped, and with
 its thread placement undone), stock NixlPushConnector push, kvhandoff pull and push. Every
 configuration is first checked token for token against the engine alone, then timed on the
-same arrivals, prompts and output lengths. Results: a table on stdout, JSON in --out."""
+same arrivals, prompts and output lengths. For kvhandoff's configurations each request's
+handoff is also taken apart (timeline()): the connector's timestamps ($KVHANDOFF_TIMELINE),
+the router's request log and the agents' stage histograms. Results: a table on stdout, JSON
+in --out."""
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
@@ -23,6 +27,7 @@ import psutil  # noqa: E402  (vLLM's own dependency)
 import tinymodel  # noqa: E402
 from stack import Engine, NixlStack, Stack, go_binaries  # noqa: E402
 
+IDENTITY = 6  # prompts checked one at a time before each configuration is timed
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"] + [str(i) for i in range(100)]
 
 
@@ -42,8 +47,20 @@ def prompts(rng: random.Random, model: str, n: int, lo: int, hi: int) -> list[st
 class Config:
     """One configuration: its processes and the port clients send to."""
 
-    def __init__(self, name, procs, port, agents=()):
+    def __init__(self, name, procs, port, agents=(), router_log=None, timeline=None):
         self.name, self.procs, self.port, self.agents = name, procs, port, list(agents)
+        self.router_log, self.timeline = router_log, timeline
+
+    def stage_sums(self) -> dict[str, list[float]]:
+        """The agents' handoff stage histograms: stage -> [sum of seconds, count]."""
+        out: dict[str, list[float]] = {}
+        for a in self.agents:
+            for k, v in a.metrics().items():
+                for suffix, i in (("_sum{", 0), ("_count{", 1)):
+                    if k.startswith("kvhandoff_agent_handoff_stage_seconds" + suffix):
+                        stage = k.split('stage="')[1].split('"')[0]
+                        out.setdefault(stage, [0.0, 0.0])[i] += v
+        return out
 
     def agent_failures(self) -> float:
         """kvhandoff's agents: attempts that ended without delivery (the engines recompute those)."""
@@ -72,8 +89,13 @@ def start(name, bins, model, d) -> Config:
         e.ready()
         return Config(name, [e], e.port)
     if name.startswith("kvhandoff"):
-        s = Stack(bins, model, d, name.split()[1])
-        return Config(name, s.procs, s.r.port, agents=[s.a, s.b])
+        timeline = os.path.join(d, "timeline")
+        os.environ["KVHANDOFF_TIMELINE"] = timeline  # the engines' connectors write there
+        try:
+            s = Stack(bins, model, d, name.split()[1])
+        finally:
+            del os.environ["KVHANDOFF_TIMELINE"]
+        return Config(name, s.procs, s.r.port, agents=[s.a, s.b], router_log=s.r.log_path, timeline=timeline)
     s = NixlStack(bins, model, d, "push" if "push" in name else "pull", keep_affinity="placement undone" in name)
     return Config(name, s.procs, s.r.port)
 
@@ -84,11 +106,12 @@ def stream(port: int, prompt: str, max_tokens: int) -> dict:
             "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    out = {"ttft": None, "itl": [], "ids": [], "error": None, "prompt_tokens": 0}
+    sent, t0 = time.time(), time.monotonic()
+    out = {"ttft": None, "itl": [], "ids": [], "error": None, "prompt_tokens": 0, "sent": sent, "id": None}
     last = None
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
+            out["id"] = r.headers.get("X-Request-Id")
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -120,7 +143,7 @@ def pct(xs, q):
 def run_load(cfg: Config, load) -> dict:
     results = [None] * len(load)
     threads = []
-    cpu0, failed0, t0 = cfg.cpu_seconds(), cfg.agent_failures(), time.monotonic()
+    cpu0, failed0, stages0, t0 = cfg.cpu_seconds(), cfg.agent_failures(), cfg.stage_sums(), time.monotonic()
     for i, (at, prompt, n) in enumerate(load):
         delay = t0 + at - time.monotonic()
         if delay > 0:
@@ -131,13 +154,76 @@ def run_load(cfg: Config, load) -> dict:
     for th in threads:
         th.join()
     wall, cpu, transfer_failures = time.monotonic() - t0, cfg.cpu_seconds() - cpu0, cfg.agent_failures() - failed0
+    stages = cfg.stage_sums()
     ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["itl"]]
     return {"requests": len(load), "failed": len(load) - len(ok), "ttft_ms": {q: pct(ttft, v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))},
             "itl_ms": {"p50": pct(itl, .5), "p90": pct(itl, .9)}, "cpu_s": round(cpu, 1), "cpu_s_per_request": round(cpu / len(load), 2),
             "wall_s": round(wall, 1), "ids": [r["ids"] for r in results], "agent_transfer_failures": transfer_failures,
-            "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
+            "errors": sorted({r["error"] for r in results if r["error"]})[:5], "results": results,
+            "agent_stage_mean_ms": {k: round(1000 * (v[0] - stages0.get(k, [0, 0])[0]) / (v[1] - stages0.get(k, [0, 0])[1]), 2)
+                                    for k, v in stages.items() if v[1] > stages0.get(k, [0, 0])[1]}}
+
+
+# A handoff's segments: (name, from point, to point), each point "<role>:<event>" from the
+# connector's timeline or "client:sent" / "client:first" from the bench. In pull the decode
+# side starts only when the prefill response came back through the router.
+SEGMENTS = [
+    ("prefill leg: sent → prefill finished", "client:sent", "prefill:finished"),
+    ("prefill: finished → SourceReady sent", "prefill:finished", "prefill:ready_call"),
+    ("prefill: SourceReady call", "prefill:ready_call", "prefill:ready_done"),
+    ("decode: sent → blocks allocated", "client:sent", "decode:allocated"),
+    ("pull: prefill finished → decode allocated", "prefill:finished", "decode:allocated"),
+    ("decode: allocated → load call", "decode:allocated", "decode:load_call"),
+    ("decode: load call (RegisterDestination / Pull)", "decode:load_call", "decode:load_done"),
+    ("handoff: last of (source ready, load) → DELIVERED at the engine", "handoff:start", "decode:event_delivered"),
+    ("decode: DELIVERED → taken by a step", "decode:event_delivered", "decode:drained"),
+    ("decode: taken → scheduler told", "decode:drained", "decode:resumed"),
+    ("decode: scheduler told → first token at the client", "decode:resumed", "client:first"),
+]
+
+
+def timeline(cfg: Config, results: list[dict], alone: list[dict] | None) -> dict:
+    """Each request's handoff, segment by segment: p50 and p90 per segment (ms) over the
+    requests that have both points, and the P/D overhead over the engine alone."""
+    points: dict[str, dict[str, float]] = {}
+    for path in glob.glob(os.path.join(cfg.timeline or "", "*.jsonl")):
+        role = "prefill" if os.path.basename(path).startswith("prefill") else "decode"
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                # The first time a point is reached counts (an event may repeat on retries).
+                points.setdefault(rec["key"], {}).setdefault(f"{role}:{rec['ev']}", rec["t"])
+    transfer = {}
+    with open(cfg.router_log) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("msg") == "request":
+                transfer[rec["request_id"]] = rec.get("transfer_id")
+    per: dict[str, list[float]] = {name: [] for name, _, _ in SEGMENTS}
+    over = []
+    for i, r in enumerate(results):
+        if r["error"] or r["ttft"] is None or not r["id"]:
+            continue
+        key = transfer.get(r["id"]) or next((k for k in points if r["id"] in k), None)
+        p = dict(points.get(key, {}))
+        p["client:sent"], p["client:first"] = r["sent"], r["sent"] + r["ttft"]
+        ready = p.get("prefill:ready_done") or p.get("prefill:finished")
+        if ready and "decode:load_done" in p:
+            p["handoff:start"] = max(ready, p["decode:load_done"])
+        for name, a, b in SEGMENTS:
+            if a in p and b in p:
+                per[name].append(p[b] - p[a])
+        if alone and alone[i]["ttft"] is not None:
+            over.append(r["ttft"] - alone[i]["ttft"])
+    out = {name: {"p50": round(pct(v, .5), 2), "p90": round(pct(v, .9), 2), "n": len(v)} for name, v in per.items() if v}
+    if over:
+        out["TTFT − the engine alone's, same request"] = {"p50": round(pct(over, .5), 2), "p90": round(pct(over, .9), 2), "n": len(over)}
+    return out
 
 
 def main():
@@ -152,14 +238,18 @@ def main():
     bins = go_binaries(work)
     model = tinymodel.make(os.path.join(work, "model"))
     rng = random.Random(a.seed)
-    ps = prompts(rng, model, a.requests, 237, 1893)
+    # The identity checks' prompts are their own: were they the load's, decode engines
+    # would hold them in their prefix caches when the load comes (push then computes them
+    # there, and the prefill agent holds the unclaimed blocks until their TTL).
+    ps = prompts(rng, model, a.requests + IDENTITY, 237, 1893)
+    checks, ps = [(p, 32) for p in ps[:IDENTITY]], ps[IDENTITY:]
     at, load = 0.0, []
     for p in ps:
         at += rng.expovariate(a.qps)
         load.append((at, p, rng.randint(16, 64)))
     report = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": {"cpus": os.cpu_count()},
               "load": {"requests": a.requests, "qps": a.qps, "seed": a.seed, "prompt_tokens": [237, 1893], "output_tokens": [16, 64]}, "configs": {}}
-    reference = None
+    reference = alone = None
     for name in [c.strip() for c in a.configs.split(",")]:
         print(f"== {name}", flush=True)
         try:
@@ -170,13 +260,17 @@ def main():
             continue
         try:
             # Identity first: each prompt alone, greedy, against the engine alone.
-            ids = [stream(cfg.port, p, n)["ids"] for _, p, n in load[:6]]
+            ids = [stream(cfg.port, p, n)["ids"] for p, n in checks]
             if reference is None:
                 reference = ids
             same = sum(x == y for x, y in zip(ids, reference))
             res = run_load(cfg, load)
+            results = res.pop("results")
             if name == "one engine":
                 report["reference_ids"] = res["ids"]
+                alone = results
+            if cfg.timeline:
+                res["timeline_ms"] = timeline(cfg, results, alone)
             timed_same = sum(x == y for x, y in zip(res["ids"], report.get("reference_ids", res["ids"])))
             res.pop("ids")
             res["identical"] = {"alone": f"{same}/{len(ids)}", "under_load": f"{timed_same}/{len(load)}"}
@@ -199,6 +293,11 @@ def main():
         f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         print(f"| {name} | {f(t['p50'])} / {f(t['p90'])} / {f(t['p99'])} | {f(r['itl_ms']['p50'])} | {r['cpu_s_per_request']} | "
               f"{r['failed']} | {r['identical']['alone']}, {r['identical']['under_load']} |")
+    for name, r in report["configs"].items():
+        if r.get("timeline_ms"):
+            print(f"\n{name}: where the time goes (ms, p50 / p90 over requests; agent stage means {r['agent_stage_mean_ms']})")
+            for seg, v in r["timeline_ms"].items():
+                print(f"  {v['p50']:8.2f} / {v['p90']:8.2f}  {seg} (n={v['n']})")
     print(f"\n{path}")
 
 

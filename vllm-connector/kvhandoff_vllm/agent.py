@@ -51,8 +51,9 @@ class Session:
     """A registered engine rank: its session id, its address for peers (``ref``) and the
     stream of outcomes (``events``, a queue of agentv1 Events; None once it ended)."""
 
-    def __init__(self, socket_path: str, request: pb.RegisterEngineRequest, timeout: float = 60.0):
+    def __init__(self, socket_path: str, request: pb.RegisterEngineRequest, timeout: float = 60.0, timeline=None):
         self.socket_path = socket_path
+        self._timeline = timeline
         self._channel = grpc.insecure_channel("unix://" + socket_path)
         self._stub = pbg.AgentStub(self._channel)
         try:
@@ -75,6 +76,8 @@ class Session:
     def _pump(self) -> None:
         try:
             for ev in self._stream:
+                if self._timeline is not None:
+                    self._timeline.mark("event_" + pb.Event.Type.Name(ev.type).lower(), ev.request_id)
                 self.events.put(ev)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
@@ -126,6 +129,10 @@ class Session:
         _call(self._stub.Pull, pb.PullRequest(
             session=self.session, request_id=key, attempt=attempt, source=source,
             source_block_ids=src, destination_block_ids=dst))
+
+    def decline(self, key: str, source: pb.EngineRef) -> None:
+        """Push, decode: this engine computes the request itself; the prefill agent frees its blocks."""
+        _call(self._stub.Decline, pb.DeclineRequest(session=self.session, request_id=key, source=source))
 
     def cancel(self, key: str, attempt: int) -> bool:
         """Fences an attempt; False when the agent has nothing outstanding for it."""

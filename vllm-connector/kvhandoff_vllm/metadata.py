@@ -48,6 +48,16 @@ class Stream:
 
 
 @dataclass
+class Decline:
+    """Decode, push: the request is computed here (its prefix is cached here), so the prefill
+    engine's blocks are freed at once instead of waiting for a registration."""
+
+    key: str
+    source_agent: str
+    source_engine: str
+
+
+@dataclass
 class KVHandoffMetadata(KVConnectorMetadata):
     receives: list[Receive] = field(default_factory=list)
     sends: list[Send] = field(default_factory=list)
@@ -55,6 +65,7 @@ class KVHandoffMetadata(KVConnectorMetadata):
     # (request id, key): a decode request aborted while its KV was on its way, or a
     # prefill request aborted before its blocks were ready.
     cancels: list[tuple[str, str]] = field(default_factory=list)
+    declines: list[Decline] = field(default_factory=list)
 
 
 @dataclass

@@ -15,10 +15,11 @@ router (and vLLM's own P/D proxies) drive it unchanged:
   (WAITING_FOR_REMOTE_KVS) while the agent brings it; an abort meanwhile cancels through
   the agent, and vLLM frees the blocks only once the agent acknowledged.
 
-With layer_streaming (push prefill), a request whose whole prompt is scheduled in one step
-is handed to the workers in that step (metadata.streams), and they report each layer to the
-agent as the forward pass computes it; a prompt computed in chunks is reported whole when
-the request finishes, as without streaming.
+In push, a prefill request whose whole prompt is scheduled in one step is handed to the
+workers in that step (metadata.streams). With layer_streaming they report each layer to the
+agent as the forward pass computes it; without, the whole prompt once that step's forward is
+over, rather than a step later, when vLLM has finished the request. A prompt computed in
+chunks is reported whole when the request finishes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from __future__ import annotations
 import logging
 
 from .config import Config
-from .metadata import Handshake, KVHandoffMetadata, Receive, Send, Stream
+from .metadata import Decline, Handshake, KVHandoffMetadata, Receive, Send, Stream
+from .timeline import Timeline
 
 log = logging.getLogger("kvhandoff_vllm")
 
@@ -50,14 +52,15 @@ class SchedulerSide:
         self.cfg = cfg
         self.tp_size = tp_size
         self.block_size = block_size
-        # Layer streaming: push prefill requests not yet scheduled (request id -> key),
-        # and those whose layers the workers are reporting as they are computed.
+        # Push prefill requests not yet scheduled (request id -> key), and those the
+        # workers report in the step that computes them (streams).
         self._streamable: dict[str, str] = {}
         self._streamed: set[str] = set()
         self.agent: str | None = None  # this engine's agent, from the workers' handshake
         self._meta = KVHandoffMetadata()
         # Decode requests whose KV is on its way: request id -> key.
         self._receiving: dict[str, str] = {}
+        self.timeline = Timeline(f"{cfg.engine_id}-scheduler")
 
     def set_handshake(self, metadata: dict) -> None:
         for meta in metadata.values():
@@ -70,20 +73,33 @@ class SchedulerSide:
         if self.cfg.role != "decode" or not params or not params.get("do_remote_prefill"):
             return 0, False
         n = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if n <= 0:
-            return 0, False
-        if self.cfg.mode == "push" and num_computed_tokens > 0:
+        if self.cfg.mode == "push" and (n <= 0 or num_computed_tokens > 0):
             # A push registration names destination blocks from the request's first
-            # token on; blocks this engine already holds (a prefix-cache hit) cannot be
-            # written, so the request is computed here instead. The prefill agent frees
-            # its blocks when no registration claims them within the blocks TTL.
-            log.warning("request %s: %d tokens are cached here; computing it locally instead of a push", request.request_id, num_computed_tokens)
+            # token on; blocks this engine already holds (a prefix-cache hit) are shared
+            # and cannot be written, so the request is computed here instead, and the
+            # prefill agent is told to free its blocks now (a decline).
+            log.info("request %s: %d tokens are cached here; computing it here and declining the push", request.request_id, num_computed_tokens)
+            self._decline(params)
+            return 0, False
+        if n <= 0:
             return 0, False
         return n, True
 
+    def _decline(self, params: dict) -> None:
+        try:
+            d = Decline(key=str(params.get("transfer_id") or params["remote_request_id"]),
+                        source_agent=join_agent(params["remote_host"], params["remote_port"]),
+                        source_engine=str(params["remote_engine_id"]))
+            self._meta.declines.append(d)
+            self.timeline.mark("declined", d.key)
+        except (KeyError, TypeError) as e:
+            log.warning("kvhandoff: cannot decline a push whose kv_transfer_params lack %s; the prefill agent frees its blocks after their TTL", e)
+        # Once: vLLM asks again while the request waits to be scheduled.
+        params["do_remote_prefill"] = False
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if self.cfg.layer_streaming and self.cfg.role == "prefill" and params and params.get("do_remote_decode"):
+        if self.cfg.mode == "push" and self.cfg.role == "prefill" and params and params.get("do_remote_decode"):
             self._streamable[request.request_id] = str(params.get("transfer_id") or request.request_id)
             return
         if self.cfg.role != "decode" or not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
@@ -106,6 +122,7 @@ class SchedulerSide:
             r.error = f"kv_transfer_params: {e!s} missing or invalid"
         self._meta.receives.append(r)
         self._receiving[request.request_id] = r.key
+        self.timeline.mark("allocated", r.key)
         # Processed: a re-entry (preemption and reschedule) must not register again.
         params["do_remote_prefill"] = False
 
@@ -152,6 +169,7 @@ class SchedulerSide:
         if not blocks:
             return False, None
         self._meta.sends.append(Send(req_id=rid, key=key, blocks=blocks, streamed=streamed))
+        self.timeline.mark("finished", key)
         if self.cfg.mode == "push":
             return True, None
         if self.agent is None:
@@ -170,4 +188,6 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output) -> None:
         for rid in connector_output.finished_recving or ():
-            self._receiving.pop(rid, None)
+            key = self._receiving.pop(rid, None)
+            if key is not None:
+                self.timeline.mark("resumed", key)

@@ -13,11 +13,12 @@ the caching allocator; ``register_kv_caches`` exports each allocation as a CUDA 
 and registers K and V of every layer as regions in it (memory.py). The node's agent opens
 the handles and moves KV between the pair's GPUs with device copies (NVLink on P5en).
 
-Layer streaming (push prefill): for the requests whose prefill completes in this step,
-``save_layer`` reports each layer's region to the agent right after the forward pass wrote
-it (vLLM calls ``save_kv_layer`` after each attention layer), from a sender thread so the
-forward never waits on the agent; the agent writes that layer while the next computes, and
-tells decode only once every layer has landed.
+Push prefill reports a request whose prefill completes in a step (a stream) from that step,
+through a sender thread, so the forward never waits on the agent. With layer streaming,
+``save_layer`` reports each layer's region right after the forward pass wrote it (vLLM calls
+``save_kv_layer`` after each attention layer); the agent writes that layer while the next
+computes, and tells decode only once every layer has landed. Without it, ``save`` reports the
+whole prompt once the forward is over, a step before vLLM finishes the request.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .config import Config
 from .memory import CudaAllocation, SealedMemory, block_major, gpu_uuid_string, kv_allocation
 from .metadata import Handshake, KVHandoffMetadata
 from .scheduler import ATTEMPT
+from .timeline import Timeline
 
 log = logging.getLogger("kvhandoff_vllm")
 
@@ -70,6 +72,7 @@ class WorkerSide:
         self._streaming: dict[str, str] = {}
         self._outbox: queue.Queue | None = None
         self._sender: threading.Thread | None = None
+        self.timeline = Timeline(f"{cfg.engine_id}-rank{rank}")
 
     def mem_pool_context(self):
         return kv_allocation(f"kvhandoff-kv-{self.cfg.engine_id}-{self.rank}", self.memory)
@@ -122,7 +125,8 @@ class WorkerSide:
             # The rank's rails on its own accelerator's EFAs, where the device plugin's
             # bundles say which those are.
             fabric_domains=rank_nics(os.environ.get(ACCELERATOR_EFAS_ENV),
-                                     gpu_uuid_string(allocations[0].device_uuid) if cuda else None, self.rank)))
+                                     gpu_uuid_string(allocations[0].device_uuid) if cuda else None, self.rank)),
+            timeline=self.timeline)
         for i, p in enumerate(order):
             mem, off, size, block_len, count = regions[p]
             if cuda:
@@ -157,16 +161,23 @@ class WorkerSide:
                 continue
             self._keys[r.key] = (r.req_id, "recv")
             src = engine_ref(r.source_agent, r.source_engine, self.rank)
+            self.timeline.mark("load_call", r.key)
             try:
                 if r.src_blocks is None:
                     self.session.register_destination(r.key, ATTEMPT, r.blocks, src)
                     self._beating.add(r.key)
                 else:
                     self.session.pull(r.key, ATTEMPT, src, r.src_blocks, r.blocks)
+                self.timeline.mark("load_done", r.key)
             except AgentError as e:
                 log.error("kvhandoff: request %s: %s", r.req_id, e)
                 del self._keys[r.key]
                 self._recv_over(r.req_id, failed=True)
+        for d in meta.declines:
+            try:
+                self.session.decline(d.key, engine_ref(d.source_agent, d.source_engine, self.rank))
+            except AgentError as e:
+                log.warning("kvhandoff: declining the push of %s: %s", d.key, e)
         for rid, key in meta.cancels:
             try:
                 self.session.cancel(key, ATTEMPT)
@@ -190,7 +201,7 @@ class WorkerSide:
     def save_layer(self, meta: KVHandoffMetadata, layer_name: str) -> None:
         """Reports one layer of this step's streamed requests: its KV is in the cache now."""
         regions = self._region_of.get(layer_name)
-        if regions is None or not meta.streams:
+        if regions is None or not meta.streams or not self.cfg.layer_streaming:
             return
         for s in meta.streams:
             self._stream(s, regions)
@@ -199,17 +210,22 @@ class WorkerSide:
         sent = self._layers_sent.get(s.key)
         if sent is None:
             sent = self._layers_sent[s.key] = set()
-            # Its events are ours from now on; it counts as sending (reported to vLLM once
-            # over) only when vLLM holds its blocks, at its Send.
-            self._keys[s.key] = (s.req_id, "send")
-            self._streaming[s.req_id] = s.key
+            self._track(s)
         for idx in regions:
             if idx in sent:
                 continue  # layers sharing one KV cache: one region
             sent.add(idx)
             self._send_later(s.key, s.blocks, idx, final=len(sent) == self._regions)
 
-    def _send_later(self, key: str, blocks: list[int], region: int, final: bool) -> None:
+    def _track(self, s) -> None:
+        # Its events are ours from now on; it counts as sending (reported to vLLM once
+        # over) only when vLLM holds its blocks, at its Send.
+        self._keys[s.key] = (s.req_id, "send")
+        self._streaming[s.req_id] = s.key
+
+    def _send_later(self, key: str, blocks: list[int], region: int | None, final: bool) -> None:
+        """Queues a report for the sender thread: one region of every block, or (region
+        None) the whole blocks."""
         if self._outbox is None:
             self._outbox = queue.Queue()
             self._sender = threading.Thread(target=self._send_loop, name="kvhandoff-layers", daemon=True)
@@ -219,20 +235,38 @@ class WorkerSide:
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
             key, blocks, region, final = item
+            if final:
+                self.timeline.mark("ready_call", key)
             try:
-                self.session.source_regions_ready(key, blocks, region, 1, final)
-                self.stats["layers_streamed"] += 1
+                if region is None:
+                    self.session.source_ready(key, blocks)
+                else:
+                    self.session.source_regions_ready(key, blocks, region, 1, final)
+                    self.stats["layers_streamed"] += 1
+                if final:
+                    self.timeline.mark("ready_done", key)
             except AgentError as e:
-                # The agent answers for the request through its events (FAILED).
-                log.warning("kvhandoff: streaming layer %d of %s: %s", region, key, e)
+                if region is not None:
+                    # The agent answers for the request through its events (FAILED).
+                    log.warning("kvhandoff: streaming layer %d of %s: %s", region, key, e)
+                    continue
+                # A refused report left nothing at the agent, which will never answer for
+                # it: the send failed, and the blocks go back once vLLM holds them.
+                log.error("kvhandoff: reporting %s: %s", key, e)
+                self.session.events.put(pb.Event(type=pb.Event.FAILED, request_id=key, reason=str(e)))
 
     def save(self, meta: KVHandoffMetadata) -> None:
-        # Streamed requests whose layers did not all pass through save_layer this step
-        # (vLLM skips it for a layer without attention metadata): the forward is over, so
-        # the rest is complete now.
+        # This step's streams: the forward is over, so their blocks are complete now. With
+        # layer streaming, what remains are layers that did not pass through save_layer
+        # (vLLM skips it for a layer without attention metadata).
         for s in meta.streams:
-            self._stream(s, list(range(self._regions)))  # sends only what is missing
-            del self._layers_sent[s.key]
+            if self.cfg.layer_streaming:
+                self._stream(s, list(range(self._regions)))  # sends only what is missing
+                del self._layers_sent[s.key]
+            else:
+                # The forward that computed the whole prompt is over: its blocks are final.
+                self._track(s)
+                self._send_later(s.key, s.blocks, None, final=True)
         # The blocks were computed in an earlier step (vLLM finishes a request after the
         # forward that produced its last token), so they are complete in memory now.
         for s in meta.sends:
@@ -242,8 +276,10 @@ class WorkerSide:
                 continue
             self._keys[s.key] = (s.req_id, "send")
             self._sending.add(s.req_id)
+            self.timeline.mark("ready_call", s.key)
             try:
                 self.session.source_ready(s.key, s.blocks)
+                self.timeline.mark("ready_done", s.key)
             except AgentError as e:
                 log.error("kvhandoff: request %s: %s", s.req_id, e)
                 del self._keys[s.key]
@@ -278,6 +314,7 @@ class WorkerSide:
             rid, kind = entry
             if kind == "recv" and ev.type in _RECV_OVER:
                 del self._keys[ev.request_id]
+                self.timeline.mark("drained", ev.request_id)
                 self._beating.discard(ev.request_id)
                 if ev.type == pb.Event.FAILED:
                     log.warning("kvhandoff: request %s: KV did not arrive: %s", rid, ev.reason)

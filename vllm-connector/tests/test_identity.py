@@ -9,6 +9,7 @@ import http.client
 import json
 import random
 import time
+import urllib.request
 
 import pytest
 
@@ -78,3 +79,34 @@ def test_cancelled_requests_leave_the_others_and_later_ones_correct(stack, refer
     # After the cancels, the blocks that came back to both engines' pools are reused.
     for p in PROMPTS:
         assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r} after the cancels"
+
+
+def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stack):
+    """Push: the decode engine caches the prompt's blocks from its first request, so the
+    second is computed on decode, and the push declined: the prefill agent frees the prefill
+    engine's blocks at once (they would otherwise wait out the 60 s blocks TTL and fail).
+    Pull reads the uncached tail and declines nothing. The decode side generates 200 tokens,
+    so the prefill leg (one cached block to compute) ends first: were the client answered
+    before, the router would cancel the prefill leg, which then frees its blocks itself."""
+    mode, s = stack
+
+    def count(name: str) -> float:
+        return sum(v for k, v in s.a.metrics().items() if k.startswith(name))
+
+    def generate() -> list[int]:
+        body = {"model": "m", "prompt": prompt, "max_tokens": 200, "min_tokens": 200, "temperature": 0, "return_token_ids": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{s.r.port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return list(json.load(r)["choices"][0]["token_ids"])
+
+    prompt = " ".join(f"cached {i} prefix" for i in range(120))  # 1719 tokens: 13 full blocks
+    declines, failures = count("kvhandoff_agent_declines_total"), count("kvhandoff_agent_failures_total")
+    first = generate()
+    assert generate() == first, s.logs()
+    want = declines + (1 if mode.startswith("push") else 0)
+    deadline = time.monotonic() + 20
+    while count("kvhandoff_agent_declines_total") != want and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling the prefill agent's metrics for the decline to arrive
+    assert count("kvhandoff_agent_declines_total") == want, s.logs()
+    assert count("kvhandoff_agent_failures_total") == failures, s.logs()

@@ -41,12 +41,12 @@ def scheduler(model: str, mode: str, role: str, num_blocks: int = 100, **extra) 
                      block_size=BLOCK, log_stats=False)
 
 
-def request(tokens: int, params: dict, max_tokens: int = 8) -> Request:
+def request(tokens: int, params: dict, max_tokens: int = 8, prompt: list[int] | None = None) -> Request:
     init_none_hash(sha256)
     n = next(_ids)
     sp = SamplingParams(max_tokens=max_tokens)
     sp.update_from_generation_config({}, EOS)
-    r = Request(request_id=f"req-{n}", prompt_token_ids=[(n * 7 + i) % 900 + 3 for i in range(tokens)],
+    r = Request(request_id=f"req-{n}", prompt_token_ids=prompt or [(n * 7 + i) % 900 + 3 for i in range(tokens)],
                 sampling_params=sp, pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
     r.kv_transfer_params = dict(params)
     return r
@@ -86,6 +86,23 @@ def test_push_decode_waits_for_the_agent_then_computes_only_the_last_token(tiny_
     out = s.schedule()
     # 39 tokens came over; the last prompt token is computed here, for its logits.
     assert out.num_scheduled_tokens == {r.request_id: 1}
+
+
+def test_a_push_whose_prompt_is_cached_here_is_computed_here_and_declined(tiny_model):
+    s = scheduler(tiny_model, "push", "decode")
+    seen = request(40, {}, max_tokens=1)
+    s.add_request(seen)
+    s.update_from_output(s.schedule(), output([seen]))  # its prompt's two full blocks are cached now
+    r = request(40, PUSH_DECODE, prompt=list(seen.prompt_token_ids))
+    s.add_request(r)
+    out = s.schedule()
+    # Computed here from the cached 32 tokens on, without waiting for any KV.
+    assert r.status == RequestStatus.RUNNING and out.num_scheduled_tokens == {r.request_id: 8}
+    meta = out.kv_connector_metadata
+    assert not meta.receives
+    (d,) = meta.declines
+    assert (d.key, d.source_agent, d.source_engine) == ("t-1", "198.18.0.7:7470", "prefill-0.default")
+    assert not s.schedule().kv_connector_metadata.declines  # once
 
 
 def test_pull_decode_reads_the_prefill_blocks_named_in_the_parameters(tiny_model):
@@ -184,12 +201,14 @@ def test_invalid_settings_are_refused_naming_the_field(extra, field):
         Config.from_fields("e", extra)
 
 
-def test_layer_streaming_hands_a_whole_prompt_to_the_workers_in_its_step(tiny_model):
-    s = scheduler(tiny_model, "push", "prefill", layer_streaming=True)
+@pytest.mark.parametrize("layer_streaming", [True, False])
+def test_push_prefill_hands_a_whole_prompt_to_the_workers_in_its_step(tiny_model, layer_streaming):
+    s = scheduler(tiny_model, "push", "prefill", layer_streaming=layer_streaming)
     r = request(40, dict(do_remote_decode=True, do_remote_prefill=False, transfer_id="t-9"), max_tokens=1)
     s.add_request(r)
     out = s.schedule()
-    # In the step that computes the prompt, so each layer can go as it is computed.
+    # In the step that computes the prompt: each layer can go as it is computed, or the
+    # whole prompt once the forward is over.
     (stream,) = out.kv_connector_metadata.streams
     assert (stream.key, stream.blocks) == ("t-9", s.kv_cache_manager.get_block_ids(r.request_id)[0][:3])
     s.update_from_output(out, output([r]))

@@ -5,6 +5,7 @@ request it already forgot (its scheduler asserts the request exists, and the eng
 import queue
 
 from kvhandoff_vllm._api import agent_pb2 as pb
+from kvhandoff_vllm.agent import AgentError
 from kvhandoff_vllm.config import Config
 from kvhandoff_vllm.metadata import KVHandoffMetadata, Send, Stream
 from kvhandoff_vllm.worker import WorkerSide
@@ -22,6 +23,8 @@ class RecordingSession:
 
     def source_ready(self, key, blocks):
         self.calls.append(("ready", key))
+        if key.startswith("refused"):
+            raise AgentError("SourceReady: INVALID_ARGUMENT: block_ids: refused")
 
     def cancel(self, key, attempt):
         self.calls.append(("cancel", key))
@@ -31,8 +34,8 @@ class RecordingSession:
         pass
 
 
-def worker() -> WorkerSide:
-    cfg = Config.from_fields("prefill-0.default", {"mode": "push", "role": "prefill", "layer_streaming": True})
+def worker(layer_streaming: bool = True) -> WorkerSide:
+    cfg = Config.from_fields("prefill-0.default", {"mode": "push", "role": "prefill", "layer_streaming": layer_streaming})
     w = WorkerSide(cfg, rank=0, tp_size=1, block_size=16, kv_heads=1, head_dim=1)
     w.session = RecordingSession()
     w._region_of, w._regions = {"layer.0": [0], "layer.1": [1]}, 2
@@ -83,3 +86,24 @@ def test_an_aborted_streamed_request_is_never_reported_to_vllm():
             sent |= step(w, KVHandoffMetadata(), finished={"r2"})[0]
         assert sent == set(), f"event first {event_first}: vLLM told a forgotten request finished sending"
         assert ("cancel", "t-2") in w.session.calls and not w._sent and not w._streaming and not w._keys
+
+
+def test_without_layer_streaming_a_prompt_is_reported_whole_in_the_step_that_computed_it():
+    w = worker(layer_streaming=False)
+    step(w, KVHandoffMetadata(streams=[Stream(req_id="r1", key="t-1", blocks=[4, 5])]))
+    flush(w)
+    assert w.session.calls == [("ready", "t-1")]  # once, whole, before vLLM finished it
+    done(w, "t-1")
+    sent, _, _ = step(w, KVHandoffMetadata(sends=[Send(req_id="r1", key="t-1", blocks=[4, 5], streamed=True)]), finished={"r1"})
+    assert sent == {"r1"} and w.session.calls == [("ready", "t-1")]
+
+
+def test_a_refused_report_frees_the_blocks_once_vllm_holds_them():
+    w = worker(layer_streaming=False)
+    step(w, KVHandoffMetadata(streams=[Stream(req_id="r3", key="refused-3", blocks=[4])]))
+    flush(w)
+    # The agent kept nothing of it and will never answer: the send is over, reported to
+    # vLLM only once it finished the request.
+    assert step(w, KVHandoffMetadata())[0] == set()
+    sent, _, _ = step(w, KVHandoffMetadata(sends=[Send(req_id="r3", key="refused-3", blocks=[4], streamed=True)]), finished={"r3"})
+    assert sent == {"r3"} and not w._keys and not w._streaming

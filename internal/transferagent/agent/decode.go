@@ -75,6 +75,16 @@ func (ds *decodeSide) registerDestination(r *agentv1.RegisterDestinationRequest)
 	return nil
 }
 
+// decline tells the source's agent that this engine takes none of a request's KV. A
+// request this engine registered is cancelled, not declined.
+func (ds *decodeSide) decline(r *agentv1.DeclineRequest) error {
+	if ds.table.Registered(r.RequestId) {
+		return status.Errorf(codes.FailedPrecondition, "request_id: %s is registered on this engine; cancel it instead", r.RequestId)
+	}
+	ds.s.n.mesh.Dial(r.Source.Agent).Send(&wire.Decline{Request: r.RequestId, Source: engineKey(r.Source.EngineId, r.Source.TpRank)})
+	return nil
+}
+
 func (ds *decodeSide) pull(r *agentv1.PullRequest) error {
 	s := ds.s
 	if err := s.freeze(); err != nil {

@@ -21,6 +21,8 @@ func (a *Agent) dispatch(p *mesh.Peer, m wire.Message) {
 		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onHeartbeat(m) })
 	case *wire.Cancel:
 		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onCancel(p, m) })
+	case *wire.Decline:
+		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onDecline(m) })
 	case *wire.Release:
 		a.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onRelease(p, m) })
 	case *wire.CancelAcked:

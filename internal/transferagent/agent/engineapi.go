@@ -336,6 +336,20 @@ func (e *engineAPI) Cancel(ctx context.Context, r *agentv1.CancelRequest) (*agen
 	return ack(s.call(func() error { return s.side.cancel(time.Now(), r.RequestId, r.Attempt) }))
 }
 
+func (e *engineAPI) Decline(ctx context.Context, r *agentv1.DeclineRequest) (*agentv1.Ack, error) {
+	s, err := e.sessionFor(ctx, r.Session, agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, "Decline")
+	if err != nil {
+		return nil, err
+	}
+	if err := checkRequestID(r.RequestId); err != nil {
+		return nil, err
+	}
+	if err := checkSource("source", r.Source, s.rank); err != nil {
+		return nil, err
+	}
+	return ack(s.call(func() error { return s.decode().decline(r) }))
+}
+
 func (e *engineAPI) Heartbeat(ctx context.Context, r *agentv1.HeartbeatRequest) (*agentv1.Ack, error) {
 	s, err := e.session(ctx, r.Session)
 	if err != nil {

@@ -190,6 +190,53 @@ func TestLeaseExpiresOnBothSides(t *testing.T) {
 	}
 }
 
+// A decode engine that computes a request itself (its prefix cache held part of the
+// prompt) declines the push: the prefill engine hears SOURCE_DONE at once, whether the
+// source or the decline reached its agent first, where the blocks TTL (10 min here) would
+// have held its blocks and then failed them. A decline is not a failure, and a request
+// the engine registered cannot be declined.
+func TestADeclinedPushFreesThePrefillBlocksAtOnce(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--blocks-ttl", "10m")
+	for i, req := range []string{"source-first", "decline-first"} {
+		src := alloc(t, p.P[0], 4)
+		ready := func() {
+			if err := p.P[0].SourceReady(bg, req, 0, src, true); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if i == 0 {
+			ready()
+		}
+		if err := p.D[0].Decline(bg, req, p.P[0].Self); err != nil {
+			t.Fatal(err)
+		}
+		if i == 1 {
+			ready()
+		}
+		ev := wait(t, p.P[0], req, 0)
+		expect(t, ev, agentv1.Event_SOURCE_DONE)
+		if ev.Bytes != 0 {
+			t.Errorf("%s: SOURCE_DONE says %d bytes moved, want 0", req, ev.Bytes)
+		}
+	}
+	if got := p.A.Metric(t, "kvhandoff_agent_declines_total"); got != 2 {
+		t.Errorf("declines: %v, want 2", got)
+	}
+	if got := p.A.Metric(t, `kvhandoff_agent_failures_total{reason="blocks_ttl"}`); got != 0 {
+		t.Errorf("blocks TTL failures: %v, want 0", got)
+	}
+	dst := alloc(t, p.D[0], 4)
+	if err := p.D[0].RegisterDestination(bg, "registered", 1, dst, p.P[0].Self); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.D[0].Decline(bg, "registered", p.P[0].Self); status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("declining a registered request: %v, want FailedPrecondition", err)
+	}
+	if err := p.D[0].Decline(bg, "no-source", nil); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "source") {
+		t.Errorf("a decline naming no source: %v, want InvalidArgument naming source", err)
+	}
+}
+
 // After a push attempt fails, the prefill engine frees the request's blocks and may reuse
 // them at once. A retried attempt must then fail cleanly, never be delivered what those
 // blocks hold by then — even when a late part of the request still arrives.

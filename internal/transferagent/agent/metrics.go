@@ -10,6 +10,7 @@ type metrics struct {
 	descriptors *prometheus.CounterVec
 	expiries    *prometheus.CounterVec
 	cancels     prometheus.Counter
+	declines    prometheus.Counter
 	pullWaits   prometheus.Counter
 	failures    *prometheus.CounterVec
 	refused     *prometheus.CounterVec
@@ -49,6 +50,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		cancels: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_cancels_total", Help: "Attempts cancelled by engines.",
 		}),
+		declines: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_declines_total", Help: "Push sources freed at once because the decode engine computed the request " +
+				"itself (its prefix cache held part of the prompt).",
+		}),
 		pullWaits: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_pull_waits_total", Help: "Pulls that reached this prefill agent before their blocks were reported ready, and " +
 				"waited for them (up to half the lease).",
@@ -82,6 +87,6 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	for _, kind := range []string{"push", "source", "hold", "pull"} {
 		m.expiries.WithLabelValues(kind)
 	}
-	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.pullWaits, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
+	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.pullWaits, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
 	return m
 }

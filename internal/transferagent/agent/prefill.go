@@ -257,6 +257,9 @@ func (ps *prefillSide) handle(now time.Time, acts []rendezvous.Action) {
 		case rendezvous.Failed:
 			ps.w.Discard(act.Request, act.Attempt)
 			ps.finish(act.Request, act.Attempt, act.Decode, act.Code, act.Reason)
+		case rendezvous.SourceDeclined:
+			s.n.metrics.declines.Inc()
+			s.emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: act.Request, Reason: "declined: the decode engine computes the request itself"})
 		case rendezvous.SourceExpired:
 			s.n.metrics.expiries.WithLabelValues("source").Inc()
 			s.n.metrics.failures.WithLabelValues("blocks_ttl").Inc()
@@ -345,6 +348,24 @@ func (ps *prefillSide) onCancel(p *mesh.Peer, m *wire.Cancel) {
 	acts, err := ps.table.Cancel(now, m.Request, m.Attempt)
 	if err != nil && !errors.Is(err, rendezvous.ErrUnknown) {
 		ps.s.n.log.Warn("cancel", "engine", ps.s.key, "request", m.Request, "err", err)
+	}
+	ps.handle(now, acts)
+}
+
+// onDecline takes a decode agent's decline of a push (its engine computes the request
+// itself): the source's blocks are freed without waiting out the blocks TTL. Any agent
+// of the mesh may decline any request it can name; transfer keys are unguessable, and a
+// mesh peer can already fail a request it names by registering for it.
+func (ps *prefillSide) onDecline(m *wire.Decline) {
+	if ps.table == nil {
+		return // pull: a source nobody pulls ends with its hold's TTL
+	}
+	now := time.Now()
+	acts, err := ps.table.Decline(now, m.Request)
+	if err != nil {
+		ps.s.n.metrics.refused.WithLabelValues("peer", "Decline").Inc()
+		ps.s.n.log.Warn("refused a decline", "engine", ps.s.key, "request", m.Request, "err", err)
+		return
 	}
 	ps.handle(now, acts)
 }

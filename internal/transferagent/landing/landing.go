@@ -196,6 +196,16 @@ func (t *Table[P]) Register(now time.Time, k Key, source string, peer P, blocks 
 	return d.token, nil
 }
 
+// Registered says whether an attempt of request req is registered here.
+func (t *Table[P]) Registered(req string) bool {
+	for k := range t.dests {
+		if k.Request == req {
+			return true
+		}
+	}
+	return false
+}
+
 // Writing records that the prefill agent started writing a destination.
 func (t *Table[P]) Writing(k Key, peer P) {
 	if d := t.dests[k]; d != nil && d.peer == peer && !d.writing {

@@ -31,7 +31,13 @@ var (
 	ErrUnknown      = errors.New("rendezvous: no such request and attempt")
 	ErrBadBlocks    = errors.New("rendezvous: blocks do not fit the registration")
 	ErrSourceGone   = errors.New("rendezvous: the request failed and its prefill blocks are being released; send it anew")
+	ErrRegistered   = errors.New("rendezvous: the request has a registration (live or draining); cancel it instead")
+	ErrTooMany      = errors.New("rendezvous: too many declines waiting for their sources")
 )
+
+// maxDeclined bounds the declines remembered for sources not reported yet: each is a few
+// dozen bytes, and a peer could otherwise grow the table without end.
+const maxDeclined = 1 << 16
 
 // Engine identifies a decode engine incarnation: a restarted engine gets a higher Epoch,
 // and state of older epochs is dropped.
@@ -141,11 +147,18 @@ type SourceExpired struct {
 	Reason  string
 }
 
-func (Transfer) isAction()      {}
-func (Delivered) isAction()     {}
-func (CancelAcked) isAction()   {}
-func (Failed) isAction()        {}
-func (SourceExpired) isAction() {}
+// SourceDeclined: decode computes the request itself and takes none of its KV (a decline);
+// the prefill engine frees the request's blocks now. Not a failure.
+type SourceDeclined struct {
+	Request string
+}
+
+func (Transfer) isAction()       {}
+func (SourceDeclined) isAction() {}
+func (Delivered) isAction()      {}
+func (CancelAcked) isAction()    {}
+func (Failed) isAction()         {}
+func (SourceExpired) isAction()  {}
 
 // attempt is one registration's state.
 type attempt struct {
@@ -207,7 +220,10 @@ type retired struct {
 	// failed: the prefill engine was told and frees the request's blocks, so parts and
 	// registrations still on their way are refused (ErrSourceGone) rather than paired.
 	failed bool
-	until  time.Time
+	// declined: decode takes none of the request's KV. Its source is dropped when it
+	// comes (told: the prefill engine was sent SourceDeclined), and registrations refused.
+	declined, told bool
+	until          time.Time
 }
 
 // New returns an empty table.
@@ -220,7 +236,7 @@ func New(cfg Config) *Table {
 func (t *Table) request(id string) *request {
 	r, ok := t.reqs[id]
 	if !ok {
-		if t.retired[id].failed {
+		if rt := t.retired[id]; rt.failed || rt.declined {
 			return nil
 		}
 		r = &request{id: id, final: -1, latest: t.retired[id].attempt}
@@ -287,10 +303,19 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 	return append(acts, t.progress(now, r)...), nil
 }
 
-// SourceReady records a part of prefill's blocks.
+// SourceReady records a part of prefill's blocks. A part of a declined request is
+// dropped; the first final one of them gets SourceDeclined.
 func (t *Table) SourceReady(now time.Time, p Part) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if rt, ok := t.retired[p.Request]; ok && rt.declined {
+		if !p.Final || rt.told {
+			return nil, nil
+		}
+		rt.told = true
+		t.retired[p.Request] = rt
+		return []Action{SourceDeclined{Request: p.Request}}, nil
+	}
 	r := t.request(p.Request)
 	if r == nil || r.failed {
 		return nil, ErrSourceGone
@@ -578,13 +603,15 @@ func (t *Table) Current() []Registration {
 }
 
 // CancelSource is the prefill engine giving up a request: a live attempt is failed
-// (Failed once drained) and the source dropped. It reports whether the request was known.
+// (Failed once drained) and the source dropped. It reports whether the request was known;
+// a declined one is (a push whose decode side answered first gets its prefill leg
+// cancelled by the router).
 func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.reqs[req]
 	if r == nil {
-		return nil, false
+		return nil, t.retired[req].declined
 	}
 	if cur := r.current; cur != nil && !cur.done {
 		return t.fence(now, r, cur, Failed{Request: req, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeSourceCancelled,
@@ -594,6 +621,38 @@ func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 	r.failed = true
 	t.maybeRetire(now, r)
 	return nil, true
+}
+
+// Decline records that decode takes none of a request's KV: it computes the request
+// itself. A source already reported is dropped now (SourceDeclined), one still to come
+// when its final part arrives; registrations of the request are refused from here on
+// (ErrSourceGone) until the table forgets it, a blocks TTL and a lease later. A request
+// with a registration, live or draining, is left as it is (ErrRegistered): its decode
+// engine cancels it instead.
+func (t *Table) Decline(now time.Time, req string) ([]Action, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if rt, ok := t.retired[req]; ok && (rt.failed || rt.declined) {
+		return nil, nil // over already: its blocks are being freed
+	}
+	r := t.reqs[req]
+	if r != nil && (r.current != nil || len(r.old) > 0) {
+		return nil, ErrRegistered
+	}
+	if r == nil && len(t.retired) >= maxDeclined {
+		return nil, ErrTooMany
+	}
+	rt := retired{declined: true, until: now.Add(t.cfg.BlocksTTL + t.cfg.Lease)}
+	var acts []Action
+	if r != nil {
+		rt.attempt, rt.told = r.latest, r.final >= 0
+		delete(t.reqs, req)
+		if rt.told {
+			acts = append(acts, SourceDeclined{Request: req})
+		}
+	}
+	t.retired[req] = rt
+	return acts, nil
 }
 
 // maybeRetire drops a request that is over — delivered, or failed with every attempt

@@ -2,6 +2,7 @@ package rendezvous
 
 import (
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"reflect"
 	"slices"
@@ -92,6 +93,68 @@ func TestAFinishedSourceExpiresOneBlocksTTLAfterItLastHadNoRegistration(t *testi
 	if _, err := tb.Register(t0.Add(27*time.Second), reg(2, 100)); !errors.Is(err, ErrSourceGone) {
 		t.Fatalf("a registration after the source expired: %v, want ErrSourceGone", err)
 	}
+}
+
+func TestADeclineFreesTheSourceAtOnceWhicheverComesFirst(t *testing.T) {
+	ttl := cfg
+	ttl.BlocksTTL = 10 * time.Second
+	// The source first: it is dropped at the decline.
+	tb := New(ttl)
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7}, Final: true}))
+	expect(t, must(t)(tb.Decline(t0, "r1")), SourceDeclined{Request: "r1"})
+	expect(t, tb.Expire(t0.Add(11*time.Second)))
+
+	// The decline first (a push decode engine finds its cache hit while prefill still
+	// computes): the parts are dropped, and the final one is answered, once.
+	tb = New(ttl)
+	expect(t, must(t)(tb.Decline(t0, "r1")))
+	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7}})))
+	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 1, Blocks: []uint32{8}, Final: true})), SourceDeclined{Request: "r1"})
+	expect(t, must(t)(tb.Decline(t0, "r1")))
+	// The prefill engine's cancel (the router cancels a prefill leg once decode answered)
+	// finds it known and has nothing left to do.
+	if acts, known := tb.CancelSource(t0, "r1"); !known || len(acts) != 0 {
+		t.Fatalf("cancelling a declined source: %v %v, want known and nothing to do", acts, known)
+	}
+	expect(t, tb.Expire(t0.Add(11*time.Second)))
+	if _, err := tb.Register(t0.Add(11*time.Second), reg(1, 100, 101)); !errors.Is(err, ErrSourceGone) {
+		t.Fatalf("a registration after a decline: %v, want ErrSourceGone", err)
+	}
+	// It is forgotten a blocks TTL and a lease after the decline.
+	tb.Expire(t0.Add(ttl.BlocksTTL + ttl.Lease))
+	if len(tb.retired) != 0 || len(tb.reqs) != 0 {
+		t.Fatalf("after its retention the table still holds %d retired and %d live requests", len(tb.retired), len(tb.reqs))
+	}
+
+	// A source whose parts had begun and not ended: the final part is answered.
+	tb = New(ttl)
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7}}))
+	expect(t, must(t)(tb.Decline(t0, "r1")))
+	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Offset: 1, Blocks: []uint32{8}, Final: true})), SourceDeclined{Request: "r1"})
+}
+
+func TestARegisteredRequestIsNotDeclined(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(1, 100)))
+	if _, err := tb.Decline(t0, "r1"); !errors.Is(err, ErrRegistered) {
+		t.Fatalf("declining a registered request: %v, want ErrRegistered", err)
+	}
+	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7}, Final: true})),
+		Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{7}, Dst: []uint32{100}})
+}
+
+func TestDeclinesOfUnknownRequestsAreBounded(t *testing.T) {
+	ttl := cfg
+	ttl.BlocksTTL = 10 * time.Second
+	tb := New(ttl)
+	for i := range maxDeclined {
+		must(t)(tb.Decline(t0, fmt.Sprint("r", i)))
+	}
+	if _, err := tb.Decline(t0, "one more"); !errors.Is(err, ErrTooMany) {
+		t.Fatalf("decline %d: %v, want ErrTooMany", maxDeclined+1, err)
+	}
+	tb.Expire(t0.Add(ttl.BlocksTTL + ttl.Lease))
+	must(t)(tb.Decline(t0.Add(ttl.BlocksTTL+ttl.Lease), "one more"))
 }
 
 func TestPartsArriveInAnyOrderAndDeliveryWaitsForEveryWrite(t *testing.T) {

@@ -59,6 +59,7 @@ const (
 	KindWriting
 	KindRails
 	KindGPU
+	KindDecline
 )
 
 // Message is a pointer to one of the message structs below.
@@ -292,6 +293,14 @@ type Release struct {
 	Failed  uint64 // nonzero: the pull did not complete
 }
 
+// Decline tells a prefill agent (push) that the decode engine will take none of a
+// request's KV: it computes the request itself, its prefix cache holding part of the
+// prompt. The source's blocks are freed at once instead of after the blocks TTL.
+type Decline struct {
+	Request string
+	Source  string
+}
+
 // Writing tells the decode agent that an attempt's writes are starting, so it polls its
 // endpoint without pause while they arrive (providers such as tcp;ofi_rxm move data
 // only while the target polls, and an incoming write raises no completion to notice).
@@ -315,6 +324,7 @@ func (*Acquired) Kind() Kind    { return KindAcquired }
 func (*Release) Kind() Kind     { return KindRelease }
 func (*Rails) Kind() Kind       { return KindRails }
 func (*GPU) Kind() Kind         { return KindGPU }
+func (*Decline) Kind() Kind     { return KindDecline }
 
 func (m *Hello) fields(c codec) { c.str(&m.Agent); c.num(&m.Epoch); c.str(&m.Nonce) }
 func (m *Auth) fields(c codec)  { c.str(&m.MAC) }
@@ -410,6 +420,7 @@ func (m *Acquired) fields(c codec) {
 	c.num(&m.LeaseMillis)
 }
 func (m *Writing) fields(c codec) { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Engine) }
+func (m *Decline) fields(c codec) { c.str(&m.Request); c.str(&m.Source) }
 func (m *Release) fields(c codec) {
 	c.str(&m.Request)
 	c.num(&m.Attempt)
@@ -448,6 +459,8 @@ func newMessage(k Kind) Message {
 		return &Rails{}
 	case KindGPU:
 		return &GPU{}
+	case KindDecline:
+		return &Decline{}
 	}
 	return nil
 }

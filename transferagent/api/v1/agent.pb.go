@@ -239,7 +239,7 @@ func (x Event_Type) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Event_Type.Descriptor instead.
 func (Event_Type) EnumDescriptor() ([]byte, []int) {
-	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{13, 0}
+	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{14, 0}
 }
 
 // KVLayout is the model's KV cache shape; prefill and decode must agree on it.
@@ -1081,6 +1081,66 @@ func (x *CancelRequest) GetAttempt() uint64 {
 	return 0
 }
 
+type DeclineRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	RequestId     string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	Source        *EngineRef             `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"` // the prefill engine rank the push would have come from
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeclineRequest) Reset() {
+	*x = DeclineRequest{}
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeclineRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeclineRequest) ProtoMessage() {}
+
+func (x *DeclineRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeclineRequest.ProtoReflect.Descriptor instead.
+func (*DeclineRequest) Descriptor() ([]byte, []int) {
+	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *DeclineRequest) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *DeclineRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *DeclineRequest) GetSource() *EngineRef {
+	if x != nil {
+		return x.Source
+	}
+	return nil
+}
+
 type HeartbeatRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
@@ -1090,7 +1150,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_transferagent_api_v1_agent_proto_msgTypes[10]
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1102,7 +1162,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_transferagent_api_v1_agent_proto_msgTypes[10]
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1115,7 +1175,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{10}
+	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *HeartbeatRequest) GetSession() string {
@@ -1134,7 +1194,7 @@ type EventsRequest struct {
 
 func (x *EventsRequest) Reset() {
 	*x = EventsRequest{}
-	mi := &file_transferagent_api_v1_agent_proto_msgTypes[11]
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1146,7 +1206,7 @@ func (x *EventsRequest) String() string {
 func (*EventsRequest) ProtoMessage() {}
 
 func (x *EventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_transferagent_api_v1_agent_proto_msgTypes[11]
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1159,7 +1219,7 @@ func (x *EventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EventsRequest.ProtoReflect.Descriptor instead.
 func (*EventsRequest) Descriptor() ([]byte, []int) {
-	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{11}
+	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *EventsRequest) GetSession() string {
@@ -1177,7 +1237,7 @@ type Ack struct {
 
 func (x *Ack) Reset() {
 	*x = Ack{}
-	mi := &file_transferagent_api_v1_agent_proto_msgTypes[12]
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1189,7 +1249,7 @@ func (x *Ack) String() string {
 func (*Ack) ProtoMessage() {}
 
 func (x *Ack) ProtoReflect() protoreflect.Message {
-	mi := &file_transferagent_api_v1_agent_proto_msgTypes[12]
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1202,7 +1262,7 @@ func (x *Ack) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ack.ProtoReflect.Descriptor instead.
 func (*Ack) Descriptor() ([]byte, []int) {
-	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{13}
 }
 
 type Event struct {
@@ -1220,7 +1280,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_transferagent_api_v1_agent_proto_msgTypes[13]
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1232,7 +1292,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_transferagent_api_v1_agent_proto_msgTypes[13]
+	mi := &file_transferagent_api_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1245,7 +1305,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_transferagent_api_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Event) GetType() Event_Type {
@@ -1368,7 +1428,12 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x02 \x01(\tR\trequestId\x12\x18\n" +
-	"\aattempt\x18\x03 \x01(\x04R\aattempt\",\n" +
+	"\aattempt\x18\x03 \x01(\x04R\aattempt\"\x80\x01\n" +
+	"\x0eDeclineRequest\x12\x18\n" +
+	"\asession\x18\x01 \x01(\tR\asession\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x02 \x01(\tR\trequestId\x125\n" +
+	"\x06source\x18\x03 \x01(\v2\x1d.kvhandoff.agent.v1.EngineRefR\x06source\",\n" +
 	"\x10HeartbeatRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\")\n" +
 	"\rEventsRequest\x12\x18\n" +
@@ -1402,14 +1467,15 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n" +
 	"\x10MEMORY_KIND_HOST\x10\x01\x12\x14\n" +
 	"\x10MEMORY_KIND_CUDA\x10\x02\x12\x16\n" +
-	"\x12MEMORY_KIND_NEURON\x10\x032\xa7\x05\n" +
+	"\x12MEMORY_KIND_NEURON\x10\x032\xef\x05\n" +
 	"\x05Agent\x12g\n" +
 	"\x0eRegisterEngine\x12).kvhandoff.agent.v1.RegisterEngineRequest\x1a*.kvhandoff.agent.v1.RegisterEngineResponse\x12g\n" +
 	"\x0eRegisterRegion\x12).kvhandoff.agent.v1.RegisterRegionRequest\x1a*.kvhandoff.agent.v1.RegisterRegionResponse\x12^\n" +
 	"\x13RegisterDestination\x12..kvhandoff.agent.v1.RegisterDestinationRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12N\n" +
 	"\vSourceReady\x12&.kvhandoff.agent.v1.SourceReadyRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12@\n" +
 	"\x04Pull\x12\x1f.kvhandoff.agent.v1.PullRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12D\n" +
-	"\x06Cancel\x12!.kvhandoff.agent.v1.CancelRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12J\n" +
+	"\x06Cancel\x12!.kvhandoff.agent.v1.CancelRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12F\n" +
+	"\aDecline\x12\".kvhandoff.agent.v1.DeclineRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12J\n" +
 	"\tHeartbeat\x12$.kvhandoff.agent.v1.HeartbeatRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12H\n" +
 	"\x06Events\x12!.kvhandoff.agent.v1.EventsRequest\x1a\x19.kvhandoff.agent.v1.Event0\x01B=Z;github.com/kvhandoff/kvhandoff/transferagent/api/v1;agentv1b\x06proto3"
 
@@ -1426,7 +1492,7 @@ func file_transferagent_api_v1_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_transferagent_api_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_transferagent_api_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_transferagent_api_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_transferagent_api_v1_agent_proto_goTypes = []any{
 	(Role)(0),                          // 0: kvhandoff.agent.v1.Role
 	(Mode)(0),                          // 1: kvhandoff.agent.v1.Mode
@@ -1442,10 +1508,11 @@ var file_transferagent_api_v1_agent_proto_goTypes = []any{
 	(*SourceReadyRequest)(nil),         // 11: kvhandoff.agent.v1.SourceReadyRequest
 	(*PullRequest)(nil),                // 12: kvhandoff.agent.v1.PullRequest
 	(*CancelRequest)(nil),              // 13: kvhandoff.agent.v1.CancelRequest
-	(*HeartbeatRequest)(nil),           // 14: kvhandoff.agent.v1.HeartbeatRequest
-	(*EventsRequest)(nil),              // 15: kvhandoff.agent.v1.EventsRequest
-	(*Ack)(nil),                        // 16: kvhandoff.agent.v1.Ack
-	(*Event)(nil),                      // 17: kvhandoff.agent.v1.Event
+	(*DeclineRequest)(nil),             // 14: kvhandoff.agent.v1.DeclineRequest
+	(*HeartbeatRequest)(nil),           // 15: kvhandoff.agent.v1.HeartbeatRequest
+	(*EventsRequest)(nil),              // 16: kvhandoff.agent.v1.EventsRequest
+	(*Ack)(nil),                        // 17: kvhandoff.agent.v1.Ack
+	(*Event)(nil),                      // 18: kvhandoff.agent.v1.Event
 }
 var file_transferagent_api_v1_agent_proto_depIdxs = []int32{
 	0,  // 0: kvhandoff.agent.v1.RegisterEngineRequest.role:type_name -> kvhandoff.agent.v1.Role
@@ -1455,28 +1522,31 @@ var file_transferagent_api_v1_agent_proto_depIdxs = []int32{
 	2,  // 4: kvhandoff.agent.v1.RegisterRegionRequest.kind:type_name -> kvhandoff.agent.v1.MemoryKind
 	5,  // 5: kvhandoff.agent.v1.RegisterDestinationRequest.source:type_name -> kvhandoff.agent.v1.EngineRef
 	5,  // 6: kvhandoff.agent.v1.PullRequest.source:type_name -> kvhandoff.agent.v1.EngineRef
-	3,  // 7: kvhandoff.agent.v1.Event.type:type_name -> kvhandoff.agent.v1.Event.Type
-	6,  // 8: kvhandoff.agent.v1.Agent.RegisterEngine:input_type -> kvhandoff.agent.v1.RegisterEngineRequest
-	8,  // 9: kvhandoff.agent.v1.Agent.RegisterRegion:input_type -> kvhandoff.agent.v1.RegisterRegionRequest
-	10, // 10: kvhandoff.agent.v1.Agent.RegisterDestination:input_type -> kvhandoff.agent.v1.RegisterDestinationRequest
-	11, // 11: kvhandoff.agent.v1.Agent.SourceReady:input_type -> kvhandoff.agent.v1.SourceReadyRequest
-	12, // 12: kvhandoff.agent.v1.Agent.Pull:input_type -> kvhandoff.agent.v1.PullRequest
-	13, // 13: kvhandoff.agent.v1.Agent.Cancel:input_type -> kvhandoff.agent.v1.CancelRequest
-	14, // 14: kvhandoff.agent.v1.Agent.Heartbeat:input_type -> kvhandoff.agent.v1.HeartbeatRequest
-	15, // 15: kvhandoff.agent.v1.Agent.Events:input_type -> kvhandoff.agent.v1.EventsRequest
-	7,  // 16: kvhandoff.agent.v1.Agent.RegisterEngine:output_type -> kvhandoff.agent.v1.RegisterEngineResponse
-	9,  // 17: kvhandoff.agent.v1.Agent.RegisterRegion:output_type -> kvhandoff.agent.v1.RegisterRegionResponse
-	16, // 18: kvhandoff.agent.v1.Agent.RegisterDestination:output_type -> kvhandoff.agent.v1.Ack
-	16, // 19: kvhandoff.agent.v1.Agent.SourceReady:output_type -> kvhandoff.agent.v1.Ack
-	16, // 20: kvhandoff.agent.v1.Agent.Pull:output_type -> kvhandoff.agent.v1.Ack
-	16, // 21: kvhandoff.agent.v1.Agent.Cancel:output_type -> kvhandoff.agent.v1.Ack
-	16, // 22: kvhandoff.agent.v1.Agent.Heartbeat:output_type -> kvhandoff.agent.v1.Ack
-	17, // 23: kvhandoff.agent.v1.Agent.Events:output_type -> kvhandoff.agent.v1.Event
-	16, // [16:24] is the sub-list for method output_type
-	8,  // [8:16] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	5,  // 7: kvhandoff.agent.v1.DeclineRequest.source:type_name -> kvhandoff.agent.v1.EngineRef
+	3,  // 8: kvhandoff.agent.v1.Event.type:type_name -> kvhandoff.agent.v1.Event.Type
+	6,  // 9: kvhandoff.agent.v1.Agent.RegisterEngine:input_type -> kvhandoff.agent.v1.RegisterEngineRequest
+	8,  // 10: kvhandoff.agent.v1.Agent.RegisterRegion:input_type -> kvhandoff.agent.v1.RegisterRegionRequest
+	10, // 11: kvhandoff.agent.v1.Agent.RegisterDestination:input_type -> kvhandoff.agent.v1.RegisterDestinationRequest
+	11, // 12: kvhandoff.agent.v1.Agent.SourceReady:input_type -> kvhandoff.agent.v1.SourceReadyRequest
+	12, // 13: kvhandoff.agent.v1.Agent.Pull:input_type -> kvhandoff.agent.v1.PullRequest
+	13, // 14: kvhandoff.agent.v1.Agent.Cancel:input_type -> kvhandoff.agent.v1.CancelRequest
+	14, // 15: kvhandoff.agent.v1.Agent.Decline:input_type -> kvhandoff.agent.v1.DeclineRequest
+	15, // 16: kvhandoff.agent.v1.Agent.Heartbeat:input_type -> kvhandoff.agent.v1.HeartbeatRequest
+	16, // 17: kvhandoff.agent.v1.Agent.Events:input_type -> kvhandoff.agent.v1.EventsRequest
+	7,  // 18: kvhandoff.agent.v1.Agent.RegisterEngine:output_type -> kvhandoff.agent.v1.RegisterEngineResponse
+	9,  // 19: kvhandoff.agent.v1.Agent.RegisterRegion:output_type -> kvhandoff.agent.v1.RegisterRegionResponse
+	17, // 20: kvhandoff.agent.v1.Agent.RegisterDestination:output_type -> kvhandoff.agent.v1.Ack
+	17, // 21: kvhandoff.agent.v1.Agent.SourceReady:output_type -> kvhandoff.agent.v1.Ack
+	17, // 22: kvhandoff.agent.v1.Agent.Pull:output_type -> kvhandoff.agent.v1.Ack
+	17, // 23: kvhandoff.agent.v1.Agent.Cancel:output_type -> kvhandoff.agent.v1.Ack
+	17, // 24: kvhandoff.agent.v1.Agent.Decline:output_type -> kvhandoff.agent.v1.Ack
+	17, // 25: kvhandoff.agent.v1.Agent.Heartbeat:output_type -> kvhandoff.agent.v1.Ack
+	18, // 26: kvhandoff.agent.v1.Agent.Events:output_type -> kvhandoff.agent.v1.Event
+	18, // [18:27] is the sub-list for method output_type
+	9,  // [9:18] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_transferagent_api_v1_agent_proto_init() }
@@ -1490,7 +1560,7 @@ func file_transferagent_api_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_transferagent_api_v1_agent_proto_rawDesc), len(file_transferagent_api_v1_agent_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   14,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -37,6 +37,7 @@ const (
 	Agent_SourceReady_FullMethodName         = "/kvhandoff.agent.v1.Agent/SourceReady"
 	Agent_Pull_FullMethodName                = "/kvhandoff.agent.v1.Agent/Pull"
 	Agent_Cancel_FullMethodName              = "/kvhandoff.agent.v1.Agent/Cancel"
+	Agent_Decline_FullMethodName             = "/kvhandoff.agent.v1.Agent/Decline"
 	Agent_Heartbeat_FullMethodName           = "/kvhandoff.agent.v1.Agent/Heartbeat"
 	Agent_Events_FullMethodName              = "/kvhandoff.agent.v1.Agent/Events"
 )
@@ -64,6 +65,12 @@ type AgentClient interface {
 	// Cancel fences an attempt. For a decode engine the CANCEL_ACKED event says no byte
 	// will land in its blocks any more; only then may it reuse them.
 	Cancel(ctx context.Context, in *CancelRequest, opts ...grpc.CallOption) (*Ack, error)
+	// Decline (push, decode) says this engine takes none of a request's KV: it computes the
+	// request itself, its prefix cache holding part of the prompt (a registration cannot
+	// name blocks the cache shares). The source's agent frees the prefill engine's blocks
+	// at once (SOURCE_DONE), where they would otherwise wait out the blocks TTL and fail.
+	// A request this engine registered is cancelled instead.
+	Decline(ctx context.Context, in *DeclineRequest, opts ...grpc.CallOption) (*Ack, error)
 	// Heartbeat renews the leases of everything the engine has outstanding.
 	Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*Ack, error)
 	// Events streams the session's outcomes. Exactly one stream per session.
@@ -138,6 +145,16 @@ func (c *agentClient) Cancel(ctx context.Context, in *CancelRequest, opts ...grp
 	return out, nil
 }
 
+func (c *agentClient) Decline(ctx context.Context, in *DeclineRequest, opts ...grpc.CallOption) (*Ack, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(Ack)
+	err := c.cc.Invoke(ctx, Agent_Decline_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *agentClient) Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*Ack, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(Ack)
@@ -190,6 +207,12 @@ type AgentServer interface {
 	// Cancel fences an attempt. For a decode engine the CANCEL_ACKED event says no byte
 	// will land in its blocks any more; only then may it reuse them.
 	Cancel(context.Context, *CancelRequest) (*Ack, error)
+	// Decline (push, decode) says this engine takes none of a request's KV: it computes the
+	// request itself, its prefix cache holding part of the prompt (a registration cannot
+	// name blocks the cache shares). The source's agent frees the prefill engine's blocks
+	// at once (SOURCE_DONE), where they would otherwise wait out the blocks TTL and fail.
+	// A request this engine registered is cancelled instead.
+	Decline(context.Context, *DeclineRequest) (*Ack, error)
 	// Heartbeat renews the leases of everything the engine has outstanding.
 	Heartbeat(context.Context, *HeartbeatRequest) (*Ack, error)
 	// Events streams the session's outcomes. Exactly one stream per session.
@@ -221,6 +244,9 @@ func (UnimplementedAgentServer) Pull(context.Context, *PullRequest) (*Ack, error
 }
 func (UnimplementedAgentServer) Cancel(context.Context, *CancelRequest) (*Ack, error) {
 	return nil, status.Error(codes.Unimplemented, "method Cancel not implemented")
+}
+func (UnimplementedAgentServer) Decline(context.Context, *DeclineRequest) (*Ack, error) {
+	return nil, status.Error(codes.Unimplemented, "method Decline not implemented")
 }
 func (UnimplementedAgentServer) Heartbeat(context.Context, *HeartbeatRequest) (*Ack, error) {
 	return nil, status.Error(codes.Unimplemented, "method Heartbeat not implemented")
@@ -357,6 +383,24 @@ func _Agent_Cancel_Handler(srv interface{}, ctx context.Context, dec func(interf
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Agent_Decline_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DeclineRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).Decline(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_Decline_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).Decline(ctx, req.(*DeclineRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _Agent_Heartbeat_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(HeartbeatRequest)
 	if err := dec(in); err != nil {
@@ -416,6 +460,10 @@ var Agent_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Cancel",
 			Handler:    _Agent_Cancel_Handler,
+		},
+		{
+			MethodName: "Decline",
+			Handler:    _Agent_Decline_Handler,
 		},
 		{
 			MethodName: "Heartbeat",

@@ -64,6 +64,11 @@ class AgentStub(object):
                 request_serializer=agent__pb2.CancelRequest.SerializeToString,
                 response_deserializer=agent__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Decline = channel.unary_unary(
+                '/kvhandoff.agent.v1.Agent/Decline',
+                request_serializer=agent__pb2.DeclineRequest.SerializeToString,
+                response_deserializer=agent__pb2.Ack.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvhandoff.agent.v1.Agent/Heartbeat',
                 request_serializer=agent__pb2.HeartbeatRequest.SerializeToString,
@@ -128,6 +133,17 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decline(self, request, context):
+        """Decline (push, decode) says this engine takes none of a request's KV: it computes the
+        request itself, its prefix cache holding part of the prompt (a registration cannot
+        name blocks the cache shares). The source's agent frees the prefill engine's blocks
+        at once (SOURCE_DONE), where they would otherwise wait out the blocks TTL and fail.
+        A request this engine registered is cancelled instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Heartbeat renews the leases of everything the engine has outstanding.
         """
@@ -173,6 +189,11 @@ def add_AgentServicer_to_server(servicer, server):
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
                     request_deserializer=agent__pb2.CancelRequest.FromString,
+                    response_serializer=agent__pb2.Ack.SerializeToString,
+            ),
+            'Decline': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decline,
+                    request_deserializer=agent__pb2.DeclineRequest.FromString,
                     response_serializer=agent__pb2.Ack.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
@@ -347,6 +368,33 @@ class Agent(object):
             target,
             '/kvhandoff.agent.v1.Agent/Cancel',
             agent__pb2.CancelRequest.SerializeToString,
+            agent__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.agent.v1.Agent/Decline',
+            agent__pb2.DeclineRequest.SerializeToString,
             agent__pb2.Ack.FromString,
             options,
             channel_credentials,
