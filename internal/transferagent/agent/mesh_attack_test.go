@@ -174,6 +174,35 @@ func TestAStalledFrameEndsItsConnection(t *testing.T) {
 	transfer(t, p.P[0], p.D[0], "after-the-stall")
 }
 
+// A message of a kind this agent does not know (a newer agent's) is skipped and counted,
+// and the connection goes on: agents of two releases keep talking while a DaemonSet rolls.
+func TestAnUnknownKindIsSkippedAndTheConnectionKept(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	c := handshake(t, p.A.Peer)
+	defer c.Close()
+	frames := append(binary.BigEndian.AppendUint32(nil, 5), wire.Version, 200, 1, 2, 3)
+	frames, _ = wire.Encode(frames, &wire.Register{Request: "after-unknown", Attempt: 1, Engine: "stranger/0", EngineEpoch: 1,
+		Source: "nobody/0", Blocks: []uint32{1}})
+	if _, err := c.Write(frames); err != nil {
+		t.Fatal(err)
+	}
+	// The registration after it is answered on the same connection: no such prefill engine.
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	for {
+		m, err := wire.Read(c)
+		if err != nil {
+			t.Fatalf("the connection ended after a frame of an unknown kind: %v", err)
+		}
+		if f, ok := m.(*wire.Failed); ok && f.Request == "after-unknown" {
+			break
+		}
+	}
+	if got := p.A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="UnknownKind"}`); got != 1 {
+		t.Errorf("unknown kinds counted: %v, want 1", got)
+	}
+	transfer(t, p.P[0], p.D[0], "after-an-unknown-kind")
+}
+
 // handshake authenticates a test connection to the agent at addr with the cluster token,
 // as an agent on 127.0.0.1 would.
 func handshake(t *testing.T, addr string) net.Conn {

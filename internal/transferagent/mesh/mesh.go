@@ -9,6 +9,7 @@ package mesh
 import (
 	"bufio"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -314,6 +315,12 @@ func (p *Peer) serve() {
 		msg, err := wire.Read(r)
 		if partial {
 			p.conn.SetReadDeadline(time.Time{})
+		}
+		if errors.Is(err, wire.ErrUnknownKind) {
+			// A newer agent's message: skipped, so that agents of different releases keep
+			// their connections while a DaemonSet rolls.
+			m.cfg.Refused.WithLabelValues("peer", "UnknownKind").Inc()
+			continue
 		}
 		if err != nil {
 			// A malformed frame ends this connection only; the agent serves every other.

@@ -174,7 +174,7 @@ func (m *EngineInfo) WithGPU(g *GPU) (*EngineInfo, error) {
 // after its EngineInfo when it has more than one. It is a message of its own so that
 // EngineInfo's frame stays what agents without rails speak; an agent that predates it
 // refuses the frame (unknown kind), so rails are turned on only once every agent of the
-// cluster knows it.
+// cluster knows it. (Agents since Decline skip a kind they do not know instead.)
 type Rails struct {
 	Engine string
 	Epoch  uint64
@@ -477,6 +477,11 @@ type codec interface {
 // ErrMalformed wraps every decoding error.
 var ErrMalformed = errors.New("wire: malformed frame")
 
+// ErrUnknownKind also wraps the error for a well-framed message of a kind this agent does
+// not know: one a newer agent sends. The frame was read whole, so a reader may skip it and
+// go on with the next.
+var ErrUnknownKind = errors.New("wire: unknown kind")
+
 // Encode appends m's frame to b.
 func Encode(b []byte, m Message) ([]byte, error) {
 	e := encoder{body: []byte{Version, byte(m.Kind())}}
@@ -580,7 +585,7 @@ func Decode(body []byte) (Message, error) {
 	}
 	m := newMessage(Kind(body[1]))
 	if m == nil {
-		return nil, fmt.Errorf("%w: unknown kind %d", ErrMalformed, body[1])
+		return nil, fmt.Errorf("%w: %w %d", ErrMalformed, ErrUnknownKind, body[1])
 	}
 	d := decoder{b: body[2:]}
 	m.fields(&d)
