@@ -226,11 +226,45 @@ def timeline(cfg: Config, results: list[dict], alone: list[dict] | None) -> dict
     return out
 
 
+def sweep_svg(sweep: dict, title: str) -> str:
+    """A line chart of TTFT p50 (solid) and p90 (dashed) against the arrival rate, one colour
+    per configuration: plain SVG, so the bench needs no plotting package."""
+    w, h, left, top, right, bottom = 720, 420, 70, 40, 230, 50
+    rates = sorted({q for by in sweep.values() for q in by})
+    ymax = max(v["ttft_ms"]["p90"] for by in sweep.values() for v in by.values()) * 1.1
+    x = lambda q: left + (w - left - right) * (rates.index(q) / max(len(rates) - 1, 1))  # noqa: E731
+    y = lambda v: top + (h - top - bottom) * (1 - v / ymax)  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+           f'<text x="{left}" y="20" font-size="14">{title}</text>',
+           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
+           f'<text x="{(left + w - right) / 2}" y="{h - 12}" text-anchor="middle">arrivals per second (QPS)</text>',
+           f'<text x="16" y="{(top + h - bottom) / 2}" transform="rotate(-90 16 {(top + h - bottom) / 2})" text-anchor="middle">TTFT (ms)</text>']
+    for q in rates:
+        out.append(f'<text x="{x(q):.0f}" y="{h - bottom + 16}" text-anchor="middle">{q:g}</text>')
+    for i in range(5):
+        v = ymax * i / 4
+        out.append(f'<text x="{left - 6}" y="{y(v) + 4:.0f}" text-anchor="end">{v:.0f}</text>')
+        out.append(f'<line x1="{left}" y1="{y(v):.0f}" x2="{w - right}" y2="{y(v):.0f}" stroke="#ddd"/>')
+    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    for i, (name, by) in enumerate(sweep.items()):
+        c = colours[i % len(colours)]
+        for q_key, dash in (("p50", ""), ("p90", ' stroke-dasharray="5,4"')):
+            pts = " ".join(f"{x(q):.0f},{y(by[q]['ttft_ms'][q_key]):.0f}" for q in rates if q in by)
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"{dash}/>')
+        ly = top + 18 * i
+        out.append(f'<line x1="{w - right + 12}" y1="{ly}" x2="{w - right + 36}" y2="{ly}" stroke="{c}" stroke-width="2"/>')
+        out.append(f'<text x="{w - right + 42}" y="{ly + 4}">{name}</text>')
+    out.append(f'<text x="{w - right + 12}" y="{top + 18 * len(sweep) + 10}">solid p50, dashed p90</text>')
+    return "\n".join(out + ["</svg>", ""])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--qps", type=float, default=0.5)
+    ap.add_argument("--qps", default="0.5", help="arrival rate; a comma-separated list runs each configuration at every rate in "
+                    "turn (a sweep: the arrival pattern scaled, fresh prompts of the same lengths per rate), results in vllm-<cpus>cpu-sweep.json/.svg")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--configs", default="one engine,nixl pull,nixl pull (placement undone),nixl push,nixl push (placement undone),kvhandoff pull,kvhandoff push,kvhandoff push-layered")
     a = ap.parse_args()
@@ -243,12 +277,27 @@ def main():
     # there, and the prefill agent holds the unclaimed blocks until their TTL).
     ps = prompts(rng, model, a.requests + IDENTITY, 237, 1893)
     checks, ps = [(p, 32) for p in ps[:IDENTITY]], ps[IDENTITY:]
-    at, load = 0.0, []
-    for p in ps:
-        at += rng.expovariate(a.qps)
-        load.append((at, p, rng.randint(16, 64)))
+    rates = [float(q) for q in a.qps.split(",")]
+    # Unit-rate gaps (the same random draws as expovariate at any rate), scaled per rate.
+    unit = [(rng.expovariate(1.0), p, rng.randint(16, 64)) for p in ps]
+
+    def load_at(qps: float) -> list:
+        """The load at a rate: the first rate's prompts are the seed's; every other rate gets
+        prompts of its own (the same lengths), or the engines' prefix caches would hold
+        them all from the first, and the arrival pattern scaled to the rate."""
+        fresh = ps if qps == rates[0] else prompts(random.Random(f"{a.seed}-{qps}"), model, len(ps), 237, 1893)
+        at, out = 0.0, []
+        for (gap, _, n), p in zip(unit, fresh):
+            at += gap / qps
+            out.append((at, p, n))
+        return out
+
+    load = load_at(rates[0])
     report = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": {"cpus": os.cpu_count()},
-              "load": {"requests": a.requests, "qps": a.qps, "seed": a.seed, "prompt_tokens": [237, 1893], "output_tokens": [16, 64]}, "configs": {}}
+              "load": {"requests": a.requests, "qps": rates[0] if len(rates) == 1 else rates, "seed": a.seed, "prompt_tokens": [237, 1893],
+                       "output_tokens": [16, 64]}, "configs": {}}
+    if len(rates) > 1:
+        report["sweep"] = {}
     reference = alone = None
     for name in [c.strip() for c in a.configs.split(",")]:
         print(f"== {name}", flush=True)
@@ -276,13 +325,26 @@ def main():
             res["identical"] = {"alone": f"{same}/{len(ids)}", "under_load": f"{timed_same}/{len(load)}"}
             report["configs"][name] = res
             print(f"   {json.dumps(res)}", flush=True)
+            for qps in rates[1:] if len(rates) > 1 else ():
+                more = run_load(cfg, load_at(qps))
+                more.pop("results"), more.pop("ids")
+                report["sweep"].setdefault(name, {rates[0]: {k: res[k] for k in ("ttft_ms", "itl_ms", "cpu_s_per_request", "failed")}})
+                report["sweep"][name][qps] = {k: more[k] for k in ("ttft_ms", "itl_ms", "cpu_s_per_request", "failed")}
+                print(f"   at {qps} QPS: {json.dumps(report['sweep'][name][qps])}", flush=True)
         finally:
             cfg.stop()
     report.pop("reference_ids", None)
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"vllm-{os.cpu_count()}cpu.json")
+    path = os.path.join(a.out, f"vllm-{os.cpu_count()}cpu{'-sweep' if len(rates) > 1 else ''}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
+    if len(rates) > 1:
+        with open(path.removesuffix(".json") + ".svg", "w") as f:
+            f.write(sweep_svg(report["sweep"], f"TTFT by arrival rate, {os.cpu_count()} CPUs, {a.requests} requests per rate"))
+        print("\n| configuration | " + " | ".join(f"{q} QPS: TTFT p50 / p90 (ms)" for q in rates) + " |")
+        print("|---|" + "---|" * len(rates))
+        for name, by in report["sweep"].items():
+            print(f"| {name} | " + " | ".join(f"{by[q]['ttft_ms']['p50']:.0f} / {by[q]['ttft_ms']['p90']:.0f}" for q in rates) + " |")
     print("\n| configuration | TTFT p50 / p90 / p99 (ms) | ITL p50 (ms) | CPU s / request | failed | identical (alone, under load) |")
     print("|---|---|---|---|---|---|")
     for name, r in report["configs"].items():
