@@ -630,31 +630,37 @@ func makeCgroupRoot(name string) error {
 }
 
 // removeStaleCgroups removes the cgroup roots that runs killed before their Stop left
-// behind: those that hold no process and are older than staleCgroup. Roots of runs in
-// progress beside this one are left alone.
+// behind: those that hold no process in any hierarchy and are older than staleCgroup.
+// Roots of runs in progress beside this one are left alone. A root has the same name in
+// every hierarchy, so the first one lists them.
 func removeStaleCgroups() {
-	for _, h := range hierarchies() {
-		roots, _ := filepath.Glob(filepath.Join(h, cgroupRootPrefix+"*"))
-		for _, root := range roots {
-			if fi, err := os.Stat(root); err == nil && time.Since(fi.ModTime()) > staleCgroup && !holdsProcesses(root) {
-				_ = removeCgroups(filepath.Base(root))
-			}
+	hs := hierarchies()
+	if len(hs) == 0 {
+		return
+	}
+	roots, _ := filepath.Glob(filepath.Join(hs[0], cgroupRootPrefix+"*"))
+	for _, root := range roots {
+		name := filepath.Base(root)
+		if fi, err := os.Stat(root); err == nil && time.Since(fi.ModTime()) > staleCgroup && !holdsProcesses(hs, name) {
+			_ = removeCgroups(name)
 		}
 	}
 }
 
-// holdsProcesses says whether any cgroup in the tree at root has a process.
-func holdsProcesses(root string) bool {
+// holdsProcesses says whether any cgroup in the trees named name has a process.
+func holdsProcesses(hierarchies []string, name string) bool {
 	found := false
-	_ = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
-		if err == nil && d.Name() == "cgroup.procs" {
-			if b, _ := os.ReadFile(path); len(strings.TrimSpace(string(b))) > 0 {
-				found = true
-				return filepath.SkipAll
+	for _, h := range hierarchies {
+		_ = filepath.WalkDir(filepath.Join(h, name), func(path string, d os.DirEntry, err error) error {
+			if err == nil && d.Name() == "cgroup.procs" {
+				if b, _ := os.ReadFile(path); len(strings.TrimSpace(string(b))) > 0 {
+					found = true
+					return filepath.SkipAll
+				}
 			}
-		}
-		return nil
-	})
+			return nil
+		})
+	}
 	return found
 }
 

@@ -35,8 +35,8 @@ var (
 	ErrTooMany      = errors.New("rendezvous: too many declines waiting for their sources")
 )
 
-// maxDeclined bounds the declines remembered for sources not reported yet: each is a few
-// dozen bytes, and a peer could otherwise grow the table without end.
+// maxDeclined bounds the declines the table remembers: each is a few dozen bytes, and a
+// peer could otherwise grow the table without end.
 const maxDeclined = 1 << 16
 
 // Engine identifies a decode engine incarnation: a restarted engine gets a higher Epoch,
@@ -154,11 +154,11 @@ type SourceDeclined struct {
 }
 
 func (Transfer) isAction()       {}
-func (SourceDeclined) isAction() {}
 func (Delivered) isAction()      {}
 func (CancelAcked) isAction()    {}
 func (Failed) isAction()         {}
 func (SourceExpired) isAction()  {}
+func (SourceDeclined) isAction() {}
 
 // attempt is one registration's state.
 type attempt struct {
@@ -211,6 +211,8 @@ type Table struct {
 	reqs    map[string]*request
 	retired map[string]retired
 	epochs  map[string]uint64
+	// declines counts the retired entries that are declines (bounded by maxDeclined).
+	declines int
 }
 
 // retired is what is kept of a request that is over: its latest attempt, until a
@@ -551,6 +553,9 @@ func (t *Table) Expire(now time.Time) []Action {
 	for id, r := range t.retired {
 		if !now.Before(r.until) {
 			delete(t.retired, id)
+			if r.declined {
+				t.declines--
+			}
 		}
 	}
 	return acts
@@ -626,23 +631,26 @@ func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 // Decline records that decode takes none of a request's KV: it computes the request
 // itself. A source already reported is dropped now (SourceDeclined), one still to come
 // when its final part arrives; registrations of the request are refused from here on
-// (ErrSourceGone) until the table forgets it, a blocks TTL and a lease later. A request
-// with a registration, live or draining, is left as it is (ErrRegistered): its decode
-// engine cancels it instead.
+// (ErrSourceGone) until the table forgets it. A request that is over is left as it is,
+// and so is one with a registration, live or draining (ErrRegistered): its decode engine
+// cancels it instead.
 func (t *Table) Decline(now time.Time, req string) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if rt, ok := t.retired[req]; ok && (rt.failed || rt.declined) {
-		return nil, nil // over already: its blocks are being freed
+	if _, over := t.retired[req]; over {
+		return nil, nil // delivered, failed or declined: its blocks are freed or being freed
 	}
 	r := t.reqs[req]
 	if r != nil && (r.current != nil || len(r.old) > 0) {
 		return nil, ErrRegistered
 	}
-	if r == nil && len(t.retired) >= maxDeclined {
+	if t.declines >= maxDeclined {
 		return nil, ErrTooMany
 	}
-	rt := retired{declined: true, until: now.Add(t.cfg.BlocksTTL + t.cfg.Lease)}
+	t.declines++
+	// Kept while the source may still come (a blocks TTL), and as long as any retired
+	// request keeps its attempt number.
+	rt := retired{declined: true, until: now.Add(max(t.cfg.BlocksTTL, t.cfg.RegistrationTimeout) + t.cfg.Lease)}
 	var acts []Action
 	if r != nil {
 		rt.attempt, rt.told = r.latest, r.final >= 0

@@ -120,8 +120,9 @@ func TestADeclineFreesTheSourceAtOnceWhicheverComesFirst(t *testing.T) {
 	if _, err := tb.Register(t0.Add(11*time.Second), reg(1, 100, 101)); !errors.Is(err, ErrSourceGone) {
 		t.Fatalf("a registration after a decline: %v, want ErrSourceGone", err)
 	}
-	// It is forgotten a blocks TTL and a lease after the decline.
-	tb.Expire(t0.Add(ttl.BlocksTTL + ttl.Lease))
+	// It is forgotten as a retired request is, a registration timeout and a lease after
+	// the decline (here longer than the blocks TTL).
+	tb.Expire(t0.Add(ttl.RegistrationTimeout + ttl.Lease))
 	if len(tb.retired) != 0 || len(tb.reqs) != 0 {
 		t.Fatalf("after its retention the table still holds %d retired and %d live requests", len(tb.retired), len(tb.reqs))
 	}
@@ -139,8 +140,15 @@ func TestARegisteredRequestIsNotDeclined(t *testing.T) {
 	if _, err := tb.Decline(t0, "r1"); !errors.Is(err, ErrRegistered) {
 		t.Fatalf("declining a registered request: %v, want ErrRegistered", err)
 	}
-	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7}, Final: true})),
-		Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{7}, Dst: []uint32{100}})
+	tr := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{7}, Dst: []uint32{100}}
+	expect(t, must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{7}, Final: true})), tr)
+	expect(t, writeAll(t, tb, 1, tr), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+	// Delivered, it is over: a late decline changes nothing, and the table still refuses
+	// the attempt number it delivered.
+	expect(t, must(t)(tb.Decline(t0, "r1")))
+	if _, err := tb.Register(t0, reg(1, 100)); !errors.Is(err, ErrStaleAttempt) {
+		t.Fatalf("the delivered attempt registered again after a decline: %v, want ErrStaleAttempt", err)
+	}
 }
 
 func TestDeclinesOfUnknownRequestsAreBounded(t *testing.T) {
@@ -153,8 +161,8 @@ func TestDeclinesOfUnknownRequestsAreBounded(t *testing.T) {
 	if _, err := tb.Decline(t0, "one more"); !errors.Is(err, ErrTooMany) {
 		t.Fatalf("decline %d: %v, want ErrTooMany", maxDeclined+1, err)
 	}
-	tb.Expire(t0.Add(ttl.BlocksTTL + ttl.Lease))
-	must(t)(tb.Decline(t0.Add(ttl.BlocksTTL+ttl.Lease), "one more"))
+	tb.Expire(t0.Add(ttl.RegistrationTimeout + ttl.Lease))
+	must(t)(tb.Decline(t0.Add(ttl.RegistrationTimeout+ttl.Lease), "one more"))
 }
 
 func TestPartsArriveInAnyOrderAndDeliveryWaitsForEveryWrite(t *testing.T) {
