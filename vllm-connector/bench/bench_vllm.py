@@ -5,7 +5,8 @@ configuration is first checked token for token against the engine alone, then ti
 same arrivals, prompts and output lengths. For kvhandoff's configurations each request's
 handoff is also taken apart (timeline()): the connector's timestamps ($KVHANDOFF_TIMELINE),
 the router's request log and the agents' stage histograms. Results: a table on stdout, JSON
-in --out."""
+in --out; with several --qps rates, a sweep (every configuration at every rate, each rate's
+tokens checked against the engine alone's at that rate) and its SVG plot."""
 
 from __future__ import annotations
 
@@ -51,20 +52,20 @@ class Config:
         self.name, self.procs, self.port, self.agents = name, procs, port, list(agents)
         self.router_log, self.timeline = router_log, timeline
 
-    def stage_sums(self) -> dict[str, list[float]]:
-        """The agents' handoff stage histograms: stage -> [sum of seconds, count]."""
-        out: dict[str, list[float]] = {}
+    def agent_counters(self) -> tuple[float, dict[str, list[float]]]:
+        """kvhandoff's agents, one scrape each: attempts that ended without delivery (the
+        engines recompute those), and the handoff stage histograms (stage -> [sum of
+        seconds, count])."""
+        failures, stages = 0.0, {}
         for a in self.agents:
             for k, v in a.metrics().items():
+                if k.startswith("kvhandoff_agent_failures_total"):
+                    failures += v
                 for suffix, i in (("_sum{", 0), ("_count{", 1)):
                     if k.startswith("kvhandoff_agent_handoff_stage_seconds" + suffix):
                         stage = k.split('stage="')[1].split('"')[0]
-                        out.setdefault(stage, [0.0, 0.0])[i] += v
-        return out
-
-    def agent_failures(self) -> float:
-        """kvhandoff's agents: attempts that ended without delivery (the engines recompute those)."""
-        return sum(v for a in self.agents for k, v in a.metrics().items() if k.startswith("kvhandoff_agent_failures_total"))
+                        stages.setdefault(stage, [0.0, 0.0])[i] += v
+        return failures, stages
 
     def cpu_seconds(self) -> float:
         total = 0.0
@@ -103,11 +104,11 @@ def start(name, bins, model, d) -> Config:
 def stream(port: int, prompt: str, max_tokens: int) -> dict:
     """One streamed completion: time to first token, the gaps between tokens, token ids."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
-            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+            "stream": True, "return_token_ids": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     sent, t0 = time.time(), time.monotonic()
-    out = {"ttft": None, "itl": [], "ids": [], "error": None, "prompt_tokens": 0, "sent": sent, "id": None}
+    out = {"ttft": None, "itl": [], "ids": [], "error": None, "sent": sent, "id": None}
     last = None
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -116,10 +117,7 @@ def stream(port: int, prompt: str, max_tokens: int) -> dict:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                ev = json.loads(line[6:])
-                if ev.get("usage"):
-                    out["prompt_tokens"] = ev["usage"]["prompt_tokens"]
-                for c in ev.get("choices", []):
+                for c in json.loads(line[6:]).get("choices", []):
                     ids = c.get("token_ids") or []
                     if not ids:
                         continue
@@ -143,7 +141,7 @@ def pct(xs, q):
 def run_load(cfg: Config, load) -> dict:
     results = [None] * len(load)
     threads = []
-    cpu0, failed0, stages0, t0 = cfg.cpu_seconds(), cfg.agent_failures(), cfg.stage_sums(), time.monotonic()
+    (failed0, stages0), cpu0, t0 = cfg.agent_counters(), cfg.cpu_seconds(), time.monotonic()
     for i, (at, prompt, n) in enumerate(load):
         delay = t0 + at - time.monotonic()
         if delay > 0:
@@ -153,14 +151,13 @@ def run_load(cfg: Config, load) -> dict:
         threads.append(th)
     for th in threads:
         th.join()
-    wall, cpu, transfer_failures = time.monotonic() - t0, cfg.cpu_seconds() - cpu0, cfg.agent_failures() - failed0
-    stages = cfg.stage_sums()
+    wall, cpu, (failed, stages) = time.monotonic() - t0, cfg.cpu_seconds() - cpu0, cfg.agent_counters()
     ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["itl"]]
     return {"requests": len(load), "failed": len(load) - len(ok), "ttft_ms": {q: pct(ttft, v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))},
             "itl_ms": {"p50": pct(itl, .5), "p90": pct(itl, .9)}, "cpu_s": round(cpu, 1), "cpu_s_per_request": round(cpu / len(load), 2),
-            "wall_s": round(wall, 1), "ids": [r["ids"] for r in results], "agent_transfer_failures": transfer_failures,
+            "wall_s": round(wall, 1), "ids": [r["ids"] for r in results], "agent_transfer_failures": failed - failed0,
             "errors": sorted({r["error"] for r in results if r["error"]})[:5], "results": results,
             "agent_stage_mean_ms": {k: round(1000 * (v[0] - stages0.get(k, [0, 0])[0]) / (v[1] - stages0.get(k, [0, 0])[1]), 2)
                                     for k, v in stages.items() if v[1] > stages0.get(k, [0, 0])[1]}}
@@ -292,13 +289,15 @@ def main():
             out.append((at, p, n))
         return out
 
-    load = load_at(rates[0])
+    loads = {q: load_at(q) for q in rates}
     report = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": {"cpus": os.cpu_count()},
               "load": {"requests": a.requests, "qps": rates[0] if len(rates) == 1 else rates, "seed": a.seed, "prompt_tokens": [237, 1893],
                        "output_tokens": [16, 64]}, "configs": {}}
     if len(rates) > 1:
         report["sweep"] = {}
-    reference = alone = None
+    # The engine alone's identity answers and, per rate, its timed results: what every
+    # configuration's tokens are checked against.
+    reference, alone = None, {}
     for name in [c.strip() for c in a.configs.split(",")]:
         print(f"== {name}", flush=True)
         try:
@@ -313,27 +312,24 @@ def main():
             if reference is None:
                 reference = ids
             same = sum(x == y for x, y in zip(ids, reference))
-            res = run_load(cfg, load)
-            results = res.pop("results")
-            if name == "one engine":
-                report["reference_ids"] = res["ids"]
-                alone = results
-            if cfg.timeline:
-                res["timeline_ms"] = timeline(cfg, results, alone)
-            timed_same = sum(x == y for x, y in zip(res["ids"], report.get("reference_ids", res["ids"])))
-            res.pop("ids")
-            res["identical"] = {"alone": f"{same}/{len(ids)}", "under_load": f"{timed_same}/{len(load)}"}
-            report["configs"][name] = res
-            print(f"   {json.dumps(res)}", flush=True)
-            for qps in rates[1:] if len(rates) > 1 else ():
-                more = run_load(cfg, load_at(qps))
-                more.pop("results"), more.pop("ids")
-                report["sweep"].setdefault(name, {rates[0]: {k: res[k] for k in ("ttft_ms", "itl_ms", "cpu_s_per_request", "failed")}})
-                report["sweep"][name][qps] = {k: more[k] for k in ("ttft_ms", "itl_ms", "cpu_s_per_request", "failed")}
-                print(f"   at {qps} QPS: {json.dumps(report['sweep'][name][qps])}", flush=True)
+            for qps in rates:
+                res = run_load(cfg, loads[qps])
+                results, got = res.pop("results"), res.pop("ids")
+                if name == "one engine":
+                    alone[qps] = results
+                timed_same = sum(x == y["ids"] for x, y in zip(got, alone.get(qps, results)))
+                res["identical"] = {"alone": f"{same}/{len(ids)}", "under_load": f"{timed_same}/{len(got)}"}
+                if qps == rates[0]:
+                    if cfg.timeline:
+                        res["timeline_ms"] = timeline(cfg, results, alone.get(qps))
+                    report["configs"][name] = res
+                    print(f"   {json.dumps(res)}", flush=True)
+                if len(rates) > 1:
+                    row = {k: res[k] for k in ("ttft_ms", "itl_ms", "cpu_s_per_request", "failed", "identical")}
+                    report["sweep"].setdefault(name, {})[qps] = row
+                    print(f"   at {qps} QPS: {json.dumps(row)}", flush=True)
         finally:
             cfg.stop()
-    report.pop("reference_ids", None)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"vllm-{os.cpu_count()}cpu{'-sweep' if len(rates) > 1 else ''}.json")
     with open(path, "w") as f:

@@ -228,7 +228,7 @@ class WorkerSide:
         None) the whole blocks."""
         if self._outbox is None:
             self._outbox = queue.Queue()
-            self._sender = threading.Thread(target=self._send_loop, name="kvhandoff-layers", daemon=True)
+            self._sender = threading.Thread(target=self._send_loop, name="kvhandoff-sender", daemon=True)
             self._sender.start()
         self._outbox.put((key, blocks, region, final))
 

@@ -174,24 +174,6 @@ class NixlEngine(Engine):
         super().__init__(name, model, log_dir, cpu, kv, env=env)
 
 
-class NixlRouter(Proc):
-    """kvhandoff's router in front of two stock NIXL engines: the side channels are the
-    engines' own."""
-
-    def __init__(self, bins: str, log_dir: str, mode: str, p: NixlEngine, d: NixlEngine):
-        self.port = free_port()
-        endpoints = os.path.join(log_dir, "endpoints.json")
-        with open(endpoints, "w") as f:
-            json.dump({"mode": mode.capitalize(),
-                       "prefill": [{"url": f"http://127.0.0.1:{p.port}", "engineID": "prefill-0.default", "host": "127.0.0.1",
-                                    "sideChannelPort": p.side, "tensorParallelSize": 1}],
-                       "decode": [{"url": f"http://127.0.0.1:{d.port}", "engineID": "decode-0.default", "host": "127.0.0.1",
-                                   "sideChannelPort": d.side, "tensorParallelSize": 1}]}, f)
-        super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}", "--endpoints", endpoints,
-                                    "--scrape-interval", "0"], log_dir)
-        self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
-
-
 class Procs:
     """The processes of a stack: stopped in reverse order of start, their logs together."""
 
@@ -219,30 +201,38 @@ class NixlStack(Procs):
             self.p = self._add(NixlEngine("prefill", model, d, 0, connector, keep_affinity))
             self.d = self._add(NixlEngine("decode", model, d, 1, connector, keep_affinity))
             TIMINGS[f"nixl {mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
-            self.r = self._add(NixlRouter(bins, d, mode, self.p, self.d))
+            # NIXL's side channels are the engines' own.
+            self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", "127.0.0.1", self.p.side),
+                                      endpoint(self.d, "decode", "127.0.0.1", self.d.side)))
         except BaseException:
             self.stop()
             raise
 
 
+def endpoint(e: Engine, role: str, host: str = "", side: int = 0) -> dict:
+    """A router endpoint for engine e: its KV side channel (host, side) where the prefill
+    side of its pair dials it."""
+    ep = {"url": f"http://127.0.0.1:{e.port}", "engineID": f"{role}-0.default", "tensorParallelSize": 1}
+    if host:
+        ep.update(host=host, sideChannelPort=side)
+    return ep
+
+
 class Router(Proc):
-    def __init__(self, bins: str, log_dir: str, mode: str, prefill: Engine, prefill_agent: Agent, decode: Engine):
+    """kvhandoff's router over one prefill and one decode endpoint, with static discovery."""
+
+    def __init__(self, bins: str, log_dir: str, mode: str, prefill: dict, decode: dict):
         self.port = free_port()
-        host, _, port = prefill_agent.peer.rpartition(":")
         endpoints = os.path.join(log_dir, "endpoints.json")
         with open(endpoints, "w") as f:
-            json.dump({"mode": mode.removesuffix("-layered").capitalize(),
-                       # For executor Agent a prefill engine's KV side channel is its agent.
-                       "prefill": [{"url": f"http://127.0.0.1:{prefill.port}", "engineID": "prefill-0.default",
-                                    "host": host, "sideChannelPort": int(port), "tensorParallelSize": 1}],
-                       "decode": [{"url": f"http://127.0.0.1:{decode.port}", "engineID": "decode-0.default"}]}, f)
+            json.dump({"mode": mode.removesuffix("-layered").capitalize(), "prefill": [prefill], "decode": [decode]}, f)
         super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}",
                                     "--endpoints", endpoints, "--scrape-interval", "0"], log_dir)
         self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
 
 
-def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120) -> list[int]:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120, min_tokens: int = 0) -> list[int]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": min_tokens, "temperature": 0, "return_token_ids": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -258,7 +248,9 @@ class Stack(Procs):
             self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket)))
             self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket), decode_extra))
             TIMINGS[f"{mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
-            self.r = self._add(Router(bins, d, mode, self.p, self.a, self.d))
+            # For executor Agent a prefill engine's KV side channel is its agent.
+            host, _, port = self.a.peer.rpartition(":")
+            self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", host, int(port)), endpoint(self.d, "decode")))
         except BaseException:
             self.stop()  # nothing outlives a stack that failed to start
             raise

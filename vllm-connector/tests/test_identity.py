@@ -9,7 +9,6 @@ import http.client
 import json
 import random
 import time
-import urllib.request
 
 import pytest
 
@@ -94,11 +93,7 @@ def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stac
         return sum(v for k, v in s.a.metrics().items() if k.startswith(name))
 
     def generate() -> list[int]:
-        body = {"model": "m", "prompt": prompt, "max_tokens": 200, "min_tokens": 200, "temperature": 0, "return_token_ids": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{s.r.port}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return list(json.load(r)["choices"][0]["token_ids"])
+        return complete(s.r.port, prompt, max_tokens=200, min_tokens=200)
 
     prompt = " ".join(f"cached {i} prefix" for i in range(120))  # 1719 tokens: 13 full blocks
     declines, failures = count("kvhandoff_agent_declines_total"), count("kvhandoff_agent_failures_total")
