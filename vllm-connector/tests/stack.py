@@ -264,3 +264,14 @@ def engine_metric(e: Engine, name: str) -> float:
             if line.startswith(name):
                 total += float(line.rpartition(" ")[2])
     return total
+
+
+def wait_idle(e: Engine, timeout: float = 60) -> None:
+    """Waits until an engine runs no request and holds no KV block: a prefill engine's
+    blocks are held until its agent is done with them, so after this every source it
+    reported has been delivered, declined or failed, and the agent's counters are final."""
+    deadline = time.monotonic() + timeout
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    while any(engine_metric(e, n) for n in names):
+        assert time.monotonic() < deadline, f"{e.name} still busy after {timeout} s:\n{e.log()}"
+        time.sleep(0.1)  # polling the engine's metrics for its last blocks to come back
