@@ -24,6 +24,9 @@ func main() {
 	flag.IntVar(&sc.Rails, "rails", sc.Rails, "endpoints per engine rank (the agents' --rails) and per floor pair")
 	flag.IntVar(&sc.LayerGroups, "layer-groups", sc.LayerGroups, "layer groups push-layered reports a request in (0: skip that mode)")
 	out := flag.String("out", "bench/results", "folder for handoff.json and handoff.png")
+	fixed := flag.Int("fixed-cost", 0, "instead of the benchmark, time this many handoffs of a few blocks along each path (push, pull; gRPC, doorbell): "+
+		"the cost of a handoff beyond its bytes; writes fixed-cost.json")
+	fixedGPU := flag.Int("fixed-cost-gpu", -1, "with --fixed-cost: keep both engines' KV on this GPU, one agent moving it by CUDA copies")
 	demo := flag.Bool("demo", false, "instead of the benchmark, push one verified request through two agents (make demo)")
 	flag.StringVar(&agentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")
 	flag.StringVar(&sc.AgentCPUs, "agent-cpus", "", "run the agents (and the floors) on these CPUs (taskset's list, e.g. 0-7) and the simulated "+
@@ -38,6 +41,9 @@ func main() {
 	run := run
 	if *demo {
 		run = runDemo
+	}
+	if *fixed > 0 {
+		run = func(sc handoff.Scenario, out string) error { return runFixedCost(sc, out, *fixed, *fixedGPU) }
 	}
 	if err := run(sc, *out); err != nil {
 		fmt.Fprintln(os.Stderr, "bench-handoff:", err)
@@ -114,6 +120,24 @@ func run(sc handoff.Scenario, out string) error {
 }
 
 func runDemo(sc handoff.Scenario, _ string) error {
+	return withAgent(func(work, bin string) error {
+		return handoff.Demo(context.Background(), bin, work, sc.Provider, os.Stdout)
+	})
+}
+
+func runFixedCost(sc handoff.Scenario, out string, n, gpu int) error {
+	return withAgent(func(work, bin string) error {
+		rep, err := handoff.FixedCost(context.Background(), bin, work, sc.Provider, n, gpu)
+		if err != nil {
+			return err
+		}
+		rep.Markdown(os.Stdout)
+		return rep.Write(out)
+	})
+}
+
+// withAgent runs fn with a scratch folder and the agent binary to run.
+func withAgent(fn func(work, bin string) error) error {
 	work, err := workDir()
 	if err != nil {
 		return err
@@ -123,7 +147,7 @@ func runDemo(sc handoff.Scenario, _ string) error {
 	if err != nil {
 		return err
 	}
-	return handoff.Demo(context.Background(), bin, work, sc.Provider, os.Stdout)
+	return fn(work, bin)
 }
 
 // workDir is where the agents' sockets and the engines' KV files go: shared memory when

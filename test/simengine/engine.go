@@ -29,6 +29,9 @@ type Config struct {
 	GPU *int
 	// FabricDomains are the NICs the rank's rails open (RegisterEngine's fabric_domains).
 	FabricDomains []string
+	// Doorbell sends the rank's reports and takes its events through a doorbell
+	// (client.UseDoorbell) instead of RPCs.
+	Doorbell bool
 }
 
 // Engine is a simulated engine rank: its KV cache lives in a sealed memfd the agent maps,
@@ -104,6 +107,12 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	})
 	if err != nil {
 		return fail(err)
+	}
+	if cfg.Doorbell {
+		if err := e.UseDoorbell(); err != nil {
+			e.Engine.Close()
+			return fail(err)
+		}
 	}
 	for i := range regions {
 		r := client.Region{

@@ -48,6 +48,7 @@ type Engine struct {
 	Provider string
 	events   chan *agentv1.Event
 	cancel   context.CancelFunc
+	bell     *bell // set by UseDoorbell
 
 	mu  sync.Mutex
 	err error
@@ -70,12 +71,11 @@ func (c *Client) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngineRe
 		events: make(chan *agentv1.Event, 1024), cancel: cancel}
 	go func() {
 		defer close(e.events)
+		defer e.stopBell()
 		for {
 			ev, err := stream.Recv()
 			if err != nil {
-				e.mu.Lock()
-				e.err = err
-				e.mu.Unlock()
+				e.fail(err)
 				return
 			}
 			e.events <- ev
@@ -92,6 +92,16 @@ func (e *Engine) Err() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.err
+}
+
+// fail records why the session ended (the first reason) and ends it.
+func (e *Engine) fail(err error) {
+	e.mu.Lock()
+	if e.err == nil {
+		e.err = err
+	}
+	e.mu.Unlock()
+	e.cancel()
 }
 
 // Close ends the session: the agent fences and fails what it had outstanding.
@@ -147,20 +157,28 @@ func (e *Engine) RegisterDestination(ctx context.Context, req string, attempt ui
 }
 
 // SourceReady (prefill) reports a part of a request's blocks ready.
+// With a doorbell it goes through the submit ring, and the agent answers a report it
+// refuses with a FAILED event rather than an error here.
 func (e *Engine) SourceReady(ctx context.Context, req string, offset uint32, blocks []uint32, final bool) error {
-	_, err := e.c.API.SourceReady(ctx, &agentv1.SourceReadyRequest{
+	return e.sourceReady(ctx, &agentv1.SourceReadyRequest{
 		Session: e.Session, RequestId: req, Offset: offset, BlockIds: blocks, Final: final,
 	})
+}
+
+func (e *Engine) sourceReady(ctx context.Context, r *agentv1.SourceReadyRequest) error {
+	if rung, err := e.report(ctx, r); rung || err != nil {
+		return err
+	}
+	_, err := e.c.API.SourceReady(ctx, r)
 	return err
 }
 
 // SourceRegionsReady (prefill, push) reports one layer group of a request ready: the
 // regions with ids first .. first+count-1 of every block; the last group has final.
 func (e *Engine) SourceRegionsReady(ctx context.Context, req string, first, count uint32, blocks []uint32, final bool) error {
-	_, err := e.c.API.SourceReady(ctx, &agentv1.SourceReadyRequest{
+	return e.sourceReady(ctx, &agentv1.SourceReadyRequest{
 		Session: e.Session, RequestId: req, BlockIds: blocks, Final: final, FirstRegion: first, RegionCount: count,
 	})
-	return err
 }
 
 // Pull (pull, decode) reads a request's blocks from a prefill engine.

@@ -93,7 +93,8 @@ def start(name, bins, model, d) -> Config:
         timeline = os.path.join(d, "timeline")
         os.environ["KVHANDOFF_TIMELINE"] = timeline  # the engines' connectors write there
         try:
-            s = Stack(bins, model, d, name.split()[1])
+            # "(gRPC)": the engines' reports and events over gRPC, not their doorbells.
+            s = Stack(bins, model, d, name.split()[1], doorbell="(gRPC)" not in name)
         finally:
             del os.environ["KVHANDOFF_TIMELINE"]
         return Config(name, s.procs, s.r.port, agents=[s.a, s.b], router_log=s.r.log_path, timeline=timeline)

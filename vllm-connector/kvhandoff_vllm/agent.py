@@ -8,6 +8,7 @@ CUDA IPC handles.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -17,8 +18,12 @@ import grpc
 
 from ._api import agent_pb2 as pb
 from ._api import agent_pb2_grpc as pbg
+from .doorbell import Doorbell, DoorbellError, supported
+
+log = logging.getLogger("kvhandoff_vllm")
 
 MEMORY_SOCKET_NAME = "memory.sock"
+DOORBELL_PREFIX = "doorbell "  # agentv1.DoorbellPrefix
 
 # Set by kvhandoff's device plugin in containers given GPU+EFA bundles: each accelerator
 # with its EFAs, "<accelerator>=<efa>,<efa>;…" (internal/deviceplugin/server EnvAcceleratorEFAs).
@@ -51,7 +56,8 @@ class Session:
     """A registered engine rank: its session id, its address for peers (``ref``) and the
     stream of outcomes (``events``, a queue of agentv1 Events; None once it ended)."""
 
-    def __init__(self, socket_path: str, request: pb.RegisterEngineRequest, timeout: float = 60.0, timeline=None):
+    def __init__(self, socket_path: str, request: pb.RegisterEngineRequest, timeout: float = 60.0, timeline=None,
+                 doorbell: bool = False):
         self.socket_path = socket_path
         self._timeline = timeline
         self._channel = grpc.insecure_channel("unix://" + socket_path)
@@ -72,6 +78,20 @@ class Session:
         self._stream = self._stub.Events(pb.EventsRequest(session=self.session))
         self._thread = threading.Thread(target=self._pump, name="kvhandoff-events", daemon=True)
         self._thread.start()
+        # With a doorbell, reports and events go through shared rings (doorbell.py); the
+        # stream stays open as the session's liveness and for what comes before it.
+        self.bell: Doorbell | None = None
+        if doorbell and supported():
+            bell = Doorbell()
+            try:
+                self._pass_fds(DOORBELL_PREFIX + self.session, [bell.fd, bell.ring])
+            except AgentError as e:
+                bell.close()
+                log.warning("kvhandoff: the agent took no doorbell (%s); reports and events go by gRPC", e)
+            else:
+                os.close(bell.fd)  # the mappings keep the memory
+                bell.fd = -1
+                self.bell = bell
 
     def _pump(self) -> None:
         try:
@@ -87,15 +107,41 @@ class Session:
 
     def pass_memory(self, fd: int) -> int:
         """Hands a sealed memfd to the agent; returns the handle RegisterRegion names."""
+        return self._pass_fds(self.session, [fd])
+
+    def _pass_fds(self, text: str, fds: list[int]) -> int:
         path = os.path.join(os.path.dirname(self.socket_path), MEMORY_SOCKET_NAME)
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.settimeout(30)
             s.connect(path)
-            socket.send_fds(s, [self.session.encode()], [fd])
+            socket.send_fds(s, [text.encode()], fds)
             answer = s.recv(512).decode(errors="replace")
         if answer.startswith("ok "):
             return int(answer[3:])
         raise AgentError(f"memory socket {path}: {answer.removeprefix('error ')}")
+
+    def poll_events(self) -> list:
+        """The events the doorbell's ring holds (none without a doorbell)."""
+        if self.bell is None:
+            return []
+        try:
+            evs = self.bell.poll()
+        except DoorbellError as e:
+            raise AgentError(str(e)) from e
+        if self._timeline is not None:
+            for ev in evs:
+                self._timeline.mark("event_" + pb.Event.Type.Name(ev.type).lower(), ev.request_id)
+        return evs
+
+    def _report(self, r: pb.SourceReadyRequest) -> None:
+        # Through the doorbell the agent answers a refused report with a FAILED event.
+        if self.bell is not None:
+            try:
+                if self.bell.put(r.SerializeToString()):
+                    return
+            except DoorbellError as e:
+                raise AgentError(f"SourceReadyRequest: {e}") from e
+        _call(self._stub.SourceReady, r)
 
     def register_region(self, region_id: int, fd: int, offset: int, size: int, block_len: int, block_count: int) -> None:
         handle = self.pass_memory(fd)
@@ -116,12 +162,12 @@ class Session:
             session=self.session, request_id=key, attempt=attempt, block_ids=blocks, source=source))
 
     def source_ready(self, key: str, blocks: list[int], offset: int = 0, final: bool = True) -> None:
-        _call(self._stub.SourceReady, pb.SourceReadyRequest(
+        self._report(pb.SourceReadyRequest(
             session=self.session, request_id=key, offset=offset, block_ids=blocks, final=final))
 
     def source_regions_ready(self, key: str, blocks: list[int], first: int, count: int, final: bool) -> None:
         """One layer group of a push: regions first .. first+count-1 of every block."""
-        _call(self._stub.SourceReady, pb.SourceReadyRequest(
+        self._report(pb.SourceReadyRequest(
             session=self.session, request_id=key, block_ids=blocks, final=final,
             first_region=first, region_count=count))
 
@@ -150,6 +196,10 @@ class Session:
     def close(self) -> None:
         self._stream.cancel()
         self._channel.close()
+        self._thread.join(timeout=30)
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
 
 
 def engine_ref(agent: str, engine_id: str, tp_rank: int) -> pb.EngineRef:

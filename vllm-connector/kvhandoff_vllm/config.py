@@ -14,7 +14,8 @@ layer_streaming (push prefill only) reports a request's KV to the agent layer by
 the forward pass computes it, so the agent writes each layer while the next computes.
 same_node says the policy lets a pair share a node (sameNode: Allow or Prefer): only then
 can the agent move KV held in GPU memory (CUDA IPC), so without it GPU KV is refused at
-start.
+start. doorbell (default true) moves the reports of ready blocks and the agent's events
+onto shared rings (kvhandoff_vllm/doorbell.py); false keeps them on gRPC.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class Config:
     layer_streaming: bool = False
     # same_node: pairs may share a node, the only place GPU KV can move today.
     same_node: bool = False
+    # doorbell: reports and events go through shared rings with the agent instead of
+    # gRPC (x86-64 only; false keeps to gRPC).
+    doorbell: bool = True
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "Config":
@@ -76,6 +80,9 @@ class Config:
         same_node = extra.get("same_node", False)
         if not isinstance(same_node, bool):
             raise ConfigError(f"kv_connector_extra_config.same_node: must be true or false, not {same_node!r}")
+        doorbell = extra.get("doorbell", True)
+        if not isinstance(doorbell, bool):
+            raise ConfigError(f"kv_connector_extra_config.doorbell: must be true or false, not {doorbell!r}")
         return cls(
             engine_id=engine_id,
             mode=mode,
@@ -86,4 +93,5 @@ class Config:
             blocks_ttl=seconds("decoder_kv_blocks_ttl"),
             layer_streaming=streaming,
             same_node=same_node,
+            doorbell=doorbell,
         )

@@ -126,7 +126,7 @@ class WorkerSide:
             # bundles say which those are.
             fabric_domains=rank_nics(os.environ.get(ACCELERATOR_EFAS_ENV),
                                      gpu_uuid_string(allocations[0].device_uuid) if cuda else None, self.rank)),
-            timeline=self.timeline)
+            timeline=self.timeline, doorbell=self.cfg.doorbell)
         for i, p in enumerate(order):
             mem, off, size, block_len, count = regions[p]
             if cuda:
@@ -225,7 +225,11 @@ class WorkerSide:
 
     def _send_later(self, key: str, blocks: list[int], region: int | None, final: bool) -> None:
         """Queues a report for the sender thread: one region of every block, or (region
-        None) the whole blocks."""
+        None) the whole blocks. Through a doorbell a report costs microseconds: it is
+        written at once, from the step."""
+        if self.session.bell is not None:
+            self._send_one((key, blocks, region, final))
+            return
         if self._outbox is None:
             self._outbox = queue.Queue()
             self._sender = threading.Thread(target=self._send_loop, name="kvhandoff-sender", daemon=True)
@@ -234,26 +238,29 @@ class WorkerSide:
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
-            key, blocks, region, final = item
+            self._send_one(item)
+
+    def _send_one(self, item) -> None:
+        key, blocks, region, final = item
+        if final:
+            self.timeline.mark("ready_call", key)
+        try:
+            if region is None:
+                self.session.source_ready(key, blocks)
+            else:
+                self.session.source_regions_ready(key, blocks, region, 1, final)
+                self.stats["layers_streamed"] += 1
             if final:
-                self.timeline.mark("ready_call", key)
-            try:
-                if region is None:
-                    self.session.source_ready(key, blocks)
-                else:
-                    self.session.source_regions_ready(key, blocks, region, 1, final)
-                    self.stats["layers_streamed"] += 1
-                if final:
-                    self.timeline.mark("ready_done", key)
-            except AgentError as e:
-                if region is not None:
-                    # The agent answers for the request through its events (FAILED).
-                    log.warning("kvhandoff: streaming layer %d of %s: %s", region, key, e)
-                    continue
-                # A refused report left nothing at the agent, which will never answer for
-                # it: the send failed, and the blocks go back once vLLM holds them.
-                log.error("kvhandoff: reporting %s: %s", key, e)
-                self.session.events.put(pb.Event(type=pb.Event.FAILED, request_id=key, reason=str(e)))
+                self.timeline.mark("ready_done", key)
+        except AgentError as e:
+            if region is not None:
+                # The agent answers for the request through its events (FAILED).
+                log.warning("kvhandoff: streaming layer %d of %s: %s", region, key, e)
+                return
+            # A refused report left nothing at the agent, which will never answer for
+            # it: the send failed, and the blocks go back once vLLM holds them.
+            log.error("kvhandoff: reporting %s: %s", key, e)
+            self.session.events.put(pb.Event(type=pb.Event.FAILED, request_id=key, reason=str(e)))
 
     def save(self, meta: KVHandoffMetadata) -> None:
         # This step's streams: the forward is over, so their blocks are complete now. With
@@ -299,12 +306,25 @@ class WorkerSide:
         self._recvd, self._failed = set(), set()
         return sent, recvd, failed
 
-    def _drain(self) -> None:
+    def _events(self):
+        """The session's events: the stream's (before a doorbell, or without one), then
+        the doorbell's; None once the session ended."""
         while True:
             try:
                 ev = self.session.events.get_nowait()
             except queue.Empty:
+                break
+            yield ev
+            if ev is None:
                 return
+        try:
+            yield from self.session.poll_events()
+        except AgentError as e:
+            self.session.error = e
+            yield None
+
+    def _drain(self) -> None:
+        for ev in self._events():
             if ev is None:
                 self._agent_lost()
                 return

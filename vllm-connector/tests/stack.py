@@ -123,10 +123,11 @@ class Agent(Proc):
         return out
 
 
-def kv_config(mode: str, role: str, engine_id: str, socket_path: str) -> str:
-    """mode push-layered is push with the prefill engine streaming its layers."""
+def kv_config(mode: str, role: str, engine_id: str, socket_path: str, doorbell: bool = True) -> str:
+    """mode push-layered is push with the prefill engine streaming its layers; doorbell
+    false keeps reports and events on gRPC."""
     extra = {"mode": mode.removesuffix("-layered"), "role": role, "socket": socket_path,
-             "kv_lease_duration": 30, "push_registration_timeout": 60, "decoder_kv_blocks_ttl": 60}
+             "kv_lease_duration": 30, "push_registration_timeout": 60, "decoder_kv_blocks_ttl": 60, "doorbell": doorbell}
     if mode == "push-layered" and role == "prefill":
         extra["layer_streaming"] = True
     return json.dumps({
@@ -240,13 +241,13 @@ def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120,
 
 
 class Stack(Procs):
-    def __init__(self, bins, model, d, mode, decode_extra=None):
+    def __init__(self, bins, model, d, mode, decode_extra=None, doorbell=True):
         self.procs = []
         try:
             self.a = self._add(Agent(bins, "agent-prefill-node", os.path.join(d, "a")))
             self.b = self._add(Agent(bins, "agent-decode-node", os.path.join(d, "b")))
-            self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket)))
-            self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket), decode_extra))
+            self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket, doorbell)))
+            self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket, doorbell), decode_extra))
             TIMINGS[f"{mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
             # For executor Agent a prefill engine's KV side channel is its agent.
             host, _, port = self.a.peer.rpartition(":")

@@ -15,15 +15,22 @@ import pytest
 from stack import MAX_TOKENS, PROMPTS, Stack, complete, wait_idle
 
 
-@pytest.fixture(scope="module", params=["push", "push-layered", "pull"])
+# The connector's reports and events go through doorbells, except in push-grpc, which
+# keeps them on gRPC.
+@pytest.fixture(scope="module", params=["push", "push-layered", "pull", "push-grpc"])
 def stack(request, bins, tiny_model, tmp_path_factory):
-    s = Stack(bins, tiny_model, str(tmp_path_factory.mktemp(request.param)), request.param)
-    yield request.param, s
+    mode = request.param
+    s = Stack(bins, tiny_model, str(tmp_path_factory.mktemp(mode)), mode.removesuffix("-grpc"), doorbell=not mode.endswith("-grpc"))
+    yield mode, s
     s.stop()
 
 
+def bell_records(s: Stack) -> float:
+    return sum(v for a in (s.a, s.b) for k, v in a.metrics().items() if k.startswith("kvhandoff_agent_doorbell_records_total"))
+
+
 def moved(s: Stack, mode: str) -> float:
-    mode = mode.removesuffix("-layered")
+    mode = mode.removesuffix("-grpc").removesuffix("-layered")
     return s.b.metrics().get(f'kvhandoff_agent_transferred_bytes_total{{mode="{mode}"}}', 0) + \
         s.a.metrics().get(f'kvhandoff_agent_transferred_bytes_total{{mode="{mode}"}}', 0)
 
@@ -34,12 +41,17 @@ def layer_groups(s: Stack) -> float:
 
 def test_p_d_through_the_agents_generates_what_one_engine_does(stack, reference):
     mode, s = stack
-    before, groups = moved(s, mode), layer_groups(s)
+    before, groups, records = moved(s, mode), layer_groups(s), bell_records(s)
     for p in PROMPTS:
         assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r}\n{s.logs()}"
     # The KV crossed through the agents; push-layered's, layer by layer (the tiny model's
-    # two layers: two layer groups per prompt), the others' whole.
+    # two layers: two layer groups per prompt), the others' whole. The reports and events
+    # crossed the doorbells, or (push-grpc) none did.
     assert moved(s, mode) > before
+    if mode.endswith("-grpc"):
+        assert bell_records(s) == records == 0
+    else:
+        assert bell_records(s) > records, s.logs()
     if mode == "push-layered":
         assert layer_groups(s) - groups == 2 * len(PROMPTS), s.logs()
     else:

@@ -17,6 +17,10 @@ class RecordingSession:
     def __init__(self):
         self.events = queue.Queue()
         self.calls = []
+        self.bell = None  # gRPC's path: reports go through the sender thread
+
+    def poll_events(self):
+        return []
 
     def source_regions_ready(self, key, blocks, first, count, final):
         self.calls.append(("layer", key, first, final))

@@ -377,6 +377,16 @@ func (e *engineAPI) Events(r *agentv1.EventsRequest, stream grpc.ServerStreaming
 	for {
 		select {
 		case ev := <-s.events:
+			// With a doorbell the events go into its ring, which the engine reads at
+			// each step; the stream stays open as its liveness.
+			if b := s.bell.Load(); b != nil {
+				if err := b.putEvent(ev, s.stopped); err != nil {
+					s.close(err.Error())
+					return status.Error(codes.Aborted, err.Error())
+				}
+				s.n.metrics.bellRecords.WithLabelValues("event").Inc()
+				continue
+			}
 			if err := stream.Send(ev); err != nil {
 				return err
 			}

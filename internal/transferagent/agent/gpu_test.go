@@ -29,11 +29,11 @@ func peerGPU() int {
 	return 1
 }
 
-func gpuEngine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout, gpu int) *simengine.Engine {
+func gpuEngine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout, gpu int, bell bool) *simengine.Engine {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Layout: l, Socket: a.Socket, GPU: &gpu})
+	e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Layout: l, Socket: a.Socket, GPU: &gpu, Doorbell: bell})
 	if err != nil {
 		t.Fatalf("starting engine %s on GPU %d: %v", id, gpu, err)
 	}
@@ -41,12 +41,12 @@ func gpuEngine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode ag
 	return e
 }
 
-func gpuPair(t *testing.T, mode agentv1.Mode, l simengine.Layout) *pair {
+func gpuPair(t *testing.T, mode agentv1.Mode, l simengine.Layout, bell bool) *pair {
 	dir := t.TempDir()
 	a := startAgent(t, "node", dir)
 	p := &pair{layout: l, dirA: dir, dirB: dir, mode: mode, A: a, B: a}
-	p.P = append(p.P, gpuEngine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, mode, l, 0))
-	p.D = append(p.D, gpuEngine(t, a, "decode-0.default", agentv1.Role_ROLE_DECODE, mode, l, peerGPU()))
+	p.P = append(p.P, gpuEngine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, mode, l, 0, bell))
+	p.D = append(p.D, gpuEngine(t, a, "decode-0.default", agentv1.Role_ROLE_DECODE, mode, l, peerGPU(), bell))
 	return p
 }
 
@@ -55,7 +55,7 @@ func gpuPair(t *testing.T, mode agentv1.Mode, l simengine.Layout) *pair {
 func TestGPUPushAndPullBetweenEnginesOnOneNode(t *testing.T) {
 	for _, mode := range []agentv1.Mode{agentv1.Mode_MODE_PUSH, agentv1.Mode_MODE_PULL} {
 		t.Run(mode.String(), func(t *testing.T) {
-			p := gpuPair(t, mode, testLayout(1, 256))
+			p := gpuPair(t, mode, testLayout(1, 256), false)
 			for i := range 6 {
 				handOver(t, p, fmt.Sprintf("gpu-%d", i))
 			}
@@ -69,7 +69,7 @@ func TestGPUCancelMidCopyLetsNothingLandAfterTheAcknowledgement(t *testing.T) {
 	// 64 layers × 2 × 2048 blocks × 2 KiB: a 1024-block request is 256 MiB per rank.
 	l := testLayout(1, 2048)
 	l.Layers = 64
-	p := gpuPair(t, agentv1.Mode_MODE_PUSH, l)
+	p := gpuPair(t, agentv1.Mode_MODE_PUSH, l, false)
 	cancelsMidTransfer(t, p.P[0], p.D[0], 12)
 }
 
@@ -87,12 +87,16 @@ func TestGPUHandoffAgainstARawCopy(t *testing.T) {
 	res := map[string]any{"layout": "Qwen3-32B, TP 8, one rank", "tokens": blocks * l.BlockSize, "bytes": bytes, "source_gpu": 0, "destination_gpu": peerGPU(),
 		"driver_batch_copies": cuda.BatchCopies()}
 	means := map[string]time.Duration{}
+	// Each mode with the engines' reports and events over gRPC, then over doorbells.
 	for _, mode := range []agentv1.Mode{agentv1.Mode_MODE_PUSH, agentv1.Mode_MODE_PULL} {
-		name := map[agentv1.Mode]string{agentv1.Mode_MODE_PUSH: "push", agentv1.Mode_MODE_PULL: "pull"}[mode]
-		mean, best, stages := gpuHandoffs(t, gpuPair(t, mode, l), name, blocks, 20)
-		means[name] = mean
-		res[name] = map[string]any{"handoff_mean_ms": ms(mean), "handoff_best_ms": ms(best),
-			"handoff_gb_per_s": bytes / mean.Seconds() / 1e9, "agent_stage_mean": stages}
+		for _, bell := range []bool{false, true} {
+			label := map[agentv1.Mode]string{agentv1.Mode_MODE_PUSH: "push", agentv1.Mode_MODE_PULL: "pull"}[mode]
+			name := label + map[bool]string{false: "", true: "_doorbell"}[bell]
+			mean, best, stages := gpuHandoffs(t, gpuPair(t, mode, l, bell), label, blocks, 20)
+			means[name] = mean
+			res[name] = map[string]any{"handoff_mean_ms": ms(mean), "handoff_best_ms": ms(best),
+				"handoff_gb_per_s": bytes / mean.Seconds() / 1e9, "agent_stage_mean": stages}
+		}
 	}
 	// The raw copy driven from the source GPU (as prefill pushes) and from the destination
 	// GPU (as decode pulls).

@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/status"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
 // Memory socket limits: fds a session may hold unclaimed (a rank registers its regions
@@ -116,9 +119,17 @@ func (a *Agent) deposit(owner, id string, fds []int, perr error) string {
 		a.metrics.refused.WithLabelValues("memory", "InvalidArgument").Inc()
 		return "error " + fmt.Sprintf(format, args...)
 	}
-	switch {
-	case perr != nil:
+	if perr != nil {
 		return refuse("%v", perr)
+	}
+	if id, ok := strings.CutPrefix(id, agentv1.DoorbellPrefix); ok {
+		if err := a.attachDoorbell(owner, id, fds); err != nil {
+			fds = nil // attachDoorbell kept or closed each
+			return refuse("%v", err)
+		}
+		return "ok 0"
+	}
+	switch {
 	case len(fds) != 1:
 		return refuse("pass exactly one fd per packet, got %d", len(fds))
 	}

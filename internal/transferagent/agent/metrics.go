@@ -11,6 +11,7 @@ type metrics struct {
 	expiries    *prometheus.CounterVec
 	cancels     prometheus.Counter
 	declines    prometheus.Counter
+	bellRecords *prometheus.CounterVec
 	pullWaits   prometheus.Counter
 	failures    *prometheus.CounterVec
 	refused     *prometheus.CounterVec
@@ -54,6 +55,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvhandoff_agent_declines_total", Help: "Push sources freed at once because the decode engine computed the request " +
 				"itself (its prefix cache held part of the prompt).",
 		}),
+		bellRecords: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_doorbell_records_total", Help: "Records that crossed engines' doorbells instead of RPCs: " +
+				"reports drained from submit rings, and events written into events rings, by direction.",
+		}, []string{"direction"}),
 		pullWaits: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_pull_waits_total", Help: "Pulls that reached this prefill agent before their blocks were reported ready, and " +
 				"waited for them (up to half the lease).",
@@ -87,6 +92,6 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	for _, kind := range []string{"push", "source", "hold", "pull"} {
 		m.expiries.WithLabelValues(kind)
 	}
-	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.pullWaits, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
+	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.bellRecords, m.pullWaits, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
 	return m
 }

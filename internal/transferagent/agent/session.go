@@ -44,6 +44,7 @@ type session struct {
 	sleeping atomic.Bool // the pump is (about to be) blocked in the endpoint's Wait
 	events   chan *agentv1.Event
 	attached atomic.Bool
+	bell     atomic.Pointer[bell] // the doorbell, once the engine passed one
 	closing  chan struct{}
 	stopped  chan struct{}
 	once     sync.Once
@@ -323,6 +324,7 @@ func (s *session) teardown() {
 	s.countRails()
 	s.ep.Quiesce() // no rail thread moves data into memory unmapped below
 	s.dropDeposits()
+	s.closeBell()
 	s.closeGPU()
 	for _, r := range s.regions {
 		if r.reg == nil {

@@ -16,7 +16,15 @@ import (
 // where handle is what RegisterRegionRequest.memory_handle names, or "error <reason>".
 // A handle is good for one RegisterRegion of that session; fds that no region claims are
 // closed when the session ends.
+//
+// A doorbell (package transferagent/doorbell) is passed the same way: the packet's bytes
+// are DoorbellPrefix and the session id, with the doorbell memfd and the eventfd the
+// engine rings, and optionally a second eventfd the agent rings after writing events. The
+// answer is "ok 0" or "error <reason>". A session has at most one doorbell.
 const MemorySocketName = "memory.sock"
+
+// DoorbellPrefix starts a memory socket packet that passes a doorbell.
+const DoorbellPrefix = "doorbell "
 
 // MemorySocket is the memory socket beside an agent's engine socket.
 func MemorySocket(engineSocket string) string {

@@ -1,0 +1,178 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/doorbell"
+)
+
+// bell is the engine's side of its doorbell.
+type bell struct {
+	mem    []byte
+	ring   *os.File   // rung after each report
+	wake   *os.File   // rung by the agent after events
+	mu     sync.Mutex // held while the submit ring is written, and to unmap
+	closed bool
+	submit *doorbell.Ring
+	events *doorbell.Ring
+	done   chan struct{}
+}
+
+// fullNap is how long a report waits for the agent to free room in a full ring.
+const fullNap = 50 * time.Microsecond
+
+// UseDoorbell moves the session's SourceReady reports and its events onto a doorbell
+// (package doorbell): shared rings the agent drains when rung, instead of an RPC per
+// report and a stream message per event. Call it once, before the first request.
+func (e *Engine) UseDoorbell() error {
+	size := int(doorbell.Size(doorbell.DefaultCapacity))
+	fd, mem, err := NewMemory("kvhandoff-doorbell", size)
+	if err != nil {
+		return fmt.Errorf("doorbell: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := doorbell.Init(mem, doorbell.DefaultCapacity); err != nil {
+		unix.Munmap(mem)
+		return err
+	}
+	var efds [2]int
+	for i := range efds {
+		if efds[i], err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+			closeAll(efds[:i])
+			unix.Munmap(mem)
+			return fmt.Errorf("doorbell: eventfd: %w", err)
+		}
+	}
+	if err := passDoorbell(agentv1.MemorySocket(e.c.socket), e.Session, []int{fd, efds[0], efds[1]}); err != nil {
+		closeAll(efds[:])
+		unix.Munmap(mem)
+		return err
+	}
+	b := &bell{
+		mem: mem, ring: os.NewFile(uintptr(efds[0]), "doorbell"), wake: os.NewFile(uintptr(efds[1]), "doorbell-wake"),
+		submit: doorbell.Submit(mem, doorbell.DefaultCapacity), events: doorbell.Events(mem, doorbell.DefaultCapacity),
+		done: make(chan struct{}),
+	}
+	e.bell = b
+	go e.readBell(b)
+	return nil
+}
+
+func passDoorbell(socket, session string, fds []int) error {
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: socket, Net: "unixpacket"})
+	if err != nil {
+		return fmt.Errorf("memory socket: %w", err)
+	}
+	defer c.Close()
+	if _, _, err := c.WriteMsgUnix([]byte(agentv1.DoorbellPrefix+session), unix.UnixRights(fds...), nil); err != nil {
+		return fmt.Errorf("memory socket: %w", err)
+	}
+	buf := make([]byte, 512)
+	n, err := c.Read(buf)
+	if err != nil {
+		return fmt.Errorf("memory socket: %w", err)
+	}
+	_, err = agentv1.ParseMemoryAnswer(buf[:n])
+	return err
+}
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}
+
+// readBell moves the events the agent writes into the events channel, until the
+// session's stream ends (stopBell).
+func (e *Engine) readBell(b *bell) {
+	defer close(b.done)
+	buf := make([]byte, 8)
+	for {
+		_, rerr := b.wake.Read(buf)
+		var evs []*agentv1.Event
+		_, err := b.events.Drain(func(msg []byte) error {
+			ev := &agentv1.Event{}
+			if err := proto.Unmarshal(msg, ev); err != nil {
+				return err
+			}
+			evs = append(evs, ev)
+			return nil
+		})
+		for _, ev := range evs {
+			e.events <- ev
+		}
+		if err != nil {
+			e.fail(fmt.Errorf("doorbell events: %w", err))
+			return
+		}
+		if rerr != nil {
+			return // closed by stopBell, after a last drain
+		}
+	}
+}
+
+// stopBell ends readBell; the events channel may close after it returns.
+func (e *Engine) stopBell() {
+	if b := e.bell; b != nil {
+		b.wake.Close()
+		<-b.done
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		b.closed = true
+		b.ring.Close()
+		unix.Munmap(b.mem)
+	}
+}
+
+// report writes one SourceReady into the submit ring and rings the agent: false when the
+// session has no doorbell, or the report is too large for a record (it then goes by RPC;
+// a request's parts all name the same blocks, so they all go the same way).
+func (e *Engine) report(ctx context.Context, r *agentv1.SourceReadyRequest) (bool, error) {
+	b := e.bell
+	if b == nil {
+		return false, nil
+	}
+	msg, err := proto.Marshal(r)
+	if err != nil || len(msg) > doorbell.MaxRecord {
+		return false, err
+	}
+	for {
+		b.mu.Lock()
+		if b.closed {
+			b.mu.Unlock()
+			return true, errors.New("doorbell: the session ended")
+		}
+		err := b.submit.Put(msg)
+		b.mu.Unlock()
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, doorbell.ErrFull) {
+			return true, err
+		}
+		// Waiting, not falling back to the RPC: a request's parts must reach the agent
+		// in order.
+		if err := e.Err(); err != nil {
+			return true, fmt.Errorf("doorbell: the session ended: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			return true, ctx.Err()
+		case <-time.After(fullNap):
+		}
+	}
+	var one [8]byte
+	one[0] = 1
+	_, err = b.ring.Write(one[:])
+	return true, err
+}
