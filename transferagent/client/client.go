@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/doorbell"
 )
 
 // DefaultSocket is where the agent's DaemonSet puts its socket.
@@ -166,7 +167,7 @@ func (e *Engine) SourceReady(ctx context.Context, req string, offset uint32, blo
 }
 
 func (e *Engine) sourceReady(ctx context.Context, r *agentv1.SourceReadyRequest) error {
-	if rung, err := e.report(ctx, r); rung || err != nil {
+	if rung, err := e.submit(ctx, doorbell.KindSourceReady, r); rung || err != nil {
 		return err
 	}
 	_, err := e.c.API.SourceReady(ctx, r)
@@ -181,11 +182,16 @@ func (e *Engine) SourceRegionsReady(ctx context.Context, req string, first, coun
 	})
 }
 
-// Pull (pull, decode) reads a request's blocks from a prefill engine.
+// Pull (pull, decode) reads a request's blocks from a prefill engine. With a doorbell it
+// goes through the submit ring, and a refused pull is answered with a FAILED event.
 func (e *Engine) Pull(ctx context.Context, req string, attempt uint64, source *agentv1.EngineRef, src, dst []uint32) error {
-	_, err := e.c.API.Pull(ctx, &agentv1.PullRequest{
+	r := &agentv1.PullRequest{
 		Session: e.Session, RequestId: req, Attempt: attempt, Source: source, SourceBlockIds: src, DestinationBlockIds: dst,
-	})
+	}
+	if rung, err := e.submit(ctx, doorbell.KindPull, r); rung || err != nil {
+		return err
+	}
+	_, err := e.c.API.Pull(ctx, r)
 	return err
 }
 

@@ -31,9 +31,9 @@ type bell struct {
 // fullNap is how long a report waits for the agent to free room in a full ring.
 const fullNap = 50 * time.Microsecond
 
-// UseDoorbell moves the session's SourceReady reports and its events onto a doorbell
-// (package doorbell): shared rings the agent drains when rung, instead of an RPC per
-// report and a stream message per event. Call it once, before the first request.
+// UseDoorbell moves the session's SourceReady reports, its Pulls and its events onto a
+// doorbell (package doorbell): shared rings the agent drains when rung, instead of an RPC
+// per call and a stream message per event. Call it once, before the first request.
 func (e *Engine) UseDoorbell() error {
 	size := int(doorbell.Size(doorbell.DefaultCapacity))
 	fd, mem, err := NewMemory("kvhandoff-doorbell", size)
@@ -100,7 +100,7 @@ func (e *Engine) readBell(b *bell) {
 	for {
 		_, rerr := b.wake.Read(buf)
 		var evs []*agentv1.Event
-		_, err := b.events.Drain(func(msg []byte) error {
+		_, err := b.events.Drain(func(_ doorbell.Kind, msg []byte) error {
 			ev := &agentv1.Event{}
 			if err := proto.Unmarshal(msg, ev); err != nil {
 				return err
@@ -134,15 +134,16 @@ func (e *Engine) stopBell() {
 	}
 }
 
-// report writes one SourceReady into the submit ring and rings the agent: false when the
-// session has no doorbell, or the report is too large for a record (it then goes by RPC;
-// a request's parts all name the same blocks, so they all go the same way).
-func (e *Engine) report(ctx context.Context, r *agentv1.SourceReadyRequest) (bool, error) {
+// submit writes one record (a SourceReady or a Pull) into the submit ring and rings the
+// agent: false when the session has no doorbell, or the record is too large for the ring
+// (it then goes by RPC; a request's parts all name the same blocks, so they all go the
+// same way).
+func (e *Engine) submit(ctx context.Context, kind doorbell.Kind, m proto.Message) (bool, error) {
 	b := e.bell
 	if b == nil {
 		return false, nil
 	}
-	msg, err := proto.Marshal(r)
+	msg, err := proto.Marshal(m)
 	if err != nil || len(msg) > doorbell.MaxRecord {
 		return false, err
 	}
@@ -152,7 +153,7 @@ func (e *Engine) report(ctx context.Context, r *agentv1.SourceReadyRequest) (boo
 			b.mu.Unlock()
 			return true, errors.New("doorbell: the session ended")
 		}
-		err := b.submit.Put(msg)
+		err := b.submit.Put(kind, msg)
 		b.mu.Unlock()
 		if err == nil {
 			break

@@ -1,7 +1,7 @@
 // Package doorbell is the engine API's data path without RPCs: two single-producer,
 // single-consumer rings in a memfd that an engine rank and its agent both map, and an
-// eventfd the agent watches. The engine writes its SourceReady reports into the submit
-// ring and rings the eventfd; the agent writes the session's events (DELIVERED,
+// eventfd the agent watches. The engine writes its SourceReady reports and its Pulls into
+// the submit ring and rings the eventfd; the agent writes the session's events (DELIVERED,
 // SOURCE_DONE, ...) into the events ring, which the engine reads at each of its steps
 // (and, where it passed a second eventfd, is woken on). gRPC stays for everything else:
 // registration, the other calls, and the event stream that is the engine's liveness.
@@ -25,11 +25,13 @@
 // # Records
 //
 // head and tail count bytes ever consumed and produced; a record starts at tail mod C.
-// A record is a u32 length n (1 ≤ n ≤ MaxRecord), four zero bytes, then n bytes of a
-// protobuf message, padded with zeros to a multiple of 8. A record never wraps: where it
-// would not fit before the ring's end, the producer writes the u32 wrapMark there and
-// continues at the ring's start. Submit records are agentv1.SourceReadyRequest (the
-// session field is ignored: the ring is the session's); events records are agentv1.Event.
+// A record is a u32 length n (1 ≤ n ≤ MaxRecord), a u32 kind, then n bytes of a protobuf
+// message, padded with zeros to a multiple of 8. A record never wraps: where it would not
+// fit before the ring's end, the producer writes the u32 wrapMark there and continues at
+// the ring's start. Submit records are agentv1.SourceReadyRequest (KindSourceReady) or
+// agentv1.PullRequest (KindPull), their session field ignored: the ring is the session's.
+// Events records are agentv1.Event (KindEvent). A kind the agent does not know breaks the
+// ring.
 //
 // # Ordering
 //
@@ -79,6 +81,16 @@ const (
 
 	recordHeader = 8
 	wrapMark     = 0xffffffff
+)
+
+// Kind says what message a record holds.
+type Kind uint32
+
+// The record kinds: in the submit ring, reports and pulls; in the events ring, events.
+const (
+	KindSourceReady Kind = 0
+	KindPull        Kind = 1
+	KindEvent       Kind = 0
 )
 
 // ErrFull says a ring has no room for a record now; the consumer frees room as it reads.
@@ -171,7 +183,7 @@ func recordLen(n int) uint64 { return recordHeader + (uint64(n)+7)&^7 }
 
 // Put writes one record (the producer). It returns ErrFull when the consumer has not
 // freed room for it yet, and ErrCorrupt when the consumer's head is impossible.
-func (r *Ring) Put(msg []byte) error {
+func (r *Ring) Put(kind Kind, msg []byte) error {
 	if len(msg) == 0 || len(msg) > MaxRecord {
 		return fmt.Errorf("doorbell: a record of %d bytes; records hold 1 to %d", len(msg), MaxRecord)
 	}
@@ -195,7 +207,7 @@ func (r *Ring) Put(msg []byte) error {
 	}
 	rec := r.data[pos : pos+need]
 	binary.LittleEndian.PutUint32(rec, uint32(len(msg)))
-	binary.LittleEndian.PutUint32(rec[4:], 0)
+	binary.LittleEndian.PutUint32(rec[4:], uint32(kind))
 	n := copy(rec[recordHeader:], msg)
 	clear(rec[recordHeader+n:])
 	r.own += pad + need
@@ -203,10 +215,10 @@ func (r *Ring) Put(msg []byte) error {
 	return nil
 }
 
-// Drain calls fn with a copy of each record the producer has published, in order, then
-// frees their room (the consumer). It stops at the first error: fn's, or ErrCorrupt for
+// Drain calls fn with the kind and a copy of each record the producer has published, in
+// order, then frees their room (the consumer). It stops at the first error: fn's, or ErrCorrupt for
 // a record or tail that breaks the layout, after which the ring must not be used again.
-func (r *Ring) Drain(fn func(msg []byte) error) (int, error) {
+func (r *Ring) Drain(fn func(kind Kind, msg []byte) error) (int, error) {
 	tail := atomic.LoadUint64(r.tail)
 	if tail-r.own > r.capacity {
 		return 0, fmt.Errorf("%w: tail %d is more than the capacity ahead of head %d", ErrCorrupt, tail, r.own)
@@ -230,11 +242,12 @@ func (r *Ring) Drain(fn func(msg []byte) error) (int, error) {
 			return count, fmt.Errorf("%w: a record of %d bytes at %d, %d bytes before the tail", ErrCorrupt, n, pos, left)
 		}
 		// A copy: the producer may write the shared bytes while they are parsed.
+		kind := Kind(binary.LittleEndian.Uint32(r.data[pos+4:]))
 		msg := make([]byte, n)
 		copy(msg, r.data[pos+recordHeader:])
 		r.own += need
 		count++
-		err = fn(msg)
+		err = fn(kind, msg)
 	}
 	atomic.StoreUint64(r.head, r.own)
 	return count, err

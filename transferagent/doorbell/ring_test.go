@@ -23,7 +23,7 @@ func newMem(t *testing.T) []byte {
 func drainAll(t *testing.T, r *Ring) [][]byte {
 	t.Helper()
 	var got [][]byte
-	if _, err := r.Drain(func(m []byte) error { got = append(got, m); return nil }); err != nil {
+	if _, err := r.Drain(func(_ Kind, m []byte) error { got = append(got, m); return nil }); err != nil {
 		t.Fatal(err)
 	}
 	return got
@@ -38,7 +38,7 @@ func TestRecordsCrossTheRingsEndInOrder(t *testing.T) {
 	msg := func(i int) []byte { return bytes.Repeat([]byte{byte(i)}, 1+(i*7919)%5000) }
 	for round := 0; round < 200; round++ {
 		for {
-			err := prod.Put(msg(next))
+			err := prod.Put(KindSourceReady, msg(next))
 			if errors.Is(err, ErrFull) {
 				break
 			}
@@ -59,13 +59,37 @@ func TestRecordsCrossTheRingsEndInOrder(t *testing.T) {
 	}
 }
 
+// Each record keeps its kind.
+func TestRecordsKeepTheirKinds(t *testing.T) {
+	mem := newMem(t)
+	r := Submit(mem, MinCapacity)
+	for _, k := range []Kind{KindPull, KindSourceReady, KindPull} {
+		if err := r.Put(k, []byte{byte(k)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var kinds []Kind
+	if _, err := Submit(mem, MinCapacity).Drain(func(k Kind, m []byte) error {
+		if m[0] != byte(k) {
+			t.Errorf("a record of kind %d holds %v", k, m)
+		}
+		kinds = append(kinds, k)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(kinds) != fmt.Sprint([]Kind{KindPull, KindSourceReady, KindPull}) {
+		t.Fatalf("kinds %v", kinds)
+	}
+}
+
 // The two rings of one memfd are independent.
 func TestTheTwoRingsAreApart(t *testing.T) {
 	mem := newMem(t)
-	if err := Submit(mem, MinCapacity).Put([]byte("to the agent")); err != nil {
+	if err := Submit(mem, MinCapacity).Put(KindSourceReady, []byte("to the agent")); err != nil {
 		t.Fatal(err)
 	}
-	if err := Events(mem, MinCapacity).Put([]byte("to the engine")); err != nil {
+	if err := Events(mem, MinCapacity).Put(KindEvent, []byte("to the engine")); err != nil {
 		t.Fatal(err)
 	}
 	if got := drainAll(t, Events(mem, MinCapacity)); len(got) != 1 || string(got[0]) != "to the engine" {
@@ -103,7 +127,7 @@ func TestAHostileSideIsCaught(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			mem := newMem(t)
 			tc.mess(mem)
-			n, err := Submit(mem, MinCapacity).Drain(func([]byte) error { return fmt.Errorf("no record should be read") })
+			n, err := Submit(mem, MinCapacity).Drain(func(Kind, []byte) error { return fmt.Errorf("no record should be read") })
 			if !errors.Is(err, ErrCorrupt) || n != 0 {
 				t.Fatalf("Drain = %d, %v; want ErrCorrupt", n, err)
 			}
@@ -112,7 +136,7 @@ func TestAHostileSideIsCaught(t *testing.T) {
 	t.Run("head past the tail", func(t *testing.T) {
 		mem := newMem(t)
 		le.PutUint64(mem[offEventsHead:], 4096)
-		if err := Events(mem, MinCapacity).Put([]byte("x")); !errors.Is(err, ErrCorrupt) {
+		if err := Events(mem, MinCapacity).Put(KindEvent, []byte("x")); !errors.Is(err, ErrCorrupt) {
 			t.Fatalf("Put = %v; want ErrCorrupt", err)
 		}
 	})

@@ -18,7 +18,7 @@ import grpc
 
 from ._api import agent_pb2 as pb
 from ._api import agent_pb2_grpc as pbg
-from .doorbell import Doorbell, DoorbellError, supported
+from .doorbell import KIND_PULL, KIND_SOURCE_READY, Doorbell, DoorbellError, supported
 
 log = logging.getLogger("kvhandoff_vllm")
 
@@ -133,15 +133,15 @@ class Session:
                 self._timeline.mark("event_" + pb.Event.Type.Name(ev.type).lower(), ev.request_id)
         return evs
 
-    def _report(self, r: pb.SourceReadyRequest) -> None:
-        # Through the doorbell the agent answers a refused report with a FAILED event.
+    def _submit(self, kind: int, r, rpc) -> None:
+        # Through the doorbell the agent answers a refused report or pull with a FAILED event.
         if self.bell is not None:
             try:
-                if self.bell.put(r.SerializeToString()):
+                if self.bell.put(kind, r.SerializeToString()):
                     return
             except DoorbellError as e:
-                raise AgentError(f"SourceReadyRequest: {e}") from e
-        _call(self._stub.SourceReady, r)
+                raise AgentError(f"{type(r).__name__}: {e}") from e
+        _call(rpc, r)
 
     def register_region(self, region_id: int, fd: int, offset: int, size: int, block_len: int, block_count: int) -> None:
         handle = self.pass_memory(fd)
@@ -162,19 +162,19 @@ class Session:
             session=self.session, request_id=key, attempt=attempt, block_ids=blocks, source=source))
 
     def source_ready(self, key: str, blocks: list[int], offset: int = 0, final: bool = True) -> None:
-        self._report(pb.SourceReadyRequest(
-            session=self.session, request_id=key, offset=offset, block_ids=blocks, final=final))
+        self._submit(KIND_SOURCE_READY, pb.SourceReadyRequest(
+            session=self.session, request_id=key, offset=offset, block_ids=blocks, final=final), self._stub.SourceReady)
 
     def source_regions_ready(self, key: str, blocks: list[int], first: int, count: int, final: bool) -> None:
         """One layer group of a push: regions first .. first+count-1 of every block."""
-        self._report(pb.SourceReadyRequest(
+        self._submit(KIND_SOURCE_READY, pb.SourceReadyRequest(
             session=self.session, request_id=key, block_ids=blocks, final=final,
-            first_region=first, region_count=count))
+            first_region=first, region_count=count), self._stub.SourceReady)
 
     def pull(self, key: str, attempt: int, source: pb.EngineRef, src: list[int], dst: list[int]) -> None:
-        _call(self._stub.Pull, pb.PullRequest(
+        self._submit(KIND_PULL, pb.PullRequest(
             session=self.session, request_id=key, attempt=attempt, source=source,
-            source_block_ids=src, destination_block_ids=dst))
+            source_block_ids=src, destination_block_ids=dst), self._stub.Pull)
 
     def decline(self, key: str, source: pb.EngineRef) -> None:
         """Push, decode: this engine computes the request itself; the prefill agent frees its blocks."""

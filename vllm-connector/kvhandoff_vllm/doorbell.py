@@ -1,8 +1,8 @@
 """The engine's side of a doorbell: the agent's data path without RPCs.
 
 The layout and the rules are the agent's (transferagent/doorbell/ring.go): a sealed memfd
-holding two single-producer, single-consumer rings — SourceReady reports to the agent,
-events back — and an eventfd the agent watches. The connector writes a report and rings;
+holding two single-producer, single-consumer rings — SourceReady reports and Pulls to the
+agent, events back — and an eventfd the agent watches. The connector writes a record and rings;
 it reads its events at each step, where the gRPC stream would have had a thread hand
 them over.
 
@@ -28,6 +28,8 @@ HEADER = 4096
 CAPACITY = 1 << 20
 MAX_RECORD = 256 << 10
 WRAP = 0xFFFFFFFF
+# Record kinds: in the submit ring, reports and pulls; in the events ring, events.
+KIND_SOURCE_READY, KIND_PULL = 0, 1
 # Word indexes (offset / 8) of the header's fields.
 _MAGIC, _CAPACITY, _SUBMIT_HEAD, _SUBMIT_TAIL, _EVENTS_HEAD, _EVENTS_TAIL = 0, 1, 8, 16, 24, 32
 # How long a report waits for the agent to free room in a full ring.
@@ -70,9 +72,9 @@ class Doorbell:
         self._head = 0  # the events ring's, ours
         self._lock = threading.Lock()  # reports come from the step and from the sender thread
 
-    def put(self, msg: bytes) -> bool:
-        """Writes one report and rings the agent; False if it is too large for a record
-        (it then goes by RPC)."""
+    def put(self, kind: int, msg: bytes) -> bool:
+        """Writes one record (a report or a pull) and rings the agent; False if it is too
+        large for a record (it then goes by RPC)."""
         n = len(msg)
         if n == 0 or n > MAX_RECORD:
             return False
@@ -96,7 +98,7 @@ class Doorbell:
             if pad:
                 struct.pack_into("<I", self._submit, pos, WRAP)
                 pos = 0
-            struct.pack_into("<II", self._submit, pos, n, 0)
+            struct.pack_into("<II", self._submit, pos, n, kind)
             self._submit[pos + 8:pos + 8 + n] = msg
             self._tail += pad + need
             self._words[_SUBMIT_TAIL] = self._tail  # after the record: publishes it

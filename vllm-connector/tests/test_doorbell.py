@@ -19,9 +19,9 @@ def agent(bins, tmp_path):
     a.stop()
 
 
-def session(agent: Agent, **kw) -> Session:
+def session(agent: Agent, role=pb.ROLE_PREFILL, **kw) -> Session:
     return Session(agent.socket, pb.RegisterEngineRequest(
-        engine_id="prefill-0.default", role=pb.ROLE_PREFILL, mode=pb.MODE_PULL, tp_rank=0, tp_size=1,
+        engine_id="engine-0.default", role=role, mode=pb.MODE_PULL, tp_rank=0, tp_size=1,
         layout=pb.KVLayout(layers=1, block_size=16, kv_heads=1, head_dim=1, dtype_bytes=2)), **kw)
 
 
@@ -47,6 +47,19 @@ def test_reports_cross_the_ring_and_the_agents_answers_come_back_through_it(agen
         assert all(e.type == pb.Event.FAILED for e in got), got[0]
         assert s.events.empty(), "an event came by the stream while the doorbell was attached"
         assert agent.metrics()['kvhandoff_agent_refused_total{call="doorbell",code="FailedPrecondition"}'] == len(keys)
+    finally:
+        s.close()
+
+
+def test_a_pull_crosses_the_ring_and_its_refusal_comes_back_for_its_attempt(agent):
+    s = session(agent, role=pb.ROLE_DECODE, doorbell=True)
+    try:
+        assert s.bell is not None
+        src = pb.EngineRef(agent="127.0.0.1:1", engine_id="prefill-0.default", tp_rank=0)
+        s.pull("p-1", 7, src, [1, 2], [3])  # one destination block for two sources
+        (ev,) = collect(s, 1)
+        assert (ev.type, ev.request_id, ev.attempt) == (pb.Event.FAILED, "p-1", 7)
+        assert "destination_block_ids" in ev.reason, ev.reason
     finally:
         s.close()
 

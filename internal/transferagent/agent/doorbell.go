@@ -18,12 +18,12 @@ import (
 )
 
 // bell is a session's doorbell (package doorbell has the protocol): the submit ring the
-// engine writes its SourceReady reports into, drained whenever the engine rings, and the
-// events ring the session's events go into instead of the gRPC stream.
+// engine writes its SourceReady reports and Pulls into, drained whenever the engine rings,
+// and the events ring the session's events go into instead of the gRPC stream.
 //
 // Who can reach it: only the process holding the memfd, which the memory socket took
-// from a caller that owns the session. What it can do: what its own SourceReady calls
-// could, nothing more; a ring that breaks the layout ends its own session.
+// from a caller that owns the session. What it can do: what its own SourceReady and Pull
+// calls could, nothing more; a ring that breaks the layout ends its own session.
 type bell struct {
 	mem    []byte
 	submit *doorbell.Ring
@@ -137,26 +137,38 @@ func (s *session) serveBell(b *bell) {
 	}
 }
 
-// drainBell takes every report in the submit ring and hands them to the pump in one
-// command. A report the agent refuses is answered with a FAILED event for its request,
-// as the engine's SourceReady call would have been with an error.
+// drainBell takes every record in the submit ring and hands them to the pump in one
+// command. A record the agent refuses is answered with a FAILED event for its request
+// (and attempt), as the engine's call would have been with an error.
 func (s *session) drainBell(b *bell) error {
-	var reports []*agentv1.SourceReadyRequest
-	_, err := b.submit.Drain(func(msg []byte) error {
-		r := &agentv1.SourceReadyRequest{}
-		if err := proto.Unmarshal(msg, r); err != nil {
-			return fmt.Errorf("%w: a record that is no SourceReadyRequest: %v", doorbell.ErrCorrupt, err)
+	var calls []bellCall
+	_, err := b.submit.Drain(func(kind doorbell.Kind, msg []byte) error {
+		var c bellCall
+		switch kind {
+		case doorbell.KindSourceReady:
+			c.ready = &agentv1.SourceReadyRequest{}
+			err := proto.Unmarshal(msg, c.ready)
+			if err != nil {
+				return fmt.Errorf("%w: a record that is no SourceReadyRequest: %v", doorbell.ErrCorrupt, err)
+			}
+		case doorbell.KindPull:
+			c.pull = &agentv1.PullRequest{}
+			if err := proto.Unmarshal(msg, c.pull); err != nil {
+				return fmt.Errorf("%w: a record that is no PullRequest: %v", doorbell.ErrCorrupt, err)
+			}
+		default:
+			return fmt.Errorf("%w: a record of kind %d", doorbell.ErrCorrupt, kind)
 		}
-		reports = append(reports, r)
+		calls = append(calls, c)
 		return nil
 	})
-	if len(reports) > 0 {
-		s.n.metrics.bellRecords.WithLabelValues("report").Add(float64(len(reports)))
+	if len(calls) > 0 {
+		s.n.metrics.bellRecords.WithLabelValues("report").Add(float64(len(calls)))
 		s.post(func() {
-			for _, r := range reports {
-				if err := s.reportReady(r); err != nil {
+			for _, c := range calls {
+				if err := c.run(s); err != nil {
 					s.n.metrics.refused.WithLabelValues("doorbell", status.Code(err).String()).Inc()
-					s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: r.RequestId, Reason: status.Convert(err).Message()})
+					s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: c.request(), Attempt: c.attempt(), Reason: status.Convert(err).Message()})
 				}
 			}
 		})
@@ -164,15 +176,44 @@ func (s *session) drainBell(b *bell) error {
 	return err
 }
 
-// reportReady is SourceReady's work for a report from the ring, on the pump.
-func (s *session) reportReady(r *agentv1.SourceReadyRequest) error {
+// bellCall is one record of the submit ring: a SourceReady or a Pull.
+type bellCall struct {
+	ready *agentv1.SourceReadyRequest
+	pull  *agentv1.PullRequest
+}
+
+func (c bellCall) request() string {
+	if c.pull != nil {
+		return c.pull.RequestId
+	}
+	return c.ready.RequestId
+}
+
+func (c bellCall) attempt() uint64 {
+	if c.pull != nil {
+		return c.pull.Attempt
+	}
+	return 0
+}
+
+// run does on the pump what the RPC of the same name does, with the same checks.
+func (c bellCall) run(s *session) error {
+	if c.pull != nil {
+		if s.role != agentv1.Role_ROLE_DECODE || s.mode != agentv1.Mode_MODE_PULL {
+			return status.Errorf(codes.FailedPrecondition, "Pull: not allowed for a %s engine in %s", s.role, s.mode)
+		}
+		if err := checkPull(c.pull, s.rank); err != nil {
+			return err
+		}
+		return s.decode().pull(c.pull)
+	}
 	if s.role != agentv1.Role_ROLE_PREFILL {
 		return status.Errorf(codes.FailedPrecondition, "SourceReady: not allowed for a %s engine in %s", s.role, s.mode)
 	}
-	if err := checkRequest(r.RequestId, "block_ids", r.BlockIds); err != nil {
+	if err := checkRequest(c.ready.RequestId, "block_ids", c.ready.BlockIds); err != nil {
 		return err
 	}
-	return s.prefill().sourceReady(r)
+	return s.prefill().sourceReady(c.ready)
 }
 
 // putEvent writes one event into the events ring, waiting while it is full for the
@@ -188,7 +229,7 @@ func (b *bell) putEvent(ev *agentv1.Event, stop <-chan struct{}) error {
 			b.mu.Unlock()
 			return errors.New("doorbell: closed")
 		}
-		err := b.events.Put(msg)
+		err := b.events.Put(doorbell.KindEvent, msg)
 		b.mu.Unlock()
 		switch {
 		case err == nil:

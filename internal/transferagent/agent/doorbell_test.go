@@ -66,13 +66,18 @@ func TestHandoffsThroughDoorbellsDeliverVerifiedBytes(t *testing.T) {
 				pe.Free(src)
 				de.Free(dst)
 			}
-			// Every report and event crossed a doorbell: two reports per request on the
-			// prefill node, and each side's one event.
+			// Every report, pull and event crossed a doorbell: two reports per request on
+			// the prefill node (and in pull a pull on the decode node), and each side's
+			// one event.
+			pulls := 0.0
+			if mode == agentv1.Mode_MODE_PULL {
+				pulls = 3
+			}
 			for _, c := range []struct {
 				a    *agentProc
 				dir  string
 				want float64
-			}{{a, "report", 6}, {a, "event", 3}, {b, "event", 3}} {
+			}{{a, "report", 6}, {a, "event", 3}, {b, "event", 3}, {b, "report", pulls}} {
 				if n := c.a.Metric(t, `kvhandoff_agent_doorbell_records_total{direction="`+c.dir+`"}`); n != c.want {
 					t.Errorf("%s: %v doorbell records of direction %s, want %v", c.a.Name, n, c.dir, c.want)
 				}
@@ -104,6 +109,23 @@ func TestARefusedDoorbellReportComesBackAsAFailedEvent(t *testing.T) {
 	case <-pe.Done():
 		t.Fatalf("the session ended after a refused report: %v", pe.Err())
 	default:
+	}
+}
+
+// A pull the agent refuses through the doorbell (its destination blocks past the cache)
+// comes back as a FAILED event for its attempt, naming the field.
+func TestARefusedDoorbellPullComesBackAsAFailedEvent(t *testing.T) {
+	a, b := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
+	l := testLayout(1, 64)
+	pe := bellEngine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, l)
+	de := bellEngine(t, b, "decode-0.default", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PULL, l)
+	if err := de.Pull(bg, "too-far", 3, pe.Self, []uint32{1}, []uint32{64}); err != nil {
+		t.Fatalf("a pull through the doorbell returned %v; the agent answers with an event", err)
+	}
+	ev := wait(t, de, "too-far", 3)
+	expect(t, ev, agentv1.Event_FAILED)
+	if !strings.Contains(ev.Reason, "destination_block_ids") {
+		t.Errorf("the FAILED event says %q; want it to name destination_block_ids", ev.Reason)
 	}
 }
 

@@ -313,16 +313,21 @@ func (e *engineAPI) Pull(ctx context.Context, r *agentv1.PullRequest) (*agentv1.
 	if err != nil {
 		return nil, err
 	}
-	if err := checkRequest(r.RequestId, "source_block_ids", r.SourceBlockIds); err != nil {
-		return nil, err
-	}
-	if len(r.DestinationBlockIds) != len(r.SourceBlockIds) {
-		return nil, invalid("destination_block_ids", "names %d blocks for %d source blocks", len(r.DestinationBlockIds), len(r.SourceBlockIds))
-	}
-	if err := checkSource("source", r.Source, s.rank); err != nil {
+	if err := checkPull(r, s.rank); err != nil {
 		return nil, err
 	}
 	return ack(s.call(func() error { return s.decode().pull(r) }))
+}
+
+// checkPull is Pull's check of its fields, for the RPC and the doorbell.
+func checkPull(r *agentv1.PullRequest, rank uint32) error {
+	if err := checkRequest(r.RequestId, "source_block_ids", r.SourceBlockIds); err != nil {
+		return err
+	}
+	if len(r.DestinationBlockIds) != len(r.SourceBlockIds) {
+		return invalid("destination_block_ids", "names %d blocks for %d source blocks", len(r.DestinationBlockIds), len(r.SourceBlockIds))
+	}
+	return checkSource("source", r.Source, rank)
 }
 
 func (e *engineAPI) Cancel(ctx context.Context, r *agentv1.CancelRequest) (*agentv1.Ack, error) {
