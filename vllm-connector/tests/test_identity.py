@@ -9,6 +9,7 @@ import http.client
 import json
 import random
 import time
+import urllib.request
 
 import pytest
 
@@ -97,8 +98,11 @@ def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stac
     second is computed on decode, and the push declined: the prefill agent frees the prefill
     engine's blocks at once (they would otherwise wait out the 60 s blocks TTL and fail).
     Pull reads the uncached tail and declines nothing. The decode side generates 200 tokens,
-    so the prefill leg (one cached block to compute) ends first: were the client answered
-    before, the router would cancel the prefill leg, which then frees its blocks itself."""
+    so the prefill leg (one cached block to compute) normally ends first. Were the client
+    answered before (a prefill engine stalled on 2 busy cores; seen once), the router
+    cancels the prefill leg, and the prefill engine aborts the request and frees its blocks
+    itself: the decline then has no source to free. Either way the blocks come back at once
+    and nothing fails."""
     mode, s = stack
 
     def count(name: str) -> float:
@@ -112,10 +116,20 @@ def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stac
     wait_idle(s.p)
     declines, failures = count("kvhandoff_agent_declines_total"), count("kvhandoff_agent_failures_total")
     first = generate()
+    aborts = prefill_aborts(s)
     assert generate() == first, s.logs()
     want = declines + (1 if mode.startswith("push") else 0)
     deadline = time.monotonic() + 20
-    while count("kvhandoff_agent_declines_total") != want and time.monotonic() < deadline:
+    while count("kvhandoff_agent_declines_total") != want and prefill_aborts(s) == aborts and time.monotonic() < deadline:
         time.sleep(0.1)  # polling the prefill agent's metrics for the decline to arrive
-    assert count("kvhandoff_agent_declines_total") == want, s.logs()
+    got = count("kvhandoff_agent_declines_total")
+    assert got == want or (got == want - 1 and mode.startswith("push") and prefill_aborts(s) > aborts), s.logs()
+    wait_idle(s.p, timeout=20)  # the prefill engine's blocks came back, well inside the TTL
     assert count("kvhandoff_agent_failures_total") == failures, s.logs()
+
+
+def prefill_aborts(s: Stack) -> float:
+    """Requests the prefill engine aborted (its client, the router, went away)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{s.p.port}/metrics", timeout=5) as r:
+        return sum(float(line.rpartition(" ")[2]) for line in r.read().decode().splitlines()
+                   if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line)
