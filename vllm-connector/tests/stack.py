@@ -257,12 +257,13 @@ class Stack(Procs):
             raise
 
 
-def engine_metric(e: Engine, name: str) -> float:
-    """The sum of a vLLM metric's series (vllm:num_preemptions_total, ...)."""
+def engine_metric(e: Engine, name: str, label: str = "") -> float:
+    """The sum of a vLLM metric's series (vllm:num_preemptions_total, ...), those with
+    label (finished_reason="abort", ...) when one is named."""
     total = 0.0
     with urllib.request.urlopen(f"http://127.0.0.1:{e.port}/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith(name):
+            if line.startswith(name) and label in line:
                 total += float(line.rpartition(" ")[2])
     return total
 

@@ -9,11 +9,10 @@ import http.client
 import json
 import random
 import time
-import urllib.request
 
 import pytest
 
-from stack import MAX_TOKENS, PROMPTS, Stack, complete, wait_idle
+from stack import MAX_TOKENS, PROMPTS, Stack, complete, engine_metric, wait_idle
 
 
 # The connector's reports and events go through doorbells, except in push-grpc, which
@@ -130,6 +129,4 @@ def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stac
 
 def prefill_aborts(s: Stack) -> float:
     """Requests the prefill engine aborted (its client, the router, went away)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{s.p.port}/metrics", timeout=5) as r:
-        return sum(float(line.rpartition(" ")[2]) for line in r.read().decode().splitlines()
-                   if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line)
+    return engine_metric(s.p, "vllm:request_success_total", 'finished_reason="abort"')
