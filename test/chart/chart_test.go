@@ -33,6 +33,20 @@ func run(t *testing.T, name string, args ...string) string {
 	return string(out)
 }
 
+// toolPath runs a hack/ script that builds a tool (once) and returns the path it prints
+// on stdout; what it says on stderr (a first build's progress) is only shown on failure.
+func toolPath(t *testing.T, script string) string {
+	t.Helper()
+	var stderr strings.Builder
+	cmd := exec.Command(script)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("%s: %v\n%s", script, err, stderr.String())
+	}
+	return strings.TrimSpace(string(out))
+}
+
 func objects(t *testing.T, docs string) map[string]map[string]any {
 	t.Helper()
 	out := map[string]map[string]any{}
@@ -56,7 +70,7 @@ func objects(t *testing.T, docs string) map[string]map[string]any {
 // manifests keeps current), except onlyInKustomize.
 func TestTheChartRendersWhatKustomizeRenders(t *testing.T) {
 	root := envtest.RepoRoot()
-	helm := strings.TrimSpace(run(t, filepath.Join(root, "hack", "helm.sh")))
+	helm := toolPath(t, filepath.Join(root, "hack", "helm.sh"))
 	bins, err := envtest.Binaries("kubectl")
 	if err != nil {
 		t.Fatal(err)
@@ -100,7 +114,7 @@ func TestTheChartRendersWhatKustomizeRenders(t *testing.T) {
 // mounts go with it), the socket group, secure metrics and a created token.
 func TestTheChartsValuesReachTheObjects(t *testing.T) {
 	root := envtest.RepoRoot()
-	helm := strings.TrimSpace(run(t, filepath.Join(root, "hack", "helm.sh")))
+	helm := toolPath(t, filepath.Join(root, "hack", "helm.sh"))
 	out := run(t, helm, "template", "kvhandoff", filepath.Join(root, "charts", "kvhandoff"), "--namespace", "kvhandoff-system",
 		"--set", "image.registry=registry.example/kvh", "--set", "image.tag=v9", "--set", "image.pullPolicy=Never",
 		"--set", "agent.provider=tcp;ofi_rxm", "--set", "agent.socketGID=4242", "--set", "agent.metricsSecure=false",
@@ -126,7 +140,7 @@ func TestTheChartsValuesReachTheObjects(t *testing.T) {
 // the values give; without it, none.
 func TestTheChartInstallsItsAlertRulesWhenAsked(t *testing.T) {
 	root := envtest.RepoRoot()
-	helm := strings.TrimSpace(run(t, filepath.Join(root, "hack", "helm.sh")))
+	helm := toolPath(t, filepath.Join(root, "hack", "helm.sh"))
 	chart := filepath.Join(root, "charts", "kvhandoff")
 	if out := run(t, helm, "template", "kvhandoff", chart, "--namespace", "kvhandoff-system"); strings.Contains(out, "kind: PrometheusRule") {
 		t.Error("a PrometheusRule without monitoring.prometheusRule.enabled")
@@ -160,7 +174,7 @@ func TestTheChartInstallsItsAlertRulesWhenAsked(t *testing.T) {
 // ConfigMap, byte for byte files/dashboard.json. Without them, none of it.
 func TestTheChartInstallsMonitorsAndTheDashboardWhenAsked(t *testing.T) {
 	root := envtest.RepoRoot()
-	helm := strings.TrimSpace(run(t, filepath.Join(root, "hack", "helm.sh")))
+	helm := toolPath(t, filepath.Join(root, "hack", "helm.sh"))
 	chart := filepath.Join(root, "charts", "kvhandoff")
 	if out := run(t, helm, "template", "kvhandoff", chart, "--namespace", "kvhandoff-system"); strings.Contains(out, "kind: PodMonitor") ||
 		strings.Contains(out, "kvhandoff-dashboard") {
