@@ -8,5 +8,6 @@ set -euo pipefail
 echo "installing Debian packages: $*" >&2
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo=sudo
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+retry=$(dirname "${BASH_SOURCE[0]}")/retry.sh
+$sudo "$retry" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo "$retry" apt-get install -y -qq --no-install-recommends "$@" >/dev/null

@@ -12,7 +12,7 @@ if [ ! -x "$cache/portmap" ]; then
   echo "building the CNI plugins $version into $cache" >&2
   start=$SECONDS
   mkdir -p "$cache"
-  (cd "$mod" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$cache/" \
+  (cd "$mod" && CGO_ENABLED=0 "$here/retry.sh" go build -trimpath -ldflags "-s -w" -o "$cache/" \
     "${plugins[@]/#/github.com/containernetworking/plugins/plugins/}")
   echo "built the CNI plugins in $((SECONDS - start))s" >&2
 fi

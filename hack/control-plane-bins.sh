@@ -31,7 +31,7 @@ build() { # build NAME MODULE_DIR PACKAGE LDFLAGS
   fi
   echo "building $name ($pkg) into $cache — first time only, minutes on 2 cores" >&2
   local start=$SECONDS
-  (cd "$dir" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w $ldflags" -o "$cache/$name.tmp" "$pkg")
+  (cd "$dir" && CGO_ENABLED=0 "$here/retry.sh" go build -trimpath -ldflags "-s -w $ldflags" -o "$cache/$name.tmp" "$pkg")
   mv "$cache/$name.tmp" "$cache/$name"
   echo "$stamp" > "$cache/.$name.stamp"
   echo "built $name in $((SECONDS - start))s" >&2

@@ -10,7 +10,7 @@ bin=$tools/$name-$version
 if [ ! -x "$bin" ]; then
   echo "building $name $version into $tools" >&2
   tmp=$(mktemp -d "$tools.XXXXXX" 2>/dev/null || { mkdir -p "$tools" && mktemp -d "$tools/.tmp.XXXXXX"; })
-  GOBIN=$tmp go install "$pkg@$version"
+  GOBIN=$tmp "$(dirname "${BASH_SOURCE[0]}")/retry.sh" go install "$pkg@$version"
   mkdir -p "$tools" && mv "$tmp/$(basename "$pkg")" "$bin" && rm -rf "$tmp"
 fi
 mkdir -p "$(dirname "$dest")"

@@ -9,7 +9,7 @@ version=1.5.1
 dir=${KVHANDOFF_CACHE:-$HOME/.cache/kvhandoff}/nixl-$version
 if [ ! -d "$dir/nixl" ]; then
   echo "installing nixl $version into $dir — first time only" >&2
-  python3 -m pip install --quiet --root-user-action=ignore --no-deps --target "$dir.tmp" "nixl==$version" "nixl-cu13==$version" >&2
+  "$(dirname "$0")/retry.sh" python3 -m pip install --quiet --root-user-action=ignore --no-deps --target "$dir.tmp" "nixl==$version" "nixl-cu13==$version" >&2
   rm -rf "$dir" && mv "$dir.tmp" "$dir"
 fi
 echo "$dir"

@@ -18,7 +18,7 @@ if [ ! -e "$venv/.complete" ]; then
   echo "building $venv from $req (cached afterwards)" >&2
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check --cache-dir "$cache/pip" --no-deps -r "$req" >&2
+  "$(dirname "$0")/retry.sh" "$venv/bin/pip" install -q --disable-pip-version-check --cache-dir "$cache/pip" --no-deps -r "$req" >&2
   touch "$venv/.complete"
   echo "built $venv in $(( $(date +%s) - start ))s" >&2
 fi

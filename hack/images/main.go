@@ -28,13 +28,41 @@ import (
 func main() {
 	version := flag.String("version", "dev", "the images' tag, stamped into the manager as the tag of the images it renders")
 	out := flag.String("out", "bin/images", "folder for the image archives (<name>.tar)")
-	cache := flag.String("cache", filepath.Join(os.Getenv("HOME"), ".cache", "kvhandoff", "images"), "folder for the Debian bases")
+	cache := flag.String("cache", defaultCache(), "folder for the Debian bases")
 	venv := flag.String("vllm-venv", "", "the real-vLLM tier's Python environment, which the "+VLLMCPU.Name+" image (built only when named) carries")
+	bases := flag.Bool("bases", false, "only make the Debian bases the named images need (every image's when none is named) and exit: "+
+		"all that building an image downloads, for callers that build them later without a network")
 	flag.Parse()
+	run := run
+	if *bases {
+		run = func(_, _, cache, _ string, names []string) error { return makeBases(cache, names) }
+	}
 	if err := run(*version, *out, *cache, *venv, flag.Args()); err != nil {
 		fmt.Fprintln(os.Stderr, "images:", err)
 		os.Exit(1)
 	}
+}
+
+// defaultCache is $KVHANDOFF_CACHE/images, or ~/.cache/kvhandoff/images.
+func defaultCache() string {
+	if c := os.Getenv("KVHANDOFF_CACHE"); c != "" {
+		return filepath.Join(c, "images")
+	}
+	return filepath.Join(os.Getenv("HOME"), ".cache", "kvhandoff", "images")
+}
+
+// makeBases makes (or finds cached) the bases of the images named, every image's when
+// none is named.
+func makeBases(cache string, names []string) error {
+	for _, img := range append(append(append([]Image{}, Images...), TestImages...), VLLMCPU) {
+		if len(names) > 0 && !slices.Contains(names, img.Name) {
+			continue
+		}
+		if _, err := baseTar(filepath.Join(cache, "bases"), img.Base, img.Packages); err != nil {
+			return fmt.Errorf("%s: %w", img.Name, err)
+		}
+	}
+	return nil
 }
 
 func run(version, out, cache, venv string, names []string) error {

@@ -22,7 +22,10 @@ import (
 	"github.com/kvhandoff/kvhandoff/test/realnode"
 )
 
-func main() { os.Exit(realnode.Run(demo)) }
+// images are what the demo runs.
+var images = []string{"pause", "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", realnode.SimEngines.Image}
+
+func main() { os.Exit(realnode.Run(demo, images...)) }
 
 func demo() int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -36,8 +39,7 @@ func demo() int {
 
 func run(ctx context.Context) error {
 	step("building the images without Docker (hack/images) and starting a real node: kubelet, containerd, runc, CNI bridge, kube-proxy")
-	archives, err := realnode.BuildImages(filepath.Join(envtest.RepoRoot(), "bin", "images"),
-		"pause", "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", realnode.SimEngines.Image)
+	archives, err := realnode.BuildImages(filepath.Join(envtest.RepoRoot(), "bin", "images"), images...)
 	if err != nil {
 		return err
 	}

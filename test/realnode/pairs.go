@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -42,13 +43,24 @@ func (n *Node) InstallChart(values ...string) error {
 	return helm(context.Background(), args...)
 }
 
-// helm runs helm (hack/helm.sh builds it once) with args.
-func helm(ctx context.Context, args ...string) error {
-	bin, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "helm.sh")).Output()
+// helmPath builds helm once (hack/helm.sh) and returns its path.
+func helmPath() (string, error) {
+	cmd := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "helm.sh"))
+	cmd.Stderr = os.Stderr
+	bin, err := cmd.Output()
 	if err != nil {
-		return fmt.Errorf("hack/helm.sh: %w", err)
+		return "", fmt.Errorf("hack/helm.sh: %w", err)
 	}
-	if out, err := exec.CommandContext(ctx, strings.TrimSpace(string(bin)), args...).CombinedOutput(); err != nil {
+	return strings.TrimSpace(string(bin)), nil
+}
+
+// helm runs helm with args.
+func helm(ctx context.Context, args ...string) error {
+	bin, err := helmPath()
+	if err != nil {
+		return err
+	}
+	if out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput(); err != nil {
 		return fmt.Errorf("helm %s: %w\n%s", args[0], err, out)
 	}
 	return nil

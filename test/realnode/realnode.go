@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -49,20 +50,31 @@ const (
 
 const inNamespaces = "KVHANDOFF_REALNODE_IN_NAMESPACES"
 
-// Main is a TestMain for the real-node tier: Run(m.Run).
-func Main(m *testing.M) int { return Run(m.Run) }
+// TierImages are the images the real-node tier's tests run.
+var TierImages = []string{"pause", "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", "engineprobe",
+	SimEngines.Image, VLLMImage}
+
+// Main is a TestMain for the real-node tier: Run(m.Run, TierImages...).
+func Main(m *testing.M) int { return Run(m.Run, TierImages...) }
 
 // Run runs this program again in a network and mount namespace of its own, with loopback
 // up and tmpfs over the host folders the node's pods mount (/var/run/kvhandoff), so
 // nothing of the host is used or touched, and there calls f; it returns the exit code.
-// With $KVHANDOFF_TEST_KUBECONFIG set (External) it calls f as it is: the cluster is elsewhere.
-func Run(f func() int) int {
+// Before it enters the namespace, where no name resolves, it prepares everything that
+// downloads: the node's binaries, the CNI plugins, helm, and the Debian bases (and, for
+// VLLMImage, the Python environment) of images. With $KVHANDOFF_TEST_KUBECONFIG set
+// (External) it calls f as it is: the cluster is elsewhere.
+func Run(f func() int, images ...string) int {
 	if External() != "" {
 		return f()
 	}
 	if os.Getenv(inNamespaces) == "" {
 		if missing := prerequisites(); len(missing) > 0 {
 			fmt.Fprintf(os.Stderr, "real-node tier: missing %s; hack/install-deps.sh installs them\n", strings.Join(missing, ", "))
+			return 1
+		}
+		if err := prepare(images); err != nil {
+			fmt.Fprintln(os.Stderr, "real-node tier: preparing, before entering a network namespace without a network:", err)
 			return 1
 		}
 		cmd := exec.Command("unshare", append([]string{"--net", "--mount", "--propagation", "private", "--fork", os.Args[0]}, os.Args[1:]...)...)
@@ -98,6 +110,36 @@ func Run(f func() int) int {
 		}
 	}
 	return f()
+}
+
+// nodeBinaries are the Kubernetes binaries a node runs (hack/control-plane-bins.sh).
+var nodeBinaries = []string{"kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy"}
+
+// prepare builds or downloads, once and cached, all that Start and BuildImages need from
+// the network, so that they run inside the tier's namespace offline.
+func prepare(images []string) error {
+	if _, err := envtest.Binaries(nodeBinaries...); err != nil {
+		return err
+	}
+	if _, err := cniPlugins(); err != nil {
+		return err
+	}
+	if _, err := helmPath(); err != nil {
+		return err
+	}
+	if slices.Contains(images, VLLMImage) {
+		if _, err := VLLMVenv(); err != nil {
+			return err
+		}
+	}
+	// go run compiles hack/images now (its modules downloaded), and it makes the bases.
+	cmd := exec.Command("go", append([]string{"run", "./hack/images", "-bases"}, images...)...)
+	cmd.Dir = envtest.RepoRoot()
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("making the images' Debian bases with hack/images -bases: %w", err)
+	}
+	return nil
 }
 
 // cniPlugins builds the CNI plugins (hack/cni-plugins.sh, cached) and returns their folder.
@@ -178,7 +220,7 @@ func Start(ctx context.Context, dir string, images ...string) (_ *Node, err erro
 			return nil, err
 		}
 	}
-	if n.bins, err = envtest.Binaries("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy"); err != nil {
+	if n.bins, err = envtest.Binaries(nodeBinaries...); err != nil {
 		return nil, err
 	}
 	cni, err := cniPlugins()
