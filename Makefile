@@ -126,7 +126,7 @@ images: ## Build the images without Docker (hack/images: Debian bases by mmdebst
 
 .PHONY: bench-handoff
 bench-handoff: deps ## Handoff benchmark (push, push-layered, pull; the agent against fi_rma_bw): table, bench/results/handoff.json and handoff.png.
-	go run ./cmd/bench-handoff --out bench/results --fabtests "$$(hack/fabtests.sh)"
+	go run ./bench/cmd/bench-handoff --out bench/results --fabtests "$$(hack/fabtests.sh)"
 
 .PHONY: bench-vllm
 bench-vllm: deps ## Real vLLM engines on one seeded load: one engine alone, stock NIXL pull and push, kvhandoff pull and push; bench/results/vllm/.
@@ -136,7 +136,7 @@ bench-vllm: deps ## Real vLLM engines on one seeded load: one engine alone, stoc
 
 .PHONY: bench-serving
 bench-serving: deps ## Router under load, push vs pull on the same arrivals: table, bench/results/serving.json and serving.png.
-	go run ./cmd/bench-serving --out bench/results
+	go run ./bench/cmd/bench-serving --out bench/results
 
 .PHONY: demo
 demo: deps ## Start a local control plane, install the CRDs, apply the samples and show them.

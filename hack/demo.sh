@@ -137,7 +137,7 @@ until_ok 'test -n "$("$kubectl" get dcp qwen3-32b-decode -o jsonpath='\''{.statu
 "$kubectl" get dcp qwen3-32b-decode -o jsonpath='{range .status.conditions[?(@.type=="Degraded")]}  {.type}={.status} {.reason}: {.message}{"\n"}{end}'
 
 bold "transfer agents: two agents as processes on loopback push one request's KV (real libfabric, tcp;ofi_rxm)"
-(cd "$root" && go run ./cmd/bench-handoff --demo)
+(cd "$root" && go run ./bench/cmd/bench-handoff --demo)
 
 if [ "${DEMO_KEEP:-}" = 1 ]; then
   bold "simulated cluster kept up: export KUBECONFIG=$KUBECONFIG   (until Ctrl-C ends the real node below)"

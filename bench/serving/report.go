@@ -7,7 +7,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/kvhandoff/kvhandoff/internal/bench/report"
+	"github.com/kvhandoff/kvhandoff/bench/report"
 )
 
 // Markdown writes the report's table.

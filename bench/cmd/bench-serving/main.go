@@ -11,7 +11,7 @@ import (
 	"os"
 	"path/filepath"
 
-	"github.com/kvhandoff/kvhandoff/internal/bench/serving"
+	"github.com/kvhandoff/kvhandoff/bench/serving"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/gobin"
 )

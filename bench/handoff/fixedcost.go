@@ -10,7 +10,7 @@ import (
 	"runtime"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/internal/bench/report"
+	"github.com/kvhandoff/kvhandoff/bench/report"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"

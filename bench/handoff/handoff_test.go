@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/internal/bench/workload"
+	"github.com/kvhandoff/kvhandoff/bench/workload"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 )
 

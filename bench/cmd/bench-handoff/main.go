@@ -12,7 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 
-	"github.com/kvhandoff/kvhandoff/internal/bench/handoff"
+	"github.com/kvhandoff/kvhandoff/bench/handoff"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 )
 

@@ -5,7 +5,7 @@ import (
 	"io"
 	"strings"
 
-	"github.com/kvhandoff/kvhandoff/internal/bench/report"
+	"github.com/kvhandoff/kvhandoff/bench/report"
 )
 
 // Markdown writes the report's table.

@@ -12,8 +12,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhandoff/kvhandoff/internal/bench/report"
-	"github.com/kvhandoff/kvhandoff/internal/bench/workload"
+	"github.com/kvhandoff/kvhandoff/bench/report"
+	"github.com/kvhandoff/kvhandoff/bench/workload"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -38,7 +38,7 @@ type Scenario struct {
 
 	// AgentCPUs, when set, is the CPU list the agents (and the floors' threads) run on;
 	// the caller runs the benchmark's process, whose simulated engines fill and verify
-	// KV, on the others (cmd/bench-handoff does), so that work does not compete with the
+	// KV, on the others (bench/cmd/bench-handoff does), so that work does not compete with the
 	// transfers timed.
 	AgentCPUs string
 	// Fabtests, when set, is a fabtests install (hack/fabtests.sh): the agent's write

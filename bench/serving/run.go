@@ -15,9 +15,9 @@ import (
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
-	"github.com/kvhandoff/kvhandoff/internal/bench/handoff"
-	"github.com/kvhandoff/kvhandoff/internal/bench/report"
-	"github.com/kvhandoff/kvhandoff/internal/bench/workload"
+	"github.com/kvhandoff/kvhandoff/bench/handoff"
+	"github.com/kvhandoff/kvhandoff/bench/report"
+	"github.com/kvhandoff/kvhandoff/bench/workload"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
