@@ -2,7 +2,6 @@ package agent
 
 import (
 	"fmt"
-	"slices"
 	"strings"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -24,7 +23,7 @@ const (
 // Health is the agent's report over the window w (sampled by the caller): the provider
 // it opened, its engines, and the worst problem it sees.
 func (a *Agent) Health(w *health.Window) health.Report {
-	r := health.Report{Provider: a.Provider(), Engines: a.engineIDs()}
+	r := health.Report{Provider: a.Provider(), Engines: a.sessions.EngineIDs()}
 	span := w.Span.String()
 	if err := a.Ready(); err != nil {
 		r.Problem, r.Message = kvv1.ReasonAgentNotReady, err.Error()
@@ -49,19 +48,4 @@ func (a *Agent) Health(w *health.Window) health.Report {
 			strings.Join(w.Labels(failuresSeries, "reason"), ", "))
 	}
 	return r
-}
-
-// engineIDs are the ids of the engines with a live session, sorted, each once.
-func (a *Agent) engineIDs() []string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	var ids []string
-	for key := range a.engines {
-		id := key[:strings.LastIndexByte(key, '/')] // engineKey: id/rank
-		if !slices.Contains(ids, id) {
-			ids = append(ids, id)
-		}
-	}
-	slices.Sort(ids)
-	return ids
 }

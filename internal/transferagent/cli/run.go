@@ -29,6 +29,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/monitoring"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/nodelabel"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/peerset"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/session"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
 )
@@ -60,7 +61,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&cfg.PeerListen, "peer-listen", ":7470", "TCP address other agents connect to (the agent runs with hostNetwork)")
 	fs.StringVar(&cfg.Advertise, "advertise", "", "host:port peers use to reach this agent (default: the listener's address; in a pod: $(NODE_IP):7470)")
 	fs.StringVar(&o.tokenFile, "peer-token-file", "", "file holding the secret every agent of the cluster shares; peers prove they hold it")
-	def := agent.DefaultTimeouts()
+	def := session.DefaultTimeouts()
 	fs.DurationVar(&cfg.Lease, "lease", def.Lease, "registration and pull lease (KVTransferPolicy spec.leaseSeconds) for engines that send none in "+
 		"RegisterEngine")
 	fs.DurationVar(&cfg.EventsDeadline, "events-deadline", 30*time.Second, "how long a registered engine rank has to open its event stream before "+
@@ -167,7 +168,7 @@ func Run(args []string, stderr io.Writer) int {
 	return 0
 }
 
-// podUIDs looks engine pods up in the API server (agent.Pods).
+// podUIDs looks engine pods up in the API server (engineapi.Pods).
 type podUIDs struct{ c kubernetes.Interface }
 
 func (p podUIDs) UID(ctx context.Context, namespace, name string) (string, error) {

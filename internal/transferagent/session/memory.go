@@ -1,8 +1,9 @@
-package agent
+package session
 
 import (
 	"fmt"
 	"os"
+	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -25,7 +26,7 @@ func (m *mapping) unmap() {
 	}
 }
 
-// checkSealed accepts only a memfd sealed against shrinking whose every page exists.
+// CheckSealed accepts only a memfd sealed against shrinking whose every page exists.
 //
 // The seal is what keeps the mapping whole: a shrunk file faults every access past its
 // new end, and the provider's copies into decode memory run in this process (measured:
@@ -36,7 +37,7 @@ func (m *mapping) unmap() {
 // mapping a sparse memfd (measured: 1 GiB of holes) would charge the engine's memory to
 // the agent's cgroup, and one engine could have the agent killed for every engine of the
 // node. The engine allocates its pages (fallocate, or writing them) before passing them.
-func checkSealed(fd int) (fileID, int64, error) {
+func CheckSealed(fd int) (fileID, int64, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return fileID{}, 0, err
@@ -61,7 +62,7 @@ func checkSealed(fd int) (fileID, int64, error) {
 // mapFD maps size bytes at off of a sealed memfd. It checks the seal itself (the memory
 // socket did too), so it is safe on its own.
 func mapFD(f *os.File, off, size uint64) (*mapping, error) {
-	id, fsize, err := checkSealed(int(f.Fd()))
+	id, fsize, err := CheckSealed(int(f.Fd()))
 	if err != nil {
 		return nil, fmt.Errorf("memory_handle: %w", err)
 	}
@@ -82,62 +83,59 @@ func mapFD(f *os.File, off, size uint64) (*mapping, error) {
 // memoryIndex records every registered range of every file, agent-wide: a region that
 // overlaps another (of this engine or any other) is refused, so no engine can make the
 // agent write into memory that another registration names.
-type memoryIndex map[fileID][]claimed
+type memoryIndex struct {
+	mu    sync.Mutex
+	files map[fileID][]claimed
+}
 
 type claimed struct {
-	s         *session
+	s         *Session
 	region    uint32
 	off, size uint64
 }
 
 // claim records s's region m, refusing a duplicate region id or an overlap.
-func (a *Agent) claim(s *session, region uint32, m *mapping) error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for _, list := range a.memory {
+func (idx *memoryIndex) claim(s *Session, region uint32, m *mapping) error {
+	idx.mu.Lock()
+	defer idx.mu.Unlock()
+	for _, list := range idx.files {
 		for _, c := range list {
 			if c.s == s && c.region == region {
 				return fmt.Errorf("region_id: %d is already registered by this engine", region)
 			}
 		}
 	}
-	for _, c := range a.memory[m.file] {
+	for _, c := range idx.files[m.file] {
 		if m.off < c.off+c.size && c.off < m.off+m.size {
 			return fmt.Errorf("offset: bytes %d..%d overlap region %d of engine %s (bytes %d..%d of the same file)",
 				m.off, m.off+m.size, c.region, c.s.key, c.off, c.off+c.size)
 		}
 	}
-	a.memory[m.file] = append(a.memory[m.file], claimed{s: s, region: region, off: m.off, size: m.size})
+	idx.files[m.file] = append(idx.files[m.file], claimed{s: s, region: region, off: m.off, size: m.size})
 	return nil
 }
 
-func (a *Agent) release(s *session, region uint32) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for f, list := range a.memory {
-		keep := list[:0]
-		for _, c := range list {
-			if c.s != s || c.region != region {
-				keep = append(keep, c)
-			}
-		}
-		a.memory[f] = keep
-	}
+// release drops s's claim of region; remove drops every claim of s.
+func (idx *memoryIndex) release(s *Session, region uint32) {
+	idx.drop(func(c claimed) bool { return c.s == s && c.region == region })
 }
 
-// remove drops every claim of s (a.mu held).
-func (idx memoryIndex) remove(s *session) {
-	for f, list := range idx {
+func (idx *memoryIndex) remove(s *Session) { idx.drop(func(c claimed) bool { return c.s == s }) }
+
+func (idx *memoryIndex) drop(match func(claimed) bool) {
+	idx.mu.Lock()
+	defer idx.mu.Unlock()
+	for f, list := range idx.files {
 		keep := list[:0]
 		for _, c := range list {
-			if c.s != s {
+			if !match(c) {
 				keep = append(keep, c)
 			}
 		}
 		if len(keep) == 0 {
-			delete(idx, f)
+			delete(idx.files, f)
 		} else {
-			idx[f] = keep
+			idx.files[f] = keep
 		}
 	}
 }

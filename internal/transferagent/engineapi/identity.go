@@ -1,8 +1,7 @@
-package agent
+package engineapi
 
 import (
 	"context"
-	"fmt"
 	"strings"
 
 	"google.golang.org/grpc/codes"
@@ -10,6 +9,7 @@ import (
 	"google.golang.org/grpc/tap"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/peercred"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/session"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
@@ -51,8 +51,8 @@ func callerOf(ctx context.Context) (peercred.Caller, error) {
 // checkEngineID refuses an engine_id the caller may not register: with Pods, the caller
 // must run in the pod the id names (render.EngineID: pod name, ".", namespace; names may
 // hold dots, namespaces may not).
-func (a *Agent) checkEngineID(ctx context.Context, c peercred.Caller, id string) error {
-	if a.cfg.Pods == nil {
+func (srv *Server) checkEngineID(ctx context.Context, c peercred.Caller, id string) error {
+	if srv.cfg.Pods == nil {
 		return nil
 	}
 	if c.Pod == "" {
@@ -60,10 +60,10 @@ func (a *Agent) checkEngineID(ctx context.Context, c peercred.Caller, id string)
 	}
 	dot := strings.LastIndexByte(id, '.')
 	if dot <= 0 || dot == len(id)-1 {
-		return invalid("engine_id", "%q must be the engine pod's name.namespace", id)
+		return session.Invalid("engine_id", "%q must be the engine pod's name.namespace", id)
 	}
 	name, namespace := id[:dot], id[dot+1:]
-	uid, err := a.cfg.Pods.UID(ctx, namespace, name)
+	uid, err := srv.cfg.Pods.UID(ctx, namespace, name)
 	if err != nil {
 		return status.Errorf(codes.PermissionDenied, "engine_id %q: looking up pod %s/%s: %v", id, namespace, name, err)
 	}
@@ -75,7 +75,7 @@ func (a *Agent) checkEngineID(ctx context.Context, c peercred.Caller, id string)
 
 // callLimit is the engine server's tap: it refuses a call beyond its owner's share
 // before its request is read, and gives the slot back when the call ends.
-func (a *Agent) callLimit(ctx context.Context, info *tap.Info) (context.Context, error) {
+func (srv *Server) callLimit(ctx context.Context, info *tap.Info) (context.Context, error) {
 	if info.FullMethodName == agentv1.Agent_Events_FullMethodName {
 		return ctx, nil
 	}
@@ -83,25 +83,11 @@ func (a *Agent) callLimit(ctx context.Context, info *tap.Info) (context.Context,
 	if err != nil {
 		return nil, err
 	}
-	release, ok := a.calls.Take(c.Owner())
+	release, ok := srv.calls.Take(c.Owner())
 	if !ok {
-		a.metrics.refused.WithLabelValues(info.FullMethodName[strings.LastIndexByte(info.FullMethodName, '/')+1:], codes.ResourceExhausted.String()).Inc()
-		return nil, status.Errorf(codes.ResourceExhausted, "%s has %d calls in flight, its limit", c.Owner(), a.calls.Limit())
+		srv.cfg.Metrics.Refused.WithLabelValues(info.FullMethodName[strings.LastIndexByte(info.FullMethodName, '/')+1:], codes.ResourceExhausted.String()).Inc()
+		return nil, status.Errorf(codes.ResourceExhausted, "%s has %d calls in flight, its limit", c.Owner(), srv.calls.Limit())
 	}
 	context.AfterFunc(ctx, release)
 	return ctx, nil
-}
-
-// session returns session id for a call by owner.
-func (a *Agent) session(id, owner string) (*session, error) {
-	a.mu.Lock()
-	s, ok := a.sessions[id]
-	a.mu.Unlock()
-	switch {
-	case !ok:
-		return nil, status.Error(codes.NotFound, fmt.Sprintf("session %q: %v", id, errNoSession))
-	case s.owner != owner:
-		return nil, status.Errorf(codes.PermissionDenied, "session %q belongs to %s, not the caller's %s", id, s.owner, owner)
-	}
-	return s, nil
 }

@@ -1,4 +1,4 @@
-package agent
+package engineapi
 
 import (
 	"errors"
@@ -9,10 +9,10 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/session"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/doorbell"
 )
@@ -41,7 +41,7 @@ const eventsFullNap = 200 * time.Microsecond
 
 // attachDoorbell takes a doorbell packet's fds: the memfd, the eventfd the engine rings
 // and, optionally, one the agent rings. Every fd is either kept or closed.
-func (a *Agent) attachDoorbell(owner, id string, fds []int) error {
+func (srv *Server) attachDoorbell(owner, id string, fds []int) error {
 	if len(fds) != 2 && len(fds) != 3 {
 		closeFDs(fds)
 		return fmt.Errorf("doorbell: pass the memfd and one or two eventfds, got %d fds", len(fds))
@@ -50,20 +50,23 @@ func (a *Agent) attachDoorbell(owner, id string, fds []int) error {
 	if err != nil {
 		return err
 	}
-	s, err := a.session(id, owner)
+	s, err := srv.cfg.Sessions.Lookup(id, owner)
 	if err != nil {
 		b.release()
 		return errors.New(status.Convert(err).Message())
 	}
-	if !s.bell.CompareAndSwap(nil, b) {
+	if _, had := srv.bells.LoadOrStore(s, b); had {
 		b.release()
 		return errors.New("doorbell: the session has one already")
 	}
-	if s.ended() {
-		b.release() // the teardown may have come first: nothing else will
-		return errors.New("doorbell: session ended")
-	}
-	go s.serveBell(b)
+	// The session's end closes the engine's eventfd, which ends serveBell, which
+	// releases the bell; the bell goes with its session.
+	go func() {
+		<-s.Stopped()
+		b.ring.Close()
+		srv.bells.Delete(s)
+	}()
+	go srv.serveBell(s, b)
 	return nil
 }
 
@@ -72,7 +75,7 @@ func openBell(fds []int) (*bell, error) {
 		closeFDs(fds)
 		return nil, err
 	}
-	_, size, err := checkSealed(fds[0])
+	_, size, err := session.CheckSealed(fds[0])
 	if err != nil {
 		return fail(fmt.Errorf("doorbell: %w", err))
 	}
@@ -121,99 +124,51 @@ func checkEventfd(fd int) error {
 }
 
 // serveBell drains the submit ring each time the engine rings, until the session ends.
-func (s *session) serveBell(b *bell) {
+func (srv *Server) serveBell(s *session.Session, b *bell) {
 	defer b.release()
 	buf := make([]byte, 8)
 	for {
 		if _, err := b.ring.Read(buf); err != nil {
 			return // closed: the session ended
 		}
-		if err := s.drainBell(b); err != nil {
-			s.n.metrics.refused.WithLabelValues("doorbell", "InvalidArgument").Inc()
-			s.n.log.Warn("ending a session whose doorbell broke", "engine", s.key, "err", err)
-			s.close(err.Error())
+		if err := srv.drainBell(s, b); err != nil {
+			srv.cfg.Metrics.Refused.WithLabelValues("doorbell", "InvalidArgument").Inc()
+			srv.cfg.Log.Warn("ending a session whose doorbell broke", "session", s.ID(), "err", err)
+			s.Close(err.Error())
 			return
 		}
 	}
 }
 
-// drainBell takes every record in the submit ring and hands them to the pump in one
-// command. A record the agent refuses is answered with a FAILED event for its request
-// (and attempt), as the engine's call would have been with an error.
-func (s *session) drainBell(b *bell) error {
-	var calls []bellCall
+// drainBell takes every record in the submit ring and hands them to the session in one
+// batch, in order. A record that breaks the layout ends the drain with ErrCorrupt, after
+// the records before it were handed over.
+func (srv *Server) drainBell(s *session.Session, b *bell) error {
+	var reports []session.Report
 	_, err := b.submit.Drain(func(kind doorbell.Kind, msg []byte) error {
-		var c bellCall
+		var r session.Report
 		switch kind {
 		case doorbell.KindSourceReady:
-			c.ready = &agentv1.SourceReadyRequest{}
-			err := proto.Unmarshal(msg, c.ready)
-			if err != nil {
+			r.Ready = &agentv1.SourceReadyRequest{}
+			if err := proto.Unmarshal(msg, r.Ready); err != nil {
 				return fmt.Errorf("%w: a record that is no SourceReadyRequest: %v", doorbell.ErrCorrupt, err)
 			}
 		case doorbell.KindPull:
-			c.pull = &agentv1.PullRequest{}
-			if err := proto.Unmarshal(msg, c.pull); err != nil {
+			r.Pull = &agentv1.PullRequest{}
+			if err := proto.Unmarshal(msg, r.Pull); err != nil {
 				return fmt.Errorf("%w: a record that is no PullRequest: %v", doorbell.ErrCorrupt, err)
 			}
 		default:
 			return fmt.Errorf("%w: a record of kind %d", doorbell.ErrCorrupt, kind)
 		}
-		calls = append(calls, c)
+		reports = append(reports, r)
 		return nil
 	})
-	if len(calls) > 0 {
-		s.n.metrics.bellRecords.WithLabelValues("report").Add(float64(len(calls)))
-		s.post(func() {
-			for _, c := range calls {
-				if err := c.run(s); err != nil {
-					s.n.metrics.refused.WithLabelValues("doorbell", status.Code(err).String()).Inc()
-					s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: c.request(), Attempt: c.attempt(), Reason: status.Convert(err).Message()})
-				}
-			}
-		})
+	if len(reports) > 0 {
+		srv.cfg.Metrics.BellRecords.WithLabelValues("report").Add(float64(len(reports)))
+		s.Reports(reports)
 	}
 	return err
-}
-
-// bellCall is one record of the submit ring: a SourceReady or a Pull.
-type bellCall struct {
-	ready *agentv1.SourceReadyRequest
-	pull  *agentv1.PullRequest
-}
-
-func (c bellCall) request() string {
-	if c.pull != nil {
-		return c.pull.RequestId
-	}
-	return c.ready.RequestId
-}
-
-func (c bellCall) attempt() uint64 {
-	if c.pull != nil {
-		return c.pull.Attempt
-	}
-	return 0
-}
-
-// run does on the pump what the RPC of the same name does, with the same checks.
-func (c bellCall) run(s *session) error {
-	if c.pull != nil {
-		if s.role != agentv1.Role_ROLE_DECODE || s.mode != agentv1.Mode_MODE_PULL {
-			return status.Errorf(codes.FailedPrecondition, "Pull: not allowed for a %s engine in %s", s.role, s.mode)
-		}
-		if err := checkPull(c.pull, s.rank); err != nil {
-			return err
-		}
-		return s.decode().pull(c.pull)
-	}
-	if s.role != agentv1.Role_ROLE_PREFILL {
-		return status.Errorf(codes.FailedPrecondition, "SourceReady: not allowed for a %s engine in %s", s.role, s.mode)
-	}
-	if err := checkRequest(c.ready.RequestId, "block_ids", c.ready.BlockIds); err != nil {
-		return err
-	}
-	return s.prefill().sourceReady(c.ready)
 }
 
 // putEvent writes one event into the events ring, waiting while it is full for the
@@ -247,13 +202,6 @@ func (b *bell) putEvent(ev *agentv1.Event, stop <-chan struct{}) error {
 			return errors.New("doorbell: session ended")
 		case <-time.After(eventsFullNap):
 		}
-	}
-}
-
-// closeBell ends the session's doorbell: serveBell returns and releases it.
-func (s *session) closeBell() {
-	if b := s.bell.Load(); b != nil {
-		b.ring.Close()
 	}
 }
 

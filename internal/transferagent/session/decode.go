@@ -1,4 +1,4 @@
-package agent
+package session
 
 import (
 	"errors"
@@ -20,7 +20,7 @@ import (
 // decodeSide drives a decode rank: the landing table decides when an outcome may reach
 // the engine; this file carries out its actions, talks to peers and posts pull reads.
 type decodeSide struct {
-	s       *session
+	s       *Session
 	table   *landing.Table[*mesh.Peer]
 	reads   []readOp
 	pending map[uint64]readOp
@@ -36,7 +36,7 @@ type readOp struct {
 	copy   bool // GPU memory on this node: a device copy, not an RMA read
 }
 
-func newDecodeSide(s *session) *decodeSide {
+func newDecodeSide(s *Session) *decodeSide {
 	return &decodeSide{
 		s:       s,
 		table:   landing.New[*mesh.Peer](landing.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout, Tick: s.pol.Tick}),
@@ -162,7 +162,7 @@ func (ds *decodeSide) report(r landing.Report) {
 		}
 	}
 	start := time.Now()
-	ds.s.emit(ev)
+	ds.s.Emit(ev)
 	if r.Kind == landing.Delivered && !r.Pull {
 		m.stage.WithLabelValues("push", "notify").Observe(time.Since(start).Seconds())
 	}
@@ -197,14 +197,14 @@ func (ds *decodeSide) onAcquired(pr *mesh.Peer, m *wire.Acquired) {
 	}
 	re, err := s.reach(pr, info)
 	if err != nil {
-		s.n.metrics.refused.WithLabelValues("peer", "Pull").Inc()
+		s.n.metrics.Refused.WithLabelValues("peer", "Pull").Inc()
 		fail(fmt.Sprintf("prefill engine %s: %v", g.Source, err))
 		return
 	}
 	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, re.regions, s.layout,
 		s.ep.Limits().MaxMsgSize)
 	if err != nil {
-		s.n.metrics.refused.WithLabelValues("peer", "Pull").Inc()
+		s.n.metrics.Refused.WithLabelValues("peer", "Pull").Inc()
 		fail(err.Error())
 		return
 	}

@@ -1,4 +1,4 @@
-package agent
+package engineapi
 
 import (
 	"errors"
@@ -11,14 +11,13 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/session"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
-// Memory socket limits: fds a session may hold unclaimed (a rank registers its regions
-// from one memfd or a few), concurrent connections in all and per owner (a TP8 engine's
+// Memory socket limits: concurrent connections in all and per owner (a TP8 engine's
 // ranks pass their memory at once), and how long a connection may idle.
 const (
-	maxDeposits            = 64
 	maxMemoryConns         = 256
 	maxMemoryConnsPerOwner = 16
 	memoryIdle             = 10 * time.Second
@@ -27,23 +26,23 @@ const (
 // serveMemory answers the memory socket (agentv1.MemorySocketName; the protocol is
 // written down there): it takes one sealed
 // memfd per packet for a session and answers with its handle.
-func (a *Agent) serveMemory() {
+func (srv *Server) serveMemory() {
 	slots := make(chan struct{}, maxMemoryConns)
 	for {
-		c, err := a.memLn.AcceptUnix()
+		c, err := srv.memLn.AcceptUnix()
 		if err != nil {
 			return // closed at shutdown
 		}
-		caller, err := a.callers.Of(c)
+		caller, err := srv.callers.Of(c)
 		if err != nil {
-			a.log.Warn("refused a memory socket connection", "err", err)
-			a.metrics.refused.WithLabelValues("memory", "Unauthenticated").Inc()
+			srv.cfg.Log.Warn("refused a memory socket connection", "err", err)
+			srv.cfg.Metrics.Refused.WithLabelValues("memory", "Unauthenticated").Inc()
 			c.Close()
 			continue
 		}
-		release, ok := a.memConns.Take(caller.Owner())
+		release, ok := srv.memConns.Take(caller.Owner())
 		if !ok {
-			a.metrics.refused.WithLabelValues("memory", "ResourceExhausted").Inc()
+			srv.cfg.Metrics.Refused.WithLabelValues("memory", "ResourceExhausted").Inc()
 			c.Close()
 			continue
 		}
@@ -51,21 +50,21 @@ func (a *Agent) serveMemory() {
 		case slots <- struct{}{}:
 		default:
 			release()
-			a.metrics.refused.WithLabelValues("memory", "ResourceExhausted").Inc()
+			srv.cfg.Metrics.Refused.WithLabelValues("memory", "ResourceExhausted").Inc()
 			c.Close()
 			continue
 		}
-		a.wg.Add(1)
+		srv.wg.Add(1)
 		go func() {
-			defer a.wg.Done()
+			defer srv.wg.Done()
 			defer func() { <-slots; release() }()
 			defer c.Close()
-			a.memoryConn(c, caller.Owner())
+			srv.memoryConn(c, caller.Owner())
 		}()
 	}
 }
 
-func (a *Agent) memoryConn(c *net.UnixConn, owner string) {
+func (srv *Server) memoryConn(c *net.UnixConn, owner string) {
 	buf := make([]byte, 256)
 	oob := make([]byte, unix.CmsgSpace(4*4)) // room to see (and close) a few extra fds
 	for {
@@ -78,7 +77,7 @@ func (a *Agent) memoryConn(c *net.UnixConn, owner string) {
 			closeFDs(fds)
 			return
 		}
-		answer := a.deposit(owner, string(buf[:n]), fds, perr)
+		answer := srv.deposit(owner, string(buf[:n]), fds, perr)
 		if _, err := c.Write([]byte(answer)); err != nil {
 			return
 		}
@@ -113,17 +112,17 @@ func receivedFDs(oob []byte, flags int) ([]int, error) {
 
 // deposit checks one packet: the id of a live session of the sender's owner and exactly
 // one sealed memfd. Every fd that is not kept is closed.
-func (a *Agent) deposit(owner, id string, fds []int, perr error) string {
+func (srv *Server) deposit(owner, id string, fds []int, perr error) string {
 	refuse := func(format string, args ...any) string {
 		closeFDs(fds)
-		a.metrics.refused.WithLabelValues("memory", "InvalidArgument").Inc()
+		srv.cfg.Metrics.Refused.WithLabelValues("memory", "InvalidArgument").Inc()
 		return "error " + fmt.Sprintf(format, args...)
 	}
 	if perr != nil {
 		return refuse("%v", perr)
 	}
 	if id, ok := strings.CutPrefix(id, agentv1.DoorbellPrefix); ok {
-		if err := a.attachDoorbell(owner, id, fds); err != nil {
+		if err := srv.attachDoorbell(owner, id, fds); err != nil {
 			fds = nil // attachDoorbell kept or closed each
 			return refuse("%v", err)
 		}
@@ -133,52 +132,16 @@ func (a *Agent) deposit(owner, id string, fds []int, perr error) string {
 	case len(fds) != 1:
 		return refuse("pass exactly one fd per packet, got %d", len(fds))
 	}
-	s, err := a.session(id, owner)
+	s, err := srv.cfg.Sessions.Lookup(id, owner)
 	if err != nil {
 		return refuse("%s", status.Convert(err).Message())
 	}
-	if _, _, err := checkSealed(fds[0]); err != nil {
+	if _, _, err := session.CheckSealed(fds[0]); err != nil {
 		return refuse("%v", err)
 	}
-	h, err := s.deposit(os.NewFile(uintptr(fds[0]), "memfd"))
+	h, err := s.Deposit(os.NewFile(uintptr(fds[0]), "memfd"))
 	if err != nil {
 		return refuse("%v", err)
 	}
 	return fmt.Sprintf("ok %d", h)
-}
-
-// deposit keeps a passed memfd until a RegisterRegion claims it or the session ends.
-func (s *session) deposit(f *os.File) (uint64, error) {
-	s.fdMu.Lock()
-	defer s.fdMu.Unlock()
-	if s.fds == nil {
-		f.Close()
-		return 0, errors.New("session: ended")
-	}
-	if len(s.fds) >= maxDeposits {
-		f.Close()
-		return 0, fmt.Errorf("session: %d memfds passed and not yet registered; register them first", maxDeposits)
-	}
-	s.nextFD++
-	s.fds[s.nextFD] = f
-	return s.nextFD, nil
-}
-
-// claim takes the memfd a RegisterRegion names.
-func (s *session) claim(h uint64) *os.File {
-	s.fdMu.Lock()
-	defer s.fdMu.Unlock()
-	f := s.fds[h]
-	delete(s.fds, h)
-	return f
-}
-
-// dropDeposits closes every unclaimed memfd; later deposits are refused.
-func (s *session) dropDeposits() {
-	s.fdMu.Lock()
-	defer s.fdMu.Unlock()
-	for _, f := range s.fds {
-		f.Close()
-	}
-	s.fds = nil
 }

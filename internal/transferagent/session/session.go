@@ -1,4 +1,4 @@
-package agent
+package session
 
 import (
 	"os"
@@ -20,11 +20,11 @@ import (
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
-// session is one engine rank's connection to the agent. It owns the rank's fabric
+// Session is one engine rank's connection to the agent. It owns the rank's fabric
 // endpoint, and one goroutine (run, the "pump") owns all of its state: engine calls and
 // peer messages reach it as closures on cmds, so no lock guards the transfer state and
 // the fabric is only touched from one thread, as libfabric's RDM endpoints expect.
-type session struct {
+type Session struct {
 	n   *node
 	id  string
 	key string // engine id/rank
@@ -44,7 +44,6 @@ type session struct {
 	sleeping atomic.Bool // the pump is (about to be) blocked in the endpoint's Wait
 	events   chan *agentv1.Event
 	attached atomic.Bool
-	bell     atomic.Pointer[bell] // the doorbell, once the engine passed one
 	closing  chan struct{}
 	stopped  chan struct{}
 	once     sync.Once
@@ -113,16 +112,10 @@ type remoteEngine struct {
 	opened  []cudaipc.Key
 }
 
-// requestTimeouts are the timeouts an engine sent (zero where it sent none).
-func requestTimeouts(r *agentv1.RegisterEngineRequest) Timeouts {
-	ms := func(v uint32) time.Duration { return time.Duration(v) * time.Millisecond }
-	return Timeouts{Lease: ms(r.LeaseMillis), RegistrationTimeout: ms(r.RegistrationTimeoutMillis), BlocksTTL: ms(r.BlocksTtlMillis)}
-}
-
-func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *session {
-	s := &session{
+func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *Session {
+	s := &Session{
 		n: n, id: id, key: key, owner: owner, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
-		pol:  requestTimeouts(r).complete(fallback),
+		pol:  RequestTimeouts(r).Complete(fallback),
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
 		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]*remoteEngine{},
@@ -137,11 +130,11 @@ func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64,
 }
 
 // prefill and decode return the session's side of that role, or nil.
-func (s *session) prefill() *prefillSide { ps, _ := s.side.(*prefillSide); return ps }
-func (s *session) decode() *decodeSide   { ds, _ := s.side.(*decodeSide); return ds }
+func (s *Session) prefill() *prefillSide { ps, _ := s.side.(*prefillSide); return ps }
+func (s *Session) decode() *decodeSide   { ds, _ := s.side.(*decodeSide); return ds }
 
 // post runs fn on the pump, unless the session has stopped.
-func (s *session) post(fn func()) {
+func (s *Session) post(fn func()) {
 	select {
 	case s.cmds <- fn:
 		s.wake()
@@ -150,7 +143,7 @@ func (s *session) post(fn func()) {
 }
 
 // wake ends the pump's Wait on the endpoint, so it runs a command now.
-func (s *session) wake() {
+func (s *Session) wake() {
 	if s.sleeping.Load() {
 		s.ep.Wake()
 	}
@@ -158,26 +151,37 @@ func (s *session) wake() {
 
 // call runs fn on the pump and returns its error: engine calls get their validation
 // errors synchronously, while the fabric work they start runs on after they return.
-func (s *session) call(fn func() error) error {
+func (s *Session) call(fn func() error) error {
 	done := make(chan error, 1)
 	select {
 	case s.cmds <- func() { done <- fn() }:
 		s.wake()
 	case <-s.stopped:
-		return status.Error(codes.NotFound, "session ended: "+s.closeReason())
+		return status.Error(codes.NotFound, "session ended: "+s.CloseReason())
 	}
 	select {
 	case err := <-done:
 		return err
 	case <-s.stopped:
-		return status.Error(codes.NotFound, "session ended: "+s.closeReason())
+		return status.Error(codes.NotFound, "session ended: "+s.CloseReason())
 	}
 }
 
-func (s *session) attach() bool { return s.attached.CompareAndSwap(false, true) }
+// Attach marks the session's event stream open: the first caller gets true.
+func (s *Session) Attach() bool { return s.attached.CompareAndSwap(false, true) }
 
-// ended reports whether the session is closing or closed.
-func (s *session) ended() bool {
+// ID is the session's id; Epoch the incarnation of the engine rank it serves.
+func (s *Session) ID() string    { return s.id }
+func (s *Session) Epoch() uint64 { return s.epoch }
+
+// Events are what the session tells its engine, in order.
+func (s *Session) Events() <-chan *agentv1.Event { return s.events }
+
+// Stopped is closed once the session has ended and released everything it held.
+func (s *Session) Stopped() <-chan struct{} { return s.stopped }
+
+// Ended reports whether the session is closing or closed.
+func (s *Session) Ended() bool {
 	select {
 	case <-s.closing:
 		return true
@@ -186,9 +190,9 @@ func (s *session) ended() bool {
 	}
 }
 
-// close ends the session: the pump fences what is outstanding, drains, and releases the
+// Close ends the session: the pump fences what is outstanding, drains, and releases the
 // endpoint and memory.
-func (s *session) close(reason string) {
+func (s *Session) Close(reason string) {
 	s.once.Do(func() {
 		s.reasonMu.Lock()
 		s.reason = reason
@@ -198,13 +202,13 @@ func (s *session) close(reason string) {
 	})
 }
 
-func (s *session) closeReason() string {
+func (s *Session) CloseReason() string {
 	s.reasonMu.Lock()
 	defer s.reasonMu.Unlock()
 	return s.reason
 }
 
-func (s *session) emit(ev *agentv1.Event) {
+func (s *Session) Emit(ev *agentv1.Event) {
 	select {
 	case s.events <- ev:
 	case <-s.closing:
@@ -222,14 +226,12 @@ const (
 // fabric needs driving (transfers in flight, or a peer may be moving data into this
 // rank's memory: tcp;ofi_rxm moves data only while the target polls) it waits inside the
 // provider where it can, else polls with a backoff; otherwise it sleeps until a command
-// or the watchdog's tick.
-func (s *session) run() {
+// or the watchdog's tick. Once the session is closing it fences what is outstanding and
+// tears down when that has drained, or a lease after.
+func (s *Session) run() {
 	defer close(s.stopped)
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	idle := 0
-	closing := false
-	var closeDeadline time.Time
+	p := &pumpState{timer: time.NewTimer(time.Hour)}
+	defer p.timer.Stop()
 	for {
 		worked := s.runCommands()
 		now := time.Now()
@@ -241,73 +243,83 @@ func (s *session) run() {
 			s.side.watchdog(now)
 			s.countRails()
 		}
-		if !closing {
-			select {
-			case <-s.closing:
-				closing = true
-				closeDeadline = now.Add(s.pol.Lease)
-				s.n.log.Info("engine session ending", "engine", s.key, "reason", s.closeReason())
-				s.side.fenceAll(now, s.closeReason())
-				continue
-			default:
-			}
-		} else if s.side.drained() || now.After(closeDeadline) {
+		if !p.closing && s.Ended() {
+			p.closing, p.closeDeadline = true, now.Add(s.pol.Lease)
+			s.n.log.Info("engine session ending", "engine", s.key, "reason", s.CloseReason())
+			s.side.fenceAll(now, s.CloseReason())
+			continue
+		}
+		if p.closing && (s.side.drained() || now.After(p.closeDeadline)) {
 			s.teardown()
 			return
 		}
 		if worked {
-			idle = 0
+			p.idle = 0
 			runtime.Gosched()
 			continue
 		}
-		idle++
-		hot := s.side.hot()
-		// A rank of GPU memory moves its bytes by copies, which no provider wait notices.
-		if (hot || s.side.warm() || closing) && s.ep.Waitable() && s.gpu == nil {
-			// Sleep in the provider until it has work (data to move, a completion) or a
-			// command wakes us: no spinning, and no sub-millisecond timers, which the Go
-			// runtime rounds up to a millisecond.
-			timeout := s.pol.Tick
-			if hot || closing {
-				timeout = time.Millisecond
-			}
-			s.sleeping.Store(true)
-			if len(s.cmds) == 0 {
-				if n := s.ep.Wait(s.buf, timeout); n > 0 {
-					s.side.absorb(s.buf[:n])
-				}
-			}
-			s.sleeping.Store(false)
-			continue
-		}
-		switch {
-		case hot:
-			// Data is moving: poll again at once a few times, then nap, so that many hot
-			// ranks sharing few cores leave the cores to the ones moving data. GPU copies
-			// take a millisecond or so and use no core: poll them without a nap, which
-			// the Go runtime would stretch to about as long as the copies.
-			if idle < hotSpins || (s.gpu != nil && s.gpu.copier.Busy()) {
-				runtime.Gosched()
-				continue
-			}
-			timer.Reset(hotNap)
-		case s.side.warm() || closing:
-			// Something may arrive: poll, backing off to a millisecond.
-			timer.Reset(min(time.Duration(idle)*10*time.Microsecond, time.Millisecond))
-		default:
-			timer.Reset(s.pol.Tick)
-		}
-		select {
-		case fn := <-s.cmds:
-			fn()
-			idle = 0
-		case <-timer.C:
-		case <-s.closing:
-		}
+		p.idle++
+		s.await(p)
 	}
 }
 
-func (s *session) runCommands() bool {
+// pumpState is what the pump carries from one turn to the next.
+type pumpState struct {
+	timer         *time.Timer
+	idle          int // turns since the last that did work
+	closing       bool
+	closeDeadline time.Time
+}
+
+// await waits, after a turn that did no work, for the next thing to do: inside the
+// provider where it can wait (a completion, data to move, or a command's wake), else
+// for a command or a timer whose length says how soon something may move.
+func (s *Session) await(p *pumpState) {
+	hot := s.side.hot()
+	// A rank of GPU memory moves its bytes by copies, which no provider wait notices.
+	if (hot || s.side.warm() || p.closing) && s.ep.Waitable() && s.gpu == nil {
+		// No spinning, and no sub-millisecond timers, which the Go runtime rounds up to a
+		// millisecond.
+		timeout := s.pol.Tick
+		if hot || p.closing {
+			timeout = time.Millisecond
+		}
+		s.sleeping.Store(true)
+		if len(s.cmds) == 0 {
+			if n := s.ep.Wait(s.buf, timeout); n > 0 {
+				s.side.absorb(s.buf[:n])
+			}
+		}
+		s.sleeping.Store(false)
+		return
+	}
+	switch {
+	case hot:
+		// Data is moving: poll again at once a few times, then nap, so that many hot
+		// ranks sharing few cores leave the cores to the ones moving data. GPU copies
+		// take a millisecond or so and use no core: poll them without a nap, which
+		// the Go runtime would stretch to about as long as the copies.
+		if p.idle < hotSpins || (s.gpu != nil && s.gpu.copier.Busy()) {
+			runtime.Gosched()
+			return
+		}
+		p.timer.Reset(hotNap)
+	case s.side.warm() || p.closing:
+		// Something may arrive: poll, backing off to a millisecond.
+		p.timer.Reset(min(time.Duration(p.idle)*10*time.Microsecond, time.Millisecond))
+	default:
+		p.timer.Reset(s.pol.Tick)
+	}
+	select {
+	case fn := <-s.cmds:
+		fn()
+		p.idle = 0
+	case <-p.timer.C:
+	case <-s.closing:
+	}
+}
+
+func (s *Session) runCommands() bool {
 	ran := false
 	for {
 		select {
@@ -320,11 +332,10 @@ func (s *session) runCommands() bool {
 	}
 }
 
-func (s *session) teardown() {
+func (s *Session) teardown() {
 	s.countRails()
 	s.ep.Quiesce() // no rail thread moves data into memory unmapped below
 	s.dropDeposits()
-	s.closeBell()
 	s.closeGPU()
 	for _, r := range s.regions {
 		if r.reg == nil {
@@ -337,11 +348,11 @@ func (s *session) teardown() {
 	}
 	s.ep.Close()
 	s.n.forget(s)
-	s.n.log.Info("engine session ended", "engine", s.key, "reason", s.closeReason())
+	s.n.log.Info("engine session ended", "engine", s.key, "reason", s.CloseReason())
 }
 
 // countRails adds what each rail carried since the last count to the rail metric.
-func (s *session) countRails() {
+func (s *Session) countRails() {
 	now := s.ep.RailBytes()
 	for i, b := range now {
 		var before uint64
@@ -357,7 +368,7 @@ func (s *session) countRails() {
 
 // addRegion registers a region on the rank's endpoint, with the access the side allows
 // peers (never both reading and writing a rank's memory).
-func (s *session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error {
+func (s *Session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error {
 	if s.frozen {
 		return status.Error(codes.FailedPrecondition, "region_id: regions are fixed once the engine's first transfer started")
 	}
@@ -383,7 +394,7 @@ func (s *session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error 
 const maxSessionBytes = 1 << 40
 
 // track adds a registered region to the rank's layout.
-func (s *session) track(r *agentv1.RegisterRegionRequest, l *localRegion) {
+func (s *Session) track(r *agentv1.RegisterRegionRequest, l *localRegion) {
 	s.regions[r.RegionId] = l
 	s.layout = append(s.layout, writer.Region{ID: int(r.RegionId), BlockLen: r.BlockLen, Blocks: r.BlockCount})
 	slices.SortFunc(s.layout, func(a, b writer.Region) int { return a.ID - b.ID })
@@ -394,7 +405,7 @@ func (s *session) track(r *agentv1.RegisterRegionRequest, l *localRegion) {
 }
 
 // freeze fixes the regions at the first transfer: peers are told about them once.
-func (s *session) freeze() error {
+func (s *Session) freeze() error {
 	if len(s.regions) == 0 {
 		return status.Error(codes.FailedPrecondition, "session: register the engine's KV regions before its first transfer")
 	}
@@ -406,7 +417,7 @@ func (s *session) freeze() error {
 }
 
 // checkBlocks refuses block ids outside the engine's regions.
-func (s *session) checkBlocks(field string, ids []uint32) error {
+func (s *Session) checkBlocks(field string, ids []uint32) error {
 	for i, b := range ids {
 		if b >= s.minBlocks {
 			return status.Errorf(codes.InvalidArgument, "%s[%d]: block %d is outside the registered regions (%d blocks)", field, i, b, s.minBlocks)
@@ -416,12 +427,12 @@ func (s *session) checkBlocks(field string, ids []uint32) error {
 }
 
 // bytesFor is what a request of n blocks moves on this rank.
-func (s *session) bytesFor(n int) uint64 { return s.blockLen * uint64(n) }
+func (s *Session) bytesFor(n int) uint64 { return s.blockLen * uint64(n) }
 
 // describe is what tells a peer how to reach the rank's memory: its EngineInfo (rail 0),
 // then, when the rank has more rails, their addresses and keys, and when its memory is on
 // a GPU, that (with the IPC handles for a peer within this agent).
-func (s *session) describe(local bool) []wire.Message {
+func (s *Session) describe(local bool) []wire.Message {
 	addrs, err := s.ep.Addresses()
 	if err != nil {
 		s.n.log.Error("reading the endpoint's addresses", "engine", s.key, "err", err)
@@ -457,7 +468,7 @@ func (s *session) describe(local bool) []wire.Message {
 // peer inserted, or its GPU allocations opened) and kept for the next ones. A newer epoch
 // replaces the older one's; what that opened stays open until teardown, since copies of
 // the older epoch's fenced attempts may still be draining into it.
-func (s *session) reach(p *mesh.Peer, info *wire.EngineInfo) (*remoteEngine, error) {
+func (s *Session) reach(p *mesh.Peer, info *wire.EngineInfo) (*remoteEngine, error) {
 	old := s.remotes[info.Engine]
 	if old != nil && old.epoch == info.Epoch {
 		return old, nil

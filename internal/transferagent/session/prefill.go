@@ -1,4 +1,4 @@
-package agent
+package session
 
 import (
 	"errors"
@@ -22,7 +22,7 @@ import (
 // moves the bytes, and the holds keep pull sources; this file only carries out their
 // actions and talks to peers.
 type prefillSide struct {
-	s        *session
+	s        *Session
 	table    *rendezvous.Table // from the first transfer on, when the regions are fixed
 	w        *writer.Writer
 	holds    *rendezvous.Holds[*mesh.Peer]
@@ -55,7 +55,7 @@ type pushAttempt struct {
 	bytes    uint64
 }
 
-func newPrefillSide(s *session) *prefillSide {
+func newPrefillSide(s *Session) *prefillSide {
 	return &prefillSide{s: s, holds: rendezvous.NewHolds[*mesh.Peer](s.pol.BlocksTTL, s.pol.Lease), attempts: map[landing.Key]*pushAttempt{},
 		waiting: map[string]*waitingPull{}}
 }
@@ -98,7 +98,7 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 	// A request holds each block once, so it has no more positions than the rank has
 	// blocks; the tables keep positions in slices of that length.
 	if end := uint64(r.Offset) + uint64(len(r.BlockIds)); end > uint64(s.minBlocks) {
-		return invalid("offset", "positions %d..%d exceed the %d blocks of the engine's regions", r.Offset, end, s.minBlocks)
+		return Invalid("offset", "positions %d..%d exceed the %d blocks of the engine's regions", r.Offset, end, s.minBlocks)
 	}
 	now := time.Now()
 	part := rendezvous.Part{Request: r.RequestId, Offset: int(r.Offset), Blocks: r.BlockIds, Final: r.Final}
@@ -155,7 +155,7 @@ func (ps *prefillSide) span(first, count uint32) (rendezvous.Span, error) {
 func (ps *prefillSide) onRegister(p *mesh.Peer, m *wire.Register) {
 	s := ps.s
 	refuse := func(format string, args ...any) {
-		s.n.metrics.refused.WithLabelValues("peer", "Register").Inc()
+		s.n.metrics.Refused.WithLabelValues("peer", "Register").Inc()
 		reason := fmt.Sprintf(format, args...)
 		s.n.log.Warn("refused a registration", "engine", s.key, "request", m.Request, "attempt", m.Attempt, "reason", reason)
 		p.Send(&wire.Failed{Request: m.Request, Attempt: m.Attempt, Engine: m.Engine, Reason: reason})
@@ -233,7 +233,7 @@ func (ps *prefillSide) handle(now time.Time, acts []rendezvous.Action) {
 		case rendezvous.Transfer:
 			writes, bytes, err := ps.w.Submit(act)
 			if err != nil {
-				s.n.metrics.refused.WithLabelValues("peer", "Transfer").Inc()
+				s.n.metrics.Refused.WithLabelValues("peer", "Transfer").Inc()
 				acts = append(acts, ps.table.Fail(now, act.Request, act.Attempt, "bad_blocks", err.Error())...)
 				continue
 			}
@@ -259,11 +259,11 @@ func (ps *prefillSide) handle(now time.Time, acts []rendezvous.Action) {
 			ps.finish(act.Request, act.Attempt, act.Decode, act.Code, act.Reason)
 		case rendezvous.SourceDeclined:
 			s.n.metrics.declines.Inc()
-			s.emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: act.Request, Reason: "declined: the decode engine computes the request itself"})
+			s.Emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: act.Request, Reason: "declined: the decode engine computes the request itself"})
 		case rendezvous.SourceExpired:
 			s.n.metrics.expiries.WithLabelValues("source").Inc()
 			s.n.metrics.failures.WithLabelValues("blocks_ttl").Inc()
-			s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: act.Request, Reason: act.Reason})
+			s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: act.Request, Reason: act.Reason})
 		}
 	}
 }
@@ -291,10 +291,10 @@ func (ps *prefillSide) delivered(d rendezvous.Delivered) {
 	if err := ps.w.Signal(a.decode, landing.SignalData(a.token, false)); err != nil {
 		m.failures.WithLabelValues("signal_error").Inc()
 		a.peer.Send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
-		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: d.Request, Attempt: d.Attempt, Reason: "signalling delivery failed"})
+		s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: d.Request, Attempt: d.Attempt, Reason: "signalling delivery failed"})
 		return
 	}
-	s.emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: d.Request, Attempt: d.Attempt, Bytes: a.bytes, Descriptors: uint64(a.writes)})
+	s.Emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: d.Request, Attempt: d.Attempt, Bytes: a.bytes, Descriptors: uint64(a.writes)})
 }
 
 // finish reports a fenced attempt that has drained. When any of its writes was posted, a
@@ -312,7 +312,7 @@ func (ps *prefillSide) finish(req string, attempt uint64, decode rendezvous.Engi
 		if code == rendezvous.CodeLeaseExpired || code == rendezvous.CodeRegistrationTimeout {
 			s.n.metrics.expiries.WithLabelValues("push").Inc()
 		}
-		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: req, Attempt: attempt, Reason: reason})
+		s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: req, Attempt: attempt, Reason: reason})
 	}
 	if a == nil {
 		return
@@ -363,7 +363,7 @@ func (ps *prefillSide) onDecline(m *wire.Decline) {
 	now := time.Now()
 	acts, err := ps.table.Decline(now, m.Request)
 	if err != nil {
-		ps.s.n.metrics.refused.WithLabelValues("peer", "Decline").Inc()
+		ps.s.n.metrics.Refused.WithLabelValues("peer", "Decline").Inc()
 		ps.s.n.log.Warn("refused a decline", "engine", ps.s.key, "request", m.Request, "err", err)
 		return
 	}
@@ -408,7 +408,7 @@ func (ps *prefillSide) acquire(now time.Time, w *waitingPull) {
 // refuse answers a pull that cannot be granted with a Failed naming why.
 func (ps *prefillSide) refuse(w *waitingPull, failure, why string) {
 	s := ps.s
-	s.n.metrics.refused.WithLabelValues("peer", "Acquire").Inc()
+	s.n.metrics.Refused.WithLabelValues("peer", "Acquire").Inc()
 	s.n.metrics.failures.WithLabelValues(failure).Inc()
 	w.peer.Send(&wire.Failed{Request: w.m.Request, Attempt: w.m.Attempt, Engine: w.m.Engine, Reason: fmt.Sprintf("prefill engine %s: %s", s.key, why)})
 }
@@ -420,11 +420,11 @@ func (ps *prefillSide) onRelease(p *mesh.Peer, m *wire.Release) {
 		return
 	}
 	if m.Failed != 0 {
-		s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: m.Request, Attempt: m.Attempt, Reason: "the decode engine's pull did not complete"})
+		s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: m.Request, Attempt: m.Attempt, Reason: "the decode engine's pull did not complete"})
 		return
 	}
 	s.n.metrics.bytes.WithLabelValues("pull").Add(float64(s.bytesFor(n)))
-	s.emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: m.Request, Attempt: m.Attempt, Bytes: s.bytesFor(n)})
+	s.Emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: m.Request, Attempt: m.Attempt, Bytes: s.bytesFor(n)})
 }
 
 // watchdog: registrations past their lease or timeout and push sources nobody registered
@@ -437,7 +437,7 @@ func (ps *prefillSide) watchdog(now time.Time) {
 	for _, e := range ps.holds.Expire(now) {
 		ps.s.n.metrics.expiries.WithLabelValues("hold").Inc()
 		ps.s.n.metrics.failures.WithLabelValues("blocks_ttl").Inc()
-		ps.s.emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: e.Request, Reason: e.Reason})
+		ps.s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: e.Request, Reason: e.Reason})
 	}
 	for req, w := range ps.waiting {
 		if !now.Before(w.until) {

@@ -1,10 +1,8 @@
-package agent
+package session
 
 import (
 	"errors"
 	"fmt"
-	"hash/fnv"
-	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -25,47 +23,9 @@ type sessionGPU struct {
 	copier  *cudaipc.Copier
 }
 
-// registerGPURegion checks and opens a CUDA region an engine exported as an IPC handle.
-func (e *engineAPI) registerGPURegion(s *session, r *agentv1.RegisterRegionRequest) error {
-	if len(r.CudaIpcHandle) != 64 {
-		return invalid("cuda_ipc_handle", "must be the 64 bytes of a cuIpcGetMemHandle, got %d", len(r.CudaIpcHandle))
-	}
-	if len(r.CudaDeviceUuid) != 16 {
-		return invalid("cuda_device_uuid", "must be the 16 bytes of a cuDeviceGetUuid, got %d", len(r.CudaDeviceUuid))
-	}
-	ordinal, err := cuda.DeviceByUUID(cuda.UUID(r.CudaDeviceUuid))
-	if errors.Is(err, cuda.ErrNoDriver) {
-		return status.Errorf(codes.FailedPrecondition, "kind MEMORY_KIND_CUDA: %v (the agent's pod needs NVIDIA_VISIBLE_DEVICES=all and the "+
-			"driver's libraries)", err)
-	}
-	if err != nil {
-		return invalid("cuda_device_uuid", "%v", err)
-	}
-	h := cuda.IPCHandle(r.CudaIpcHandle)
-	gr, err := e.a.node.gpus.OpenRegion(h, ordinal, r.Offset, r.Size)
-	if err != nil {
-		return status.Errorf(codes.InvalidArgument, "cuda_ipc_handle: %v", err)
-	}
-	// The claim index sees the allocation as a file named by its handle: no two regions
-	// of any engine may overlap in it.
-	f := fnv.New64a()
-	f.Write(h[:])
-	m := &mapping{file: fileID{dev: ^uint64(0), ino: f.Sum64()}, off: r.Offset, size: r.Size}
-	if err := e.a.claim(s, r.RegionId, m); err != nil {
-		e.a.node.gpus.Close(h, ordinal)
-		return status.Error(codes.AlreadyExists, err.Error())
-	}
-	if err := s.call(func() error { return s.addGPURegion(r, m, gr, ordinal) }); err != nil {
-		e.a.release(s, r.RegionId)
-		e.a.node.gpus.Close(h, ordinal)
-		return err
-	}
-	return nil
-}
-
 // addGPURegion adds an opened GPU region: a rank's regions are all host memory or all on
 // one GPU.
-func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr *cudaipc.Region, ordinal int) error {
+func (s *Session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr *cudaipc.Region, ordinal int) error {
 	if s.frozen {
 		return status.Error(codes.FailedPrecondition, "region_id: regions are fixed once the engine's first transfer started")
 	}
@@ -88,7 +48,7 @@ func (s *session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr 
 }
 
 // devices are the rank's regions' device addresses by region ID.
-func (s *session) devices() map[int]uint64 {
+func (s *Session) devices() map[int]uint64 {
 	out := make(map[int]uint64, len(s.regions))
 	for id, r := range s.regions {
 		out[int(id)] = uint64(r.dev.Ptr)
@@ -98,7 +58,7 @@ func (s *session) devices() map[int]uint64 {
 
 // gpuInfo describes the rank's GPU memory to a peer: with the handles to a peer within
 // this agent, without them to any other (a handle opens only on its own node).
-func (s *session) gpuInfo(local bool) *wire.GPU {
+func (s *Session) gpuInfo(local bool) *wire.GPU {
 	g := &wire.GPU{Engine: s.key, Epoch: s.epoch, Device: string(s.gpu.uuid[:])}
 	if local {
 		for _, l := range s.layout {
@@ -113,7 +73,7 @@ func (s *session) gpuInfo(local bool) *wire.GPU {
 // openPeerGPU opens a peer engine's GPU regions in this rank's GPU context, making r's
 // addresses device addresses there. Pairs of host and GPU memory, and GPU memory off this
 // node, are refused.
-func (s *session) openPeerGPU(p *mesh.Peer, info *wire.EngineInfo, r *remoteEngine) error {
+func (s *Session) openPeerGPU(p *mesh.Peer, info *wire.EngineInfo, r *remoteEngine) error {
 	switch {
 	case info.GPU == nil || s.gpu == nil:
 		return errors.New("one engine's KV is in GPU memory and the other's in host memory: such pairs are not supported")
@@ -135,7 +95,7 @@ func (s *session) openPeerGPU(p *mesh.Peer, info *wire.EngineInfo, r *remoteEngi
 }
 
 // release closes the GPU allocations a peer engine's memory held open here.
-func (s *session) release(r *remoteEngine) {
+func (s *Session) release(r *remoteEngine) {
 	for _, k := range r.opened {
 		s.n.gpus.Close(k.Handle, k.GPU)
 	}
@@ -143,7 +103,7 @@ func (s *session) release(r *remoteEngine) {
 }
 
 // closeGPU waits for the rank's copies and closes what it opened (teardown).
-func (s *session) closeGPU() {
+func (s *Session) closeGPU() {
 	if s.gpu == nil {
 		return
 	}
@@ -157,15 +117,4 @@ func (s *session) closeGPU() {
 	for _, r := range s.regions {
 		s.n.gpus.Close(r.dev.Handle, s.gpu.ordinal)
 	}
-}
-
-// notifyDecode delivers a signal to a decode engine of this agent, as a write carrying
-// data would: only to the incarnation it was meant for.
-func (a *Agent) notifyDecode(engine string, epoch, data uint64) error {
-	s := a.engine(engine)
-	if s == nil || s.epoch != epoch || s.decode() == nil {
-		return fmt.Errorf("decode engine %s epoch %d is gone", engine, epoch)
-	}
-	s.post(func() { s.decode().onSignal(time.Now(), data) })
-	return nil
 }

@@ -1,25 +1,26 @@
-package agent
+package session
 
 import "github.com/prometheus/client_golang/prometheus"
 
-// metrics are the agent's Prometheus series. Label values are bounded: modes, stages,
-// failure codes and refused call names are fixed sets.
-type metrics struct {
+// Metrics are the agent's Prometheus series. Label values are bounded: modes, stages,
+// failure codes and refused call names are fixed sets. The exported ones are those the
+// engine API and the peer mesh count into too.
+type Metrics struct {
 	stage       *prometheus.HistogramVec
 	bytes       *prometheus.CounterVec
 	descriptors *prometheus.CounterVec
 	expiries    *prometheus.CounterVec
 	cancels     prometheus.Counter
 	declines    prometheus.Counter
-	bellRecords *prometheus.CounterVec
+	BellRecords *prometheus.CounterVec
 	pullWaits   prometheus.Counter
 	failures    *prometheus.CounterVec
-	refused     *prometheus.CounterVec
+	Refused     *prometheus.CounterVec
 	parts       *prometheus.CounterVec
 	rails       *prometheus.CounterVec
 	sessions    prometheus.Gauge
-	peers       prometheus.Gauge
-	provider    *prometheus.GaugeVec
+	Peers       prometheus.Gauge
+	Provider    *prometheus.GaugeVec
 }
 
 // failureReasons are the reason label's values of kvhandoff_agent_failures_total
@@ -29,8 +30,9 @@ var failureReasons = []string{
 	"peer_unreachable", "pull_failed", "pull_late", "registration_timeout", "session_closed", "signal_error", "source_cancelled", "write_error",
 }
 
-func newMetrics(reg prometheus.Registerer) *metrics {
-	m := &metrics{
+// NewMetrics makes the agent's series and registers them with reg.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
 		stage: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvhandoff_agent_handoff_stage_seconds",
 			Help: "Handoff latency by stage: rendezvous_wait (push: source ready until paired with a registration; pull: acquire round trip), post " +
@@ -55,7 +57,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvhandoff_agent_declines_total", Help: "Push sources freed at once because the decode engine computed the request " +
 				"itself (its prefix cache held part of the prompt).",
 		}),
-		bellRecords: prometheus.NewCounterVec(prometheus.CounterOpts{
+		BellRecords: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_doorbell_records_total", Help: "Records that crossed engines' doorbells instead of RPCs: " +
 				"reports drained from submit rings, and events written into events rings, by direction.",
 		}, []string{"direction"}),
@@ -66,7 +68,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_failures_total", Help: "Attempts that ended without delivery, by reason.",
 		}, []string{"reason"}),
-		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+		Refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_agent_refused_total", Help: "Refused engine calls and peer messages, by call and code.",
 		}, []string{"call", "code"}),
 		parts: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -78,8 +80,8 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 				"split over its endpoints.",
 		}, []string{"rail"}),
 		sessions: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_engine_sessions", Help: "Engine ranks registered."}),
-		peers:    prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_peer_connections", Help: "Connections to other agents."}),
-		provider: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Peers:    prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_peer_connections", Help: "Connections to other agents."}),
+		Provider: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvhandoff_agent_provider_info", Help: "1 for the libfabric provider the agent runs on.",
 		}, []string{"provider"}),
 	}
@@ -92,6 +94,6 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	for _, kind := range []string{"push", "source", "hold", "pull"} {
 		m.expiries.WithLabelValues(kind)
 	}
-	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.bellRecords, m.pullWaits, m.failures, m.refused, m.parts, m.rails, m.sessions, m.peers, m.provider)
+	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.BellRecords, m.pullWaits, m.failures, m.Refused, m.parts, m.rails, m.sessions, m.Peers, m.Provider)
 	return m
 }

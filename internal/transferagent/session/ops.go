@@ -1,0 +1,321 @@
+package session
+
+import (
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"slices"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+)
+
+// The engine's calls on its session, whichever way they arrive (an RPC or a doorbell
+// record). Each checks its request against the session's state and returns an error
+// naming the field and the rule it broke; nothing is recorded from a refused request.
+// The work runs on the session's pump; the fabric work a call starts runs on after it
+// returns.
+
+// Invalid is the answer to a request that broke a rule: its field, and the rule.
+func Invalid(field, format string, args ...any) error {
+	return status.Errorf(codes.InvalidArgument, "%s: "+format, append([]any{field}, args...)...)
+}
+
+// RegisterRegion maps and registers one of the engine's KV regions: host memory from a
+// memfd the engine passed over the memory socket (memory_handle), or GPU memory from a
+// CUDA IPC handle.
+func (s *Session) RegisterRegion(r *agentv1.RegisterRegionRequest) error {
+	switch {
+	case r.BlockLen == 0 || r.BlockCount == 0:
+		return Invalid("block_len", "and block_count must be positive")
+	case r.BlockLen > r.Size/uint64(r.BlockCount):
+		return Invalid("size", "%d bytes cannot hold %d blocks of %d bytes", r.Size, r.BlockCount, r.BlockLen)
+	}
+	switch r.Kind {
+	case agentv1.MemoryKind_MEMORY_KIND_HOST:
+		return s.registerHostRegion(r)
+	case agentv1.MemoryKind_MEMORY_KIND_CUDA, agentv1.MemoryKind_MEMORY_KIND_NEURON:
+		if r.Kind == agentv1.MemoryKind_MEMORY_KIND_CUDA && len(r.CudaIpcHandle) > 0 {
+			return s.registerGPURegion(r)
+		}
+		// The dmabuf path needs libfabric's FI_MR_DMABUF at build time and the fd in
+		// this process; without either, say so rather than register something else.
+		if !fabric.HasDmabuf() {
+			return status.Errorf(codes.FailedPrecondition, "kind %s: %v", r.Kind, fabric.ErrNoDmabuf)
+		}
+		return status.Errorf(codes.Unimplemented, "kind %s: device memory needs its dmabuf fd passed to the agent over the socket, which this "+
+			"agent does not accept yet", r.Kind)
+	}
+	return Invalid("kind", "must be MEMORY_KIND_HOST, _CUDA or _NEURON")
+}
+
+func (s *Session) registerHostRegion(r *agentv1.RegisterRegionRequest) error {
+	f := s.claim(r.MemoryHandle)
+	if f == nil {
+		return Invalid("memory_handle", "%d names no memfd this session passed over %s (each handle registers one region)",
+			r.MemoryHandle, agentv1.MemorySocketName)
+	}
+	m, err := mapFD(f, r.Offset, r.Size)
+	f.Close() // the mapping keeps the memory
+	if err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	if err := s.n.memory.claim(s, r.RegionId, m); err != nil {
+		m.unmap()
+		return status.Error(codes.AlreadyExists, err.Error())
+	}
+	if err := s.call(func() error { return s.addRegion(r, m) }); err != nil {
+		s.n.memory.release(s, r.RegionId)
+		m.unmap()
+		return err
+	}
+	return nil
+}
+
+// registerGPURegion checks and opens a CUDA region an engine exported as an IPC handle.
+func (s *Session) registerGPURegion(r *agentv1.RegisterRegionRequest) error {
+	if len(r.CudaIpcHandle) != 64 {
+		return Invalid("cuda_ipc_handle", "must be the 64 bytes of a cuIpcGetMemHandle, got %d", len(r.CudaIpcHandle))
+	}
+	if len(r.CudaDeviceUuid) != 16 {
+		return Invalid("cuda_device_uuid", "must be the 16 bytes of a cuDeviceGetUuid, got %d", len(r.CudaDeviceUuid))
+	}
+	ordinal, err := cuda.DeviceByUUID(cuda.UUID(r.CudaDeviceUuid))
+	if errors.Is(err, cuda.ErrNoDriver) {
+		return status.Errorf(codes.FailedPrecondition, "kind MEMORY_KIND_CUDA: %v (the agent's pod needs NVIDIA_VISIBLE_DEVICES=all and the "+
+			"driver's libraries)", err)
+	}
+	if err != nil {
+		return Invalid("cuda_device_uuid", "%v", err)
+	}
+	h := cuda.IPCHandle(r.CudaIpcHandle)
+	gr, err := s.n.gpus.OpenRegion(h, ordinal, r.Offset, r.Size)
+	if err != nil {
+		return status.Errorf(codes.InvalidArgument, "cuda_ipc_handle: %v", err)
+	}
+	// The claim index sees the allocation as a file named by its handle: no two regions
+	// of any engine may overlap in it.
+	f := fnv.New64a()
+	f.Write(h[:])
+	m := &mapping{file: fileID{dev: ^uint64(0), ino: f.Sum64()}, off: r.Offset, size: r.Size}
+	if err := s.n.memory.claim(s, r.RegionId, m); err != nil {
+		s.n.gpus.Close(h, ordinal)
+		return status.Error(codes.AlreadyExists, err.Error())
+	}
+	if err := s.call(func() error { return s.addGPURegion(r, m, gr, ordinal) }); err != nil {
+		s.n.memory.release(s, r.RegionId)
+		s.n.gpus.Close(h, ordinal)
+		return err
+	}
+	return nil
+}
+
+// RegisterDestination registers decode blocks for a push (decode, push).
+func (s *Session) RegisterDestination(r *agentv1.RegisterDestinationRequest) error {
+	if err := s.allow("RegisterDestination", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH); err != nil {
+		return err
+	}
+	if err := checkRequest(r.RequestId, "block_ids", r.BlockIds); err != nil {
+		return err
+	}
+	if err := checkSource("source", r.Source, s.rank); err != nil {
+		return err
+	}
+	return s.call(func() error { return s.decode().registerDestination(r) })
+}
+
+// SourceReady reports prefill blocks (or a part of them) ready (prefill, either mode).
+func (s *Session) SourceReady(r *agentv1.SourceReadyRequest) error {
+	if err := s.checkSourceReady(r); err != nil {
+		return err
+	}
+	return s.call(func() error { return s.prefill().sourceReady(r) })
+}
+
+func (s *Session) checkSourceReady(r *agentv1.SourceReadyRequest) error {
+	if err := s.allow("SourceReady", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_UNSPECIFIED); err != nil {
+		return err
+	}
+	return checkRequest(r.RequestId, "block_ids", r.BlockIds)
+}
+
+// Pull reads a prefill engine's blocks into the engine's (decode, pull).
+func (s *Session) Pull(r *agentv1.PullRequest) error {
+	if err := s.checkPull(r); err != nil {
+		return err
+	}
+	return s.call(func() error { return s.decode().pull(r) })
+}
+
+func (s *Session) checkPull(r *agentv1.PullRequest) error {
+	if err := s.allow("Pull", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PULL); err != nil {
+		return err
+	}
+	if err := checkRequest(r.RequestId, "source_block_ids", r.SourceBlockIds); err != nil {
+		return err
+	}
+	if len(r.DestinationBlockIds) != len(r.SourceBlockIds) {
+		return Invalid("destination_block_ids", "names %d blocks for %d source blocks", len(r.DestinationBlockIds), len(r.SourceBlockIds))
+	}
+	return checkSource("source", r.Source, s.rank)
+}
+
+// Report is one record of an engine's doorbell: a SourceReady or a Pull.
+type Report struct {
+	Ready *agentv1.SourceReadyRequest
+	Pull  *agentv1.PullRequest
+}
+
+// Reports runs a batch of doorbell records on the pump, in order, as their RPCs would
+// run; a refused one is answered by a FAILED event for its request and attempt.
+func (s *Session) Reports(rs []Report) {
+	s.post(func() {
+		for _, r := range rs {
+			if err := s.report(r); err != nil {
+				s.n.metrics.Refused.WithLabelValues("doorbell", status.Code(err).String()).Inc()
+				s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: r.request(), Attempt: r.attempt(), Reason: status.Convert(err).Message()})
+			}
+		}
+	})
+}
+
+func (s *Session) report(r Report) error {
+	if r.Pull != nil {
+		if err := s.checkPull(r.Pull); err != nil {
+			return err
+		}
+		return s.decode().pull(r.Pull)
+	}
+	if err := s.checkSourceReady(r.Ready); err != nil {
+		return err
+	}
+	return s.prefill().sourceReady(r.Ready)
+}
+
+func (r Report) request() string {
+	if r.Pull != nil {
+		return r.Pull.RequestId
+	}
+	return r.Ready.RequestId
+}
+
+func (r Report) attempt() uint64 {
+	if r.Pull != nil {
+		return r.Pull.Attempt
+	}
+	return 0
+}
+
+// Cancel fences an attempt of a request (either role).
+func (s *Session) Cancel(r *agentv1.CancelRequest) error {
+	if err := checkRequestID(r.RequestId); err != nil {
+		return err
+	}
+	return s.call(func() error { return s.side.cancel(time.Now(), r.RequestId, r.Attempt) })
+}
+
+// Decline frees a push source the decode engine will not take (decode, push).
+func (s *Session) Decline(r *agentv1.DeclineRequest) error {
+	if err := s.allow("Decline", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH); err != nil {
+		return err
+	}
+	if err := checkRequestID(r.RequestId); err != nil {
+		return err
+	}
+	if err := checkSource("source", r.Source, s.rank); err != nil {
+		return err
+	}
+	return s.call(func() error { return s.decode().decline(r) })
+}
+
+// Heartbeat renews the leases of everything the engine has outstanding.
+func (s *Session) Heartbeat() error {
+	return s.call(func() error {
+		if ds := s.decode(); ds != nil {
+			ds.heartbeat()
+		}
+		return nil
+	})
+}
+
+// allow refuses a call the session's role or mode does not allow (MODE_UNSPECIFIED:
+// either mode).
+func (s *Session) allow(call string, role agentv1.Role, mode agentv1.Mode) error {
+	if s.role != role || (mode != agentv1.Mode_MODE_UNSPECIFIED && s.mode != mode) {
+		return status.Errorf(codes.FailedPrecondition, "%s: not allowed for a %s engine in %s", call, s.role, s.mode)
+	}
+	return nil
+}
+
+func checkRequestID(id string) error {
+	if id == "" {
+		return Invalid("request_id", "must not be empty")
+	}
+	if len(id) > wire.MaxString {
+		return Invalid("request_id", "is %d bytes, longer than %d", len(id), wire.MaxString)
+	}
+	return nil
+}
+
+// checkRequest checks a request id and the blocks a call names.
+func checkRequest(id, field string, ids []uint32) error {
+	if err := checkRequestID(id); err != nil {
+		return err
+	}
+	if len(ids) == 0 {
+		return Invalid(field, "must name at least one block")
+	}
+	if len(ids) > wire.MaxBlocks {
+		return Invalid(field, "names %d blocks, more than %d", len(ids), wire.MaxBlocks)
+	}
+	return nil
+}
+
+func checkSource(field string, ref *agentv1.EngineRef, rank uint32) error {
+	switch {
+	case ref == nil || ref.Agent == "" || ref.EngineId == "":
+		return Invalid(field, "must name the agent (host:port) and engine_id")
+	case ref.TpRank != rank:
+		return Invalid(field+".tp_rank", "is %d; rank %d transfers only to and from rank %d (tensor-parallel sizes must match)", ref.TpRank, rank, rank)
+	}
+	return nil
+}
+
+// checkDomains checks the NICs an engine rank names for its rails: each once, no more
+// than an endpoint's rails. Whether the provider has them is what opening them tells
+// (openFailure).
+func checkDomains(provider string, names []string) error {
+	if len(names) > fabric.MaxRails {
+		return Invalid("fabric_domains", "names %d domains; a rank has at most %d rails", len(names), fabric.MaxRails)
+	}
+	if len(names) > 1 && provider == "shm" {
+		return Invalid("fabric_domains", "names %d domains; shm moves memory within a node and has no rails", len(names))
+	}
+	for i, n := range names {
+		if slices.Index(names, n) != i {
+			return Invalid(fmt.Sprintf("fabric_domains[%d]", i), "%q is named twice: one rail per NIC", n)
+		}
+	}
+	return nil
+}
+
+// openFailure is the answer to an endpoint that would not open: a named domain the
+// provider lacks is the engine's mistake, named with the domains there are; anything
+// else is the provider's.
+func openFailure(provider string, names []string, err error) error {
+	if have, lerr := fabric.Domains(provider); lerr == nil {
+		for i, n := range names {
+			if !slices.Contains(have, n) {
+				return Invalid(fmt.Sprintf("fabric_domains[%d]", i), "%q is not a domain of provider %s (it has %s)", n, provider, strings.Join(have, ", "))
+			}
+		}
+	}
+	return status.Errorf(codes.Unavailable, "opening a fabric endpoint: %v", err)
+}
