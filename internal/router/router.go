@@ -26,6 +26,7 @@ import (
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/health"
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
+	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
 
@@ -74,6 +75,7 @@ type Server struct {
 	cfg    Config
 	set    atomic.Pointer[discovery.Set]
 	bal    *balance.Balancer
+	choose *choice.Chooser
 	client *http.Client
 	m      *metrics
 	mux    *http.ServeMux
@@ -81,9 +83,6 @@ type Server struct {
 
 	// slots holds a token per request being served (MaxInFlight).
 	slots chan struct{}
-
-	mu     sync.Mutex
-	gauged map[[2]string]bool // inflight series in use, to delete when engines go
 }
 
 // New returns a router with no engines: it answers 503 until the first Update.
@@ -110,11 +109,11 @@ func New(cfg Config) *Server {
 			// nor undoes, compression.
 			DisableCompression: true,
 		}},
-		m:      newMetrics(cfg.Registry),
-		mux:    http.NewServeMux(),
-		slots:  make(chan struct{}, max(cfg.MaxInFlight, 1)),
-		gauged: map[[2]string]bool{},
+		m:     newMetrics(cfg.Registry),
+		mux:   http.NewServeMux(),
+		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)),
 	}
+	s.choose = choice.New(s.bal, s.m.inflight)
 	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.completions("/v1/chat/completions"))
 	s.mux.HandleFunc("GET /v1/models", s.models)
@@ -141,10 +140,9 @@ func (s *Server) Update(set *discovery.Set) {
 		return
 	}
 	old := s.set.Swap(set)
-	s.bal.Forget(set)
+	s.choose.Forget(set)
 	s.m.endpoints.WithLabelValues(string(balance.Prefill)).Set(float64(len(set.Prefill)))
 	s.m.endpoints.WithLabelValues(string(balance.Decode)).Set(float64(len(set.Decode)))
-	s.forgetGauges(set)
 	if old == nil || old.Mode != set.Mode || len(old.Prefill) != len(set.Prefill) || len(old.Decode) != len(set.Decode) {
 		s.cfg.Log.Info("engines", "source", set.Source, "mode", set.Mode, "prefill", ids(set.Prefill), "decode", ids(set.Decode))
 	}
@@ -217,44 +215,6 @@ func (s *Server) scrape(ctx context.Context) {
 	}
 }
 
-// take picks an engine of role and counts a leg on it, for selection and the inflight
-// gauge, until the returned release.
-func (s *Server) take(role balance.Role, candidates []discovery.Engine, tokens int) (discovery.Engine, func()) {
-	e, release, _ := s.bal.Take(role, candidates, tokens)
-	return e, s.gauge(role, e.EngineID, release)
-}
-
-// gauge adds a leg to the inflight gauge of an engine until release.
-func (s *Server) gauge(role balance.Role, id string, release func()) func() {
-	g := s.m.inflight.WithLabelValues(string(role), id)
-	g.Inc()
-	s.mu.Lock()
-	s.gauged[[2]string{string(role), id}] = true
-	s.mu.Unlock()
-	var once sync.Once
-	return func() { once.Do(func() { release(); g.Dec() }) }
-}
-
-// forgetGauges deletes the inflight series of engines that left the set and have no leg
-// in flight, so a churning pool does not grow the exposition forever.
-func (s *Server) forgetGauges(set *discovery.Set) {
-	keep := map[[2]string]bool{}
-	for _, e := range set.Prefill {
-		keep[[2]string{string(balance.Prefill), e.EngineID}] = true
-	}
-	for _, e := range set.Decode {
-		keep[[2]string{string(balance.Decode), e.EngineID}] = true
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for k := range s.gauged {
-		if n, _ := s.bal.Outstanding(balance.Role(k[0]), k[1]); !keep[k] && n == 0 {
-			s.m.inflight.DeleteLabelValues(k[0], k[1])
-			delete(s.gauged, k)
-		}
-	}
-}
-
 // readyz is ready when at least one prefill and one decode engine can be paired.
 func (s *Server) readyz(w http.ResponseWriter, _ *http.Request) {
 	set := s.set.Load()
@@ -262,7 +222,7 @@ func (s *Server) readyz(w http.ResponseWriter, _ *http.Request) {
 		http.Error(w, "no engines discovered yet", http.StatusServiceUnavailable)
 		return
 	}
-	if _, _, why := pairable(set, nil); why != "" {
+	if _, _, why := choice.Pairable(set, nil); why != "" {
 		http.Error(w, why, http.StatusServiceUnavailable)
 		return
 	}
@@ -290,42 +250,6 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 	}
 	defer resp.Body.Close()
 	_, _ = relay(w, resp, nil)
-}
-
-// pairable returns the prefill and decode engines that share a compat-hash with an
-// engine of the other pool (prefill engines in exclude left out), or why there are none.
-func pairable(set *discovery.Set, exclude map[string]bool) (prefill, decode []discovery.Engine, why string) {
-	pHashes, dHashes := map[string]bool{}, map[string]bool{}
-	for _, p := range set.Prefill {
-		if !exclude[p.EngineID] {
-			pHashes[p.CompatHash] = true
-		}
-	}
-	for _, d := range set.Decode {
-		dHashes[d.CompatHash] = true
-	}
-	for _, p := range set.Prefill {
-		if !exclude[p.EngineID] && dHashes[p.CompatHash] {
-			prefill = append(prefill, p)
-		}
-	}
-	for _, d := range set.Decode {
-		if pHashes[d.CompatHash] {
-			decode = append(decode, d)
-		}
-	}
-	switch {
-	case len(set.Prefill) == 0:
-		why = fmt.Sprintf("no ready prefill engine (%s)", set.Source)
-	case len(set.Decode) == 0:
-		why = fmt.Sprintf("no ready decode engine (%s)", set.Source)
-	case len(pHashes) == 0:
-		why = fmt.Sprintf("no other ready prefill engine to retry on (%s: %d prefill engines, all failed this request)", set.Source, len(set.Prefill))
-	case len(decode) == 0:
-		why = fmt.Sprintf("no ready prefill and decode engines share a compat-hash (%s): the pools run different configurations; see the "+
-			"DecodePool's Paired condition", set.Source)
-	}
-	return prefill, decode, why
 }
 
 func newID(prefix string) string {

@@ -1,0 +1,142 @@
+// Package choice picks the engines of a request's legs: which prefill and decode engines
+// can be paired at all (a compat-hash both pools share: the same model, KV layout and
+// connector), and among those the least loaded (package balance), counting each pick as a
+// leg in flight until it is released. It is the router's one seam for engine choice: its
+// modes call it, and so can an endpoint picker in front of the pools.
+package choice
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvhandoff/kvhandoff/internal/router/balance"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+)
+
+// Chooser picks engines and keeps the count of legs in flight on each, in the balancer
+// (for the next choice) and in the inflight gauge (for operators).
+type Chooser struct {
+	bal      *balance.Balancer
+	inflight *prometheus.GaugeVec // labels: role, engine
+
+	mu     sync.Mutex
+	gauged map[[2]string]bool // inflight series in use, to delete when engines go
+}
+
+// New returns a Chooser over bal, counting into inflight (labels role and engine).
+func New(bal *balance.Balancer, inflight *prometheus.GaugeVec) *Chooser {
+	return &Chooser{bal: bal, inflight: inflight, gauged: map[[2]string]bool{}}
+}
+
+// Pick is a chosen engine, counted as one leg in flight until Release (idempotent).
+type Pick struct {
+	discovery.Engine
+	Release func()
+}
+
+// Take picks the engine of role among candidates that suits a request of tokens best.
+func (c *Chooser) Take(role balance.Role, candidates []discovery.Engine, tokens int) Pick {
+	e, release, _ := c.bal.Take(role, candidates, tokens)
+	return Pick{Engine: e, Release: c.gauge(role, e.EngineID, release)}
+}
+
+// Push picks a push request's pair at its arrival: the decode engine first (it holds the
+// request's blocks until the end), then a prefill engine of its compat-hash. prefills and
+// decodes are Pairable's, so each decode engine has one.
+func (c *Chooser) Push(prefills, decodes []discovery.Engine, tokens int) (prefill, decode Pick) {
+	decode = c.Take(balance.Decode, decodes, tokens)
+	prefill = c.Take(balance.Prefill, SameHash(prefills, decode.CompatHash), tokens)
+	return prefill, decode
+}
+
+// PullDecode picks a pull request's decode engine once its prefill leg returned: one of
+// prefill's compat-hash in set, or why there is none.
+func (c *Chooser) PullDecode(set *discovery.Set, prefill discovery.Engine, tokens int) (Pick, string) {
+	_, decodes, _ := Pairable(set, nil)
+	decodes = SameHash(decodes, prefill.CompatHash)
+	if len(decodes) == 0 {
+		return Pick{}, fmt.Sprintf("no ready decode engine with prefill engine %s's compat-hash %q (%s)", prefill.EngineID, prefill.CompatHash, set.Source)
+	}
+	return c.Take(balance.Decode, decodes, tokens), ""
+}
+
+// gauge adds a leg to the inflight gauge of an engine until release.
+func (c *Chooser) gauge(role balance.Role, id string, release func()) func() {
+	g := c.inflight.WithLabelValues(string(role), id)
+	g.Inc()
+	c.mu.Lock()
+	c.gauged[[2]string{string(role), id}] = true
+	c.mu.Unlock()
+	var once sync.Once
+	return func() { once.Do(func() { release(); g.Dec() }) }
+}
+
+// Forget drops what the balancer knows of engines that left set, and the inflight series
+// of those with no leg in flight, so a churning pool does not grow the exposition forever.
+func (c *Chooser) Forget(set *discovery.Set) {
+	c.bal.Forget(set)
+	keep := map[[2]string]bool{}
+	for _, e := range set.Prefill {
+		keep[[2]string{string(balance.Prefill), e.EngineID}] = true
+	}
+	for _, e := range set.Decode {
+		keep[[2]string{string(balance.Decode), e.EngineID}] = true
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for k := range c.gauged {
+		if n, _ := c.bal.Outstanding(balance.Role(k[0]), k[1]); !keep[k] && n == 0 {
+			c.inflight.DeleteLabelValues(k[0], k[1])
+			delete(c.gauged, k)
+		}
+	}
+}
+
+// Pairable returns the prefill and decode engines that share a compat-hash with an
+// engine of the other pool (prefill engines in exclude left out), or why there are none.
+func Pairable(set *discovery.Set, exclude map[string]bool) (prefill, decode []discovery.Engine, why string) {
+	pHashes, dHashes := map[string]bool{}, map[string]bool{}
+	for _, p := range set.Prefill {
+		if !exclude[p.EngineID] {
+			pHashes[p.CompatHash] = true
+		}
+	}
+	for _, d := range set.Decode {
+		dHashes[d.CompatHash] = true
+	}
+	for _, p := range set.Prefill {
+		if !exclude[p.EngineID] && dHashes[p.CompatHash] {
+			prefill = append(prefill, p)
+		}
+	}
+	for _, d := range set.Decode {
+		if pHashes[d.CompatHash] {
+			decode = append(decode, d)
+		}
+	}
+	switch {
+	case len(set.Prefill) == 0:
+		why = fmt.Sprintf("no ready prefill engine (%s)", set.Source)
+	case len(set.Decode) == 0:
+		why = fmt.Sprintf("no ready decode engine (%s)", set.Source)
+	case len(pHashes) == 0:
+		why = fmt.Sprintf("no other ready prefill engine to retry on (%s: %d prefill engines, all failed this request)", set.Source, len(set.Prefill))
+	case len(decode) == 0:
+		why = fmt.Sprintf("no ready prefill and decode engines share a compat-hash (%s): the pools run different configurations; see the "+
+			"DecodePool's Paired condition", set.Source)
+	}
+	return prefill, decode, why
+}
+
+// SameHash is the engines of es with compat-hash hash.
+func SameHash(es []discovery.Engine, hash string) []discovery.Engine {
+	var out []discovery.Engine
+	for _, e := range es {
+		if e.CompatHash == hash {
+			out = append(out, e)
+		}
+	}
+	return out
+}

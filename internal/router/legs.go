@@ -1,0 +1,168 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/internal/router/balance"
+	"github.com/kvhandoff/kvhandoff/internal/router/choice"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
+)
+
+// serveOnDecode serves a request whose prefill side failed on a decode engine alone
+// (handoffFailurePolicy ServeOnDecode): the client's own body, so the engine prefills it
+// itself. The failed attempt's legs have ended (push aborts its decode leg before it
+// returns), so the request holds no other engine's resources and gets one answer. Each
+// such request is counted, logged with its id, and says so in X-Kvhandoff-Fallback.
+func (s *Server) serveOnDecode(rq *request, set *discovery.Set, reason string, failed result) result {
+	if len(set.Decode) == 0 {
+		return failed
+	}
+	s.m.fallbacks.WithLabelValues(rq.mode, reason).Inc()
+	s.cfg.Log.Warn("serving the request on a decode engine alone (handoffFailurePolicy ServeOnDecode)", "request_id", rq.id, "mode", rq.mode,
+		"reason", reason, "err", failed.msg)
+	rq.fallback = reason
+	rq.w.Header().Set("X-Kvhandoff-Fallback", reason)
+	// A request id of its own, as for any new attempt (legID).
+	rq.retries++
+	d := s.choose.Take(balance.Decode, set.Decode, rq.tokens)
+	rq.decode = d.EngineID
+	ctx, cancel := context.WithCancel(rq.r.Context())
+	defer cancel()
+	sent := time.Now()
+	ds := s.decodeLeg(ctx, rq, d, rq.body.Marshal())
+	rq.decodeTime = time.Since(sent)
+	return s.finishDecode(rq, d.Engine, ds)
+}
+
+type legResult struct {
+	res    result
+	params []byte // pull: the prefill engine's kv_transfer_params
+	took   time.Duration
+}
+
+// prefillLeg sends a prefill leg and reads its whole response, then calls release (the
+// engine's count from take). A refused connection, a
+// timeout, a 5xx or (pull) a response without kv_transfer_params is a failure to retry
+// elsewhere; a 4xx is the client's request refused, answered as the engine said.
+func (s *Server) prefillLeg(ctx context.Context, rq *request, pick choice.Pick, body []byte, needParams bool) legResult {
+	e, release := pick.Engine, pick.Release
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.PrefillTimeout)
+	defer cancel()
+	defer release()
+	start := time.Now()
+	fail := func(reason, msg string) legResult {
+		if context.Cause(ctx) != errAnswered {
+			s.m.legFails.WithLabelValues("prefill", e.EngineID, reason).Inc()
+		}
+		return legResult{res: result{outcome: OutcomePrefillFailed, status: http.StatusBadGateway, engine: e.EngineID,
+			msg: fmt.Sprintf("prefill engine %s: %s", e.EngineID, msg)}, took: time.Since(start)}
+	}
+	resp, err := s.send(ctx, rq, e, body)
+	if err != nil {
+		return fail(transportReason(ctx, err), err.Error())
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return fail(transportReason(ctx, err), "reading the response: "+err.Error())
+	}
+	switch {
+	case resp.StatusCode >= 500:
+		return fail("status_5xx", fmt.Sprintf("%s: %.256s", resp.Status, data))
+	case resp.StatusCode >= 400:
+		return legResult{res: result{outcome: OutcomeEngineRefused, status: resp.StatusCode, engine: e.EngineID,
+			msg: fmt.Sprintf("prefill engine %s refused the request: %s", e.EngineID, engineMessage(data))}, took: time.Since(start)}
+	}
+	out := legResult{took: time.Since(start)}
+	if needParams {
+		if out.params, err = protocol.PrefillParams(data); err != nil {
+			return fail("no_kv_transfer_params", err.Error())
+		}
+	}
+	return out
+}
+
+// decodeStart is a decode leg whose response has begun: its status and first bytes.
+type decodeStart struct {
+	resp  *http.Response
+	first []byte
+	at    time.Time
+	err   error
+}
+
+// decodeLeg sends a decode leg and waits for its first bytes, for at most DecodeTimeout;
+// release (the engine's count from take) runs when the leg ends.
+func (s *Server) decodeLeg(ctx context.Context, rq *request, pick choice.Pick, body []byte) *decodeStart {
+	e, release := pick.Engine, pick.Release
+	ctx, cancel := context.WithCancel(ctx)
+	timer := time.AfterFunc(s.cfg.DecodeTimeout, cancel)
+	resp, err := s.send(ctx, rq, e, body)
+	if err != nil {
+		if !timer.Stop() {
+			err = fmt.Errorf("no response within %s: %w", s.cfg.DecodeTimeout, context.DeadlineExceeded)
+		}
+		release()
+		cancel()
+		return &decodeStart{err: err}
+	}
+	buf := make([]byte, 32<<10)
+	n, err := readSome(resp.Body, buf)
+	if !timer.Stop() {
+		err = fmt.Errorf("no first byte within %s: %w", s.cfg.DecodeTimeout, context.DeadlineExceeded)
+	}
+	if err != nil && !errors.Is(err, io.EOF) {
+		resp.Body.Close()
+		release()
+		cancel()
+		return &decodeStart{err: err}
+	}
+	// From here the leg's lifetime is the relay's; closing the body releases it.
+	resp.Body = &releasingBody{ReadCloser: resp.Body, release: func() { release(); cancel() }}
+	return &decodeStart{resp: resp, first: buf[:n], at: time.Now()}
+}
+
+// finishDecode relays a started decode leg to the client, or reports why it failed.
+func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) result {
+	if ds.err != nil {
+		if rq.r.Context().Err() != nil {
+			return result{outcome: OutcomeClientGone, msg: "the client disconnected; both legs were cancelled"}
+		}
+		reason := transportReason(nil, ds.err)
+		s.m.legFails.WithLabelValues("decode", e.EngineID, reason).Inc()
+		return result{outcome: OutcomeDecodeFailed, status: http.StatusBadGateway, engine: e.EngineID,
+			msg: fmt.Sprintf("decode engine %s: %v", e.EngineID, ds.err)}
+	}
+	defer ds.resp.Body.Close()
+	if ds.resp.StatusCode >= 500 {
+		rest, _ := io.ReadAll(io.LimitReader(ds.resp.Body, 4<<10))
+		s.m.legFails.WithLabelValues("decode", e.EngineID, "status_5xx").Inc()
+		return result{outcome: OutcomeDecodeFailed, status: http.StatusBadGateway, engine: e.EngineID,
+			msg: fmt.Sprintf("decode engine %s: %s: %.256s", e.EngineID, ds.resp.Status, append(ds.first, rest...))}
+	}
+	outcome := OutcomeOK
+	if ds.resp.StatusCode >= 400 {
+		outcome = OutcomeEngineRefused
+	}
+	written, err := relay(rq.w, ds.resp, ds.first, func() {
+		rq.firstByte = time.Now()
+		rq.relay = rq.firstByte.Sub(ds.at)
+		rq.added += rq.relay
+	})
+	if err != nil {
+		if rq.r.Context().Err() != nil {
+			return result{outcome: OutcomeClientGone, engine: e.EngineID, msg: "the client disconnected mid-stream; the decode leg was cancelled"}
+		}
+		s.m.legFails.WithLabelValues("decode", e.EngineID, "broken").Inc()
+		s.cfg.Log.Error("decode stream broke after its first byte", "request_id", rq.id, "decode", e.EngineID, "bytes", written, "err", err)
+		// The status is sent: abort the client's connection so it sees a truncated
+		// response rather than a complete-looking one.
+		panic(http.ErrAbortHandler)
+	}
+	return result{outcome: outcome, engine: e.EngineID}
+}

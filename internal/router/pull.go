@@ -1,0 +1,45 @@
+package router
+
+import (
+	"context"
+	"net/http"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/internal/router/balance"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
+)
+
+// pull sends the prefill leg first and chooses the decode engine when it returns; the
+// decode leg carries the prefill engine's kv_transfer_params, and decode reads the
+// blocks.
+func (s *Server) pull(rq *request, set *discovery.Set) result {
+	return s.withRetry(rq, set, func(prefills, _ []discovery.Engine, mark time.Time) (result, bool) {
+		p := s.choose.Take(balance.Prefill, prefills, rq.tokens)
+		rq.prefill = p.EngineID
+		rq.added = time.Since(mark)
+		pr := s.prefillLeg(rq.r.Context(), rq, p, protocol.PrefillLeg(rq.body, "").Marshal(), true)
+		got := time.Now()
+		rq.prefillTime = pr.took
+		if pr.res.outcome != "" {
+			return pr.res, pr.res.outcome == OutcomePrefillFailed
+		}
+		s.m.leg.WithLabelValues(rq.mode, "prefill").Observe(pr.took.Seconds())
+
+		// Decode is chosen now, among engines of the prefill engine's configuration.
+		d, why := s.choose.PullDecode(s.set.Load(), p.Engine, rq.tokens)
+		if why != "" {
+			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: why}, false
+		}
+		rq.decode = d.EngineID
+		body := protocol.PullDecodeLeg(rq.body, pr.params).Marshal()
+		ctx, cancel := context.WithCancel(rq.r.Context())
+		defer cancel()
+		rq.added += time.Since(got)
+		sent := time.Now()
+		ds := s.decodeLeg(ctx, rq, d, body)
+		rq.decodeTime = time.Since(sent)
+		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(rq.decodeTime.Seconds())
+		return s.finishDecode(rq, d.Engine, ds), false
+	})
+}
