@@ -40,9 +40,6 @@ const (
 	// pods carry the pool label too (never the role label), so they are never taken for
 	// engines.
 	LabelRouter = "kvhandoff.io/router"
-	// AnnotationRouterHealth on a router pod is the router's own report of its handoffs
-	// (JSON, as the agent's), written by the router on its own pod only when it changes.
-	AnnotationRouterHealth = "kvhandoff.io/router-health"
 
 	// AnnotationPolicyHash on an engine pod template is the hash of the policy spec the pod
 	// was rendered from, so that any policy change rolls both pools.

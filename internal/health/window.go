@@ -1,9 +1,10 @@
 // Package health turns a component's own Prometheus counters into a small report of what
-// is wrong with its KV transfers, and publishes the report as an annotation on a
-// Kubernetes object (the agent's node, the router's pod) only when it changes. The
-// manager reads those annotations into the pools' TransferHealthy condition, so the
-// condition and the alerts are computed from the same series, and a component that sees
-// nothing new writes nothing.
+// is wrong with its KV transfers (Report, one type for agents and routers). An agent
+// publishes its report as an annotation on its node only when it changes (Publisher); a
+// router serves its report on GET /health/transfer, which the manager polls. The manager
+// reads both into the pools' TransferHealthy condition, so the condition and the alerts
+// are computed from the same series, and a component that sees nothing new writes
+// nothing.
 package health
 
 import (
