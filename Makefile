@@ -71,6 +71,10 @@ test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on th
 	$(MAKE) test-kubelet
 	$(MAKE) test-vllm
 
+.PHONY: unit
+unit: ## The loop to run while editing: every Go test that needs no API server, agent process, root or vLLM (hack/unit-packages.sh lists them).
+	go test $$(hack/unit-packages.sh) -count=1 -timeout 10m
+
 .PHONY: test-gpu
 # On a host with two NVIDIA GPUs (KVH_CUDA_PEER=0: within one): the CUDA layer (IPC across processes), push, pull
 # and cancels between engines whose KV is GPU memory, and the vLLM connector's CUDA KV through the agent.

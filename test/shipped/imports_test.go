@@ -7,8 +7,6 @@ import (
 	"path"
 	"strings"
 	"testing"
-
-	"github.com/kvhandoff/kvhandoff/test/envtest"
 )
 
 const module = "github.com/kvhandoff/kvhandoff"
@@ -36,7 +34,7 @@ func testDouble(pkg string) string {
 // Every program under cmd/ is shipped (it is some image's binary), and none links a test
 // double, a benchmark, a development program or Go's testing package.
 func TestShippedBinariesLinkNoTestDoubles(t *testing.T) {
-	out := goList(t, "-f", "{{if eq .Name \"main\"}}{{.ImportPath}}{{end}}", "./cmd/...")
+	out := goList(t, "-f", "{{if eq .Name \"main\"}}{{.ImportPath}}{{end}}", module+"/cmd/...")
 	mains := strings.Fields(out)
 	if len(mains) < 5 {
 		t.Fatalf("go list ./cmd/... found %d programs (%v): want the manager, router, transfer agent, device plugin and connector installer", len(mains), mains)
@@ -70,9 +68,7 @@ func TestTheRuleNamesTestDoubles(t *testing.T) {
 
 func goList(t *testing.T, args ...string) string {
 	t.Helper()
-	cmd := exec.Command("go", append([]string{"list"}, args...)...)
-	cmd.Dir = envtest.RepoRoot()
-	out, err := cmd.Output()
+	out, err := exec.Command("go", append([]string{"list"}, args...)...).Output()
 	if err != nil {
 		t.Fatalf("go list %v: %v", args, err)
 	}
