@@ -1,6 +1,4 @@
 #!/usr/bin/env bash
-# Builds the Prometheus server from its Go module (pinned in hack/tools/prometheus, the
-# version promtool comes from) once, and prints its path. Service discovery is left out
-# (remove_all_sd): the tests scrape static targets on loopback.
-exec "$(dirname "${BASH_SOURCE[0]}")/module-tool.sh" prometheus prometheus github.com/prometheus/prometheus \
-  github.com/prometheus/prometheus/cmd/prometheus "" remove_all_sd
+# Prints the path of the Prometheus server from Debian's prometheus package (unpacked once,
+# no service started): the tests run it on loopback with static targets.
+exec "$(dirname "${BASH_SOURCE[0]}")/debian-tool.sh" prometheus usr/bin/prometheus

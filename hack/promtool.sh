@@ -1,5 +1,3 @@
 #!/usr/bin/env bash
-# Builds promtool from Prometheus's Go module (pinned in hack/tools/prometheus) once, and
-# prints its path.
-exec "$(dirname "${BASH_SOURCE[0]}")/module-tool.sh" prometheus promtool github.com/prometheus/prometheus \
-  github.com/prometheus/prometheus/cmd/promtool
+# Prints the path of promtool from Debian's prometheus package (unpacked once, no service).
+exec "$(dirname "${BASH_SOURCE[0]}")/debian-tool.sh" prometheus usr/bin/promtool

@@ -1,5 +1,5 @@
 // Package alerts checks kvhandoff's alert rules (charts/kvhandoff/files/alerts.yaml) with
-// Prometheus's own promtool, built from its Go module (hack/promtool.sh): the rules parse,
+// Prometheus's own promtool (Debian's, which hack/promtool.sh unpacks once): the rules parse,
 // each fires on series shaped like kvhandoff's metrics only past its threshold and its
 // "for" (alerts_test.yaml), and every metric they and the dashboard name is one kvhandoff
 // exports.

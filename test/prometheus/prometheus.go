@@ -1,5 +1,5 @@
-// Package prometheus runs a real Prometheus server (hack/prometheus.sh builds it from
-// Prometheus's Go module) against the test's own processes: it scrapes their /metrics
+// Package prometheus runs a real Prometheus server (Debian's, 2.42, which
+// hack/prometheus.sh unpacks once) against the test's own processes: it scrapes their /metrics
 // and evaluates kvhandoff's alert rules, so a test sees what an operator's Prometheus
 // would page on.
 package prometheus
@@ -53,9 +53,11 @@ func Rules(t testing.TB, window, hold string) string {
 // and evaluating every 500 ms, until the test ends.
 func Start(t testing.TB, rules string, targets ...Target) *Server {
 	t.Helper()
-	bin, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "prometheus.sh")).Output()
+	tool := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "prometheus.sh"))
+	tool.Stderr = os.Stderr
+	bin, err := tool.Output()
 	if err != nil {
-		t.Fatalf("building Prometheus (hack/prometheus.sh): %v", err)
+		t.Fatalf("unpacking Prometheus (hack/prometheus.sh): %v", err)
 	}
 	dir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(dir, "rules.yaml"), []byte(rules), 0o644); err != nil {
