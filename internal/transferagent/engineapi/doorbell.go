@@ -59,6 +59,11 @@ func (srv *Server) attachDoorbell(owner, id string, fds []int) error {
 		b.release()
 		return errors.New("doorbell: the session has one already")
 	}
+	if s.Ended() {
+		srv.bells.Delete(s)
+		b.release()
+		return errors.New("doorbell: session ended")
+	}
 	// The session's end closes the engine's eventfd, which ends serveBell, which
 	// releases the bell; the bell goes with its session.
 	go func() {
