@@ -29,7 +29,7 @@ type Session struct {
 	id  string
 	key string // engine id/rank
 	// owner is the pod (or, outside pods, the user) that registered the session; only it
-	// may make calls naming the session (identity.go).
+	// may make calls naming the session (package engineapi, identity.go).
 	owner string
 	epoch uint64
 	role  agentv1.Role
