@@ -8,7 +8,9 @@
 set -euo pipefail
 pkg=$1 path=$2
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-version() { apt-cache show --no-all-versions "$pkg" 2>/dev/null | awk '$1=="Version:" {print $2; exit}'; }
+# awk reads all of apt-cache's output: quitting at the first match would end apt-cache by
+# SIGPIPE, which pipefail makes this script's exit (141).
+version() { apt-cache show --no-all-versions "$pkg" 2>/dev/null | awk '$1=="Version:" && !v {v=$2} END {print v}'; }
 v=$(version)
 if [ -z "$v" ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
@@ -23,8 +25,11 @@ if [ ! -x "$dir/$path" ]; then
   chmod 0777 "$tmp" # apt-get download fetches as its _apt user
   trap 'rm -rf "$tmp"' EXIT
   (cd "$tmp" && "$here/retry.sh" apt-get download -qq "$pkg=$v" >&2)
-  rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
-  dpkg -x "$tmp"/*.deb "$dir.tmp"
-  rm -rf "$dir" && mv "$dir.tmp" "$dir"
+  # Unpacked beside, then renamed: two callers at once (promtool and the server, from two
+  # test packages) each unpack their own copy, and the first rename wins.
+  mkdir -p "$(dirname "$dir")"
+  part=$(mktemp -d "$dir.part.XXXXXX")
+  dpkg -x "$tmp"/*.deb "$part"
+  mv -T "$part" "$dir" 2>/dev/null || rm -rf "$part"
 fi
 echo "$dir/$path"
