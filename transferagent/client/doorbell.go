@@ -45,16 +45,8 @@ func (e *Engine) UseDoorbell() error {
 		unix.Munmap(mem)
 		return err
 	}
-	var efds [2]int
-	for i := range efds {
-		if efds[i], err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
-			closeAll(efds[:i])
-			unix.Munmap(mem)
-			return fmt.Errorf("doorbell: eventfd: %w", err)
-		}
-	}
-	if err := passDoorbell(agentv1.MemorySocket(e.c.socket), e.Session, []int{fd, efds[0], efds[1]}); err != nil {
-		closeAll(efds[:])
+	efds, err := passDoorbell(agentv1.MemorySocket(e.c.socket), e.Session, fd)
+	if err != nil {
 		unix.Munmap(mem)
 		return err
 	}
@@ -68,22 +60,44 @@ func (e *Engine) UseDoorbell() error {
 	return nil
 }
 
-func passDoorbell(socket, session string, fds []int) error {
+// passDoorbell passes the doorbell's memfd and returns the eventfds the agent answers
+// with: the one the engine rings, and the one the agent rings.
+func passDoorbell(socket, session string, memfd int) ([2]int, error) {
+	var efds [2]int
 	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: socket, Net: "unixpacket"})
 	if err != nil {
-		return fmt.Errorf("memory socket: %w", err)
+		return efds, fmt.Errorf("memory socket: %w", err)
 	}
 	defer c.Close()
-	if _, _, err := c.WriteMsgUnix([]byte(agentv1.DoorbellPrefix+session), unix.UnixRights(fds...), nil); err != nil {
-		return fmt.Errorf("memory socket: %w", err)
+	if _, _, err := c.WriteMsgUnix([]byte(agentv1.DoorbellPrefix+session), unix.UnixRights(memfd), nil); err != nil {
+		return efds, fmt.Errorf("memory socket: %w", err)
 	}
-	buf := make([]byte, 512)
-	n, err := c.Read(buf)
+	buf, oob := make([]byte, 512), make([]byte, unix.CmsgSpace(4*len(efds)))
+	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
 	if err != nil {
-		return fmt.Errorf("memory socket: %w", err)
+		return efds, fmt.Errorf("memory socket: %w", err)
 	}
-	_, err = agentv1.ParseMemoryAnswer(buf[:n])
-	return err
+	var fds []int
+	if msgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
+		for _, m := range msgs {
+			got, _ := unix.ParseUnixRights(&m)
+			fds = append(fds, got...)
+		}
+	}
+	if _, err := agentv1.ParseMemoryAnswer(buf[:n]); err != nil {
+		closeAll(fds)
+		return efds, err
+	}
+	if len(fds) != len(efds) {
+		closeAll(fds)
+		return efds, fmt.Errorf("memory socket: the doorbell's answer carried %d fds, not the two eventfds", len(fds))
+	}
+	for i, fd := range fds {
+		unix.CloseOnExec(fd)
+		unix.SetNonblock(fd, true) // reads wait in the Go runtime's poller, so a Close ends them
+		efds[i] = fd
+	}
+	return efds, nil
 }
 
 func closeAll(fds []int) {

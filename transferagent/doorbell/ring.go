@@ -1,9 +1,9 @@
 // Package doorbell is the engine API's data path without RPCs: two single-producer,
-// single-consumer rings in a memfd that an engine rank and its agent both map, and an
-// eventfd the agent watches. The engine writes its SourceReady reports and its Pulls into
-// the submit ring and rings the eventfd; the agent writes the session's events (DELIVERED,
-// SOURCE_DONE, ...) into the events ring, which the engine reads at each of its steps
-// (and, where it passed a second eventfd, is woken on). gRPC stays for everything else:
+// single-consumer rings in a memfd that an engine rank and its agent both map, and two
+// eventfds the agent makes and hands over. The engine writes its SourceReady reports and
+// its Pulls into the submit ring and rings the first eventfd; the agent writes the
+// session's events (DELIVERED, SOURCE_DONE, ...) into the events ring, which the engine
+// reads at each of its steps, and rings the second (an engine may wait on it, or close it). gRPC stays for everything else:
 // registration, the other calls, and the event stream that is the engine's liveness.
 //
 // # Layout

@@ -84,13 +84,15 @@ class Session:
         if doorbell and supported():
             bell = Doorbell()
             try:
-                self._pass_fds(DOORBELL_PREFIX + self.session, [bell.fd, bell.ring])
+                # The agent makes the eventfds and answers with them: the one to ring,
+                # and the one it rings, which this connector has no use for (it polls).
+                _, efds = self._pass_fds(DOORBELL_PREFIX + self.session, [bell.fd], want_fds=2)
             except AgentError as e:
                 bell.close()
                 log.warning("kvhandoff: the agent took no doorbell (%s); reports and events go by gRPC", e)
             else:
-                os.close(bell.fd)  # the mappings keep the memory
-                bell.fd = -1
+                os.close(efds[1])
+                bell.attach(efds[0])
                 self.bell = bell
 
     def _pump(self) -> None:
@@ -107,17 +109,26 @@ class Session:
 
     def pass_memory(self, fd: int) -> int:
         """Hands a sealed memfd to the agent; returns the handle RegisterRegion names."""
-        return self._pass_fds(self.session, [fd])
+        return self._pass_fds(self.session, [fd])[0]
 
-    def _pass_fds(self, text: str, fds: list[int]) -> int:
+    def _pass_fds(self, text: str, fds: list[int], want_fds: int = 0) -> tuple[int, list[int]]:
+        """Sends fds with text over the memory socket; returns the answer's handle and the
+        want_fds fds the answer must carry."""
         path = os.path.join(os.path.dirname(self.socket_path), MEMORY_SOCKET_NAME)
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.settimeout(30)
             s.connect(path)
             socket.send_fds(s, [text.encode()], fds)
-            answer = s.recv(512).decode(errors="replace")
+            data, got, _, _ = socket.recv_fds(s, 512, max(want_fds, 1))
+        answer = data.decode(errors="replace")
+        if answer.startswith("ok ") and len(got) == want_fds:
+            for fd in got:
+                os.set_inheritable(fd, False)
+            return int(answer[3:]), got
+        for fd in got:
+            os.close(fd)
         if answer.startswith("ok "):
-            return int(answer[3:])
+            raise AgentError(f"memory socket {path}: the answer carried {len(got)} fds, not {want_fds}")
         raise AgentError(f"memory socket {path}: {answer.removeprefix('error ')}")
 
     def poll_events(self) -> list:

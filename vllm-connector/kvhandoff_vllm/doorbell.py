@@ -2,8 +2,8 @@
 
 The layout and the rules are the agent's (transferagent/doorbell/ring.go): a sealed memfd
 holding two single-producer, single-consumer rings — SourceReady reports and Pulls to the
-agent, events back — and an eventfd the agent watches. The connector writes a record and rings;
-it reads its events at each step, where the gRPC stream would have had a thread hand
+agent, events back — and an eventfd the agent made and watches. The connector writes a
+record and rings; it reads its events at each step, where the gRPC stream would have had a thread hand
 them over.
 
 Head and tail are stored and loaded as single aligned 8-byte words (memoryview "Q"), after
@@ -49,7 +49,7 @@ def _record_len(n: int) -> int:
 
 
 class Doorbell:
-    """The rings and the eventfd, before and after they are passed to the agent."""
+    """The rings, and the eventfd the agent answers with."""
 
     def __init__(self):
         size = HEADER + 2 * CAPACITY
@@ -59,7 +59,6 @@ class Doorbell:
             os.posix_fallocate(self.fd, 0, size)  # the agent maps only memory that exists
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self.ring = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         except BaseException:
             os.close(self.fd)
             raise
@@ -71,6 +70,14 @@ class Doorbell:
         self._tail = 0  # the submit ring's, ours
         self._head = 0  # the events ring's, ours
         self._lock = threading.Lock()  # reports come from the step and from the sender thread
+        self.ring = -1  # the eventfd the agent made, once attached
+
+    def attach(self, ring: int) -> None:
+        """Takes the eventfd the agent answered with, and drops the memfd: the mappings
+        keep the memory."""
+        self.ring = ring
+        os.close(self.fd)
+        self.fd = -1
 
     def put(self, kind: int, msg: bytes) -> bool:
         """Writes one record (a report or a pull) and rings the agent; False if it is too
@@ -127,6 +134,7 @@ class Doorbell:
         for v in (self._words, self._submit, self._events):
             v.release()
         self._map.close()
-        os.close(self.ring)
+        if self.ring >= 0:
+            os.close(self.ring)
         if self.fd >= 0:
             os.close(self.fd)

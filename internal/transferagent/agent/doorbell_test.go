@@ -3,13 +3,17 @@ package agent_test
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
 	"strings"
 	"testing"
+	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -130,8 +134,8 @@ func TestARefusedDoorbellPullComesBackAsAFailedEvent(t *testing.T) {
 }
 
 // rawBell passes fds as a doorbell for session, as any engine could, and returns the
-// agent's answer.
-func rawBell(t *testing.T, a *agentProc, session string, fds ...int) (string, error) {
+// agent's answer and the fds it carried (closed when the test ends).
+func rawBell(t *testing.T, a *agentProc, session string, fds ...int) (string, []int, error) {
 	t.Helper()
 	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: agentv1.MemorySocket(a.Socket), Net: "unixpacket"})
 	if err != nil {
@@ -141,13 +145,77 @@ func rawBell(t *testing.T, a *agentProc, session string, fds ...int) (string, er
 	if _, _, err := c.WriteMsgUnix([]byte(agentv1.DoorbellPrefix+session), unix.UnixRights(fds...), nil); err != nil {
 		t.Fatal(err)
 	}
-	buf := make([]byte, 512)
-	n, err := c.Read(buf)
+	buf, oob := make([]byte, 512), make([]byte, unix.CmsgSpace(4*4))
+	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
 	if err != nil {
 		t.Fatal(err)
 	}
+	var got []int
+	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range msgs {
+		fds, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, fds...)
+	}
+	t.Cleanup(func() { closeFDs(got) })
 	_, err = agentv1.ParseMemoryAnswer(buf[:n])
-	return string(buf[:n]), err
+	return string(buf[:n]), got, err
+}
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}
+
+// openBell passes a well-formed doorbell of capacity for e's session and returns its
+// mapping and the eventfds the agent answered with: the one to ring, the one it rings.
+func openBell(t *testing.T, a *agentProc, e *simengine.Engine, capacity uint64) (mem []byte, ring, wake int) {
+	t.Helper()
+	fd, mem := bellMemory(t, capacity)
+	answer, efds, err := rawBell(t, a, e.Session, fd)
+	if err != nil || len(efds) != 2 {
+		t.Fatalf("a well-formed doorbell: answer %q with %d fds; want ok with 2 eventfds", answer, len(efds))
+	}
+	return mem, efds[0], efds[1]
+}
+
+// report writes n SourceReady reports of a block past the layout (each refused with a
+// FAILED event) into the submit ring, ringing after each batch that fits.
+func report(t *testing.T, mem []byte, capacity uint64, ring int, n int) {
+	t.Helper()
+	submit := doorbell.Submit(mem, capacity)
+	for i := 0; i < n; {
+		msg, _ := proto.Marshal(&agentv1.SourceReadyRequest{RequestId: fmt.Sprintf("r-%d", i), BlockIds: []uint32{1 << 20}, Final: true})
+		switch err := submit.Put(doorbell.KindSourceReady, msg); {
+		case err == nil:
+			i++
+			continue
+		case !errors.Is(err, doorbell.ErrFull):
+			t.Fatal(err)
+		}
+		ringBell(t, ring, 1)
+		until(t, "the agent drains the submit ring", func() bool { return word(mem, 64) == word(mem, 128) })
+	}
+	ringBell(t, ring, 1)
+}
+
+// word reads a doorbell header's index at off (package doorbell's layout): submit head
+// 64, submit tail 128, events tail 256.
+func word(mem []byte, off int) uint64 {
+	return atomic.LoadUint64((*uint64)(unsafe.Pointer(&mem[off])))
+}
+
+func ringBell(t *testing.T, fd int, v uint64) {
+	t.Helper()
+	if _, err := unix.Write(fd, binary.NativeEndian.AppendUint64(nil, v)); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func bellMemory(t *testing.T, capacity uint64) (int, []byte) {
@@ -163,14 +231,61 @@ func bellMemory(t *testing.T, capacity uint64) (int, []byte) {
 	return fd, mem
 }
 
-func eventfd(t *testing.T) int {
-	t.Helper()
-	fd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+// The attack: an engine leaves its doorbell unable to take events — its wake eventfd's
+// counter at the limit, or its events ring full and never read — and exits. Its session
+// ends with its event stream, as any engine's does (before, the agent blocked writing to
+// the eventfd, or waited for room forever, and the rank stayed taken until a restart).
+func TestADoorbellThatTakesNoEventsEndsWithItsEngine(t *testing.T) {
+	const capacity = doorbell.MinCapacity
+	for _, tc := range []struct {
+		name    string
+		reports int
+		jam     func(t *testing.T, wake int)
+	}{
+		{"wake counter at its limit", 1, func(t *testing.T, wake int) { ringBell(t, wake, 1<<64-2) }},
+		// 64 KiB of events ring holds some hundreds of FAILED events.
+		{"events ring never read", 3000, func(*testing.T, int) {}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := startAgent(t, "prefill-node", t.TempDir())
+			l := testLayout(1, 64)
+			e := engine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, l)
+			mem, ring, wake := openBell(t, a, e, capacity)
+			tc.jam(t, wake)
+			report(t, mem, capacity, ring, tc.reports)
+			until(t, "the agent writes events into the ring", func() bool { return word(mem, 256) > 0 })
+			e.Stop() // the engine exits
+			until(t, "the session ends", func() bool {
+				return a.Metric(t, "kvhandoff_agent_engine_sessions") == 0
+			})
+			engine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, l) // the rank is free
+		})
+	}
+}
+
+// The agent makes the doorbell's eventfds: one an engine passes is refused, so no engine
+// can hand it an EFD_SEMAPHORE eventfd, which answers each read with 1 (one write of
+// 2^64-2 then kept an agent core busy for as long as the session lived). A ring of the
+// agent's eventfd with that value is read at once, and the session goes on.
+func TestADoorbellsEventfdsAreTheAgents(t *testing.T) {
+	a := startAgent(t, "prefill-node", t.TempDir())
+	e := engine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, testLayout(1, 64))
+	fd, _ := bellMemory(t, doorbell.MinCapacity)
+	sem, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_SEMAPHORE)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { unix.Close(fd) })
-	return fd
+	defer unix.Close(sem)
+	if answer, _, err := rawBell(t, a, e.Session, fd, sem); err == nil || !strings.Contains(answer, "memfd alone") {
+		t.Fatalf("a doorbell with the engine's semaphore eventfd: %q; want a refusal", answer)
+	}
+	mem, ring, _ := openBell(t, a, e, doorbell.MinCapacity)
+	ringBell(t, ring, 1<<64-2)
+	report(t, mem, doorbell.MinCapacity, ring, 1)
+	until(t, "the agent answers the report after the large ring", func() bool { return word(mem, 256) > 0 })
+	if got := a.Metric(t, "kvhandoff_agent_engine_sessions"); got != 1 {
+		t.Fatalf("%v sessions after ringing 2^64-2; want the engine's 1", got)
+	}
 }
 
 // The attack: an engine writes garbage into its doorbell's ring (here a tail far past
@@ -181,11 +296,7 @@ func TestACorruptDoorbellEndsOnlyItsOwnSession(t *testing.T) {
 	l := testLayout(1, 64)
 	hostile := engine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, l)
 	other := bellEngine(t, a, "prefill-1.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, l)
-	fd, mem := bellMemory(t, doorbell.MinCapacity)
-	ring := eventfd(t)
-	if answer, err := rawBell(t, a, hostile.Session, fd, ring); err != nil {
-		t.Fatalf("a well-formed doorbell was refused: %s", answer)
-	}
+	mem, ring, _ := openBell(t, a, hostile, doorbell.MinCapacity)
 	binary.LittleEndian.PutUint64(mem[128:], 1<<40) // the submit ring's tail
 	if _, err := unix.Write(ring, binary.LittleEndian.AppendUint64(nil, 1)); err != nil {
 		t.Fatal(err)
@@ -208,8 +319,9 @@ func TestACorruptDoorbellEndsOnlyItsOwnSession(t *testing.T) {
 	expect(t, wait(t, other, "still-served", 0), agentv1.Event_FAILED)
 }
 
-// What a doorbell packet must hold: a sealed memfd of the layout's size with a valid
-// header, and eventfds; one doorbell per session. Each refusal says why.
+// What a doorbell packet must hold: one sealed memfd of the layout's size with a valid
+// header, for a session of the caller's; one doorbell per session. Each refusal says why
+// and passes no fds back.
 func TestADoorbellThatBreaksTheRulesIsRefused(t *testing.T) {
 	a := startAgent(t, "prefill-node", t.TempDir())
 	e := engine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, testLayout(1, 64))
@@ -233,29 +345,28 @@ func TestADoorbellThatBreaksTheRulesIsRefused(t *testing.T) {
 		fds        func() []int
 		session    string
 	}{
-		{"a pipe for the eventfd", "not an eventfd", func() []int { return []int{fd, pipe[1]} }, e.Session},
-		{"an unsealed memfd", "not sealed", func() []int { return []int{unsealed, eventfd(t)} }, e.Session},
-		{"no eventfd", "one or two eventfds", func() []int { return []int{fd} }, e.Session},
-		{"another owner's or no session", "session", func() []int { return []int{fd, eventfd(t)} }, "no-such-session"},
+		{"an eventfd of the engine's", "memfd alone", func() []int { return []int{fd, eventfd(t)} }, e.Session},
+		{"no fd", "memfd alone", func() []int { return nil }, e.Session},
+		{"a pipe for the memfd", "not a regular file", func() []int { return []int{pipe[1]} }, e.Session},
+		{"an unsealed memfd", "not sealed", func() []int { return []int{unsealed} }, e.Session},
+		{"another owner's or no session", "session", func() []int { return []int{fd} }, "no-such-session"},
 		{"a wrong magic", "magic", func() []int {
 			binary.LittleEndian.PutUint64(mem[0:], 7)
-			return []int{fd, eventfd(t)}
+			return []int{fd}
 		}, e.Session},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			answer, err := rawBell(t, a, tc.session, tc.fds()...)
-			if err == nil || !strings.Contains(answer, tc.want) {
-				t.Fatalf("answer %q; want a refusal saying %q", answer, tc.want)
+			answer, fds, err := rawBell(t, a, tc.session, tc.fds()...)
+			if err == nil || !strings.Contains(answer, tc.want) || len(fds) != 0 {
+				t.Fatalf("answer %q with %d fds; want a refusal saying %q, with none", answer, len(fds), tc.want)
 			}
 		})
 	}
 	if err := doorbell.Init(mem, doorbell.MinCapacity); err != nil {
 		t.Fatal(err)
 	}
-	if answer, err := rawBell(t, a, e.Session, fd, eventfd(t)); err != nil {
-		t.Fatalf("a well-formed doorbell was refused: %s", answer)
-	}
-	if answer, err := rawBell(t, a, e.Session, fd, eventfd(t)); err == nil || !strings.Contains(answer, "has one already") {
+	openBell(t, a, e, doorbell.MinCapacity)
+	if answer, _, err := rawBell(t, a, e.Session, fd); err == nil || !strings.Contains(answer, "has one already") {
 		t.Fatalf("a second doorbell: %q; want a refusal", answer)
 	}
 	select {
@@ -263,4 +374,14 @@ func TestADoorbellThatBreaksTheRulesIsRefused(t *testing.T) {
 		t.Fatalf("refused doorbells ended the session: %v", e.Err())
 	default:
 	}
+}
+
+func eventfd(t *testing.T) int {
+	t.Helper()
+	fd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	return fd
 }

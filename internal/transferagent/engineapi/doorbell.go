@@ -1,11 +1,12 @@
 package engineapi
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -23,12 +24,21 @@ import (
 //
 // Who can reach it: only the process holding the memfd, which the memory socket took
 // from a caller that owns the session. What it can do: what its own SourceReady and Pull
-// calls could, nothing more; a ring that breaks the layout ends its own session.
+// calls could, nothing more; a ring that breaks the layout ends its own session. The
+// agent makes both eventfds and hands them to the engine, so their flags are the agent's:
+// an EFD_SEMAPHORE eventfd of the engine's would answer each read with 1, and one write
+// of 2^64-2 would then cost the agent a core for as long as the session lived.
 type bell struct {
 	mem    []byte
 	submit *doorbell.Ring
 	ring   *os.File // the eventfd the engine rings after writing reports
-	wake   *os.File // the eventfd the agent rings after writing events; nil: the engine polls
+	wake   *os.File // the eventfd the agent rings after writing events
+	// efds are ring's and wake's descriptors, to pass: File.Fd would make them blocking.
+	efds [2]int
+
+	// live is set once the engine holds the eventfds (the memory socket's answer went
+	// out): events go into the ring from then on, on the stream before.
+	live atomic.Bool
 
 	mu     sync.Mutex // held while the events ring is written, and to unmap
 	events *doorbell.Ring
@@ -39,93 +49,84 @@ type bell struct {
 // before trying again; the engine reads the ring at each step.
 const eventsFullNap = 200 * time.Microsecond
 
-// attachDoorbell takes a doorbell packet's fds: the memfd, the eventfd the engine rings
-// and, optionally, one the agent rings. Every fd is either kept or closed.
-func (srv *Server) attachDoorbell(owner, id string, fds []int) error {
-	if len(fds) != 2 && len(fds) != 3 {
+// attachDoorbell takes a doorbell packet's one fd, the memfd, and returns the eventfds
+// that go back in the answer: the one the engine rings, then the one the agent rings.
+// The bell goes live once the answer is out (golive(true)), or is dropped (golive(false)).
+// The fd passed is kept or closed.
+func (srv *Server) attachDoorbell(owner, id string, fds []int) (answer []int, golive func(sent bool), err error) {
+	if len(fds) != 1 {
 		closeFDs(fds)
-		return fmt.Errorf("doorbell: pass the memfd and one or two eventfds, got %d fds", len(fds))
+		return nil, nil, fmt.Errorf("doorbell: pass the memfd alone, got %d fds (the agent makes the eventfds and "+
+			"answers with them; a connector that passes its own is older than this agent)", len(fds))
 	}
-	b, err := openBell(fds)
+	b, err := openBell(fds[0])
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	s, err := srv.cfg.Sessions.Lookup(id, owner)
 	if err != nil {
 		b.release()
-		return errors.New(status.Convert(err).Message())
+		return nil, nil, errors.New(status.Convert(err).Message())
 	}
 	if _, had := srv.bells.LoadOrStore(s, b); had {
 		b.release()
-		return errors.New("doorbell: the session has one already")
+		return nil, nil, errors.New("doorbell: the session has one already")
 	}
 	if s.Ended() {
 		srv.bells.Delete(s)
 		b.release()
-		return errors.New("doorbell: session ended")
+		return nil, nil, errors.New("doorbell: session ended")
 	}
-	// The session's end closes the engine's eventfd, which ends serveBell, which
-	// releases the bell; the bell goes with its session.
-	go func() {
-		<-s.Stopped()
-		b.ring.Close()
-		srv.bells.Delete(s)
-	}()
-	go srv.serveBell(s, b)
-	return nil
+	golive = func(sent bool) {
+		if !sent {
+			srv.bells.Delete(s)
+			b.release()
+			return
+		}
+		b.live.Store(true)
+		// The session's end closes the ring's eventfd, which ends serveBell, which
+		// releases the bell; the bell goes with its session.
+		go func() {
+			<-s.Stopped()
+			b.ring.Close()
+			srv.bells.Delete(s)
+		}()
+		go srv.serveBell(s, b)
+	}
+	return b.efds[:], golive, nil
 }
 
-func openBell(fds []int) (*bell, error) {
-	fail := func(err error) (*bell, error) {
-		closeFDs(fds)
-		return nil, err
-	}
-	_, size, err := session.CheckSealed(fds[0])
+func openBell(fd int) (*bell, error) {
+	defer unix.Close(fd) // a mapping keeps the memory
+	_, size, err := session.CheckSealed(fd)
 	if err != nil {
-		return fail(fmt.Errorf("doorbell: %w", err))
+		return nil, fmt.Errorf("doorbell: %w", err)
 	}
 	if size < doorbell.HeaderSize || uint64(size) > doorbell.Size(doorbell.MaxCapacity) {
-		return fail(fmt.Errorf("doorbell: a %d-byte memfd; the layout takes %d to %d bytes",
-			size, doorbell.Size(doorbell.MinCapacity), doorbell.Size(doorbell.MaxCapacity)))
+		return nil, fmt.Errorf("doorbell: a %d-byte memfd; the layout takes %d to %d bytes",
+			size, doorbell.Size(doorbell.MinCapacity), doorbell.Size(doorbell.MaxCapacity))
 	}
-	for _, fd := range fds[1:] {
-		if err := checkEventfd(fd); err != nil {
-			return fail(err)
-		}
-	}
-	mem, err := unix.Mmap(fds[0], 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
-		return fail(fmt.Errorf("doorbell: mapping the memfd: %w", err))
+		return nil, fmt.Errorf("doorbell: mapping the memfd: %w", err)
 	}
-	unix.Close(fds[0]) // the mapping keeps the memory
 	capacity, err := doorbell.Capacity(mem)
 	if err != nil {
 		unix.Munmap(mem)
-		closeFDs(fds[1:])
 		return nil, err
 	}
-	b := &bell{mem: mem, submit: doorbell.Submit(mem, capacity), events: doorbell.Events(mem, capacity)}
-	// Non-blocking, so that reads wait in the Go runtime's poller and a Close ends them.
-	unix.SetNonblock(fds[1], true)
-	b.ring = os.NewFile(uintptr(fds[1]), "doorbell")
-	if len(fds) == 3 {
-		unix.SetNonblock(fds[2], true)
-		b.wake = os.NewFile(uintptr(fds[2]), "doorbell-wake")
+	var efd [2]int
+	for i := range efd {
+		// Non-blocking: reads wait in the Go runtime's poller, so a Close ends them, and a
+		// write to a counter at its limit fails at once instead of waiting for the engine.
+		if efd[i], err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+			closeFDs(efd[:i])
+			unix.Munmap(mem)
+			return nil, fmt.Errorf("doorbell: eventfd: %w", err)
+		}
 	}
-	return b, nil
-}
-
-// checkEventfd refuses an fd that is not an eventfd: a pipe or socket in its place could
-// block the agent's writes or feed its reads.
-func checkEventfd(fd int) error {
-	target, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
-	if err != nil {
-		return fmt.Errorf("doorbell: %w", err)
-	}
-	if target != "anon_inode:[eventfd]" {
-		return fmt.Errorf("doorbell: fd %s is not an eventfd", target)
-	}
-	return nil
+	return &bell{mem: mem, submit: doorbell.Submit(mem, capacity), events: doorbell.Events(mem, capacity), efds: efd,
+		ring: os.NewFile(uintptr(efd[0]), "doorbell"), wake: os.NewFile(uintptr(efd[1]), "doorbell-wake")}, nil
 }
 
 // serveBell drains the submit ring each time the engine rings, until the session ends.
@@ -177,8 +178,10 @@ func (srv *Server) drainBell(s *session.Session, b *bell) error {
 }
 
 // putEvent writes one event into the events ring, waiting while it is full for the
-// engine to read, until stop closes. ErrCorrupt means the engine broke the ring.
-func (b *bell) putEvent(ev *agentv1.Event, stop <-chan struct{}) error {
+// engine to read, until stop or gone closes (the session ended, or its engine's stream
+// did: an engine that exits with its ring full must not keep its session alive).
+// ErrCorrupt means the engine broke the ring.
+func (b *bell) putEvent(ev *agentv1.Event, stop, gone <-chan struct{}) error {
 	msg, err := proto.Marshal(ev)
 	if err != nil {
 		return err
@@ -190,14 +193,12 @@ func (b *bell) putEvent(ev *agentv1.Event, stop <-chan struct{}) error {
 			return errors.New("doorbell: closed")
 		}
 		err := b.events.Put(doorbell.KindEvent, msg)
+		if err == nil {
+			b.ringWake()
+		}
 		b.mu.Unlock()
 		switch {
 		case err == nil:
-			if b.wake != nil {
-				var one [8]byte
-				one[0] = 1
-				b.wake.Write(one[:]) // a counter at its limit already wakes the engine
-			}
 			return nil
 		case !errors.Is(err, doorbell.ErrFull):
 			return err
@@ -205,9 +206,26 @@ func (b *bell) putEvent(ev *agentv1.Event, stop <-chan struct{}) error {
 		select {
 		case <-stop:
 			return errors.New("doorbell: session ended")
+		case <-gone:
+			return errors.New("doorbell: the engine's event stream closed")
 		case <-time.After(eventsFullNap):
 		}
 	}
+}
+
+// ringWake adds one to the wake eventfd (b.mu held) without ever waiting: when the
+// engine let the counter reach its limit the write fails with EAGAIN, and the counter
+// still wakes the engine.
+func (b *bell) ringWake() {
+	rc, err := b.wake.SyscallConn()
+	if err != nil {
+		return
+	}
+	one := binary.NativeEndian.AppendUint64(nil, 1)
+	_ = rc.Write(func(fd uintptr) bool {
+		_, _ = unix.Write(int(fd), one)
+		return true // done, whatever the write said: no wait in the poller
+	})
 }
 
 // release unmaps the rings once nothing can write them.
@@ -219,8 +237,6 @@ func (b *bell) release() {
 	}
 	b.closed = true
 	b.ring.Close()
-	if b.wake != nil {
-		b.wake.Close()
-	}
+	b.wake.Close()
 	unix.Munmap(b.mem)
 }

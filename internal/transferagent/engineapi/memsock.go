@@ -77,8 +77,16 @@ func (srv *Server) memoryConn(c *net.UnixConn, owner string) {
 			closeFDs(fds)
 			return
 		}
-		answer := srv.deposit(owner, string(buf[:n]), fds, perr)
-		if _, err := c.Write([]byte(answer)); err != nil {
+		answer, pass, golive := srv.deposit(owner, string(buf[:n]), fds, perr)
+		var rights []byte
+		if len(pass) > 0 {
+			rights = unix.UnixRights(pass...)
+		}
+		_, _, err = c.WriteMsgUnix([]byte(answer), rights, nil)
+		if golive != nil {
+			golive(err == nil)
+		}
+		if err != nil {
 			return
 		}
 	}
@@ -111,37 +119,38 @@ func receivedFDs(oob []byte, flags int) ([]int, error) {
 }
 
 // deposit checks one packet: the id of a live session of the sender's owner and exactly
-// one sealed memfd. Every fd that is not kept is closed.
-func (srv *Server) deposit(owner, id string, fds []int, perr error) string {
+// one sealed memfd. Every fd that is not kept is closed. A doorbell's answer passes fds
+// back (pass), and golive, when set, is told whether the answer went out.
+func (srv *Server) deposit(owner, id string, fds []int, perr error) (answer string, pass []int, golive func(sent bool)) {
 	refuse := func(format string, args ...any) string {
 		closeFDs(fds)
 		srv.cfg.Metrics.Refused.WithLabelValues("memory", "InvalidArgument").Inc()
 		return "error " + fmt.Sprintf(format, args...)
 	}
 	if perr != nil {
-		return refuse("%v", perr)
+		return refuse("%v", perr), nil, nil
 	}
 	if id, ok := strings.CutPrefix(id, agentv1.DoorbellPrefix); ok {
-		if err := srv.attachDoorbell(owner, id, fds); err != nil {
+		pass, golive, err := srv.attachDoorbell(owner, id, fds)
+		if err != nil {
 			fds = nil // attachDoorbell kept or closed each
-			return refuse("%v", err)
+			return refuse("%v", err), nil, nil
 		}
-		return "ok 0"
+		return "ok 0", pass, golive
 	}
-	switch {
-	case len(fds) != 1:
-		return refuse("pass exactly one fd per packet, got %d", len(fds))
+	if len(fds) != 1 {
+		return refuse("pass exactly one fd per packet, got %d", len(fds)), nil, nil
 	}
 	s, err := srv.cfg.Sessions.Lookup(id, owner)
 	if err != nil {
-		return refuse("%s", status.Convert(err).Message())
+		return refuse("%s", status.Convert(err).Message()), nil, nil
 	}
 	if _, _, err := session.CheckSealed(fds[0]); err != nil {
-		return refuse("%v", err)
+		return refuse("%v", err), nil, nil
 	}
 	h, err := s.Deposit(os.NewFile(uintptr(fds[0]), "memfd"))
 	if err != nil {
-		return refuse("%v", err)
+		return refuse("%v", err), nil, nil
 	}
-	return fmt.Sprintf("ok %d", h)
+	return fmt.Sprintf("ok %d", h), nil, nil
 }

@@ -332,10 +332,10 @@ func (srv *Server) Events(r *agentv1.EventsRequest, stream grpc.ServerStreamingS
 // send delivers one event: into the session's doorbell when it has one, else on the stream.
 func (srv *Server) send(s *session.Session, stream grpc.ServerStreamingServer[agentv1.Event], ev *agentv1.Event) error {
 	b, ok := srv.bells.Load(s)
-	if !ok {
+	if !ok || !b.(*bell).live.Load() {
 		return stream.Send(ev)
 	}
-	if err := b.(*bell).putEvent(ev, s.Stopped()); err != nil {
+	if err := b.(*bell).putEvent(ev, s.Stopped(), stream.Context().Done()); err != nil {
 		s.Close(err.Error())
 		return status.Error(codes.Aborted, err.Error())
 	}

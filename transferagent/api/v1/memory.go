@@ -18,9 +18,11 @@ import (
 // closed when the session ends.
 //
 // A doorbell (package transferagent/doorbell) is passed the same way: the packet's bytes
-// are DoorbellPrefix and the session id, with the doorbell memfd and the eventfd the
-// engine rings, and optionally a second eventfd the agent rings after writing events. The
-// answer is "ok 0" or "error <reason>". A session has at most one doorbell.
+// are DoorbellPrefix and the session id, with the doorbell memfd alone. The answer is
+// "error <reason>", or "ok 0" with two eventfds in SCM_RIGHTS that the agent made: the
+// one the engine rings after writing reports, then the one the agent rings after writing
+// events (an engine that polls its events ring may close it). A session has at most one
+// doorbell.
 const MemorySocketName = "memory.sock"
 
 // DoorbellPrefix starts a memory socket packet that passes a doorbell.
