@@ -7,8 +7,8 @@ import (
 	"fmt"
 	"net"
 	"strings"
-	"testing"
 	"sync/atomic"
+	"testing"
 	"time"
 	"unsafe"
 
