@@ -9,6 +9,7 @@
 //	engineprobe --socket S deposit SESSION
 //	engineprobe --socket S hold-calls N     N calls that never send their request, then one more
 //	engineprobe --socket S hold-memory N    N memory socket connections
+//	engineprobe --socket S hold-sessions N  N engine ranks registered, each with its event stream open
 //	engineprobe --socket S replace          remove the engine socket and bind one of its own there
 //	engineprobe --socket S flood N          N concurrent calls of nearly 2 MiB each (the agent's request limit)
 package main
@@ -107,6 +108,25 @@ func main() {
 			conn.Close()
 		}
 		fmt.Printf("OK held %d of %d\n", held, n)
+		hold()
+	case "hold-sessions":
+		n, held := count(args[1]), 0
+		var last error
+		for i := range n {
+			r := &agentv1.RegisterEngineRequest{EngineId: fmt.Sprintf("probe-%d", i), Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+				Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}}
+			s, err := api.RegisterEngine(ctx, r)
+			if err == nil {
+				// The stream keeps the session past the agent's events deadline.
+				_, err = api.Events(ctx, &agentv1.EventsRequest{Session: s.Session})
+			}
+			if err != nil {
+				last = err
+				continue
+			}
+			held++
+		}
+		fmt.Printf("OK held %d of %d; the last refusal: %v\n", held, n, status.Convert(last).Message())
 		hold()
 	case "flood":
 		n := count(args[1])

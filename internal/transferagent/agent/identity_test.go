@@ -159,6 +159,29 @@ func TestAnotherUserCannotActForAnEngineNorCrowdItOut(t *testing.T) {
 	}
 }
 
+// The attack: one owner, on one connection, registered 100 of 100 sessions (the agent's
+// limit is 256). An owner holds at most 16, one per engine rank twice over, and the
+// refusal says why; another owner still registers.
+func TestOneOwnerHoldsAtMostItsShareOfSessions(t *testing.T) {
+	a := startAgent(t, "owners", socketFolder(t), "--socket-gid", fmt.Sprint(socketGID))
+	got, release := buildProbe(t).run(a.Socket, "hold-sessions", "100")
+	defer release()
+	wantAnswer(t, "a stranger registering 100 sessions", got, "OK", "held 16 of 100; the last refusal: uid 1001 holds 16 engine sessions, its limit")
+	if n := a.Metric(t, "kvhandoff_agent_engine_sessions"); n != 16 {
+		t.Errorf("%v sessions; want the stranger's 16", n)
+	}
+	cl, err := client.Dial(a.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	e, err := cl.RegisterEngine(bg, decodeEngine("victim"))
+	if err != nil {
+		t.Fatalf("another owner's registration while the stranger holds its share: %v", err)
+	}
+	e.Close()
+}
+
 func decodeEngine(id string) *agentv1.RegisterEngineRequest {
 	return &agentv1.RegisterEngineRequest{EngineId: id, Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
 		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}}

@@ -1,6 +1,7 @@
 // C side of package fabric: libfabric's API is almost entirely static inline functions
 // and macros, which cgo cannot call; these wrappers give Go real symbols.
 #include "fabric.h"
+#include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -102,6 +103,10 @@ void kvh_close(kvh_ep *e) {
 	if (e->fabric) fi_close(&e->fabric->fid);
 	if (e->info) fi_freeinfo(e->info);
 	memset(e, 0, sizeof(*e));
+	// Give the freed pages back: each session opens its endpoint from its own thread, so
+	// the provider's buffers were in that thread's malloc arena, which glibc does not
+	// shrink on its own; without this, closed sessions' memory stayed with the agent.
+	malloc_trim(0);
 }
 
 const char *kvh_provider(kvh_ep *e) { return e->info->fabric_attr->prov_name; }

@@ -19,6 +19,7 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -27,6 +28,22 @@ import (
 	"time"
 	"unsafe"
 )
+
+// rxmSharedRx is libfabric's FI_OFI_RXM_USE_SRX: whether ofi_rxm (the tcp;ofi_rxm stack)
+// posts its receive buffers on one shared receive context per endpoint. With it (1.17's
+// default over tcp) each endpoint posts 4096 bounce buffers of 16 KiB when it opens,
+// whether or not anything is ever received: measured here, 70 MB of agent memory per
+// engine session. The agent receives only zero-length signals over the fabric, so it
+// turns the shared context off, and buffers come with each connection (128 of them).
+// An operator's own setting wins. EFA does not use ofi_rxm.
+const rxmSharedRx = "FI_OFI_RXM_USE_SRX"
+
+func init() {
+	// Before the first fi_getinfo: libfabric reads its variables once.
+	if _, set := os.LookupEnv(rxmSharedRx); !set {
+		os.Setenv(rxmSharedRx, "0")
+	}
+}
 
 // ErrAgain means the provider cannot take the operation now (queue full, or a connection
 // still forming): poll completions, then post it again.

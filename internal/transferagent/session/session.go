@@ -44,6 +44,8 @@ type Session struct {
 	sleeping atomic.Bool // the pump is (about to be) blocked in the endpoint's Wait
 	events   chan *agentv1.Event
 	attached atomic.Bool
+	// streamDeadline closes a session whose engine opens no event stream in time.
+	streamDeadline *time.Timer
 	closing  chan struct{}
 	stopped  chan struct{}
 	once     sync.Once
@@ -168,7 +170,13 @@ func (s *Session) call(fn func() error) error {
 }
 
 // Attach marks the session's event stream open: the first caller gets true.
-func (s *Session) Attach() bool { return s.attached.CompareAndSwap(false, true) }
+func (s *Session) Attach() bool {
+	if !s.attached.CompareAndSwap(false, true) {
+		return false
+	}
+	s.streamDeadline.Stop()
+	return true
+}
 
 // ID is the session's id; Epoch the incarnation of the engine rank it serves.
 func (s *Session) ID() string    { return s.id }
@@ -333,6 +341,7 @@ func (s *Session) runCommands() bool {
 }
 
 func (s *Session) teardown() {
+	s.streamDeadline.Stop()
 	s.countRails()
 	s.ep.Quiesce() // no rail thread moves data into memory unmapped below
 	s.dropDeposits()

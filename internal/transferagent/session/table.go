@@ -90,7 +90,13 @@ type Config struct {
 
 // maxSessions bounds the engine ranks one agent serves: a p5en node runs at most 16 (two
 // TP8 engines), and each session holds a fabric endpoint and mapped memory.
-const maxSessions = 256
+// maxSessionsPerOwner bounds one pod's share: an engine pod needs one session per rank
+// (TP8 at most on a node of 8 GPUs), twice over while a restarted engine's new sessions
+// replace the old ones.
+const (
+	maxSessions         = 256
+	maxSessionsPerOwner = 16
+)
 
 // Table is an agent's engine sessions: by session id and by engine rank (the live
 // incarnation), the memory they registered, and the peer messages routed to them.
@@ -152,6 +158,13 @@ func (t *Table) Register(r *agentv1.RegisterEngineRequest, owner string) (*Sessi
 	}
 	t.nextEpoch++
 	s := newSession(t.node, t.cfg.Timeouts, hex.EncodeToString(id[:]), key, owner, t.nextEpoch, r, ep)
+	// Stopped once the stream opens or the session ends, so that no timer holds an ended
+	// session's memory.
+	s.streamDeadline = time.AfterFunc(t.cfg.EventsDeadline, func() {
+		if !s.attached.Load() {
+			s.Close(fmt.Sprintf("no event stream within %s of registering", t.cfg.EventsDeadline))
+		}
+	})
 	t.sessions[s.id], t.engines[key] = s, s
 	t.cfg.Metrics.sessions.Set(float64(len(t.sessions)))
 	t.mu.Unlock()
@@ -159,18 +172,14 @@ func (t *Table) Register(r *agentv1.RegisterEngineRequest, owner string) (*Sessi
 		// A new incarnation of the same rank: the old one's memory is gone.
 		old.Close("replaced by a new incarnation of the engine")
 	}
-	time.AfterFunc(t.cfg.EventsDeadline, func() {
-		if !s.attached.Load() {
-			s.Close(fmt.Sprintf("no event stream within %s of registering", t.cfg.EventsDeadline))
-		}
-	})
 	go s.run()
 	t.cfg.Log.Info("engine registered", "engine", key, "owner", owner, "role", r.Role.String(), "mode", r.Mode.String(), "epoch", s.epoch, "rails", ep.Domains())
 	return s, nil
 }
 
 // admit refuses a registration the table cannot take (t.mu held): the agent is closing,
-// the rank is live and held by another owner or not handed over, or the table is full.
+// the rank is live and held by another owner or not handed over, or the table or the
+// owner's share of it is full.
 func (t *Table) admit(r *agentv1.RegisterEngineRequest, key, owner string, old *Session) error {
 	switch {
 	case t.closed:
@@ -184,8 +193,23 @@ func (t *Table) admit(r *agentv1.RegisterEngineRequest, key, owner string, old *
 			"ended, or name it in replaces_session", r.EngineId, r.TpRank)
 	case old == nil && len(t.sessions) >= maxSessions:
 		return status.Errorf(codes.ResourceExhausted, "the agent serves %d engine ranks, its limit", maxSessions)
+	case old == nil && t.owned(owner) >= maxSessionsPerOwner:
+		return status.Errorf(codes.ResourceExhausted, "%s holds %d engine sessions, its limit (one per engine rank; "+
+			"a session ends when its event stream closes)", owner, maxSessionsPerOwner)
 	}
 	return nil
+}
+
+// owned counts owner's sessions, ending ones included: they hold their endpoints until
+// they have drained (t.mu held).
+func (t *Table) owned(owner string) int {
+	n := 0
+	for _, s := range t.sessions {
+		if s.owner == owner {
+			n++
+		}
+	}
+	return n
 }
 
 // openEndpoint opens a rank's endpoint on the NICs it names, or on the agent's rails.
