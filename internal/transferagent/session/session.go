@@ -46,11 +46,11 @@ type Session struct {
 	attached atomic.Bool
 	// streamDeadline closes a session whose engine opens no event stream in time.
 	streamDeadline *time.Timer
-	closing  chan struct{}
-	stopped  chan struct{}
-	once     sync.Once
-	reasonMu sync.Mutex
-	reason   string
+	closing        chan struct{}
+	stopped        chan struct{}
+	once           sync.Once
+	reasonMu       sync.Mutex
+	reason         string
 
 	// fds are memfds passed over the memory socket, by handle, until a RegisterRegion
 	// claims them (nil once the session ended).
