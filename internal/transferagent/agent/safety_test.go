@@ -476,3 +476,44 @@ func TestMemoryAnEngineCouldShrinkIsRefused(t *testing.T) {
 		t.Fatalf("truncating the registered memfd: %v, want EPERM", err)
 	}
 }
+
+// The attack: the seals that keep a memfd from shrinking still let its engine punch
+// holes in it after passing it (its RSS 140 → 12 MB), and the agent's next transfer
+// faulted the pages back in, charged to the agent (RssShmem 0 → 128 MB). The agent looks
+// at its sessions' memfds at each watchdog tick and ends the session whose memory lost
+// pages, saying why; the pages are not faulted back in.
+func TestAnEngineThatPunchesAHoleInItsMemoryLosesItsSession(t *testing.T) {
+	a := startAgent(t, "holes", t.TempDir())
+	cl, err := client.Dial(a.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "puncher", Role: agentv1.Role_ROLE_DECODE,
+		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	fd, mem, err := client.NewMemory("kv", 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(mem)
+	defer unix.Close(fd)
+	if err := e.RegisterRegion(bg, client.Region{ID: 0, FD: fd, Size: 1 << 20, BlockLen: 4096, BlockCount: 256}); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 0, 1<<19); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "the session ends", func() bool { return e.Err() != nil })
+	if err := e.Err(); err == nil || !strings.Contains(err.Error(), "punched hole") {
+		t.Fatalf("the session ended with %v; want it to say the engine punched a hole", err)
+	}
+	if n := a.Metric(t, `kvhandoff_agent_refused_total{call="memory",code="FailedPrecondition"}`); n != 1 {
+		t.Errorf("sessions ended for memory that shrank: %v, want 1", n)
+	}
+	until(t, "the session is gone", func() bool { return a.Metric(t, "kvhandoff_agent_engine_sessions") == 0 })
+}

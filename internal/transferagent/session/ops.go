@@ -63,15 +63,17 @@ func (s *Session) registerHostRegion(r *agentv1.RegisterRegionRequest) error {
 			r.MemoryHandle, agentv1.MemorySocketName)
 	}
 	m, err := mapFD(f, r.Offset, r.Size)
-	f.Close() // the mapping keeps the memory
 	if err != nil {
+		f.Close()
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if err := s.n.memory.claim(s, r.RegionId, m); err != nil {
+		f.Close()
 		m.unmap()
 		return status.Error(codes.AlreadyExists, err.Error())
 	}
-	if err := s.call(func() error { return s.addRegion(r, m) }); err != nil {
+	if err := s.call(func() error { return s.addRegion(r, m, f) }); err != nil {
+		f.Close() // a no-op if addRegion kept it before the session ended
 		s.n.memory.release(s, r.RegionId)
 		m.unmap()
 		return err

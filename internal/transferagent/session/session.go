@@ -1,6 +1,7 @@
 package session
 
 import (
+	"fmt"
 	"os"
 	"runtime"
 	"slices"
@@ -71,8 +72,10 @@ type Session struct {
 	retired   []*remoteEngine          // older epochs' that hold GPU allocations open
 	gpu       *sessionGPU              // nil unless the regions are GPU memory
 	railBytes []uint64                 // RailBytes already counted in the metric
-	// hostBytes is the host memory its regions map.
+	// hostBytes is the host memory its regions map; files the memfds they map, one
+	// descriptor per file, kept to see that their pages stay (checkFiles).
 	hostBytes uint64
+	files     map[fileID]*os.File
 }
 
 // side is what a session does for its role: prefillSide (a source: push writes, pull
@@ -121,7 +124,7 @@ func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64,
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
 		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]*remoteEngine{},
-		fds: map[uint64]*os.File{},
+		fds: map[uint64]*os.File{}, files: map[fileID]*os.File{},
 	}
 	if r.Role == agentv1.Role_ROLE_PREFILL {
 		s.side = newPrefillSide(s)
@@ -249,6 +252,7 @@ func (s *Session) run() {
 		if now.Sub(s.lastTick) >= s.pol.Tick {
 			s.lastTick = now
 			s.side.watchdog(now)
+			s.checkFiles()
 			s.countRails()
 		}
 		if !p.closing && s.Ended() {
@@ -355,6 +359,9 @@ func (s *Session) teardown() {
 		}
 		r.m.unmap()
 	}
+	for _, f := range s.files {
+		f.Close()
+	}
 	s.ep.Close()
 	s.n.forget(s)
 	s.n.log.Info("engine session ended", "engine", s.key, "reason", s.CloseReason())
@@ -375,9 +382,33 @@ func (s *Session) countRails() {
 	s.railBytes = now
 }
 
+// checkFiles ends the session if its engine punched a hole in memory it passed: at each
+// watchdog tick, so a hole is found within a tick (100 ms at most).
+func (s *Session) checkFiles() {
+	for _, f := range s.files {
+		missing, err := allocated(f)
+		if err == nil && missing == 0 {
+			continue
+		}
+		if s.Ended() {
+			return
+		}
+		reason := fmt.Sprintf("memory_handle: %d bytes of a memfd the engine passed are no longer allocated (a punched hole); "+
+			"the agent does not fault in an engine's memory", missing)
+		if err != nil {
+			reason = fmt.Sprintf("memory_handle: checking a memfd the engine passed: %v", err)
+		}
+		s.n.metrics.Refused.WithLabelValues("memory", codes.FailedPrecondition.String()).Inc()
+		s.n.log.Warn("ending a session whose memory shrank", "engine", s.key, "reason", reason)
+		s.Close(reason)
+		return
+	}
+}
+
 // addRegion registers a region on the rank's endpoint, with the access the side allows
-// peers (never both reading and writing a rank's memory).
-func (s *Session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error {
+// peers (never both reading and writing a rank's memory), and keeps f, the memfd it maps
+// (one descriptor per file; f is closed if the session has one already).
+func (s *Session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping, f *os.File) error {
 	if s.frozen {
 		return status.Error(codes.FailedPrecondition, "region_id: regions are fixed once the engine's first transfer started")
 	}
@@ -393,6 +424,11 @@ func (s *Session) addRegion(r *agentv1.RegisterRegionRequest, m *mapping) error 
 		return status.Errorf(codes.Internal, "registering region %d: %v", r.RegionId, err)
 	}
 	s.hostBytes += uint64(len(m.mem))
+	if _, ok := s.files[m.file]; ok {
+		f.Close()
+	} else {
+		s.files[m.file] = f
+	}
 	s.track(r, &localRegion{id: r.RegionId, m: m, reg: reg, blockLen: r.BlockLen, blocks: r.BlockCount})
 	return nil
 }
