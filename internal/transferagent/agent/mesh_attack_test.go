@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -105,15 +106,14 @@ func TestAPeerMustConnectFromTheHostItNames(t *testing.T) {
 	})
 }
 
-// Connections that never speak cannot lock the cluster's agents out. One host holds at
-// most maxHandshakesPerHost handshake slots; many hosts together fill the strangers'
-// slots, but not those of hosts an agent has authenticated from. Before, 64 silent
+// Connections that never speak cannot lock the cluster's agents out. Silent strangers
+// fill at most the strangers' handshake slots, and each newcomer evicts the oldest; the
+// slots of hosts an agent has authenticated from stay free for them. Before, 64 silent
 // connections from anywhere refused every agent.
 func TestSilentConnectionsCannotLockAgentsOut(t *testing.T) {
 	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
 	transfer(t, p.P[0], p.D[0], "known") // the decode agent's host is now known to A
-	// Another decode agent on that host, which has not dialled A yet. The handshake
-	// deadline frees silent slots after a few seconds, so it is ready before the flood.
+	// Another decode agent on that host, which has not dialled A yet.
 	c := startAgent(t, "another-decode-node", t.TempDir())
 	dc := engine(t, c, "decode-1.default", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, 0, p.layout)
 
@@ -134,24 +134,66 @@ func TestSilentConnectionsCannotLockAgentsOut(t *testing.T) {
 		})
 		return conns
 	}
-	refused := `kvhandoff_agent_refused_total{call="peer",code="ResourceExhausted"}`
-	silent(2, 10)
-	until(t, "one host is held to its share", func() bool { return p.A.Metric(t, refused) == 10-maxHandshakesPerHostForTest })
-	for h := byte(3); h < 3+(64-maxHandshakesPerHostForTest)/maxHandshakesPerHostForTest; h++ {
-		silent(h, maxHandshakesPerHostForTest)
+	for h := byte(2); h < 2+maxHandshakesForTest/8; h++ {
+		silent(h, 8)
 	}
 	until(t, "the strangers' slots are full", func() bool {
-		return p.A.Metric(t, "kvhandoff_agent_peer_connections") >= 64+1 // and the decode agent's
+		return p.A.Metric(t, "kvhandoff_agent_peer_connections") >= maxHandshakesForTest+1 // and the decode agent's
 	})
-	silent(200, 1)
-	until(t, "a stranger past the slots is refused", func() bool { return p.A.Metric(t, refused) == 10-maxHandshakesPerHostForTest+1 })
+	refused := `kvhandoff_agent_refused_total{call="peer",code="ResourceExhausted"}`
+	if n := p.A.Metric(t, refused); n != 0 {
+		t.Fatalf("%v connections evicted or refused before the slots were full", n)
+	}
+	first := silent(200, 1)[0]
+	until(t, "a stranger past the slots evicts the oldest", func() bool { return p.A.Metric(t, refused) == 1 })
+	first.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := wire.Read(first); err != nil { // the newcomer's handshake goes on: the agent's Hello
+		t.Fatalf("the newest stranger was closed (%v); the oldest should have been", err)
+	}
 
 	// The new agent on the known host gets through while the slots are held.
 	transfer(t, p.P[0], dc, "while-flooded")
 }
 
+// maxHandshakesForTest is the mesh's cap on handshakes per budget, as the tests see it.
+const maxHandshakesForTest = 64
+
 // maxHandshakesPerHostForTest is the mesh's per-host cap, as the tests see it.
 const maxHandshakesPerHostForTest = 4
+
+// Connections that send a Hello and stall hold at most their host's share of handshake
+// slots: the next connection of that host to speak evicts the oldest.
+func TestStalledHandshakesHoldAtMostTheirHostsShare(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	speak := func(i int) net.Conn {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 9)}}
+		c, err := d.Dial("tcp", p.A.Peer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		hello, _ := wire.Encode(nil, &wire.Hello{Agent: c.LocalAddr().String(), Epoch: 1, Nonce: fmt.Sprintf("%032d", i)})
+		c.Write(hello)
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := wire.Read(c); err != nil { // the agent's Hello
+			t.Fatal(err)
+		}
+		return c
+	}
+	var conns []net.Conn
+	for i := range maxHandshakesPerHostForTest {
+		conns = append(conns, speak(i))
+	}
+	refused := `kvhandoff_agent_refused_total{call="peer",code="ResourceExhausted"}`
+	if n := p.A.Metric(t, refused); n != 0 {
+		t.Fatalf("%v handshakes evicted within the host's share", n)
+	}
+	speak(maxHandshakesPerHostForTest)
+	until(t, "the fifth speaker evicts one", func() bool { return p.A.Metric(t, refused) == 1 })
+	if _, err := wire.Read(conns[0]); err == nil {
+		t.Fatal("the oldest stalled handshake is still open; it should have been evicted")
+	}
+}
 
 // An authenticated peer that starts a large frame and stalls is cut off after the frame
 // timeout, and its frame's buffer grows only with what it sent.
@@ -207,30 +249,114 @@ func TestAnUnknownKindIsSkippedAndTheConnectionKept(t *testing.T) {
 // as an agent on 127.0.0.1 would.
 func handshake(t *testing.T, addr string) net.Conn {
 	t.Helper()
+	c, err := tryHandshake(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func tryHandshake(addr string) (net.Conn, error) {
 	c, err := net.Dial("tcp", addr)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
+	fail := func(err error) (net.Conn, error) { c.Close(); return nil, err }
 	c.SetDeadline(time.Now().Add(10 * time.Second))
 	mine := &wire.Hello{Agent: c.LocalAddr().String(), Epoch: 7, Nonce: "00112233445566778899aabbccddeeff"}
-	write := func(m wire.Message) {
-		b, _ := wire.Encode(nil, m)
-		if _, err := c.Write(b); err != nil {
-			t.Fatal(err)
-		}
+	b, _ := wire.Encode(nil, mine)
+	if _, err := c.Write(b); err != nil {
+		return fail(err)
 	}
-	write(mine)
 	m, err := wire.Read(c)
 	if err != nil {
-		t.Fatal(err)
+		return fail(err)
 	}
-	theirs := m.(*wire.Hello)
-	write(&wire.Auth{MAC: wire.Proof([]byte(agentproc.Token), wire.RoleDialer, mine, theirs)})
+	theirs, ok := m.(*wire.Hello)
+	if !ok {
+		return fail(fmt.Errorf("got %T, want the agent's Hello", m))
+	}
+	b, _ = wire.Encode(nil, &wire.Auth{MAC: wire.Proof([]byte(agentproc.Token), wire.RoleDialer, mine, theirs)})
+	if _, err := c.Write(b); err != nil {
+		return fail(err)
+	}
 	if m, err := wire.Read(c); err != nil {
-		t.Fatal(fmt.Errorf("the agent did not accept the handshake: %w", err))
+		return fail(fmt.Errorf("the agent did not accept the handshake: %w", err))
 	} else if _, ok := m.(*wire.Auth); !ok {
-		t.Fatalf("got %T, want the agent's Auth", m)
+		return fail(fmt.Errorf("got %T, want the agent's Auth", m))
 	}
 	c.SetDeadline(time.Time{})
-	return c
+	return c, nil
+}
+
+// The attack: a pod on an agent's host (every hostNetwork pod, and pod traffic
+// translated to the node's address, share its source) keeps 64 silent connections open
+// to another agent and reopens each one the agent closes (here 80, reopened after 10 ms);
+// before, that host's four handshake slots stayed taken and 4 of 60 of the agent's
+// handshakes got through. Now a handshake evicts a connection that has sent less than it
+// has, and every one gets through.
+func TestSilentConnectionsFromAnAgentsHostCannotLockItOut(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64)
+	stop := make(chan struct{})
+	var mu sync.Mutex
+	open := map[net.Conn]bool{}
+	var wg sync.WaitGroup
+	for range 80 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				c, err := net.Dial("tcp", p.A.Peer)
+				mu.Lock()
+				select {
+				case <-stop:
+					mu.Unlock()
+					if err == nil {
+						c.Close()
+					}
+					return
+				default:
+				}
+				if err == nil {
+					open[c] = true
+				}
+				mu.Unlock()
+				if err == nil {
+					_, _ = io.Copy(io.Discard, c) // silent until the agent closes it
+					c.Close()
+				}
+				select {
+				case <-stop:
+					return
+				case <-time.After(10 * time.Millisecond):
+				}
+			}
+		}()
+	}
+	defer func() {
+		mu.Lock()
+		close(stop)
+		for c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	}()
+	until(t, "the silent connections fill the handshake slots", func() bool {
+		return p.A.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="ResourceExhausted"}`) >= 80-maxHandshakesForTest
+	})
+	ok := 0
+	var last error
+	for range 60 {
+		c, err := tryHandshake(p.A.Peer)
+		if err != nil {
+			last = err
+			continue
+		}
+		ok++
+		c.Close()
+	}
+	if ok != 60 {
+		t.Errorf("%d of 60 handshakes from the silent connections' host got through (the last failure: %v); want every one", ok, last)
+	}
 }

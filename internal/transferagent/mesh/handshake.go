@@ -41,6 +41,10 @@ func (p *Peer) handshake() error {
 	if err != nil {
 		return err
 	}
+	p.frames.Add(1)
+	if !p.outbound {
+		p.m.spoke(p)
+	}
 	theirs, ok := m.(*wire.Hello)
 	switch {
 	case !ok || len(theirs.Nonce) < 16:
@@ -60,6 +64,7 @@ func (p *Peer) handshake() error {
 		if err != nil {
 			return err
 		}
+		p.frames.Add(1)
 		auth, ok := m.(*wire.Auth)
 		if !ok || !hmac.Equal([]byte(auth.MAC), []byte(wire.Proof(cfg.Token, role, dialer, acceptor))) {
 			return errors.New("peer did not prove it holds the agents' token")

@@ -13,10 +13,14 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 )
@@ -27,8 +31,16 @@ import (
 //   - maxHandshakes may be mid-handshake at once from hosts no agent has connected from;
 //   - as many again from known hosts (an agent of theirs completed a handshake with this
 //     one, or this one dialled them), so strangers cannot crowd out the cluster's agents;
-//   - maxHandshakesPerHost from any one host, so one host cannot take a budget alone;
+//   - maxHandshakesPerHost of those that have sent their first frame, from any one host;
 //   - maxInbound open in all, one per decode agent of the cluster that talks to this one.
+//
+// A connection that finds its budget, or (once it speaks) its host's share, full evicts
+// the one there that has made the least progress (silent first, then by handshake frames
+// sent), the oldest first, rather than being refused. A host's address is shared by every
+// hostNetwork pod on it and by pod traffic translated to it: refusing newcomers let one
+// pod that kept silent connections open lock out the agent beside it (4 of 60 handshakes
+// got through). An agent sends its Hello as soon as it connects, so its handshake is
+// never the one with the least progress for longer than a round trip.
 const (
 	// frameTimeout bounds the arrival of one frame after its first bytes (the largest,
 	// wire.MaxFrame, takes milliseconds between nodes).
@@ -72,10 +84,8 @@ type Mesh struct {
 	mu      sync.Mutex
 	peers   map[string]*Peer // outbound, by address
 	inbound map[*Peer]struct{}
-	// handshaking counts inbound connections not yet authenticated, from unknown and
-	// from known hosts; pending counts them by host.
-	handshaking [2]int
-	pending     map[string]int
+	// handshakes are the inbound connections not yet authenticated, in accept order.
+	handshakes []*Peer
 	// known are the hosts agents have authenticated from or been dialled at (at most
 	// maxInbound).
 	known  map[string]struct{}
@@ -85,7 +95,7 @@ type Mesh struct {
 
 // New returns an empty mesh.
 func New(cfg Config) *Mesh {
-	return &Mesh{cfg: cfg, peers: map[string]*Peer{}, inbound: map[*Peer]struct{}{}, pending: map[string]int{}, known: map[string]struct{}{}}
+	return &Mesh{cfg: cfg, peers: map[string]*Peer{}, inbound: map[*Peer]struct{}{}, known: map[string]struct{}{}}
 }
 
 // Dial returns the connection to the agent at addr, opening it in the background when
@@ -154,21 +164,26 @@ func (m *Mesh) Serve(ln net.Listener) {
 			conn.Close()
 			return
 		}
-		host := hostOf(conn.RemoteAddr())
-		_, known := m.known[host]
-		if m.handshaking[budget(known)] >= maxHandshakes || m.pending[host] >= maxHandshakesPerHost || len(m.inbound) >= maxInbound {
+		if len(m.inbound) >= maxInbound {
 			m.mu.Unlock()
 			m.cfg.Refused.WithLabelValues("peer", "ResourceExhausted").Inc()
 			conn.Close()
 			continue
 		}
 		p := newPeer(m, conn, false, conn.RemoteAddr().String())
-		p.knownHost = known
-		m.handshaking[budget(known)]++
-		m.pending[host]++
+		p.host = hostOf(conn.RemoteAddr())
+		_, p.knownHost = m.known[p.host]
+		evicted := m.crowded(func(q *Peer) bool { return q.knownHost == p.knownHost }, maxHandshakes)
+		if evicted != nil {
+			m.dropHandshake(evicted)
+		}
+		m.handshakes = append(m.handshakes, p)
 		m.inbound[p] = struct{}{}
 		m.count()
 		m.mu.Unlock()
+		if evicted != nil {
+			m.evict(evicted)
+		}
 		m.wg.Add(1)
 		go func() { defer m.wg.Done(); p.serve() }()
 	}
@@ -193,29 +208,88 @@ func (m *Mesh) Close() {
 	m.wg.Wait()
 }
 
+// crowded returns the handshake to evict when limit of those mid-handshake match (m.mu
+// held): the one that has made the least progress, the oldest first.
+func (m *Mesh) crowded(match func(*Peer) bool, limit int) *Peer {
+	var victim *Peer
+	least, n := 0, 0
+	for _, q := range m.handshakes {
+		if !match(q) {
+			continue
+		}
+		n++
+		if p := q.progress(); victim == nil || p < least {
+			victim, least = q, p
+		}
+	}
+	if n < limit {
+		return nil
+	}
+	return victim
+}
+
+// spoke takes an inbound handshake that sent its first frame into its host's share,
+// evicting one of that host's that spoke before it, if the share is full.
+func (m *Mesh) spoke(p *Peer) {
+	m.mu.Lock()
+	victim := m.crowded(func(q *Peer) bool { return q != p && q.host == p.host && q.frames.Load() > 0 }, maxHandshakesPerHost)
+	if victim != nil {
+		m.dropHandshake(victim)
+	}
+	m.mu.Unlock()
+	if victim != nil {
+		m.evict(victim)
+	}
+}
+
+// evict ends a handshake that a newer connection took the place of.
+func (m *Mesh) evict(p *Peer) {
+	m.cfg.Refused.WithLabelValues("peer", "ResourceExhausted").Inc()
+	p.fail(fmt.Errorf("handshake with %s: evicted by a newer connection, its host's or its budget's slots being full", p.conn.RemoteAddr()))
+}
+
+// progress is how far an inbound handshake has got: the frames it sent, or -1 while it
+// has sent nothing, not even bytes its handshake has yet to read (a silent connection).
+func (p *Peer) progress() int {
+	if n := int(p.frames.Load()); n > 0 {
+		return n
+	}
+	if queued(p.conn) > 0 {
+		return 0
+	}
+	return -1
+}
+
+// queued is how many received bytes wait in c's socket buffer.
+func queued(c net.Conn) int {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return 0
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	n := 0
+	_ = rc.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+	return n
+}
+
+// dropHandshake removes p from the connections mid-handshake (m.mu held).
+func (m *Mesh) dropHandshake(p *Peer) {
+	m.handshakes = slices.DeleteFunc(m.handshakes, func(q *Peer) bool { return q == p })
+}
+
 // handshakeDone returns an inbound handshake's place in its budgets and remembers the
 // host of a peer that proved itself (and of one this agent dialled).
 func (m *Mesh) handshakeDone(p *Peer, ok bool) {
 	host := hostOf(p.conn.RemoteAddr())
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if !p.outbound {
-		m.handshaking[budget(p.knownHost)]--
-		if m.pending[host]--; m.pending[host] <= 0 {
-			delete(m.pending, host)
-		}
-	}
+	m.dropHandshake(p)
 	if _, seen := m.known[host]; ok && !seen && len(m.known) < maxInbound {
 		m.known[host] = struct{}{}
 	}
-}
-
-// budget indexes handshaking: strangers' slots, or those of known hosts.
-func budget(known bool) int {
-	if known {
-		return 1
-	}
-	return 0
 }
 
 // hostOf is the IP of a TCP address, as a string.
@@ -240,8 +314,12 @@ type Peer struct {
 	local bool
 	addr  string // the address dialled (outbound) or the remote's advertised one
 	epoch uint64 // the remote agent's epoch
-	// knownHost: an inbound connection from a known host, counted in that budget.
+	// host is an inbound connection's remote IP; knownHost says whether an agent was
+	// known there when it connected (which budget its handshake counts in); frames
+	// counts the handshake frames it sent (progress).
+	host      string
 	knownHost bool
+	frames    atomic.Int32
 	out       chan wire.Message
 	ready     chan struct{} // closed once the handshake is done
 	done      chan struct{}
