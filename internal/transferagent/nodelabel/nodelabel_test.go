@@ -2,6 +2,7 @@ package nodelabel
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -69,9 +70,15 @@ func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
 	t.Cleanup(func() { _ = env.Stop() })
 	ctx := context.Background()
 	admin := kubernetes.NewForConfigOrDie(env.Config)
-	for _, name := range []string{"node-a", "node-b"} {
-		if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name,
-			Labels: map[string]string{"team": "x"}}}, metav1.CreateOptions{}); err != nil {
+	for i, name := range []string{"node-a", "node-b"} {
+		n, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name,
+			Labels: map[string]string{"team": "x"}}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: fmt.Sprintf("198.18.0.%d", 7+i)},
+			{Type: corev1.NodeInternalIP, Address: "2001:db8::7"}}
+		if _, err := admin.CoreV1().Nodes().UpdateStatus(ctx, n, metav1.UpdateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -136,6 +143,24 @@ func TestTheAgentMayLabelOnlyItsOwnNode(t *testing.T) {
 	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, patch,
 		metav1.PatchOptions{}); err == nil || !strings.Contains(err.Error(), "only its node's kvhandoff.io/agent-ready label") {
 		t.Errorf("the agent changing another label of its node: %v", err)
+	}
+	// The address every agent dials must be one of the node's own.
+	for _, bad := range []string{"198.18.0.8:7470", "203.0.113.9:7470", "198.18.0.7", "198.18.0.7:http"} {
+		if err := Set(ctx, agentA, "node-a", true, bad); err == nil || !strings.Contains(err.Error(), "status.addresses") {
+			t.Errorf("the agent publishing %q on node-a (198.18.0.7): %v", bad, err)
+		}
+	}
+	if err := Set(ctx, agentA, "node-a", true, "[2001:db8::7]:7470"); err != nil {
+		t.Errorf("the agent publishing its node's IPv6 address: %v", err)
+	}
+	for what, p := range map[string]string{
+		"an owner reference": `{"metadata":{"ownerReferences":[{"apiVersion":"v1","kind":"ConfigMap","name":"x","uid":"00000000-0000-0000-0000-000000000001"}]}}`,
+		"a finalizer":        `{"metadata":{"finalizers":["example.com/hold"]}}`,
+	} {
+		if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, []byte(p),
+			metav1.PatchOptions{}); err == nil || !strings.Contains(err.Error(), "ownerReferences or finalizers") {
+			t.Errorf("the agent adding %s to its node: %v", what, err)
+		}
 	}
 	taint := []byte(`{"spec":{"unschedulable":true}}`)
 	if _, err := agentA.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, taint, metav1.PatchOptions{}); err == nil {
