@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -517,4 +518,52 @@ func TestAnEngineThatPunchesAHoleInItsMemoryLosesItsSession(t *testing.T) {
 		t.Errorf("sessions ended for memory that shrank: %v, want 1", n)
 	}
 	until(t, "the session is gone", func() bool { return a.Metric(t, "kvhandoff_agent_engine_sessions") == 0 })
+}
+
+// The attack: SourceReady parts of one block at offset 2^19-1 (48 bytes each) made the
+// agent hold 2^19 positions apiece: 100 of them grew its heap by 424 MB, held for the
+// engine's blocks TTL. A rank's requests hold at most 2^19 positions in all: the parts
+// past that are refused, naming the field, and the heap stays small.
+func TestFarOffsetsCannotMakeTheAgentHoldMemory(t *testing.T) {
+	a := startAgent(t, "offsets", t.TempDir())
+	cl, err := client.Dial(a.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "far", Role: agentv1.Role_ROLE_PREFILL,
+		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	const blocks = 1 << 20 // one byte each: the positions an offset may name
+	fd, mem, err := client.NewMemory("kv", blocks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(mem)
+	defer unix.Close(fd)
+	if err := e.RegisterRegion(bg, client.Region{ID: 0, FD: fd, Size: blocks, BlockLen: 1, BlockCount: blocks}); err != nil {
+		t.Fatal(err)
+	}
+	heap := func() float64 { return a.Metric(t, "go_memstats_heap_inuse_bytes") / (1 << 20) }
+	before := heap()
+	accepted := 0
+	var refusal error
+	for i := range 100 {
+		err := e.SourceReady(bg, fmt.Sprintf("far-%d", i), 1<<19-1, []uint32{uint32(i)}, true)
+		if err == nil {
+			accepted++
+			continue
+		}
+		refusal = err
+	}
+	if accepted != 1 || status.Code(refusal) != codes.ResourceExhausted || !strings.Contains(refusal.Error(), "offset") {
+		t.Errorf("%d of 100 far parts accepted, the others refused with %v; want 1, then ResourceExhausted naming offset", accepted, refusal)
+	}
+	if grew := heap() - before; grew > 64 {
+		t.Errorf("the agent's heap grew by %.0f MB; want at most 64 (the bound: 2^19 positions)", grew)
+	}
 }

@@ -19,7 +19,9 @@ var ErrNotReady = errors.New("not reported ready")
 // Table it is pure; P identifies the peer agent connection that acquired a hold.
 type Holds[P comparable] struct {
 	ttl, lease time.Duration
-	m          map[string]*hold[P]
+	// max bounds the positions held in all (0: none), held counts them.
+	max, held int
+	m         map[string]*hold[P]
 	// draining are acquired holds whose lease ended before their release: the engine
 	// was told to free the blocks, but the acquirer's reads may still be in flight, and
 	// on providers with manual progress (tcp;ofi_rxm) they complete only while this side
@@ -53,13 +55,23 @@ type hold[P comparable] struct {
 	until     time.Time
 }
 
-// NewHolds returns an empty set of holds.
-func NewHolds[P comparable](blocksTTL, lease time.Duration) *Holds[P] {
-	return &Holds[P]{ttl: blocksTTL, lease: lease, m: map[string]*hold[P]{}, draining: map[drainKey[P]]time.Time{}}
+// NewHolds returns an empty set of holds that hold at most maxPositions positions in all
+// (0: no bound; a part beyond it is refused with ErrOverBudget).
+func NewHolds[P comparable](blocksTTL, lease time.Duration, maxPositions int) *Holds[P] {
+	return &Holds[P]{ttl: blocksTTL, lease: lease, max: maxPositions, m: map[string]*hold[P]{}, draining: map[drainKey[P]]time.Time{}}
+}
+
+// drop forgets a hold.
+func (h *Holds[P]) drop(req string, o *hold[P]) {
+	delete(h.m, req)
+	h.held -= len(o.positions)
 }
 
 // Ready holds a part of a request's blocks; the blocks TTL counts from its first part.
 func (h *Holds[P]) Ready(now time.Time, p Part) error {
+	if h.max > 0 && h.held+len(p.Blocks) > h.max {
+		return fmt.Errorf("%w: %d held, %d more asked for, at most %d", ErrOverBudget, h.held, len(p.Blocks), h.max)
+	}
 	o := h.m[p.Request]
 	if o == nil {
 		o = &hold[P]{positions: map[uint32]bool{}, blocks: map[uint32]bool{}, ttlEnd: now.Add(h.ttl)}
@@ -77,6 +89,7 @@ func (h *Holds[P]) Ready(now time.Time, p Part) error {
 		o.positions[uint32(p.Offset+i)] = true
 		o.blocks[b] = true
 	}
+	h.held += len(p.Blocks)
 	o.final = p.Final
 	return nil
 }
@@ -119,7 +132,7 @@ func (h *Holds[P]) Release(req string, attempt uint64, by P) (n int, ok bool) {
 	if o == nil || !o.acquired || o.attempt != attempt || o.by != by {
 		return 0, false
 	}
-	delete(h.m, req)
+	h.drop(req, o)
 	h.acquired--
 	return len(o.blocks), true
 }
@@ -128,7 +141,7 @@ func (h *Holds[P]) Release(req string, attempt uint64, by P) (n int, ok bool) {
 // ends it). It reports whether a hold was dropped.
 func (h *Holds[P]) Cancel(req string) bool {
 	if o := h.m[req]; o != nil && !o.acquired {
-		delete(h.m, req)
+		h.drop(req, o)
 		return true
 	}
 	return false
@@ -148,7 +161,7 @@ func (h *Holds[P]) Expire(now time.Time) []SourceExpired {
 		default:
 			continue
 		}
-		delete(h.m, req)
+		h.drop(req, o)
 		if o.acquired {
 			h.draining[drainKey[P]{req, o.attempt, o.by}] = now.Add(DrainLimit) // still counted in acquired
 		}

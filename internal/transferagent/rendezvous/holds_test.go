@@ -10,7 +10,7 @@ type conn struct{ name string }
 
 func TestAHoldIsReadByOneAttemptAndEndsWithItsReleaseOrLease(t *testing.T) {
 	a, b := &conn{"a"}, &conn{"b"}
-	h := NewHolds[*conn](10*time.Second, 30*time.Second)
+	h := NewHolds[*conn](10*time.Second, 30*time.Second, 0)
 	if err := h.Ready(t0, Part{Request: "r1", Blocks: []uint32{4, 5}, Final: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -51,7 +51,7 @@ func TestAHoldIsReadByOneAttemptAndEndsWithItsReleaseOrLease(t *testing.T) {
 }
 
 func TestAnUnacquiredHoldExpiresAfterTheBlocksTTL(t *testing.T) {
-	h := NewHolds[*conn](10*time.Second, 30*time.Second)
+	h := NewHolds[*conn](10*time.Second, 30*time.Second, 0)
 	if err := h.Ready(t0, Part{Request: "r1", Blocks: []uint32{4}, Final: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -69,7 +69,7 @@ func TestAnUnacquiredHoldExpiresAfterTheBlocksTTL(t *testing.T) {
 // complete only while it polls, and the decode request waits on them.
 func TestAHoldWhoseLeaseEndedDrainsUntilItsReaderLetsGo(t *testing.T) {
 	a, b := &conn{"a"}, &conn{"b"}
-	h := NewHolds[*conn](10*time.Second, 30*time.Second)
+	h := NewHolds[*conn](10*time.Second, 30*time.Second, 0)
 	for _, req := range []string{"r1", "r2", "r3"} {
 		if err := h.Ready(t0, Part{Request: req, Blocks: []uint32{4}, Final: true}); err != nil {
 			t.Fatal(err)
@@ -105,7 +105,7 @@ func TestAHoldWhoseLeaseEndedDrainsUntilItsReaderLetsGo(t *testing.T) {
 // waits for them), until the request's final part: a block missing then is refused.
 func TestAPullBeforeTheFinalPartIsNotReadyAndAfterItGrantedOrRefused(t *testing.T) {
 	a := &conn{"a"}
-	h := NewHolds[*conn](10*time.Second, 30*time.Second)
+	h := NewHolds[*conn](10*time.Second, 30*time.Second, 0)
 	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); !errors.Is(err, ErrNotReady) {
 		t.Fatalf("before any part: %v, want ErrNotReady", err)
 	}

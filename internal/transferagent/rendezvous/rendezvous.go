@@ -33,6 +33,7 @@ var (
 	ErrSourceGone   = errors.New("rendezvous: the request failed and its prefill blocks are being released; send it anew")
 	ErrRegistered   = errors.New("rendezvous: the request has a registration (live or draining); cancel it instead")
 	ErrTooMany      = errors.New("rendezvous: too many declines waiting for their sources")
+	ErrOverBudget   = errors.New("rendezvous: the table holds its most positions")
 )
 
 // maxDeclined bounds the declines the table remembers: each is a few dozen bytes, and a
@@ -85,6 +86,11 @@ type Config struct {
 	// Regions is how many regions every block is written into (vLLM: 2 per layer): a
 	// block is delivered once all of its regions' writes completed. 0 means 1.
 	Regions int
+	// MaxPositions bounds what the table holds for all its requests together: their
+	// source positions up to the highest named (kept densely) and their attempts'
+	// destination blocks. A part or registration beyond it is refused (ErrOverBudget).
+	// 0: no bound.
+	MaxPositions int
 }
 
 // Action is an effect for the agent to carry out.
@@ -200,6 +206,8 @@ type request struct {
 	// once older attempts have drained and gone, since a writer may still hold their
 	// queued writes, which an attempt of the same number would admit.
 	latest uint64
+	// counted is the request's cost as the table's held has it (recount).
+	counted int
 }
 
 // Table is the prefill agent's rendezvous table. A request lives in it from its first
@@ -213,6 +221,8 @@ type Table struct {
 	epochs  map[string]uint64
 	// declines counts the retired entries that are declines (bounded by maxDeclined).
 	declines int
+	// held is the positions the requests hold (Config.MaxPositions).
+	held int
 }
 
 // retired is what is kept of a request that is over: its latest attempt, until a
@@ -241,9 +251,10 @@ func (t *Table) request(id string) *request {
 		if rt := t.retired[id]; rt.failed || rt.declined {
 			return nil
 		}
+		// The retired entry stays until it expires: a call that is refused leaves the
+		// request empty, and recount drops it again.
 		r = &request{id: id, final: -1, latest: t.retired[id].attempt}
 		r.dropSource()
-		delete(t.retired, id)
 		t.reqs[id] = r
 	}
 	return r
@@ -264,6 +275,41 @@ func (r *request) dropSource() {
 // regions is how many regions every block is written into.
 func (t *Table) regions() int { return max(t.cfg.Regions, 1) }
 
+// cost is what a request holds, in positions: its source slots and the destination
+// blocks of its attempts, live and draining.
+func (r *request) cost() int {
+	n := len(r.src)
+	if r.current != nil {
+		n += len(r.current.reg.Blocks)
+	}
+	for _, a := range r.old {
+		n += len(a.reg.Blocks)
+	}
+	return n
+}
+
+// recount brings held up to date with r after a change, whether r is still in the table
+// or was just dropped from it. Every method that changes a request calls it.
+func (t *Table) recount(r *request) {
+	if t.reqs[r.id] == r && r.current == nil && len(r.old) == 0 && r.final < 0 && len(r.parts) == 0 && !r.failed {
+		delete(t.reqs, r.id) // made by a call that was refused: its retired entry, if any, remembers it
+	}
+	c := 0
+	if t.reqs[r.id] == r {
+		c = r.cost()
+	}
+	t.held += c - r.counted
+	r.counted = c
+}
+
+// afford refuses n more positions over the table's budget.
+func (t *Table) afford(n int) error {
+	if t.cfg.MaxPositions > 0 && t.held+n > t.cfg.MaxPositions {
+		return fmt.Errorf("%w: %d held, %d more asked for, at most %d", ErrOverBudget, t.held, n, t.cfg.MaxPositions)
+	}
+	return nil
+}
+
 // positions is how many token-order positions the source side has named so far.
 func (r *request) positions() int {
 	return max(r.final, len(r.src))
@@ -283,6 +329,10 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 	r := t.request(reg.Request)
 	if r == nil || r.failed {
 		return nil, ErrSourceGone
+	}
+	defer t.recount(r)
+	if err := t.afford(len(reg.Blocks)); err != nil {
+		return nil, err
 	}
 	switch {
 	case r.current != nil && reg.Attempt == r.current.reg.Attempt:
@@ -322,9 +372,13 @@ func (t *Table) SourceReady(now time.Time, p Part) ([]Action, error) {
 	if r == nil || r.failed {
 		return nil, ErrSourceGone
 	}
+	defer t.recount(r)
 	end := p.Offset + len(p.Blocks)
 	if p.Offset < 0 || (r.final >= 0 && end > r.final) || (r.current != nil && end > len(r.current.reg.Blocks)) {
 		return nil, fmt.Errorf("%w: positions %d..%d", ErrBadBlocks, p.Offset, end)
+	}
+	if err := t.afford(end - len(r.src)); err != nil {
+		return nil, err
 	}
 	if p.Regions == (Span{}) {
 		p.Regions = Span{0, t.regions()}
@@ -465,6 +519,7 @@ func (t *Table) Completed(now time.Time, req string, att uint64, n int) ([]Actio
 	if a == nil || n > a.inFlight {
 		return nil, fmt.Errorf("%w: %d completions for %s attempt %d", ErrUnknown, n, req, att)
 	}
+	defer t.recount(r)
 	a.inFlight -= n
 	a.completed += n
 	if a.fenced {
@@ -484,7 +539,9 @@ func (t *Table) Withdraw(now time.Time, req string, att uint64, n int) ([]Action
 	}
 	a.inFlight -= n
 	if a.fenced {
-		return t.drained(now, t.reqs[req]), nil
+		r := t.reqs[req]
+		defer t.recount(r)
+		return t.drained(now, r), nil
 	}
 	return nil, nil
 }
@@ -517,7 +574,15 @@ func (t *Table) Cancel(now time.Time, req string, att uint64) ([]Action, error) 
 		return nil, ErrUnknown
 	}
 	cur := r.current
-	return t.fence(now, r, cur, CancelAcked{Request: req, Attempt: att, Decode: cur.reg.Decode}), nil
+	defer t.recount(r)
+	acts := t.fence(now, r, cur, CancelAcked{Request: req, Attempt: att, Decode: cur.reg.Decode})
+	if len(r.old) == 0 && len(r.parts) == 0 && r.final < 0 {
+		// No source and nothing left of the attempt: over, as a delivered request would be
+		// (else a decode engine that registers and cancels requests prefill never sources
+		// would grow the table).
+		t.retire(now, r)
+	}
+	return acts, nil
 }
 
 // Expire is the watchdog: it fences every attempt whose lease or registration timeout has
@@ -542,11 +607,13 @@ func (t *Table) Expire(now time.Time) []Action {
 			continue
 		}
 		acts = append(acts, t.fence(now, r, cur, f)...)
+		t.recount(r)
 	}
 	for id, r := range t.reqs {
 		if r.current == nil && len(r.old) == 0 && !r.failed && !r.waiting.IsZero() && !now.Before(r.waiting.Add(t.cfg.BlocksTTL)) {
 			r.failed = true
 			t.maybeRetire(now, r)
+			t.recount(r)
 			acts = append(acts, SourceExpired{Request: id, Reason: fmt.Sprintf("no decode registration within the blocks TTL of %s", t.cfg.BlocksTTL)})
 		}
 	}
@@ -575,6 +642,7 @@ func (t *Table) EngineRestarted(now time.Time, e Engine) []Action {
 		if cur := r.current; cur != nil && cur.reg.Decode.ID == e.ID && cur.reg.Decode.Epoch < e.Epoch && !cur.fenced {
 			acts = append(acts, t.fence(now, r, cur, Failed{Request: id, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode,
 				Code: CodeEngineRestarted, Reason: "decode engine restarted"})...)
+			t.recount(r)
 		}
 	}
 	return acts
@@ -590,6 +658,7 @@ func (t *Table) Fail(now time.Time, req string, att uint64, code, reason string)
 	if r == nil || r.current == nil || r.current.reg.Attempt != att || r.current.done {
 		return nil
 	}
+	defer t.recount(r)
 	return t.fence(now, r, r.current, Failed{Request: req, Attempt: att, Decode: r.current.reg.Decode, Code: code, Reason: reason})
 }
 
@@ -618,6 +687,7 @@ func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 	if r == nil {
 		return nil, t.retired[req].declined
 	}
+	defer t.recount(r)
 	if cur := r.current; cur != nil && !cur.done {
 		return t.fence(now, r, cur, Failed{Request: req, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode, Code: CodeSourceCancelled,
 			Reason: "the prefill engine cancelled the request"}), true
@@ -637,10 +707,10 @@ func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 func (t *Table) Decline(now time.Time, req string) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if _, over := t.retired[req]; over {
+	r := t.reqs[req]
+	if _, over := t.retired[req]; over && r == nil {
 		return nil, nil // delivered, failed or declined: its blocks are freed or being freed
 	}
-	r := t.reqs[req]
 	if r != nil && (r.current != nil || len(r.old) > 0) {
 		return nil, ErrRegistered
 	}
@@ -655,6 +725,7 @@ func (t *Table) Decline(now time.Time, req string) ([]Action, error) {
 	if r != nil {
 		rt.attempt, rt.told = r.latest, r.final >= 0
 		delete(t.reqs, req)
+		t.recount(r)
 		if rt.told {
 			acts = append(acts, SourceDeclined{Request: req})
 		}
@@ -671,9 +742,13 @@ func (t *Table) Decline(now time.Time, req string) ([]Action, error) {
 // every registration that can still be in flight.
 func (t *Table) maybeRetire(now time.Time, r *request) {
 	over := (r.current != nil && r.current.done) || (r.current == nil && r.failed)
-	if !over || len(r.old) > 0 {
-		return
+	if over && len(r.old) == 0 {
+		t.retire(now, r)
 	}
+}
+
+// retire drops a request that is over, keeping its latest attempt (see maybeRetire).
+func (t *Table) retire(now time.Time, r *request) {
 	delete(t.reqs, r.id)
 	t.retired[r.id] = retired{attempt: r.latest, failed: r.failed, until: now.Add(t.cfg.RegistrationTimeout + t.cfg.Lease)}
 }

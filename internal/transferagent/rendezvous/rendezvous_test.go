@@ -527,7 +527,7 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					for i := range blocks {
 						blocks[i] = gen*1000 + uint32(nextPos+i)
 					}
-					acts, err := tb.SourceReady(t0, Part{Request: "r", Offset: nextPos, Blocks: blocks, Final: nextPos+k == n})
+					acts, err := tb.SourceReady(now, Part{Request: "r", Offset: nextPos, Blocks: blocks, Final: nextPos+k == n})
 					if errors.Is(err, ErrSourceGone) {
 						continue // the request failed and is draining; the engine hears of it
 					}
@@ -558,12 +558,12 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 					if k > 0 {
 						done := 1 + rng.IntN(k)
 						inFlight[att] -= done
-						check(must(t)(tb.Completed(t0, "r", att, done)))
+						check(must(t)(tb.Completed(now, "r", att, done)))
 					}
 				}
 			case 5: // decode cancels, or time passes and the watchdog runs
 				if rng.IntN(2) == 0 && attempt > 0 && !ended[attempt] {
-					acts, err := tb.Cancel(t0, "r", attempt)
+					acts, err := tb.Cancel(now, "r", attempt)
 					if err == nil {
 						fencedAt[attempt] = true
 					}
@@ -790,5 +790,58 @@ func BenchmarkSourceReady16k(b *testing.B) {
 		if _, err := tb.SourceReady(t0, Part{Request: "r", Blocks: blocks, Final: true}); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// The attack: a part far into its request (offset 2^19-1, a few bytes on the wire) made
+// the table hold 2^19 positions, and registrations of 2^18 blocks a megabyte each, for
+// as long as their timeouts. The table holds at most MaxPositions in all, refuses what
+// goes beyond, and counts what it gives back as its requests end.
+func TestTheTableHoldsAtMostItsPositions(t *testing.T) {
+	c := cfg
+	c.MaxPositions, c.BlocksTTL = 100, time.Minute
+	tb := New(c)
+	must(t)(tb.SourceReady(t0, Part{Request: "far", Offset: 99, Blocks: []uint32{7}}))
+	if tb.held != 100 {
+		t.Fatalf("a part at offset 99 holds %d positions, want 100", tb.held)
+	}
+	if _, err := tb.SourceReady(t0, Part{Request: "next", Blocks: []uint32{1}}); !errors.Is(err, ErrOverBudget) {
+		t.Fatalf("a part over the budget: %v, want ErrOverBudget", err)
+	}
+	big := Registration{Request: "big", Attempt: 1, Decode: dec, Blocks: make([]uint32, 50)}
+	if _, err := tb.Register(t0, big); !errors.Is(err, ErrOverBudget) {
+		t.Fatalf("a registration over the budget: %v, want ErrOverBudget", err)
+	}
+	if len(tb.reqs) != 1 {
+		t.Fatalf("refused calls left %d requests in the table, want the one", len(tb.reqs))
+	}
+	tb.CancelSource(t0, "far")
+	if tb.held != 0 || len(tb.reqs) != 0 {
+		t.Fatalf("after the request ended the table holds %d positions in %d requests, want none", tb.held, len(tb.reqs))
+	}
+	must(t)(tb.Register(t0, big))
+	if tb.held != 50 {
+		t.Fatalf("a registration of 50 blocks holds %d positions, want 50", tb.held)
+	}
+}
+
+// A registration cancelled before any of its request's source came leaves nothing
+// behind but its attempt number: before, such requests stayed in the table for good.
+func TestACancelledRegistrationWithoutSourceIsForgotten(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.Register(t0, reg(1, 5, 6)))
+	expect(t, must(t)(tb.Cancel(t0, "r1", 1)), CancelAcked{Request: "r1", Attempt: 1, Decode: dec})
+	if len(tb.reqs) != 0 || tb.held != 0 {
+		t.Fatalf("%d requests holding %d positions after the cancel, want none", len(tb.reqs), tb.held)
+	}
+	if _, err := tb.Register(t0, reg(1, 5, 6)); !errors.Is(err, ErrStaleAttempt) {
+		t.Fatalf("attempt 1 again: %v, want ErrStaleAttempt", err)
+	}
+	if len(tb.reqs) != 0 {
+		t.Fatal("a refused registration left its request in the table")
+	}
+	tb.Expire(t0.Add(cfg.RegistrationTimeout + cfg.Lease))
+	if len(tb.retired) != 0 {
+		t.Fatalf("the cancelled attempt is remembered past the registration timeout and a lease")
 	}
 }

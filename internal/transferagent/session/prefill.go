@@ -55,9 +55,27 @@ type pushAttempt struct {
 	bytes    uint64
 }
 
+// maxPositions bounds the token-order positions a prefill rank's requests hold in the
+// agent at once, sources and registrations together: 512k, 64 requests of 128k tokens at
+// 16 per block, each held by the agent until decode has it. A part names its positions
+// by offset, so without a bound a few bytes could make the agent hold 2^19 positions per
+// call (measured: 100 calls of 48 bytes grew the heap by 424 MB). At most about 40 bytes
+// each: 20 MB per rank.
+const maxPositions = 1 << 19
+
 func newPrefillSide(s *Session) *prefillSide {
-	return &prefillSide{s: s, holds: rendezvous.NewHolds[*mesh.Peer](s.pol.BlocksTTL, s.pol.Lease), attempts: map[landing.Key]*pushAttempt{},
+	return &prefillSide{s: s, holds: rendezvous.NewHolds[*mesh.Peer](s.pol.BlocksTTL, s.pol.Lease, maxPositions), attempts: map[landing.Key]*pushAttempt{},
 		waiting: map[string]*waitingPull{}}
+}
+
+// partError is the engine's error for a part the tables refused: over the positions'
+// bound, or else invalid.
+func partError(err error, invalid string) error {
+	if errors.Is(err, rendezvous.ErrOverBudget) {
+		return status.Errorf(codes.ResourceExhausted, "offset: %v (the rank's requests hold what it reported until decode takes it or "+
+			"the blocks TTL ends)", err)
+	}
+	return status.Error(codes.InvalidArgument, invalid+err.Error())
 }
 
 // Prefill memory is a source for writes and readable by peers (pull).
@@ -66,7 +84,7 @@ func (ps *prefillSide) access() fabric.Access { return fabric.Source | fabric.Re
 func (ps *prefillSide) freeze() {
 	s := ps.s
 	ps.table = rendezvous.New(rendezvous.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout,
-		BlocksTTL: s.pol.BlocksTTL, Regions: len(s.regions)})
+		BlocksTTL: s.pol.BlocksTTL, Regions: len(s.regions), MaxPositions: maxPositions})
 	local := make(map[int]*fabric.Region, len(s.regions))
 	for id, r := range s.regions {
 		if r.reg != nil {
@@ -116,7 +134,7 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 	}
 	if s.mode == agentv1.Mode_MODE_PULL {
 		if err := ps.holds.Ready(now, part); err != nil {
-			return status.Error(codes.InvalidArgument, err.Error())
+			return partError(err, "")
 		}
 		if w := ps.waiting[r.RequestId]; w != nil {
 			delete(ps.waiting, r.RequestId)
@@ -128,7 +146,7 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 			return status.Errorf(codes.FailedPrecondition, "request_id: %s: %v", r.RequestId, err)
 		}
 		if err != nil {
-			return status.Errorf(codes.InvalidArgument, "block_ids: %v", err)
+			return partError(err, "block_ids: ")
 		}
 		ps.handle(now, acts)
 	}
