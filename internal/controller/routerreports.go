@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -86,7 +87,7 @@ func (h *routerHealth) poll(ctx context.Context) error {
 	for i := range pods.Items {
 		pod := &pods.Items[i]
 		url := routerHealthURL(pod)
-		if url == "" {
+		if url == "" || !h.managed(ctx, pod) {
 			continue
 		}
 		wg.Add(1)
@@ -159,9 +160,38 @@ func (h *routerHealth) of(namespace, pool string) map[string]health.Report {
 	return out
 }
 
+// managed reports whether pod belongs to the router Deployment the manager made for its
+// DecodePool: the pod's controller is a ReplicaSet whose controller is that Deployment,
+// which the DecodePool controls, each by UID. Anyone who may create pods or ReplicaSets in
+// the namespace can copy a router's name and labels; only the manager's own objects carry
+// those UIDs.
+func (h *routerHealth) managed(ctx context.Context, pod *corev1.Pod) bool {
+	pool := pod.Labels[kvv1.LabelRouter]
+	rs := &appsv1.ReplicaSet{}
+	dep := &appsv1.Deployment{}
+	dp := &kvv1.DecodePool{}
+	return controlledBy(ctx, h.pods, pod, rs, "ReplicaSet", "") &&
+		controlledBy(ctx, h.pods, rs, dep, "Deployment", render.RouterName(pool)) &&
+		controlledBy(ctx, h.pods, dep, dp, "DecodePool", pool)
+}
+
+// controlledBy reads obj's controller into owner (of kind, and of name unless "") and
+// reports whether it is that very object: same UID.
+func controlledBy(ctx context.Context, r client.Reader, obj metav1.Object, owner client.Object, kind, name string) bool {
+	ref := metav1.GetControllerOf(obj)
+	if ref == nil || ref.Kind != kind || (name != "" && ref.Name != name) {
+		return false
+	}
+	if err := r.Get(ctx, client.ObjectKey{Namespace: obj.GetNamespace(), Name: ref.Name}, owner); err != nil {
+		return false
+	}
+	return owner.GetUID() == ref.UID
+}
+
 // routerHealthURL is where a router pod serves its report; "" for a pod that is not one
-// of a router Deployment's (anyone may label a pod kvhandoff.io/router, and the manager
-// must neither poll nor believe it) or that has no IP yet.
+// of a router Deployment's by name (anyone may label a pod kvhandoff.io/router, and the
+// manager must neither poll nor believe it: managed checks the owners themselves) or
+// that has no IP yet.
 func routerHealthURL(pod *corev1.Pod) string {
 	owner := metav1.GetControllerOf(pod)
 	if pod.Status.PodIP == "" || pod.DeletionTimestamp != nil || owner == nil || owner.Kind != "ReplicaSet" ||

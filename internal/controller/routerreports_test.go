@@ -12,11 +12,13 @@ import (
 
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/render"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
@@ -25,9 +27,11 @@ var _ = Describe("Router health", func() {
 	// A real router whose prefill engine refuses every connection fails its requests by
 	// name (handoffFailurePolicy Fail); its report, polled by the manager from the
 	// router's pod, makes the DecodePool TransferHealthy=False (HandoffFailures), Ready
-	// False and Degraded; once the window passes with no new failure, it clears. A pod
-	// that only carries the router label, not owned by a router Deployment's ReplicaSet,
-	// is neither polled nor believed.
+	// False and Degraded; once the window passes with no new failure, it clears. Pods
+	// that only look like routers are neither polled nor believed: one with the router
+	// label alone, and one owned by a ReplicaSet with a router's name and labels that the
+	// manager's router Deployment does not own (the attack: anyone who may create a
+	// ReplicaSet in the namespace could report on the pool).
 	It("brings a router's failed handoffs into the DecodePool's condition, and clears", func() {
 		ns, _, _, d := readyPair()
 		r := router.New(router.Config{PrefillTimeout: time.Second, DecodeTimeout: time.Second, MaxBodyBytes: 1 << 20, BodyTimeout: time.Second,
@@ -43,8 +47,9 @@ var _ = Describe("Router health", func() {
 		go func() { _ = r.Run(runCtx, discovery.Static{Set: set}) }()
 		Eventually(func() int { return get(srv.URL + "/readyz") }).Should(Equal(http.StatusOK))
 
-		routerPod(ns, "d", "d-router-5d9c7-x2x1", "d-router-5d9c7", srv.URL)
-		routerPod(ns, "d", "impostor", "", srv.URL) // labelled, but no router Deployment's
+		routerPod(ns, "d", "d-router-5d9c7-x2x1", routerReplicaSet(ns, "d", "d-router-5d9c7", true), srv.URL)
+		routerPod(ns, "d", "impostor", nil, srv.URL) // labelled, but no router Deployment's
+		routerPod(ns, "d", "d-router-f00-x2x1", routerReplicaSet(ns, "d", "d-router-f00", false), srv.URL)
 		for range 4 {
 			resp, err := http.Post(srv.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"a","max_tokens":1}`))
 			Expect(err).NotTo(HaveOccurred())
@@ -64,9 +69,28 @@ var _ = Describe("Router health", func() {
 	})
 })
 
-// routerPod plays the ReplicaSet controller and the kubelet: a router pod of pool, owned
-// by ReplicaSet owner ("" for none), serving at url.
-func routerPod(ns, pool, name, owner, url string) {
+// routerReplicaSet plays the Deployment controller: a ReplicaSet with a router's name and
+// labels, controlled by the pool's router Deployment when owned.
+func routerReplicaSet(ns, pool, name string, owned bool) *appsv1.ReplicaSet {
+	labels := map[string]string{kvv1.LabelRouter: pool, kvv1.LabelPool: pool}
+	rs := &appsv1.ReplicaSet{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels},
+		Spec: appsv1.ReplicaSetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels}, Template: corev1.PodTemplateSpec{
+			ObjectMeta: metav1.ObjectMeta{Labels: labels},
+			Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "router", Image: "router"}}}}},
+	}
+	if owned {
+		dep := &appsv1.Deployment{}
+		Eventually(func() error { return k8s.Get(ctx, key(ns, render.RouterName(pool)), dep) }).Should(Succeed())
+		rs.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "Deployment", Name: dep.Name, UID: dep.UID, Controller: ptr.To(true)}}
+	}
+	create(ns, rs)
+	return rs
+}
+
+// routerPod plays the ReplicaSet controller and the kubelet: a router pod of pool,
+// controlled by owner (nil for none), serving at url.
+func routerPod(ns, pool, name string, owner *appsv1.ReplicaSet, url string) {
 	host, port, err := net.SplitHostPort(strings.TrimPrefix(url, "http://"))
 	Expect(err).NotTo(HaveOccurred())
 	p, err := strconv.Atoi(port)
@@ -76,8 +100,8 @@ func routerPod(ns, pool, name, owner, url string) {
 		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "router", Image: "router",
 			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: int32(p)}}}}},
 	}
-	if owner != "" {
-		pod.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: owner, UID: "5d9c7", Controller: ptr.To(true)}}
+	if owner != nil {
+		pod.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: owner.Name, UID: owner.UID, Controller: ptr.To(true)}}
 	}
 	create(ns, pod)
 	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: host}

@@ -77,8 +77,8 @@ func Setup(mgr ctrl.Manager, o Options) error {
 // metadata (the agents' labels and health reports). StatefulSets and Services are cached whole,
 // so that a foreign object with a pool's name is seen and reported, never taken over.
 //
-// Of Deployments, PodDisruptionBudgets, ServiceAccounts, Roles and RoleBindings it caches
-// only routers' (labelled kvhandoff.io/router): those kinds are numerous in a cluster and
+// Of Deployments, ReplicaSets, PodDisruptionBudgets, ServiceAccounts, Roles and
+// RoleBindings it caches only routers' (labelled kvhandoff.io/router): those kinds are numerous in a cluster and
 // the manager owns no others.
 func CacheOptions() cache.Options {
 	has := func(key string) cache.ByObject {
@@ -92,6 +92,7 @@ func CacheOptions() cache.Options {
 	return cache.Options{ByObject: map[client.Object]cache.ByObject{
 		&corev1.Pod{}:                   has(kvv1.LabelPool),
 		&appsv1.Deployment{}:            router,
+		&appsv1.ReplicaSet{}:            router,
 		&policyv1.PodDisruptionBudget{}: router,
 		&corev1.ServiceAccount{}:        router,
 		&rbacv1.Role{}:                  router,
