@@ -198,10 +198,10 @@ func routerHealthURL(pod *corev1.Pod) string {
 		!strings.HasPrefix(owner.Name, render.RouterName(pod.Labels[kvv1.LabelRouter])+"-") {
 		return ""
 	}
-	port := int32(render.RouterPort)
+	port := int32(render.RouterAdminPort)
 	for _, c := range pod.Spec.Containers {
 		for _, p := range c.Ports {
-			if p.Name == "http" {
+			if p.Name == "admin" {
 				port = p.ContainerPort
 			}
 		}

@@ -40,16 +40,17 @@ var _ = Describe("Router health", func() {
 		set := &discovery.Set{Mode: kvv1.TransferPull, HandoffFailureLimitPercent: ptr.To[int32](5),
 			Prefill: []discovery.Engine{{URL: closed, EngineID: "p-0." + ns, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 8}},
 			Decode:  []discovery.Engine{{URL: closed, EngineID: "d-0." + ns, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 8}}}
-		srv := httptest.NewServer(r)
+		srv, admin := httptest.NewServer(r), httptest.NewServer(r.Admin())
 		DeferCleanup(srv.Close)
+		DeferCleanup(admin.Close)
 		runCtx, stop := context.WithCancel(ctx)
 		DeferCleanup(stop)
 		go func() { _ = r.Run(runCtx, discovery.Static{Set: set}) }()
 		Eventually(func() int { return get(srv.URL + "/readyz") }).Should(Equal(http.StatusOK))
 
-		routerPod(ns, "d", "d-router-5d9c7-x2x1", routerReplicaSet(ns, "d", "d-router-5d9c7", true), srv.URL)
-		routerPod(ns, "d", "impostor", nil, srv.URL) // labelled, but no router Deployment's
-		routerPod(ns, "d", "d-router-f00-x2x1", routerReplicaSet(ns, "d", "d-router-f00", false), srv.URL)
+		routerPod(ns, "d", "d-router-5d9c7-x2x1", routerReplicaSet(ns, "d", "d-router-5d9c7", true), admin.URL)
+		routerPod(ns, "d", "impostor", nil, admin.URL) // labelled, but no router Deployment's
+		routerPod(ns, "d", "d-router-f00-x2x1", routerReplicaSet(ns, "d", "d-router-f00", false), admin.URL)
 		for range 4 {
 			resp, err := http.Post(srv.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"a","max_tokens":1}`))
 			Expect(err).NotTo(HaveOccurred())
@@ -89,7 +90,7 @@ func routerReplicaSet(ns, pool, name string, owned bool) *appsv1.ReplicaSet {
 }
 
 // routerPod plays the ReplicaSet controller and the kubelet: a router pod of pool,
-// controlled by owner (nil for none), serving at url.
+// controlled by owner (nil for none), whose admin port serves at url.
 func routerPod(ns, pool, name string, owner *appsv1.ReplicaSet, url string) {
 	host, port, err := net.SplitHostPort(strings.TrimPrefix(url, "http://"))
 	Expect(err).NotTo(HaveOccurred())
@@ -98,7 +99,7 @@ func routerPod(ns, pool, name string, owner *appsv1.ReplicaSet, url string) {
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{kvv1.LabelRouter: pool, kvv1.LabelPool: pool}},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "router", Image: "router",
-			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: int32(p)}}}}},
+			Ports: []corev1.ContainerPort{{Name: "admin", ContainerPort: int32(p)}}}}},
 	}
 	if owner != nil {
 		pod.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: owner.Name, UID: owner.UID, Controller: ptr.To(true)}}

@@ -1,6 +1,7 @@
 package render
 
 import (
+	"fmt"
 	"maps"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -16,8 +17,13 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/instancetype"
 )
 
-// RouterPort is where the router serves the OpenAI API, /metrics and its probes.
-const RouterPort = 8000
+// RouterPort is where the router serves clients: the OpenAI API and its probes.
+// RouterAdminPort is where it serves operators: /metrics and the health report the
+// manager polls. Only RouterPort is in the Service.
+const (
+	RouterPort      = 8000
+	RouterAdminPort = 8001
+)
 
 // RouterInput is what a DecodePool's router renders from.
 type RouterInput struct {
@@ -97,9 +103,13 @@ func Router(in RouterInput) (*RouterWorkload, error) {
 	container := corev1.Container{
 		Name:  "router",
 		Image: image,
-		Args:  []string{"--decode-pool=" + in.Pool, "--namespace=$(POD_NAMESPACE)", "--listen=:8000"},
-		Env:   []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace")},
-		Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP}},
+		Args: []string{"--decode-pool=" + in.Pool, "--namespace=$(POD_NAMESPACE)", fmt.Sprintf("--listen=:%d", RouterPort),
+			fmt.Sprintf("--admin-listen=:%d", RouterAdminPort)},
+		Env: []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace")},
+		Ports: []corev1.ContainerPort{
+			{Name: "http", ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP},
+			{Name: "admin", ContainerPort: RouterAdminPort, Protocol: corev1.ProtocolTCP},
+		},
 		// Ready once it has found an engine pair: a router without engines would only
 		// answer 503s, so the Service should not send clients there.
 		ReadinessProbe: routerProbe("/readyz", 5, 2),

@@ -82,11 +82,10 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 // through byte for byte and without delay. onFirst runs just after the first write.
 func relay(w http.ResponseWriter, resp *http.Response, first []byte, onFirst ...func()) (int64, error) {
 	h := w.Header()
-	for k, vs := range resp.Header {
-		if hopByHop[http.CanonicalHeaderKey(k)] || k == "X-Request-Id" {
-			continue
+	for _, k := range relayed {
+		if vs := resp.Header.Values(k); len(vs) > 0 {
+			h[k] = vs
 		}
-		h[k] = vs
 	}
 	w.WriteHeader(resp.StatusCode)
 	rc := http.NewResponseController(w)
@@ -122,10 +121,10 @@ func relay(w http.ResponseWriter, resp *http.Response, first []byte, onFirst ...
 	}
 }
 
-var hopByHop = map[string]bool{
-	"Connection": true, "Keep-Alive": true, "Proxy-Authenticate": true, "Proxy-Authorization": true,
-	"Te": true, "Trailer": true, "Transfer-Encoding": true, "Upgrade": true, "Content-Length": true,
-}
+// relayed are the engine's response headers a client gets: what describes the body and
+// how to retry. Anything else an engine sets (its server's name and version, cookies,
+// headers of its own or of whatever sits in front of it) stays with the router.
+var relayed = []string{"Content-Type", "Content-Encoding", "Cache-Control", "Retry-After"}
 
 // send posts a leg to an engine with the request's id and the client's end-to-end
 // headers (credentials, tracing).

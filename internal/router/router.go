@@ -78,7 +78,8 @@ type Server struct {
 	choose *choice.Chooser
 	client *http.Client
 	m      *metrics
-	mux    *http.ServeMux
+	mux    *http.ServeMux // clients'
+	admin  *http.ServeMux // operators' (Admin)
 	health atomic.Pointer[health.Report]
 
 	// slots holds a token per request being served (MaxInFlight).
@@ -111,26 +112,36 @@ func New(cfg Config) *Server {
 		}},
 		m:     newMetrics(cfg.Registry),
 		mux:   http.NewServeMux(),
+		admin: http.NewServeMux(),
 		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)),
 	}
 	s.choose = choice.New(s.bal, s.m.inflight)
 	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.completions("/v1/chat/completions"))
 	s.mux.HandleFunc("GET /v1/models", s.models)
-	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-	s.mux.HandleFunc("GET /readyz", s.readyz)
+	// The probes answer on both listeners; what tells of the engines and their traffic
+	// (metrics, the health report) only on the admin one, which is not the Service's.
+	for _, m := range []*http.ServeMux{s.mux, s.admin} {
+		m.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+		m.HandleFunc("GET /readyz", s.readyz)
+	}
 	if cfg.Gatherer != nil {
-		s.mux.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{}))
+		s.admin.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{}))
 	}
 	s.health.Store(&health.Report{})
-	s.mux.HandleFunc("GET /health/transfer", func(w http.ResponseWriter, _ *http.Request) {
+	s.admin.HandleFunc("GET /health/transfer", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write([]byte(s.health.Load().Encode()))
 	})
 	return s
 }
 
+// ServeHTTP serves clients: the OpenAI API and the probes.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+// Admin serves the operators' side: /metrics, the health report (GET /health/transfer,
+// which the manager polls) and the probes, on a listener of its own.
+func (s *Server) Admin() http.Handler { return s.admin }
 
 // Update makes set the one new requests route over. Requests in flight finish on the
 // engines they were sent to.

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,9 +19,15 @@ import (
 	"github.com/kvhandoff/kvhandoff/test/gobin"
 )
 
+// proc is a running router binary: its clients' and its operators' addresses.
+type proc struct{ addr, admin string }
+
 // routerProc runs the router binary with an endpoints file of engines that never answer,
-// and returns its address; it is stopped when the test ends.
-func routerProc(t *testing.T, flags ...string) string {
+// and returns its addresses; it is stopped when the test ends.
+func routerProc(t *testing.T, flags ...string) proc { return routerProcTo(t, "http://127.0.0.1:2", flags...) }
+
+// routerProcTo is routerProc with the decode engine at decode.
+func routerProcTo(t *testing.T, decode string, flags ...string) proc {
 	t.Helper()
 	dir := t.TempDir()
 	bin, err := gobin.Build(dir, "router")
@@ -29,8 +36,8 @@ func routerProc(t *testing.T, flags ...string) string {
 	}
 	file := filepath.Join(dir, "endpoints.json")
 	_ = os.WriteFile(file,
-		[]byte(`{"mode":"Pull","prefill":[{"url":"http://127.0.0.1:1","engineID":"p"}],"decode":[{"url":"http://127.0.0.1:2","engineID":"d"}]}`), 0o644)
-	cmd := exec.Command(bin, append([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--drain", "1s"}, flags...)...)
+		[]byte(`{"mode":"Pull","prefill":[{"url":"http://127.0.0.1:1","engineID":"p"}],"decode":[{"url":"`+decode+`","engineID":"d"}]}`), 0o644)
+	cmd := exec.Command(bin, append([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain", "1s"}, flags...)...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -39,16 +46,16 @@ func routerProc(t *testing.T, flags ...string) string {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	listen := regexp.MustCompile(`"listen":"([^"]+)"`)
+	listen := regexp.MustCompile(`"listen":"([^"]+)","admin":"([^"]+)"`)
 	lines := bufio.NewScanner(stderr)
 	for lines.Scan() {
 		if m := listen.FindStringSubmatch(lines.Text()); m != nil {
 			go func() { _, _ = io.Copy(io.Discard, stderr) }()
-			return m[1]
+			return proc{addr: m[1], admin: m[2]}
 		}
 	}
 	t.Fatal("the router exited before it served")
-	return ""
+	return proc{}
 }
 
 // metric reads one series from the router's /metrics.
@@ -78,8 +85,9 @@ func metric(t *testing.T, addr, series string) float64 {
 // (408), and past --max-in-flight requests are answered 429 at once. Before, 60 clients
 // that announced 32 MiB took the router's heap to 2.0 GB, and nothing ever timed out.
 func TestStalledBodiesAreBoundedInTimeMemoryAndNumber(t *testing.T) {
-	addr := routerProc(t, "--body-timeout", "3s", "--max-in-flight", "20")
-	heapBefore := metric(t, addr, "go_memstats_heap_alloc_bytes")
+	r := routerProc(t, "--body-timeout", "3s", "--max-in-flight", "20")
+	addr := r.addr
+	heapBefore := metric(t, r.admin, "go_memstats_heap_alloc_bytes")
 	const clients = 30
 	type answer struct {
 		status int
@@ -112,7 +120,7 @@ func TestStalledBodiesAreBoundedInTimeMemoryAndNumber(t *testing.T) {
 		}
 	}()
 	// While they stall, the router holds what they sent, not what they announced.
-	if grew := metric(t, addr, "go_memstats_heap_alloc_bytes") - heapBefore; grew > 64<<20 {
+	if grew := metric(t, r.admin, "go_memstats_heap_alloc_bytes") - heapBefore; grew > 64<<20 {
 		t.Errorf("the router's heap grew %.0f MB for %d stalled bodies of 1 KB each", grew/1e6, clients)
 	}
 	got := map[int]int{}
@@ -131,8 +139,9 @@ func TestStalledBodiesAreBoundedInTimeMemoryAndNumber(t *testing.T) {
 // A prompt of arrays nested thousands deep costs the router one pass over its bytes.
 // Before, counting its tokens rescanned every level: 3.7 s of CPU for 1 MiB.
 func TestADeeplyNestedPromptCostsOnePass(t *testing.T) {
-	addr := routerProc(t)
-	cpuBefore := metric(t, addr, "process_cpu_seconds_total")
+	r := routerProc(t)
+	addr := r.addr
+	cpuBefore := metric(t, r.admin, "process_cpu_seconds_total")
 	const depth = 9990
 	body := `{"prompt":` + strings.Repeat("[", depth) + `"` + strings.Repeat("x", 1<<20-2*depth) + `"` + strings.Repeat("]", depth) + `}`
 	resp, err := http.Post("http://"+addr+"/v1/completions", "application/json", strings.NewReader(body))
@@ -143,7 +152,54 @@ func TestADeeplyNestedPromptCostsOnePass(t *testing.T) {
 	if resp.StatusCode/100 != 5 { // the engines never answer
 		t.Errorf("status %d, want the engines' failure", resp.StatusCode)
 	}
-	if spent := metric(t, addr, "process_cpu_seconds_total") - cpuBefore; spent > 1 {
+	if spent := metric(t, r.admin, "process_cpu_seconds_total") - cpuBefore; spent > 1 {
 		t.Errorf("the router spent %.1f s of CPU on one nested prompt", spent)
 	}
+}
+
+// The attack: the clients' port served /metrics (engine names, traffic) and the health
+// report to anyone who could reach it, and relayed every header an engine set. Those are
+// on the admin listener only now, and a client gets only the headers that describe the
+// body.
+func TestClientsSeeNeitherMetricsNorEngineHeaders(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Server", "uvicorn")
+		w.Header().Set("Set-Cookie", "engine-session=secret")
+		w.Header().Set("X-Engine-Internal", "10.0.0.7")
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(`{"object":"list","data":[]}`))
+	}))
+	defer engine.Close()
+	r := routerProcTo(t, engine.URL)
+	for _, path := range []string{"/metrics", "/health/transfer"} {
+		if code := status(t, "http://"+r.addr+path); code != http.StatusNotFound {
+			t.Errorf("GET %s on the clients' port: %d, want 404", path, code)
+		}
+		if code := status(t, "http://"+r.admin+path); code != http.StatusOK {
+			t.Errorf("GET %s on the admin port: %d, want 200", path, code)
+		}
+	}
+	resp, err := http.Get("http://" + r.addr + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	for _, h := range []string{"Server", "Set-Cookie", "X-Engine-Internal"} {
+		if v := resp.Header.Get(h); v != "" {
+			t.Errorf("the engine's %s header reached the client: %q", h, v)
+		}
+	}
+	if got := resp.Header.Get("Content-Type"); got != "application/json" {
+		t.Errorf("Content-Type %q, want the engine's application/json", got)
+	}
+}
+
+func status(t *testing.T, url string) int {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
 }

@@ -29,7 +29,9 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfg := router.Defaults()
-	listen := fs.String("listen", ":8000", "address of the OpenAI API, /metrics, /healthz and /readyz")
+	listen := fs.String("listen", ":8000", "address of the OpenAI API, /healthz and /readyz: the clients' side")
+	adminListen := fs.String("admin-listen", ":8001", "address of /metrics, the health report (GET /health/transfer), /healthz and /readyz: "+
+		"the operators' side, kept off the clients' port")
 	endpoints := fs.String("endpoints", "", "JSON file of engines (outside a cluster); re-read when it changes")
 	pool := fs.String("decode-pool", "", "DecodePool to route to (in a cluster)")
 	namespace := fs.String("namespace", "", "namespace of the DecodePool")
@@ -82,14 +84,22 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	if err != nil {
 		return fail(err)
 	}
+	al, err := net.Listen("tcp", *adminListen)
+	if err != nil {
+		l.Close()
+		return fail(fmt.Errorf("--admin-listen: %w", err))
+	}
 	hs := &http.Server{Handler: s, ReadHeaderTimeout: 10 * time.Second}
-	served := make(chan error, 1)
+	as := &http.Server{Handler: s.Admin(), ReadHeaderTimeout: 10 * time.Second}
+	defer as.Close()
+	served := make(chan error, 2)
 	go func() { served <- hs.Serve(l) }()
+	go func() { served <- as.Serve(al) }()
 	discovered := make(chan error, 1)
 	runCtx, stopRun := context.WithCancel(context.Background())
 	defer stopRun()
 	go func() { discovered <- s.Run(runCtx, src) }()
-	log.Info("router serving", "listen", l.Addr().String())
+	log.Info("router serving", "listen", l.Addr().String(), "admin", al.Addr().String())
 	if ready != nil {
 		ready <- l.Addr().String()
 	}

@@ -39,7 +39,7 @@ func TestTheRouterServesFromAnEndpointsFileAndStopsOnASignal(t *testing.T) {
 	exit := make(chan int, 1)
 	var stderr bytes.Buffer
 	go func() {
-		exit <- Run([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--drain", "1s"}, &stderr, ready)
+		exit <- Run([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain", "1s"}, &stderr, ready)
 	}()
 	var addr string
 	select {
