@@ -138,8 +138,13 @@ type EngineSpec struct {
 	// renders. It may not set the variables the engine's identity and KV side channel come
 	// from (POD_NAME, POD_NAMESPACE, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT,
 	// KVHANDOFF_AGENT_SOCKET): an engine_id taken from elsewhere could impersonate another.
+	// Nor those that make the engine load code of their choosing (LD_PRELOAD,
+	// LD_LIBRARY_PATH, LD_AUDIT, PYTHONPATH, PYTHONHOME, PYTHONSTARTUP, PYTHONUSERBASE,
+	// PYTHONINSPECT, BASH_ENV, ENV): what runs is spec.image's vLLM with kvhandoff's
+	// connector, as the engine's command cannot be set either.
 	// +kubebuilder:validation:MaxItems=256
 	// +kubebuilder:validation:XValidation:rule="self.all(e, !(e.name in ['POD_NAME', 'POD_NAMESPACE', 'VLLM_NIXL_SIDE_CHANNEL_HOST', 'VLLM_NIXL_SIDE_CHANNEL_PORT', 'KVHANDOFF_AGENT_SOCKET']))",message="env must not set POD_NAME, POD_NAMESPACE, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT or KVHANDOFF_AGENT_SOCKET: the engine's identity and side channel are rendered from its pod"
+	// +kubebuilder:validation:XValidation:rule="self.all(e, !(e.name in ['LD_PRELOAD', 'LD_LIBRARY_PATH', 'LD_AUDIT', 'PYTHONPATH', 'PYTHONHOME', 'PYTHONSTARTUP', 'PYTHONUSERBASE', 'PYTHONINSPECT', 'BASH_ENV', 'ENV']))",message="env must not set LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, PYTHONPATH, PYTHONHOME, PYTHONSTARTUP, PYTHONUSERBASE, PYTHONINSPECT, BASH_ENV or ENV: they would load code of their choosing into the engine"
 	// +listType=map
 	// +listMapKey=name
 	// +optional

@@ -138,6 +138,10 @@ var _ = Describe("PrefillPool and DecodePool validation", func() {
 			"--block-allocator", "x", "--", "--port-range"), ""),
 		Entry("rejects env that would change the engine's identity", builder.PrefillPool("p").Env("POD_NAME", "prefill-0"),
 			"env must not set POD_NAME, POD_NAMESPACE"),
+		Entry("rejects env that would load code into the engine", builder.PrefillPool("p").Env("LD_PRELOAD", "/tmp/hook.so"),
+			"env must not set LD_PRELOAD"),
+		Entry("rejects env that would replace the connector's path", builder.PrefillPool("p").Env("PYTHONPATH", "/models/evil"),
+			"env must not set LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, PYTHONPATH"),
 	)
 
 	DescribeTable("the API server's answer to a DecodePool",

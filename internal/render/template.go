@@ -3,6 +3,7 @@ package render
 import (
 	"encoding/json"
 	"fmt"
+	pathpkg "path"
 	"slices"
 	"sort"
 	"strings"
@@ -35,6 +36,14 @@ import (
 //     allowPrivilegeEscalation: false, readOnlyRootFilesystem, capabilities.drop,
 //     seccompProfile RuntimeDefault); kvhandoff's own init container is not theirs.
 //
+// Within those, what Pod Security's baseline level refuses is refused too, so that a
+// template adds nothing baseline would not let a pod do (the engine pod's own exceptions,
+// its hostPath sockets and IPC_LOCK, are kvhandoff's): host ports, probe and hook hosts,
+// an Unconfined seccomp or AppArmor profile, system- priority classes, and fsGroup 0. And
+// nothing may run code in the engine container other than vLLM with kvhandoff's
+// connector: no exec probes or hooks, no variables that load code (loaderEnv), no mounts
+// over or under kvhandoff's (paths compared cleaned).
+//
 // Strategic-merge directives ("$patch", "$retainKeys", …) are refused: they delete or
 // replace what kvhandoff rendered.
 
@@ -52,7 +61,16 @@ var (
 		"readinessProbe", "startupProbe", "lifecycle", "imagePullPolicy", "workingDir", "terminationMessagePath",
 		"terminationMessagePolicy", "securityContext", "restartPolicy", "stdin", "stdinOnce", "tty")
 	templateContainerSecurity = keys("runAsNonRoot", "allowPrivilegeEscalation", "readOnlyRootFilesystem", "capabilities", "seccompProfile")
+	templatePort              = keys("name", "containerPort", "protocol")
+	// loaderEnv are variables that make the engine's process load code of their choosing
+	// (the template's env and the pool's spec.env alike).
+	loaderEnv = keys("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE",
+		"PYTHONINSPECT", "BASH_ENV", "ENV")
 )
+
+// appArmorAnnotation is the prefix of the pod annotations that set a container's
+// AppArmor profile (before securityContext.appArmorProfile).
+const appArmorAnnotation = "container.apparmor.security.beta.kubernetes.io/"
 
 // engineHints say why the engine container's owned fields are not the template's.
 var engineHints = map[string]string{
@@ -90,6 +108,7 @@ func checkTemplate(raw []byte, rendered *corev1.PodTemplateSpec) error {
 				owned := rendered.Labels
 				if k == "annotations" {
 					owned = rendered.Annotations
+					c.appArmor(path, v)
 				}
 				c.mapKeys(path, v, owned)
 			})
@@ -151,8 +170,21 @@ func (c *templateChecker) spec(path string, v any) {
 		switch k {
 		case "nodeSelector":
 			c.mapKeys(path, v, r.NodeSelector)
+		case "priorityClassName":
+			if name, _ := v.(string); strings.HasPrefix(name, "system-") {
+				c.refuse(path, "%s is for the cluster's own components: an engine with it preempts them and is evicted last", name)
+			}
 		case "securityContext":
-			c.object(path, v, templatePodSecurity, nil)
+			c.object(path, v, templatePodSecurity, func(k string, v any, path string) {
+				switch k {
+				case "fsGroup":
+					if n, ok := v.(float64); ok && n == 0 {
+						c.refuse(path, "may not be 0 (root's group would own the pod's volumes)")
+					}
+				case "seccompProfile":
+					c.seccomp(path, v)
+				}
+			})
 		case "volumes":
 			c.list(path, v, func(path, name string, item map[string]any) {
 				if volumes[name] {
@@ -218,14 +250,75 @@ func (c *templateChecker) engine(path string, item map[string]any, volumes map[s
 			c.resources(path, v)
 		case "env":
 			c.list(path, v, func(path, name string, _ map[string]any) {
-				if slices.ContainsFunc(engine.Env, func(e corev1.EnvVar) bool { return e.Name == name }) {
+				switch {
+				case slices.ContainsFunc(engine.Env, func(e corev1.EnvVar) bool { return e.Name == name }):
 					c.refuse(path, "%s is set by kvhandoff (the engine's identity, fabric and connector; spec.env sets the others)", name)
+				case loaderEnv[name]:
+					c.refuse(path, "%s would load code of its choosing into the engine", name)
 				}
 			})
 		case "volumeMounts":
 			c.mounts(path, v, volumes, engine.VolumeMounts)
+		case "ports":
+			c.ports(path, v)
+		case "livenessProbe", "readinessProbe", "startupProbe":
+			c.handler(path, v, keys("exec"))
+		case "lifecycle":
+			c.object(path, v, keys("postStart", "preStop", "stopSignal"), func(k string, v any, path string) {
+				if k != "stopSignal" {
+					c.handler(path, v, keys("exec"))
+				}
+			})
 		}
 	})
+}
+
+// handler checks a probe or a lifecycle hook: no host of its own (baseline), and none of
+// the handler kinds in refused.
+func (c *templateChecker) handler(path string, v any, refused map[string]bool) {
+	m, ok := v.(map[string]any)
+	if !ok {
+		return
+	}
+	for _, k := range sortedKeys(m) {
+		switch {
+		case refused[k]:
+			c.refuse(path+"."+k, "not allowed in the engine container: it would run a command there, which only kvhandoff sets")
+		case k == "httpGet" || k == "tcpSocket":
+			if h, _ := m[k].(map[string]any); h != nil && h["host"] != nil {
+				c.refuse(path+"."+k+".host", "not allowed: a probe checks its own pod")
+			}
+		}
+	}
+}
+
+// ports allows a container's own ports, never the node's (hostPort, hostIP).
+func (c *templateChecker) ports(path string, v any) {
+	items, ok := v.([]any)
+	if !ok {
+		c.refuse(path, "must be a list")
+		return
+	}
+	for i, it := range items {
+		c.object(fmt.Sprintf("%s[%d]", path, i), it, templatePort, nil)
+	}
+}
+
+// seccomp allows the runtime's default profile and profiles on the node, never none.
+func (c *templateChecker) seccomp(path string, v any) {
+	if m, _ := v.(map[string]any); m == nil || (m["type"] != string(corev1.SeccompProfileTypeRuntimeDefault) && m["type"] != string(corev1.SeccompProfileTypeLocalhost)) {
+		c.refuse(path, "may only be {type: RuntimeDefault} or {type: Localhost, ...}")
+	}
+}
+
+// appArmor refuses AppArmor annotations that lift the profile.
+func (c *templateChecker) appArmor(path string, v any) {
+	m, _ := v.(map[string]any)
+	for _, k := range sortedKeys(m) {
+		if val, _ := m[k].(string); strings.HasPrefix(k, appArmorAnnotation) && val != "runtime/default" && !strings.HasPrefix(val, "localhost/") {
+			c.refuse(path+"["+k+"]", "may only be runtime/default or localhost/<profile>")
+		}
+	}
 }
 
 func (c *templateChecker) sidecar(path string, item map[string]any, volumes map[string]bool) {
@@ -235,6 +328,16 @@ func (c *templateChecker) sidecar(path string, item map[string]any, volumes map[
 			c.resources(path, v)
 		case "volumeMounts":
 			c.mounts(path, v, volumes, nil)
+		case "ports":
+			c.ports(path, v)
+		case "livenessProbe", "readinessProbe", "startupProbe":
+			c.handler(path, v, nil)
+		case "lifecycle":
+			c.object(path, v, keys("postStart", "preStop", "stopSignal"), func(k string, v any, path string) {
+				if k != "stopSignal" {
+					c.handler(path, v, nil)
+				}
+			})
 		case "securityContext":
 			c.object(path, v, templateContainerSecurity, func(k string, v any, path string) {
 				switch k {
@@ -277,17 +380,28 @@ func (c *templateChecker) resources(path string, v any) {
 	})
 }
 
-// mounts refuses mounts of kvhandoff's volumes, and at the paths of its mounts.
+// mounts refuses mounts of kvhandoff's volumes, and at, over or inside the paths of its
+// mounts (compared cleaned: "/var/run/kvhandoff/" is "/var/run/kvhandoff").
 func (c *templateChecker) mounts(path string, v any, volumes map[string]bool, rendered []corev1.VolumeMount) {
 	c.list(path, v, func(path, name string, item map[string]any) {
 		at, _ := item["mountPath"].(string)
-		switch {
-		case volumes[name]:
+		at = pathpkg.Clean("/" + at)
+		if volumes[name] {
 			c.refuse(path, "volume %q is kvhandoff's", name)
-		case slices.ContainsFunc(rendered, func(r corev1.VolumeMount) bool { return r.MountPath == at }):
-			c.refuse(path, "%s is where kvhandoff mounts a volume", at)
+			return
+		}
+		for _, r := range rendered {
+			if nested(at, r.MountPath) || nested(r.MountPath, at) {
+				c.refuse(path, "%s is where kvhandoff mounts a volume, or over or inside one (%s)", at, r.MountPath)
+				return
+			}
 		}
 	})
+}
+
+// nested reports whether path a is b or inside it.
+func nested(a, b string) bool {
+	return a == b || strings.HasPrefix(a, strings.TrimSuffix(b, "/")+"/")
 }
 
 func sortedKeys[V any](m map[string]V) []string {

@@ -24,7 +24,9 @@ type proc struct{ addr, admin string }
 
 // routerProc runs the router binary with an endpoints file of engines that never answer,
 // and returns its addresses; it is stopped when the test ends.
-func routerProc(t *testing.T, flags ...string) proc { return routerProcTo(t, "http://127.0.0.1:2", flags...) }
+func routerProc(t *testing.T, flags ...string) proc {
+	return routerProcTo(t, "http://127.0.0.1:2", flags...)
+}
 
 // routerProcTo is routerProc with the decode engine at decode.
 func routerProcTo(t *testing.T, decode string, flags ...string) proc {
