@@ -1,6 +1,7 @@
 package render
 
 import (
+	"hash/fnv"
 	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
@@ -37,10 +38,8 @@ const (
 	// --socket-gid); engine pods of executor Agent get it as a supplemental group, so they
 	// reach the agent without running as root.
 	AgentGroup = 7470
-	// EngineUser is the uid executor-Agent engines run as unless their pool sets
-	// runAsRoot; HOME is set to a folder it can write (engineHome), as the images' own
-	// home belongs to root.
-	EngineUser = 1000
+	// engineHome is HOME for engines that do not run as root: a folder they can write,
+	// as the images' own home belongs to root.
 	engineHome = "/tmp/home"
 
 	labelInstanceType = "node.kubernetes.io/instance-type"
@@ -112,7 +111,7 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			corev1.Volume{Name: "kvhandoff-connector", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}})
 		podSecurity = &corev1.PodSecurityContext{SupplementalGroups: []int64{AgentGroup}}
 		if !in.Spec.RunAsRoot {
-			podSecurity.RunAsNonRoot, podSecurity.RunAsUser = ptr.To(true), ptr.To[int64](EngineUser)
+			podSecurity.RunAsNonRoot, podSecurity.RunAsUser = ptr.To(true), ptr.To(EngineUser(in.Namespace, in.Name, in.Role))
 		}
 		initContainers = []corev1.Container{connectorInit(in)}
 	}
@@ -368,4 +367,17 @@ func httpProbe(path string, period, failures int32) *corev1.Probe {
 		// rendered one and an unchanged pool costs no write.
 		SuccessThreshold: 1,
 	}
+}
+
+// EngineUser is the uid the engines of an executor-Agent pool run as unless the pool sets
+// runAsRoot: one of the pool's own, from its namespace, role and name, in [2^20, 2^20+2^30),
+// above the host's and images' users. Engines of different pools, other tenants' among
+// them, are then never the same user: two processes of one uid can signal each other,
+// read each other's /proc/PID/environ and root, and open each other's KV memfds through
+// /proc/PID/fd, wherever they see each other's processes (a shared host PID namespace).
+// Two pools of a thousand collide with a chance of 1 in 2,000.
+func EngineUser(namespace, pool string, role kvv1.Role) int64 {
+	h := fnv.New64a()
+	h.Write([]byte(namespace + "/" + string(role) + "/" + pool))
+	return 1<<20 + int64(h.Sum64()%(1<<30))
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -449,7 +450,7 @@ func TestAgentEnginesRunNonRootWithTheSocketsReadOnly(t *testing.T) {
 		}
 		spec := w.StatefulSet.Spec.Template.Spec
 		sc := spec.SecurityContext
-		if nonRoot := sc.RunAsNonRoot != nil && *sc.RunAsNonRoot && sc.RunAsUser != nil && *sc.RunAsUser == EngineUser; nonRoot == root {
+		if nonRoot := sc.RunAsNonRoot != nil && *sc.RunAsNonRoot && sc.RunAsUser != nil && *sc.RunAsUser == EngineUser("ns", "p", kvv1.RolePrefill); nonRoot == root {
 			t.Errorf("runAsRoot %v: pod security context %+v", root, sc)
 		}
 		if !slices.Contains(sc.SupplementalGroups, AgentGroup) {
@@ -480,5 +481,39 @@ func TestCPUEnginesRequestNoDevice(t *testing.T) {
 	}
 	if len(spec.Tolerations) != 0 || spec.HostPID {
 		t.Errorf("CPU engines: tolerations %v, hostPID %v", spec.Tolerations, spec.HostPID)
+	}
+}
+
+// Each pool's engines run as a user of its own: the prefill and decode pools of a pair,
+// and pools of the same name in two namespaces, never share a uid (before, every
+// executor-Agent engine on every node ran as 1000), and a pool keeps its uid across renders.
+func TestEachPoolRunsAsAUserOfItsOwn(t *testing.T) {
+	pol := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj()
+	uid := func(role kvv1.Role, ns, name string) int64 {
+		p := builder.PrefillPool(name).Image("vllm/vllm-openai:v0.33.0").Obj()
+		w, err := Engines(Input{Role: role, Name: name, Namespace: ns, Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+		if err != nil {
+			t.Fatal(err)
+		}
+		u := *w.StatefulSet.Spec.Template.Spec.SecurityContext.RunAsUser
+		if u < 1<<20 {
+			t.Errorf("%s/%s runs as uid %d, among the host's and images' users", ns, name, u)
+		}
+		return u
+	}
+	seen := map[int64]string{}
+	for _, c := range []struct {
+		role     kvv1.Role
+		ns, name string
+	}{{kvv1.RolePrefill, "team-a", "qwen"}, {kvv1.RoleDecode, "team-a", "qwen"}, {kvv1.RolePrefill, "team-b", "qwen"}, {kvv1.RolePrefill, "team-a", "llama"}} {
+		u := uid(c.role, c.ns, c.name)
+		who := fmt.Sprintf("%s pool %s/%s", c.role, c.ns, c.name)
+		if other, ok := seen[u]; ok {
+			t.Errorf("%s and %s both run as uid %d", who, other, u)
+		}
+		seen[u] = who
+		if again := uid(c.role, c.ns, c.name); again != u {
+			t.Errorf("%s: uid %d, then %d", who, u, again)
+		}
 	}
 }

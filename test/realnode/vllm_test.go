@@ -97,7 +97,7 @@ func engineAlone(t *testing.T, n *realnode.Node) string {
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: "vllm-alone", Namespace: "default", Labels: map[string]string{realnode.LabelTestPod: "vllm-alone"}},
 		Spec: corev1.PodSpec{
-			SecurityContext: &corev1.PodSecurityContext{RunAsNonRoot: ptr.To(true), RunAsUser: ptr.To[int64](render.EngineUser)},
+			SecurityContext: &corev1.PodSecurityContext{RunAsNonRoot: ptr.To(true), RunAsUser: ptr.To(render.EngineUser("default", "vllm-alone", kvv1.RolePrefill))},
 			Containers: []corev1.Container{{
 				Name: "engine", Image: realnode.Registry + "/" + realnode.VLLMImage + ":" + realnode.Tag, ImagePullPolicy: corev1.PullNever,
 				Command: []string{"vllm", "serve"}, Args: args,
