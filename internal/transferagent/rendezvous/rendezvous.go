@@ -143,6 +143,7 @@ const (
 	CodeLeaseExpired        = "lease_expired"
 	CodeRegistrationTimeout = "registration_timeout"
 	CodeEngineRestarted     = "engine_restarted"
+	CodeEngineGone          = "engine_gone"
 	CodeSourceCancelled     = "source_cancelled"
 )
 
@@ -206,6 +207,8 @@ type request struct {
 	// once older attempts have drained and gone, since a writer may still hold their
 	// queued writes, which an attempt of the same number would admit.
 	latest uint64
+	// latestDecode is the decode engine that registered latest (Abandon checks it).
+	latestDecode string
 	// counted is the request's cost as the table's held has it (recount).
 	counted int
 }
@@ -350,7 +353,7 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 		return nil, fmt.Errorf("%w: %d destination blocks for %d source blocks", ErrBadBlocks, len(reg.Blocks), need)
 	}
 	r.current = &attempt{reg: reg, registered: now, leaseEnd: now.Add(t.cfg.Lease)}
-	r.latest = reg.Attempt
+	r.latest, r.latestDecode = reg.Attempt, reg.Decode.ID
 	r.waiting = time.Time{}
 	return append(acts, t.progress(now, r)...), nil
 }
@@ -696,6 +699,29 @@ func (t *Table) CancelSource(now time.Time, req string) ([]Action, bool) {
 	r.failed = true
 	t.maybeRetire(now, r)
 	return nil, true
+}
+
+// Abandon is a decode engine's end after it cancelled its attempt: no attempt of the
+// request follows from it, so the source is dropped and the request fails (Failed, with
+// CodeEngineGone; once drained if the attempt is still draining). It applies only to the
+// latest attempt, registered by that engine, of a request neither delivered nor failed.
+func (t *Table) Abandon(now time.Time, req string, att uint64, decode string) []Action {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.reqs[req]
+	if r == nil || r.failed || r.latest != att || r.latestDecode != decode || (r.current != nil && r.current.done) {
+		return nil
+	}
+	defer t.recount(r)
+	const reason = "the decode engine ended before the transfer finished"
+	if cur := r.current; cur != nil {
+		// Its Cancel comes first on the same connection: a decode agent that sent none.
+		return t.fence(now, r, cur, Failed{Request: req, Attempt: att, Decode: cur.reg.Decode, Code: CodeEngineGone, Reason: reason})
+	}
+	r.dropSource()
+	r.failed = true
+	t.maybeRetire(now, r)
+	return []Action{Failed{Request: req, Attempt: att, Decode: Engine{ID: decode}, Code: CodeEngineGone, Reason: reason}}
 }
 
 // Decline records that decode takes none of a request's KV: it computes the request

@@ -845,3 +845,28 @@ func TestACancelledRegistrationWithoutSourceIsForgotten(t *testing.T) {
 		t.Fatalf("the cancelled attempt is remembered past the registration timeout and a lease")
 	}
 }
+
+// Abandon fails a cancelled attempt's request and drops its source, but only for the
+// engine that registered the latest attempt, and never a delivered one.
+func TestAbandonFailsOnlyTheLatestAttemptOfItsEngine(t *testing.T) {
+	c := cfg
+	c.BlocksTTL = time.Minute
+	tb := New(c)
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10, 11}, Final: true}))
+	must(t)(tb.Register(t0, reg(1, 5, 6)))
+	must(t)(tb.Cancel(t0, "r1", 1))
+	if acts := tb.Abandon(t0, "r1", 1, "another-decode"); len(acts) != 0 {
+		t.Fatalf("another engine's abandon: %v", acts)
+	}
+	if acts := tb.Abandon(t0, "r1", 2, dec.ID); len(acts) != 0 {
+		t.Fatalf("an abandon of an attempt never registered: %v", acts)
+	}
+	expect(t, tb.Abandon(t0, "r1", 1, dec.ID), Failed{Request: "r1", Attempt: 1, Decode: Engine{ID: dec.ID}, Code: CodeEngineGone,
+		Reason: "the decode engine ended before the transfer finished"})
+	if _, err := tb.Register(t0, reg(2, 5, 6)); !errors.Is(err, ErrSourceGone) {
+		t.Fatalf("a registration after the abandon: %v, want ErrSourceGone", err)
+	}
+	if tb.held != 0 {
+		t.Fatalf("the abandoned request still holds %d positions", tb.held)
+	}
+}

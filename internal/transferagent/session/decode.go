@@ -301,7 +301,16 @@ func (ds *decodeSide) peerLost(now time.Time, p *mesh.Peer) {
 }
 
 func (ds *decodeSide) fenceAll(now time.Time, reason string) {
-	ds.handle(now, ds.table.CancelAll(now))
+	acts := ds.table.CancelAll(now)
+	ds.handle(now, acts)
+	// The engine is gone: no attempt of these requests follows from it, so their prefill
+	// agents may fail them and free the sources now (after each Cancel, on the same
+	// connection) instead of holding them for the blocks TTL.
+	for _, a := range acts {
+		if c, ok := a.(landing.SendCancel[*mesh.Peer]); ok {
+			c.Peer.Send(&wire.Abandon{Request: c.Request, Attempt: c.Attempt, Engine: ds.s.key, Source: c.Source})
+		}
+	}
 }
 
 func (ds *decodeSide) drained() bool { return len(ds.pending) == 0 }

@@ -24,6 +24,8 @@ func (t *Table) Dispatch(p *mesh.Peer, m wire.Message) {
 		t.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onCancel(p, m) })
 	case *wire.Decline:
 		t.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onDecline(m) })
+	case *wire.Abandon:
+		t.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onAbandon(m) })
 	case *wire.Release:
 		t.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onRelease(p, m) })
 	case *wire.CancelAcked:

@@ -370,6 +370,17 @@ func (ps *prefillSide) onCancel(p *mesh.Peer, m *wire.Cancel) {
 	ps.handle(now, acts)
 }
 
+// onAbandon takes a decode agent's word that the engine of an attempt it cancelled has
+// ended: the request fails now, and the prefill engine frees its blocks, rather than
+// holding them for the blocks TTL for a retry that cannot come.
+func (ps *prefillSide) onAbandon(m *wire.Abandon) {
+	if ps.table == nil {
+		return // pull: a hold nobody acquired ends with its TTL
+	}
+	now := time.Now()
+	ps.handle(now, ps.table.Abandon(now, m.Request, m.Attempt, m.Engine))
+}
+
 // onDecline takes a decode agent's decline of a push (its engine computes the request
 // itself): the source's blocks are freed without waiting out the blocks TTL. Any agent
 // of the mesh may decline any request it can name; transfer keys are unguessable, and a

@@ -60,6 +60,7 @@ const (
 	KindRails
 	KindGPU
 	KindDecline
+	KindAbandon
 )
 
 // Message is a pointer to one of the message structs below.
@@ -301,6 +302,18 @@ type Decline struct {
 	Source  string
 }
 
+// Abandon says the decode engine that registered an attempt has ended, after its
+// Cancel: no attempt of the request follows from it (a retry elsewhere is a new request),
+// so the prefill agent drops the source and tells its engine, which frees the blocks now
+// rather than after the blocks TTL. An agent that does not know it skips it (the source
+// then waits out the TTL, as before).
+type Abandon struct {
+	Request string
+	Attempt uint64
+	Engine  string // the decode engine, as in its Register
+	Source  string
+}
+
 // Writing tells the decode agent that an attempt's writes are starting, so it polls its
 // endpoint without pause while they arrive (providers such as tcp;ofi_rxm move data
 // only while the target polls, and an incoming write raises no completion to notice).
@@ -325,6 +338,7 @@ func (*Release) Kind() Kind     { return KindRelease }
 func (*Rails) Kind() Kind       { return KindRails }
 func (*GPU) Kind() Kind         { return KindGPU }
 func (*Decline) Kind() Kind     { return KindDecline }
+func (*Abandon) Kind() Kind     { return KindAbandon }
 
 func (m *Hello) fields(c codec) { c.str(&m.Agent); c.num(&m.Epoch); c.str(&m.Nonce) }
 func (m *Auth) fields(c codec)  { c.str(&m.MAC) }
@@ -421,6 +435,12 @@ func (m *Acquired) fields(c codec) {
 }
 func (m *Writing) fields(c codec) { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Engine) }
 func (m *Decline) fields(c codec) { c.str(&m.Request); c.str(&m.Source) }
+func (m *Abandon) fields(c codec) {
+	c.str(&m.Request)
+	c.num(&m.Attempt)
+	c.str(&m.Engine)
+	c.str(&m.Source)
+}
 func (m *Release) fields(c codec) {
 	c.str(&m.Request)
 	c.num(&m.Attempt)
@@ -461,6 +481,8 @@ func newMessage(k Kind) Message {
 		return &GPU{}
 	case KindDecline:
 		return &Decline{}
+	case KindAbandon:
+		return &Abandon{}
 	}
 	return nil
 }
