@@ -47,6 +47,8 @@ type Config struct {
 	// (the stream is its liveness); a session that never opens one is closed, so it cannot
 	// hold an endpoint and memory forever.
 	EventsDeadline time.Duration
+	// DropDeliverySignals is a fault hook for tests (session.Config's).
+	DropDeliverySignals int
 	// Pods, when set, makes the agent check that each engine runs in the pod its
 	// engine_id names (package engineapi); nil outside a cluster.
 	Pods engineapi.Pods
@@ -139,7 +141,7 @@ func New(cfg Config) (*Agent, error) {
 	})
 	a.sessions = session.NewTable(session.Config{
 		Provider: cfg.Provider, Rails: cfg.Rails, Timeouts: cfg.Timeouts, EventsDeadline: cfg.EventsDeadline,
-		Epoch: a.epoch, Self: a.self, Mesh: a.mesh, Log: a.log, Metrics: a.metrics,
+		DropDeliverySignals: cfg.DropDeliverySignals, Epoch: a.epoch, Self: a.self, Mesh: a.mesh, Log: a.log, Metrics: a.metrics,
 	})
 	a.engines, err = engineapi.New(engineapi.Config{
 		Socket: cfg.Socket, Sessions: a.sessions, Timeouts: cfg.Timeouts, Pods: cfg.Pods, ProcRoot: cfg.ProcRoot,

@@ -44,3 +44,19 @@ func TestAPushWhoseDecodeEngineEndsEndsForPrefillToo(t *testing.T) {
 	}
 	t.Logf("agent RSS over the 20 rounds: prefill %.0f → %.0f MB, decode %.0f → %.0f MB", rssA, rss(t, p.A.Pid()), rssB, rss(t, p.B.Pid()))
 }
+
+// A delivery signal lost in the provider (seen under CPU starvation; here the fault hook
+// drops the first) does not strand the request: the prefill agent also says it posted
+// the signal, and the decode agent, holding that word but no signal after a grace, asks
+// for it again. The request is delivered, its bytes verified, and the next one too.
+func TestALostDeliverySignalIsAskedForAgain(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 64, "--test-drop-delivery-signals", "1")
+	transfer(t, p.P[0], p.D[0], "signal-lost")
+	transfer(t, p.P[0], p.D[0], "signal-kept")
+	if asked := p.B.Metric(t, `kvhandoff_agent_delivery_resignals_total{side="asked"}`); asked < 1 {
+		t.Errorf("the decode agent asked for %v signals again; want at least the lost one", asked)
+	}
+	if sent := p.A.Metric(t, `kvhandoff_agent_delivery_resignals_total{side="sent"}`); sent < 1 {
+		t.Errorf("the prefill agent posted %v signals again; want at least the lost one", sent)
+	}
+}

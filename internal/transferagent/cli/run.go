@@ -64,6 +64,8 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	def := session.DefaultTimeouts()
 	fs.DurationVar(&cfg.Lease, "lease", def.Lease, "registration and pull lease (KVTransferPolicy spec.leaseSeconds) for engines that send none in "+
 		"RegisterEngine")
+	fs.IntVar(&cfg.DropDeliverySignals, "test-drop-delivery-signals", 0, "fault injection, for tests only: post none of the first N "+
+		"delivery signals, as if the provider lost them")
 	fs.DurationVar(&cfg.EventsDeadline, "events-deadline", 30*time.Second, "how long a registered engine rank has to open its event stream before "+
 		"its session is closed")
 	fs.DurationVar(&cfg.RegistrationTimeout, "registration-timeout", def.RegistrationTimeout, "how long a push registration waits for its source "+

@@ -113,6 +113,18 @@ type SendHeartbeat[P comparable] struct {
 	Source string
 }
 
+// SendResignal asks the prefill agent to post a push destination's delivery signal again.
+type SendResignal[P comparable] struct {
+	Key
+	Peer   P
+	Source string
+}
+
+// ResignalGrace is how long after the prefill agent said it posted a delivery signal the
+// decode side waits for it before asking again (and between asks): a signal arrives
+// within milliseconds of its message, and asking once too often costs one duplicate.
+const ResignalGrace = 250 * time.Millisecond
+
 // DropReads asks the session to drop a pull's queued reads and say how many (Dropped).
 type DropReads struct{ Key }
 
@@ -121,6 +133,7 @@ func (SendCancel[P]) isAction()    {}
 func (SendRelease[P]) isAction()   {}
 func (SendHeartbeat[P]) isAction() {}
 func (DropReads) isAction()        {}
+func (SendResignal[P]) isAction()  {}
 
 // destination is one push registration.
 type destination[P comparable] struct {
@@ -132,8 +145,11 @@ type destination[P comparable] struct {
 	writing  bool // the prefill agent started writing
 	fenced   bool // the fence signal arrived
 	outcome  *Report
-	expected bool      // the prefill agent's message said a fence signal is on its way
-	lost     time.Time // the prefill agent's connection was lost: fail at this time
+	expected bool // the prefill agent's message said a fence signal is on its way
+	// signalled is when the prefill agent said it posted the delivery signal, asked when
+	// this side last asked for it again (Signalled, Expire).
+	signalled, asked time.Time
+	lost             time.Time // the prefill agent's connection was lost: fail at this time
 	// deadline is when the decode side gives up waiting for any outcome: the prefill
 	// agent fails a registration by its registration timeout, so one that has heard
 	// nothing a quarantine after that lost a message, and no write can still land.
@@ -204,6 +220,14 @@ func (t *Table[P]) Registered(req string) bool {
 		}
 	}
 	return false
+}
+
+// Signalled records the prefill agent's word that it posted a destination's delivery
+// signal: should the signal not arrive, Expire asks for it again.
+func (t *Table[P]) Signalled(now time.Time, k Key, peer P) {
+	if d := t.dests[k]; d != nil && d.peer == peer && d.signalled.IsZero() {
+		d.signalled = now
+	}
 }
 
 // Writing records that the prefill agent started writing a destination.
@@ -333,6 +357,11 @@ func (t *Table[P]) Expire(now time.Time) []Action {
 			acts = append(acts, t.report(d, Report{Key: d.key, Kind: Failed, Code: "no_outcome",
 				Reason: fmt.Sprintf("no outcome from the agent of prefill engine %s within the registration timeout (%s) and a quarantine after "+
 					"it; a message was lost, and no write can still land", d.source, t.cfg.RegistrationTimeout)})...)
+		case !d.signalled.IsZero() && !now.Before(d.signalled.Add(ResignalGrace)) && !now.Before(d.asked.Add(ResignalGrace)):
+			// Posted, by the prefill agent's word, and not here: lost or stalled in the
+			// provider. Ask again; a duplicate is harmless.
+			d.asked = now
+			acts = append(acts, SendResignal[P]{Key: d.key, Peer: d.peer, Source: d.source})
 		}
 	}
 	for _, p := range t.pulls {

@@ -341,3 +341,21 @@ func TestInvariantsUnderRandomInterleavings(t *testing.T) {
 		t.Fatal("no pull was ever delivered: the interleavings do not reach the lease rule")
 	}
 }
+
+// Word that a delivery signal was posted, and no signal: after the grace the prefill
+// agent is asked again, and again a grace later, until the signal comes (once). Another
+// peer's word counts for nothing.
+func TestAPostedSignalThatDoesNotArriveIsAskedForAgain(t *testing.T) {
+	tb := New[*peer](cfg)
+	tok := register(t, tb, k1)
+	tb.Signalled(t0, k1, &peer{"someone-else"})
+	expect(t, tb.Expire(t0.Add(time.Second)))
+	tb.Signalled(t0, k1, prefillAgent)
+	expect(t, tb.Expire(t0.Add(ResignalGrace/2)))
+	ask := SendResignal[*peer]{Key: k1, Peer: prefillAgent, Source: "prefill-0/0"}
+	expect(t, tb.Expire(t0.Add(ResignalGrace)), ask)
+	expect(t, tb.Expire(t0.Add(ResignalGrace*3/2)))
+	expect(t, tb.Expire(t0.Add(2*ResignalGrace)), ask)
+	expect(t, tb.Signal(SignalData(tok, false)), Report{Key: k1, Kind: Delivered, Blocks: 4})
+	expect(t, tb.Expire(t0.Add(3*ResignalGrace)))
+}

@@ -123,6 +123,9 @@ func (ds *decodeSide) handle(now time.Time, acts []landing.Action) {
 		switch act := act.(type) {
 		case landing.SendCancel[*mesh.Peer]:
 			act.Peer.Send(&wire.Cancel{Request: act.Request, Attempt: act.Attempt, Source: act.Source})
+		case landing.SendResignal[*mesh.Peer]:
+			ds.s.n.metrics.resignals.WithLabelValues("asked").Inc()
+			act.Peer.Send(&wire.Resignal{Request: act.Request, Attempt: act.Attempt, Source: act.Source})
 		case landing.SendHeartbeat[*mesh.Peer]:
 			act.Peer.Send(&wire.Heartbeat{Request: act.Request, Attempt: act.Attempt, Source: act.Source})
 		case landing.SendRelease[*mesh.Peer]:
@@ -166,6 +169,10 @@ func (ds *decodeSide) report(r landing.Report) {
 	if r.Kind == landing.Delivered && !r.Pull {
 		m.stage.WithLabelValues("push", "notify").Observe(time.Since(start).Seconds())
 	}
+}
+
+func (ds *decodeSide) onSignalled(p *mesh.Peer, m *wire.Signalled) {
+	ds.table.Signalled(time.Now(), landing.Key{Request: m.Request, Attempt: m.Attempt}, p)
 }
 
 func (ds *decodeSide) onWriting(p *mesh.Peer, m *wire.Writing) {

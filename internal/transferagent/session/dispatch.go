@@ -24,6 +24,10 @@ func (t *Table) Dispatch(p *mesh.Peer, m wire.Message) {
 		t.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onCancel(p, m) })
 	case *wire.Decline:
 		t.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onDecline(m) })
+	case *wire.Resignal:
+		t.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onResignal(p, m) })
+	case *wire.Signalled:
+		t.toDecode(m.Engine, func(ds *decodeSide) { ds.onSignalled(p, m) })
 	case *wire.Abandon:
 		t.toPrefill(p, m.Source, "", 0, "", func(ps *prefillSide) { ps.onAbandon(m) })
 	case *wire.Release:

@@ -21,12 +21,13 @@ type Metrics struct {
 	sessions    prometheus.Gauge
 	Peers       prometheus.Gauge
 	Provider    *prometheus.GaugeVec
+	resignals   *prometheus.CounterVec
 }
 
 // failureReasons are the reason label's values of kvhandoff_agent_failures_total
 // (docs/operations.md says what each means).
 var failureReasons = []string{
-	"acquire_refused", "acquire_timeout", "bad_blocks", "blocks_ttl", "engine_restarted", "lease_expired", "no_outcome", "peer_lost",
+	"acquire_refused", "acquire_timeout", "bad_blocks", "blocks_ttl", "engine_gone", "engine_restarted", "lease_expired", "no_outcome", "peer_lost",
 	"peer_unreachable", "pull_failed", "pull_late", "registration_timeout", "session_closed", "signal_error", "source_cancelled", "write_error",
 }
 
@@ -84,6 +85,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Provider: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvhandoff_agent_provider_info", Help: "1 for the libfabric provider the agent runs on.",
 		}, []string{"provider"}),
+		resignals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_agent_delivery_resignals_total", Help: "Delivery signals asked for again by a decode agent that heard one was " +
+				"posted but saw none arrive within a grace (asked), and posted again by a prefill agent (sent).",
+		}, []string{"side"}),
 	}
 	// Every known reason and kind starts at zero: Prometheus' rate() sees no increase in a
 	// series' first sample, so a burst of failures on a reason never seen before would
@@ -94,6 +99,6 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for _, kind := range []string{"push", "source", "hold", "pull"} {
 		m.expiries.WithLabelValues(kind)
 	}
-	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.BellRecords, m.pullWaits, m.failures, m.Refused, m.parts, m.rails, m.sessions, m.Peers, m.Provider)
+	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.BellRecords, m.pullWaits, m.failures, m.Refused, m.parts, m.rails, m.sessions, m.Peers, m.Provider, m.resignals)
 	return m
 }

@@ -32,7 +32,23 @@ type prefillSide struct {
 	// this agent, before the engine's worker reports the blocks. Such a pull waits for
 	// them, never fails at once into a recompute.
 	waiting map[string]*waitingPull
+	// signalled are delivered attempts whose delivery signal a decode agent may ask for
+	// again (Resignal), until a lease after delivery.
+	signalled map[landing.Key]sentSignal
 }
+
+// sentSignal is what posting a delivery signal again needs.
+type sentSignal struct {
+	decode rendezvous.Engine
+	token  uint32
+	peer   *mesh.Peer
+	until  time.Time
+}
+
+// maxSignalled bounds the delivered attempts kept for a resignal: a lease of deliveries
+// at a high rate; past it, an attempt whose signal is lost fails at decode's deadline,
+// as it would without resignals.
+const maxSignalled = 1 << 14
 
 // waitingPull is a pull waiting for its blocks until a deadline: half the lease from its
 // arrival, so the decode side, which counts the lease from before it asked, still has
@@ -65,7 +81,7 @@ const maxPositions = 1 << 19
 
 func newPrefillSide(s *Session) *prefillSide {
 	return &prefillSide{s: s, holds: rendezvous.NewHolds[*mesh.Peer](s.pol.BlocksTTL, s.pol.Lease, maxPositions), attempts: map[landing.Key]*pushAttempt{},
-		waiting: map[string]*waitingPull{}}
+		waiting: map[string]*waitingPull{}, signalled: map[landing.Key]sentSignal{}}
 }
 
 // partError is the engine's error for a part the tables refused: over the positions'
@@ -306,12 +322,19 @@ func (ps *prefillSide) delivered(d rendezvous.Delivered) {
 	}
 	m.bytes.WithLabelValues("push").Add(float64(a.bytes))
 	m.descriptors.WithLabelValues("push").Add(float64(a.writes))
-	if err := ps.w.Signal(a.decode, landing.SignalData(a.token, false)); err != nil {
-		m.failures.WithLabelValues("signal_error").Inc()
-		a.peer.Send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
-		s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: d.Request, Attempt: d.Attempt, Reason: "signalling delivery failed"})
-		return
+	// The fault hook (--test-drop-delivery-signals) drops a signal, as a provider might.
+	if !s.n.dropSignal() {
+		if err := ps.w.Signal(a.decode, landing.SignalData(a.token, false)); err != nil {
+			m.failures.WithLabelValues("signal_error").Inc()
+			a.peer.Send(&wire.Failed{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID, Reason: fmt.Sprintf("signalling delivery failed: %v", err)})
+			s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: d.Request, Attempt: d.Attempt, Reason: "signalling delivery failed"})
+			return
+		}
 	}
+	if len(ps.signalled) < maxSignalled {
+		ps.signalled[k] = sentSignal{decode: a.decode, token: a.token, peer: a.peer, until: now.Add(s.pol.Lease)}
+	}
+	a.peer.Send(&wire.Signalled{Request: d.Request, Attempt: d.Attempt, Engine: a.decode.ID})
 	s.Emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: d.Request, Attempt: d.Attempt, Bytes: a.bytes, Descriptors: uint64(a.writes)})
 }
 
@@ -368,6 +391,19 @@ func (ps *prefillSide) onCancel(p *mesh.Peer, m *wire.Cancel) {
 		ps.s.n.log.Warn("cancel", "engine", ps.s.key, "request", m.Request, "err", err)
 	}
 	ps.handle(now, acts)
+}
+
+// onResignal posts a delivered attempt's signal again, for the decode agent it was for:
+// that agent heard it was posted (Signalled) and has not seen it.
+func (ps *prefillSide) onResignal(p *mesh.Peer, m *wire.Resignal) {
+	sig, ok := ps.signalled[landing.Key{Request: m.Request, Attempt: m.Attempt}]
+	if !ok || sig.peer != p {
+		return
+	}
+	ps.s.n.metrics.resignals.WithLabelValues("sent").Inc()
+	if err := ps.w.Signal(sig.decode, landing.SignalData(sig.token, false)); err != nil {
+		ps.s.n.log.Warn("posting a delivery signal again", "engine", ps.s.key, "request", m.Request, "err", err)
+	}
 }
 
 // onAbandon takes a decode agent's word that the engine of an attempt it cancelled has
@@ -467,6 +503,11 @@ func (ps *prefillSide) watchdog(now time.Time) {
 		ps.s.n.metrics.expiries.WithLabelValues("hold").Inc()
 		ps.s.n.metrics.failures.WithLabelValues("blocks_ttl").Inc()
 		ps.s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: e.Request, Reason: e.Reason})
+	}
+	for k, sig := range ps.signalled {
+		if !now.Before(sig.until) {
+			delete(ps.signalled, k)
+		}
 	}
 	for req, w := range ps.waiting {
 		if !now.Before(w.until) {

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -82,10 +83,13 @@ type Config struct {
 	// Epoch is the agent's; sessions count up from it.
 	Epoch uint64
 	// Self is the agent's peer address, named in answers to peers.
-	Self    string
-	Mesh    *mesh.Mesh
-	Log     *slog.Logger
-	Metrics *Metrics
+	Self string
+	// DropDeliverySignals is a fault hook for tests: the first this many delivery signals
+	// are not posted, as if the provider lost them (their Signalled messages still go).
+	DropDeliverySignals int
+	Mesh                *mesh.Mesh
+	Log                 *slog.Logger
+	Metrics             *Metrics
 }
 
 // maxSessions bounds the engine ranks one agent serves: a p5en node runs at most 16 (two
@@ -124,13 +128,19 @@ type node struct {
 	forget func(*Session)
 	// notifyDecode delivers a signal to a decode engine of this agent (a same-node pair).
 	notifyDecode func(engine string, epoch, data uint64) error
+	// dropSignals counts down the delivery signals the fault hook drops.
+	dropSignals atomic.Int64
 }
+
+// dropSignal reports whether the fault hook drops this delivery signal.
+func (n *node) dropSignal() bool { return n.dropSignals.Load() > 0 && n.dropSignals.Add(-1) >= 0 }
 
 // NewTable makes an agent's empty table.
 func NewTable(cfg Config) *Table {
 	t := &Table{cfg: cfg, sessions: map[string]*Session{}, engines: map[string]*Session{}, nextEpoch: cfg.Epoch}
 	t.node = &node{log: cfg.Log, metrics: cfg.Metrics, mesh: cfg.Mesh, gpus: &cudaipc.Devices{}, memory: &memoryIndex{files: map[fileID][]claimed{}},
 		forget: t.forget, notifyDecode: t.notifyDecode}
+	t.node.dropSignals.Store(int64(cfg.DropDeliverySignals))
 	return t
 }
 

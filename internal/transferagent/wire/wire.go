@@ -61,6 +61,8 @@ const (
 	KindGPU
 	KindDecline
 	KindAbandon
+	KindSignalled
+	KindResignal
 )
 
 // Message is a pointer to one of the message structs below.
@@ -302,6 +304,23 @@ type Decline struct {
 	Source  string
 }
 
+// Signalled tells the decode agent that an attempt's delivery signal was posted. A signal
+// can be lost or stall in a provider (seen under CPU starvation); a decode agent that
+// holds this message but has seen no signal within a grace asks for it again (Resignal),
+// and a duplicate signal is harmless. Agents that do not know either message skip them.
+type Signalled struct {
+	Request string
+	Attempt uint64
+	Engine  string // the decode engine
+}
+
+// Resignal asks the prefill agent to post an attempt's delivery signal again.
+type Resignal struct {
+	Request string
+	Attempt uint64
+	Source  string
+}
+
 // Abandon says the decode engine that registered an attempt has ended, after its
 // Cancel: no attempt of the request follows from it (a retry elsewhere is a new request),
 // so the prefill agent drops the source and tells its engine, which frees the blocks now
@@ -339,6 +358,8 @@ func (*Rails) Kind() Kind       { return KindRails }
 func (*GPU) Kind() Kind         { return KindGPU }
 func (*Decline) Kind() Kind     { return KindDecline }
 func (*Abandon) Kind() Kind     { return KindAbandon }
+func (*Signalled) Kind() Kind   { return KindSignalled }
+func (*Resignal) Kind() Kind    { return KindResignal }
 
 func (m *Hello) fields(c codec) { c.str(&m.Agent); c.num(&m.Epoch); c.str(&m.Nonce) }
 func (m *Auth) fields(c codec)  { c.str(&m.MAC) }
@@ -433,8 +454,10 @@ func (m *Acquired) fields(c codec) {
 	c.str(&m.Engine)
 	c.num(&m.LeaseMillis)
 }
-func (m *Writing) fields(c codec) { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Engine) }
-func (m *Decline) fields(c codec) { c.str(&m.Request); c.str(&m.Source) }
+func (m *Writing) fields(c codec)   { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Engine) }
+func (m *Decline) fields(c codec)   { c.str(&m.Request); c.str(&m.Source) }
+func (m *Signalled) fields(c codec) { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Engine) }
+func (m *Resignal) fields(c codec)  { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Source) }
 func (m *Abandon) fields(c codec) {
 	c.str(&m.Request)
 	c.num(&m.Attempt)
@@ -483,6 +506,10 @@ func newMessage(k Kind) Message {
 		return &Decline{}
 	case KindAbandon:
 		return &Abandon{}
+	case KindSignalled:
+		return &Signalled{}
+	case KindResignal:
+		return &Resignal{}
 	}
 	return nil
 }

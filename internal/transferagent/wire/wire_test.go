@@ -28,6 +28,8 @@ var samples = []Message{
 	&Release{Request: "req-1", Attempt: 1, Source: "p/0", Failed: 0},
 	&Decline{Request: "req-1", Source: "p/0"},
 	&Abandon{Request: "req-1", Attempt: 2, Engine: "d/0", Source: "p/0"},
+	&Signalled{Request: "req-1", Attempt: 2, Engine: "d/0"},
+	&Resignal{Request: "req-1", Attempt: 2, Source: "p/0"},
 	&Writing{Request: "req-1", Attempt: 2, Engine: "d/0"},
 	&GPU{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Device: strings.Repeat("u", 16), Handles: []string{strings.Repeat("h", 64),
 		strings.Repeat("i", 64)}, Offsets: []uint64{0, 1 << 30}},
