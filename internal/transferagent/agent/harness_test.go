@@ -10,6 +10,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+	"github.com/kvhandoff/kvhandoff/transferagent/client"
 )
 
 // The agents under test are real processes of cmd/transfer-agent, talking over real
@@ -121,4 +122,22 @@ func untouched(t *testing.T, e *simengine.Engine, blocks []uint32) {
 			}
 		}
 	}
+}
+
+// bareEngine registers engine rank id with agent a through the client alone, with no
+// memory: the tests that pass memory of their own making. It ends with the test.
+func bareEngine(t *testing.T, a *agentProc, id string, role agentv1.Role) *client.Engine {
+	t.Helper()
+	cl, err := client.Dial(a.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cl.Close() })
+	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: id, Role: role, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Close)
+	return e
 }

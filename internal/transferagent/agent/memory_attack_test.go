@@ -49,17 +49,7 @@ func TestEmptyPacketsWithFDsLeakNothing(t *testing.T) {
 // engine's memory to the agent (measured before: 1 GiB of holes, agent RssShmem +1 GiB).
 func TestASparseMemfdIsRefused(t *testing.T) {
 	a := startAgent(t, "node", t.TempDir())
-	cl, err := client.Dial(a.Socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "sparse", Role: agentv1.Role_ROLE_DECODE,
-		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1, Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
+	e := bareEngine(t, a, "sparse", agentv1.Role_ROLE_DECODE)
 	fd, err := unix.MemfdCreate("sparse", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		t.Fatal(err)

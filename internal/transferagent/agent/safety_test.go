@@ -437,18 +437,7 @@ func TestTheSocketGroupReachesBothSocketsAndCannotReplaceThem(t *testing.T) {
 // sealed memfd cannot shrink.
 func TestMemoryAnEngineCouldShrinkIsRefused(t *testing.T) {
 	a := startAgent(t, "seals", t.TempDir())
-	cl, err := client.Dial(a.Socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "shrinker", Role: agentv1.Role_ROLE_DECODE,
-		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
-		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
+	e := bareEngine(t, a, "shrinker", agentv1.Role_ROLE_DECODE)
 	// Sealed against growing only: it could still shrink.
 	fd, err := unix.MemfdCreate("grow-sealed", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
@@ -486,18 +475,7 @@ func TestMemoryAnEngineCouldShrinkIsRefused(t *testing.T) {
 // pages, saying why; the pages are not faulted back in.
 func TestAnEngineThatPunchesAHoleInItsMemoryLosesItsSession(t *testing.T) {
 	a := startAgent(t, "holes", t.TempDir())
-	cl, err := client.Dial(a.Socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "puncher", Role: agentv1.Role_ROLE_DECODE,
-		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
-		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
+	e := bareEngine(t, a, "puncher", agentv1.Role_ROLE_DECODE)
 	fd, mem, err := client.NewMemory("kv", 1<<20)
 	if err != nil {
 		t.Fatal(err)
@@ -526,18 +504,7 @@ func TestAnEngineThatPunchesAHoleInItsMemoryLosesItsSession(t *testing.T) {
 // past that are refused, naming the field, and the heap stays small.
 func TestFarOffsetsCannotMakeTheAgentHoldMemory(t *testing.T) {
 	a := startAgent(t, "offsets", t.TempDir())
-	cl, err := client.Dial(a.Socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	e, err := cl.RegisterEngine(bg, &agentv1.RegisterEngineRequest{EngineId: "far", Role: agentv1.Role_ROLE_PREFILL,
-		Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
-		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
+	e := bareEngine(t, a, "far", agentv1.Role_ROLE_PREFILL)
 	const blocks = 1 << 20 // one byte each: the positions an offset may name
 	fd, mem, err := client.NewMemory("kv", blocks)
 	if err != nil {
