@@ -244,6 +244,7 @@ func (m *Mesh) spoke(p *Peer) {
 
 // evict ends a handshake that a newer connection took the place of.
 func (m *Mesh) evict(p *Peer) {
+	p.evicted.Store(true)
 	m.cfg.Refused.WithLabelValues("peer", "ResourceExhausted").Inc()
 	p.fail(fmt.Errorf("handshake with %s: evicted by a newer connection, its host's or its budget's slots being full", p.conn.RemoteAddr()))
 }
@@ -320,6 +321,7 @@ type Peer struct {
 	host      string
 	knownHost bool
 	frames    atomic.Int32
+	evicted   atomic.Bool // a newer connection took its handshake's place
 	out       chan wire.Message
 	ready     chan struct{} // closed once the handshake is done
 	done      chan struct{}
@@ -368,7 +370,9 @@ func (p *Peer) serve() {
 		err := p.handshake()
 		m.handshakeDone(p, err == nil)
 		if err != nil {
-			m.cfg.Refused.WithLabelValues("peer", "Unauthenticated").Inc()
+			if !p.evicted.Load() { // counted as evicted already
+				m.cfg.Refused.WithLabelValues("peer", "Unauthenticated").Inc()
+			}
 			p.fail(fmt.Errorf("handshake with %s: %w", p.conn.RemoteAddr(), err))
 			return
 		}
