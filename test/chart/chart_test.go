@@ -202,7 +202,7 @@ func TestTheChartInstallsMonitorsAndTheDashboardWhenAsked(t *testing.T) {
 		t.Errorf("agent endpoint %v", agent)
 	}
 	routers := endpoint("PodMonitor/kvhandoff-system/kvhandoff-routers")
-	if routers["port"] != "http" || objs["PodMonitor/kvhandoff-system/kvhandoff-routers"]["spec"].(map[string]any)["namespaceSelector"].(map[string]any)["any"] != true {
+	if routers["port"] != "admin" || objs["PodMonitor/kvhandoff-system/kvhandoff-routers"]["spec"].(map[string]any)["namespaceSelector"].(map[string]any)["any"] != true {
 		t.Errorf("routers endpoint %v", routers)
 	}
 	cm := objs["ConfigMap/kvhandoff-system/kvhandoff-dashboard"]

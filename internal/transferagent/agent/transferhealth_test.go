@@ -24,6 +24,7 @@ import (
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/controller"
+	"github.com/kvhandoff/kvhandoff/internal/render"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/test/builder"
@@ -55,7 +56,6 @@ func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	pol := builder.Policy("tcp").Mode(kvv1.TransferPush).Executor(kvv1.ExecutorAgent).Provider(kvv1.ProviderTCP).Obj()
 	prefill := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.32.0").TP(1).InstanceType("").Accelerator(kvv1.AcceleratorCPU, 0).Policy("tcp").Obj()
 	decode := builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.32.0").TP(1).InstanceType("").Accelerator(kvv1.AcceleratorCPU, 0).Policy("tcp").Obj()
-	decode.Spec.Router.Enabled = new(bool)
 	for _, o := range []client.Object{pol, prefill, decode} {
 		o.SetNamespace("default")
 		if err := k.env.Client.Create(bg, o); err != nil {
@@ -67,11 +67,11 @@ func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 	// Fault 1: node-a's agent is asked for EFA, which this machine lacks.
 	a := k.agent("a", "node-a", append([]string{"--provider", "efa", "--http", httpA}, healthFlags...)...)
 	b := k.agent("b", "node-b", append([]string{"--http", httpB}, healthFlags...)...)
-	routerAddr := k.startRouter("d", "d-router-6b7f9-x2x1")
+	routerAddr, routerAdmin := k.startRouter("d", "d-router-6b7f9-x2x1")
 	prom := prometheus.Start(t, prometheus.Rules(t, "4s", "1s"),
 		prometheus.Target{Address: httpA, Labels: map[string]string{"namespace": "kvhandoff-node", "pod": "agent-a"}},
 		prometheus.Target{Address: httpB, Labels: map[string]string{"namespace": "kvhandoff-node", "pod": "agent-b"}},
-		prometheus.Target{Address: routerAddr, Labels: map[string]string{"namespace": "default", "pod": "d-router-6b7f9-x2x1"}},
+		prometheus.Target{Address: routerAdmin, Labels: map[string]string{"namespace": "default", "pod": "d-router-6b7f9-x2x1"}},
 		prometheus.Target{Address: managerMetrics, HonorLabels: true})
 
 	k.expectTransfer("p", kvv1.ReasonAgentNotReady, `libfabric provider "efa" unavailable`)
@@ -196,10 +196,11 @@ func TestTransferFaultsReachTheConditionEventsMetricsAndAlerts(t *testing.T) {
 }
 
 // startRouter runs a real router for DecodePool pool in this process, as router pod name
-// of a router Deployment's ReplicaSet (which the test creates: the manager polls only
-// those), with ServeOnDecode and no prefill engine: every request it gets is served by a
-// simulated decode engine alone. It returns the router's address.
-func (k *cluster) startRouter(pool, name string) string {
+// of a ReplicaSet of the router Deployment the manager made (which the test creates, as
+// the Deployment controller would: the manager believes only pods of its own Deployment),
+// with ServeOnDecode and no prefill engine: every request it gets is served by a
+// simulated decode engine alone. It returns the router's client and admin addresses.
+func (k *cluster) startRouter(pool, name string) (addr, admin string) {
 	t := k.t
 	d := httptest.NewServer(vllmserver.New(vllmserver.Config{EngineID: "d-0.default", Model: "tiny", SideChannelHost: "127.0.0.1",
 		SideChannelPort: 5600, TP: 1, KV: vllmserver.NewLocalKV()}))
@@ -207,8 +208,9 @@ func (k *cluster) startRouter(pool, name string) string {
 	cfg := router.Defaults()
 	cfg.ScrapeInterval, cfg.HealthWindow, cfg.HealthInterval = 0, 8*time.Second, 250*time.Millisecond
 	r := router.New(cfg)
-	srv := httptest.NewServer(r)
+	srv, adm := httptest.NewServer(r), httptest.NewServer(r.Admin())
 	t.Cleanup(srv.Close)
+	t.Cleanup(adm.Close)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	t.Cleanup(func() { cancel(); <-done })
@@ -216,15 +218,29 @@ func (k *cluster) startRouter(pool, name string) string {
 		Decode: []discovery.Engine{{URL: d.URL, EngineID: "d-0.default", Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}}
 	go func() { defer close(done); _ = r.Run(ctx, discovery.Static{Set: set}) }()
 
-	addr := strings.TrimPrefix(srv.URL, "http://")
-	_, port, _ := net.SplitHostPort(addr)
-	p, _ := strconv.Atoi(port)
+	dep := &appsv1.Deployment{}
+	deadline := time.Now().Add(30 * time.Second)
+	for k.env.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: render.RouterName(pool)}, dep) != nil {
+		if time.Now().After(deadline) {
+			t.Fatalf("the manager made no router Deployment for %s within 30s", pool)
+		}
+		time.Sleep(50 * time.Millisecond) // polling the API server for the manager's Deployment
+	}
+	rs := &appsv1.ReplicaSet{
+		ObjectMeta: metav1.ObjectMeta{Name: name[:strings.LastIndexByte(name, '-')], Namespace: "default",
+			Labels: map[string]string{kvv1.LabelRouter: pool}, OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(dep, appsv1.SchemeGroupVersion.WithKind("Deployment"))}},
+		Spec: appsv1.ReplicaSetSpec{Selector: dep.Spec.Selector, Template: dep.Spec.Template},
+	}
+	if err := k.env.Client.Create(bg, rs); err != nil {
+		t.Fatal(err)
+	}
+	addr, admin = strings.TrimPrefix(srv.URL, "http://"), strings.TrimPrefix(adm.URL, "http://")
+	port := func(a string) int32 { _, p, _ := net.SplitHostPort(a); n, _ := strconv.Atoi(p); return int32(n) }
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default", Labels: map[string]string{kvv1.LabelRouter: pool, kvv1.LabelPool: pool},
-			OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: name[:strings.LastIndexByte(name, '-')],
-				UID: "6b7f9", Controller: new(true)}}},
+			OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(rs, appsv1.SchemeGroupVersion.WithKind("ReplicaSet"))}},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "router", Image: "router",
-			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: int32(p)}}}}},
+			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: port(addr)}, {Name: "admin", ContainerPort: port(admin)}}}}},
 	}
 	if err := k.env.Client.Create(bg, pod); err != nil {
 		t.Fatal(err)
@@ -233,7 +249,7 @@ func (k *cluster) startRouter(pool, name string) string {
 	if err := k.env.Client.Status().Update(bg, pod); err != nil {
 		t.Fatal(err)
 	}
-	return addr
+	return addr, admin
 }
 
 // startManager runs the manager against the cluster's API server, and serves its metrics
