@@ -24,9 +24,10 @@ type Config struct {
 	// Lease, RegistrationTimeout and BlocksTTL are the engine's policy's timeouts, sent in
 	// RegisterEngine as a vLLM connector sends its kv_transfer_config's (0: the agent's).
 	Lease, RegistrationTimeout, BlocksTTL time.Duration
-	// GPU, when set, keeps the KV cache in that GPU's memory, handed to the agent as a
-	// CUDA IPC handle, instead of in a memfd.
-	GPU *int
+	// GPU, when set, keeps the KV cache in that GPU's memory, passed to the agent as a
+	// file descriptor (LegacyIPC: named by a CUDA IPC handle), instead of in a memfd.
+	GPU       *int
+	LegacyIPC bool
 	// FabricDomains are the NICs the rank's rails open (RegisterEngine's fabric_domains).
 	FabricDomains []string
 	// Doorbell sends the rank's reports and takes its events through a doorbell
@@ -71,7 +72,7 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	var err error
 	if cfg.GPU != nil {
 		mem = make([]byte, size) // the host mirror
-		if dev, err = newDevice(*cfg.GPU, uint64(size), uint64(regionBytes)); err != nil {
+		if dev, err = newDevice(*cfg.GPU, uint64(size), uint64(regionBytes), cfg.LegacyIPC); err != nil {
 			return nil, err
 		}
 	} else {
@@ -114,14 +115,25 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 			return fail(err)
 		}
 	}
+	var passed uint64
+	if dev != nil && dev.fd >= 0 {
+		passed, err = e.PassGPU(dev.fd, dev.size)
+		if err != nil {
+			e.Engine.Close()
+			return fail(err)
+		}
+	}
 	for i := range regions {
 		r := client.Region{
 			ID: uint32(i), FD: fd, Offset: uint64(i * regionBytes), Size: uint64(regionBytes),
 			BlockLen: uint64(l.BlockBytes()), BlockCount: uint32(l.Blocks),
 		}
-		if dev != nil {
+		switch {
+		case passed != 0:
+			err = e.RegisterPassedGPURegion(ctx, r, passed)
+		case dev != nil:
 			err = e.RegisterGPURegion(ctx, r, dev.handle, dev.uuid)
-		} else {
+		default:
 			err = e.RegisterRegion(ctx, r)
 		}
 		if err != nil {
@@ -138,7 +150,7 @@ func (e *Engine) release() {
 		e.cl.Close()
 	}
 	if d := e.Cache.dev; d != nil {
-		_ = d.ctx.Free(d.base)
+		d.free()
 		return
 	}
 	_ = syscall.Munmap(e.mem)

@@ -4,30 +4,40 @@ import (
 	"slices"
 	"sync"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
 )
 
 // device is a cache's GPU memory: one allocation holding every region, in the layout the
-// host mirror has. Fill and Verify hold its lock, so one's upload of a span of blocks
+// host mirror has, passed to the agent as a file descriptor (or, legacy, named by an IPC
+// handle). Fill and Verify hold its lock, so one's upload of a span of blocks
 // never carries another's half-written mirror.
 type device struct {
 	mu     sync.Mutex
 	ctx    *cuda.Context
 	base   cuda.Ptr
 	region uint64 // bytes per region
+	size   uint64 // of the allocation
+	fd     int    // the allocation's POSIX fd until it is passed; -1 for an IPC handle
 	handle cuda.IPCHandle
 	uuid   cuda.UUID
 }
 
-// newDevice allocates size bytes on GPU ordinal and exports them for the agent.
-func newDevice(ordinal int, size, region uint64) (*device, error) {
+// newDevice allocates size bytes on GPU ordinal and exports them for the agent: as a
+// file descriptor, or as a legacy IPC handle.
+func newDevice(ordinal int, size, region uint64, legacy bool) (*device, error) {
 	ctx, err := cuda.Open(ordinal)
 	if err != nil {
 		return nil, err
 	}
-	d := &device{ctx: ctx, region: region}
+	d := &device{ctx: ctx, region: region, fd: -1}
 	if d.uuid, err = cuda.DeviceUUID(ordinal); err != nil {
 		return nil, err
+	}
+	if !legacy {
+		d.base, d.size, d.fd, err = ctx.AllocShareable(size)
+		return d, err
 	}
 	if d.base, err = ctx.Alloc(size); err != nil {
 		return nil, err
@@ -37,6 +47,18 @@ func newDevice(ordinal int, size, region uint64) (*device, error) {
 		return nil, err
 	}
 	return d, nil
+}
+
+// free frees the allocation (the agent's mapping, if any, keeps its memory until unmapped).
+func (d *device) free() {
+	if d.fd >= 0 {
+		unix.Close(d.fd)
+	}
+	if d.size > 0 {
+		_ = d.ctx.Unmap(d.base, d.size)
+	} else {
+		_ = d.ctx.Free(d.base)
+	}
 }
 
 func (d *device) lock() {

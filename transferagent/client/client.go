@@ -149,6 +149,26 @@ func (e *Engine) RegisterGPURegion(ctx context.Context, r Region, handle [64]byt
 	return nil
 }
 
+// PassGPU hands the agent a GPU allocation of size bytes, as the POSIX fd
+// cuMemExportToShareableHandle made for it, and returns the handle its regions name
+// (RegisterPassedGPURegion). No PID namespace need be shared with the agent.
+func (e *Engine) PassGPU(fd int, size uint64) (uint64, error) {
+	return PassCUDA(agentv1.MemorySocket(e.c.socket), e.Session, fd, size)
+}
+
+// RegisterPassedGPURegion registers r.Size bytes at r.Offset of the GPU allocation handle
+// names (PassGPU). r.FD is unused.
+func (e *Engine) RegisterPassedGPURegion(ctx context.Context, r Region, handle uint64) error {
+	_, err := e.c.API.RegisterRegion(ctx, &agentv1.RegisterRegionRequest{
+		Session: e.Session, RegionId: r.ID, Kind: agentv1.MemoryKind_MEMORY_KIND_CUDA,
+		MemoryHandle: handle, Offset: r.Offset, Size: r.Size, BlockLen: r.BlockLen, BlockCount: r.BlockCount,
+	})
+	if err != nil {
+		return fmt.Errorf("registering region %d: %w", r.ID, err)
+	}
+	return nil
+}
+
 // RegisterDestination (push, decode) names where a request's KV goes.
 func (e *Engine) RegisterDestination(ctx context.Context, req string, attempt uint64, blocks []uint32, source *agentv1.EngineRef) error {
 	_, err := e.c.API.RegisterDestination(ctx, &agentv1.RegisterDestinationRequest{

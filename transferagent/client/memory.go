@@ -46,12 +46,22 @@ func NewMemory(name string, size int) (fd int, mem []byte, err error) {
 // PassMemory hands fd to the agent for session over its memory socket and returns the
 // handle a RegisterRegion names (the protocol is in agentv1.MemorySocketName's comment).
 func PassMemory(socket, session string, fd int) (uint64, error) {
+	return pass(socket, session, fd)
+}
+
+// PassCUDA hands the agent, for session, the POSIX fd of a GPU allocation of size bytes
+// (cuMemExportToShareableHandle) and returns the handle its RegisterRegions name.
+func PassCUDA(socket, session string, fd int, size uint64) (uint64, error) {
+	return pass(socket, fmt.Sprintf("%s%s %d", agentv1.CUDAPrefix, session, size), fd)
+}
+
+func pass(socket, packet string, fd int) (uint64, error) {
 	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: socket, Net: "unixpacket"})
 	if err != nil {
 		return 0, fmt.Errorf("memory socket: %w", err)
 	}
 	defer c.Close()
-	if _, _, err := c.WriteMsgUnix([]byte(session), unix.UnixRights(fd), nil); err != nil {
+	if _, _, err := c.WriteMsgUnix([]byte(packet), unix.UnixRights(fd), nil); err != nil {
 		return 0, fmt.Errorf("memory socket: %w", err)
 	}
 	buf := make([]byte, 512)

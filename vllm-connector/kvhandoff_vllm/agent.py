@@ -24,6 +24,7 @@ log = logging.getLogger("kvhandoff_vllm")
 
 MEMORY_SOCKET_NAME = "memory.sock"
 DOORBELL_PREFIX = "doorbell "  # agentv1.DoorbellPrefix
+CUDA_PREFIX = "cuda "  # agentv1.CUDAPrefix
 
 # Set by kvhandoff's device plugin in containers given GPU+EFA bundles: each accelerator
 # with its EFAs, "<accelerator>=<efa>,<efa>;…" (internal/deviceplugin/server EnvAcceleratorEFAs).
@@ -160,13 +161,19 @@ class Session:
             session=self.session, region_id=region_id, kind=pb.MEMORY_KIND_HOST, memory_handle=handle,
             offset=offset, size=size, block_len=block_len, block_count=block_count))
 
-    def register_cuda_region(self, region_id: int, ipc_handle: bytes, device_uuid: bytes, offset: int, size: int,
-                             block_len: int, block_count: int) -> None:
-        """Registers GPU memory by its allocation's CUDA IPC handle; the agent opens it on
-        this node, for a peer engine on the same node."""
+    def pass_cuda(self, fd: int, size: int) -> int:
+        """Hands the agent a GPU allocation of size bytes as the POSIX fd
+        cuMemExportToShareableHandle made; returns the handle its regions name."""
+        return self._pass_fds(f"{CUDA_PREFIX}{self.session} {size}", [fd])[0]
+
+    def register_cuda_region(self, region_id: int, memory_handle: int, ipc_handle: bytes, device_uuid: bytes, offset: int,
+                             size: int, block_len: int, block_count: int) -> None:
+        """Registers GPU memory, for a peer engine on the same node: part of an allocation
+        passed with pass_cuda (memory_handle), or, legacy, named by its CUDA IPC handle."""
         _call(self._stub.RegisterRegion, pb.RegisterRegionRequest(
-            session=self.session, region_id=region_id, kind=pb.MEMORY_KIND_CUDA, cuda_ipc_handle=ipc_handle,
-            cuda_device_uuid=device_uuid, offset=offset, size=size, block_len=block_len, block_count=block_count))
+            session=self.session, region_id=region_id, kind=pb.MEMORY_KIND_CUDA, memory_handle=memory_handle,
+            cuda_ipc_handle=ipc_handle, cuda_device_uuid=device_uuid, offset=offset, size=size, block_len=block_len,
+            block_count=block_count))
 
     def register_destination(self, key: str, attempt: int, blocks: list[int], source: pb.EngineRef) -> None:
         _call(self._stub.RegisterDestination, pb.RegisterDestinationRequest(

@@ -1,5 +1,5 @@
 """KV memory the transfer agent can reach: a sealed memfd (host KV), or CUDA allocations
-exported as IPC handles (GPU KV, for pairs on one node).
+passed as file descriptors or, legacy, named by IPC handles (GPU KV, for pairs on one node).
 
 vLLM allocates an engine's whole KV cache as one int8 buffer (``allocate_kv_cache`` in
 vllm/v1/worker/utils.py) and views every layer into it. Inside the connector's memory
@@ -17,6 +17,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+import weakref
 
 import torch
 
@@ -53,21 +54,27 @@ class SealedMemory:
 
 @contextlib.contextmanager
 def kv_allocation(name: str, sink: list):
-    """Serves vLLM's KV cache allocation (a 1-D int8 ``torch.zeros`` on the CPU) from a
-    SealedMemory, which replaces sink's content; every other allocation is left alone."""
+    """Serves vLLM's KV cache allocations (1-D int8 ``torch.zeros``) from memory the agent
+    can be given: on the CPU, one SealedMemory, which replaces sink's content; on a GPU,
+    a PassedCudaMemory each, appended to sink. Every other allocation is left alone."""
     zeros = torch.zeros
     served = False
 
     def shared_zeros(*size, dtype=None, device=None, **kwargs):
         nonlocal served
         n = size[0] if len(size) == 1 else None
-        on_cpu = device is None or torch.device(device).type == "cpu"
-        if isinstance(n, int) and n > 0 and dtype == torch.int8 and on_cpu and not kwargs and not served:
-            # One allocation per context: the latest one is the KV cache in use.
-            served = True
-            mem = SealedMemory(name, n)
-            sink[:] = [mem]
-            return mem.tensor
+        kind = torch.device(device).type if device is not None else "cpu"
+        if isinstance(n, int) and n > 0 and dtype == torch.int8 and not kwargs:
+            if kind == "cpu" and not served:
+                # One allocation per context: the latest one is the KV cache in use.
+                served = True
+                mem = SealedMemory(name, n)
+                sink[:] = [mem]
+                return mem.tensor
+            if kind == "cuda":
+                mem = PassedCudaMemory(n, torch.device(device))
+                sink.append(mem)
+                return mem.tensor[:n]
         return zeros(*size, dtype=dtype, device=device, **kwargs)
 
     torch.zeros = shared_zeros
@@ -77,16 +84,37 @@ def kv_allocation(name: str, sink: list):
         torch.zeros = zeros
 
 
-# CUDA KV: vLLM's GPU workers allocate each layer's KV cache with the PyTorch caching
-# allocator (cudaMalloc underneath). Those allocations are exported to the transfer agent
-# as legacy CUDA IPC handles; the agent opens them on its own node and copies between the
-# GPUs of a same-node pair. Nothing of CUDA is imported at module load: the CPU backend and
+# CUDA KV: inside the connector's memory pool context vLLM's GPU workers get their KV cache
+# tensors from PassedCudaMemory: driver-allocated memory (CUDA virtual memory management)
+# that is passed to the transfer agent as a file descriptor over the memory socket, so
+# the engine need not share a PID namespace with the agent or any other engine. KV that
+# was allocated elsewhere (PyTorch's caching allocator, cudaMalloc underneath) is named to
+# the agent by a legacy CUDA IPC handle, which the agent opens only from a process of its
+# own PID namespace. Nothing of CUDA is imported at module load: the CPU backend and
 # CPU-only machines never touch it.
 
 _LIBCUDA = None
 
-# cuPointerGetAttribute's CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (cuda.h).
+# cuda.h's constants this module uses: CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+# CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+# CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE.
 _POINTER_DEVICE_ORDINAL = 9
+_PINNED, _POSIX_FD, _ON_DEVICE, _READ_WRITE = 1, 1, 1, 3
+
+
+class _AllocationProp(ctypes.Structure):
+    """CUmemAllocationProp."""
+
+    _fields_ = [("type", ctypes.c_int), ("requested_handle_types", ctypes.c_int), ("location_type", ctypes.c_int),
+                ("location_id", ctypes.c_int), ("win32_handle_meta_data", ctypes.c_void_p),
+                ("compression_type", ctypes.c_ubyte), ("gpu_direct_rdma_capable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AccessDesc(ctypes.Structure):
+    """CUmemAccessDesc."""
+
+    _fields_ = [("location_type", ctypes.c_int), ("location_id", ctypes.c_int), ("flags", ctypes.c_int)]
 
 
 def _libcuda():
@@ -109,9 +137,82 @@ def _check(rc: int, call: str, hint: str = "") -> None:
     raise RuntimeError(f"kvhandoff connector: {call}: {what}{hint}")
 
 
+def _device_uuid(ordinal: int) -> bytes:
+    lib, dev = _libcuda(), ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    uuid = ctypes.create_string_buffer(16)
+    _check(lib.cuDeviceGetUuid_v2(uuid, dev), "cuDeviceGetUuid")
+    return uuid.raw
+
+
+class _Mapped:
+    """A driver mapping as torch.as_tensor takes it (__cuda_array_interface__); unmapped
+    when the last tensor viewing it is freed."""
+
+    def __init__(self, base: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|i1", "data": (base, False), "version": 2}
+        weakref.finalize(self, _unmap, base, size)
+
+
+def _unmap(base: int, size: int) -> None:
+    lib = _libcuda()
+    lib.cuMemUnmap(ctypes.c_uint64(base), ctypes.c_size_t(size))
+    lib.cuMemAddressFree(ctypes.c_uint64(base), ctypes.c_size_t(size))
+
+
+class PassedCudaMemory:
+    """At least size bytes of zeroed memory on a GPU, allocated by the driver so that it can
+    be passed to the agent as a POSIX fd (fd), as an int8 tensor; size is rounded up to the
+    allocation granularity (2 MiB on an H200)."""
+
+    handle = b""  # no legacy IPC handle: passed as fd
+
+    def __init__(self, size: int, device: torch.device):
+        lib = _libcuda()
+        ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.init()  # the driver and this device's primary context, as torch uses them
+        prop = _AllocationProp(type=_PINNED, requested_handle_types=_POSIX_FD, location_type=_ON_DEVICE, location_id=ordinal)
+        gran = ctypes.c_size_t()
+        _check(lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 0), "cuMemGetAllocationGranularity")
+        self.size = -(-size // gran.value) * gran.value
+        handle, base, fd = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int(-1)
+        _check(lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.size), ctypes.byref(prop), ctypes.c_ulonglong(0)),
+               "cuMemCreate", f" ({self.size} bytes on GPU {ordinal})")
+        try:
+            _check(lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, _POSIX_FD, ctypes.c_ulonglong(0)), "cuMemExportToShareableHandle")
+            _check(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(self.size), ctypes.c_size_t(0), ctypes.c_uint64(0),
+                                           ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+            mapped = _Mapped(base.value, self.size)  # from here on, unmapped when the tensor goes
+            _check(lib.cuMemMap(base, ctypes.c_size_t(self.size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)), "cuMemMap")
+            access = _AccessDesc(location_type=_ON_DEVICE, location_id=ordinal, flags=_READ_WRITE)
+            _check(lib.cuMemSetAccess(base, ctypes.c_size_t(self.size), ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
+        except BaseException:
+            if fd.value >= 0:
+                os.close(fd.value)
+            raise
+        finally:
+            lib.cuMemRelease(handle)  # the mapping and the fd hold the memory now
+        self.fd = fd.value
+        os.set_inheritable(self.fd, False)
+        self.base = base.value
+        self.device_uuid = _device_uuid(ordinal)
+        self.tensor = torch.as_tensor(mapped, device=device)
+        self.tensor.zero_()
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """The byte offset of t's first element in this allocation, or None if t is elsewhere."""
+        p = t.data_ptr()
+        if self.base <= p < self.base + self.size:
+            return p - self.base
+        return None
+
+
 class CudaAllocation:
-    """The CUDA allocation holding the device pointer ptr, exported for the transfer agent:
-    its base and size, its legacy IPC handle (64 bytes) and its GPU's UUID (16 bytes)."""
+    """The CUDA allocation holding the device pointer ptr, named by a legacy IPC handle:
+    its base and size, its IPC handle (64 bytes) and its GPU's UUID (16 bytes). For KV
+    allocated outside the connector's memory pool context."""
+
+    fd = None  # not passed as fd: named by handle
 
     def __init__(self, ptr: int):
         lib = _libcuda()
@@ -122,14 +223,12 @@ class CudaAllocation:
         # Memory from cuMemCreate (PyTorch's expandable segments, vLLM's sleep mode) has no
         # legacy IPC handle.
         _check(lib.cuIpcGetMemHandle(handle, ctypes.c_uint64(self.base)), "cuIpcGetMemHandle",
-               " (the KV cache must come from cudaMalloc: run without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and without --enable-sleep-mode)")
+               " (KV allocated outside the connector's memory pool context must come from cudaMalloc: run without "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and without --enable-sleep-mode)")
         self.handle = handle.raw
-        ordinal, dev = ctypes.c_int(), ctypes.c_int()
+        ordinal = ctypes.c_int()
         _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _POINTER_DEVICE_ORDINAL, ctypes.c_uint64(ptr)), "cuPointerGetAttribute")
-        _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
-        uuid = ctypes.create_string_buffer(16)
-        _check(lib.cuDeviceGetUuid_v2(uuid, dev), "cuDeviceGetUuid")
-        self.device_uuid = uuid.raw
+        self.device_uuid = _device_uuid(ordinal.value)
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """The byte offset of t's first element in this allocation, or None if t is elsewhere."""

@@ -32,7 +32,7 @@ import time
 from ._api import agent_pb2 as pb
 from .agent import ACCELERATOR_EFAS_ENV, AgentError, Session, engine_ref, rank_nics
 from .config import Config
-from .memory import CudaAllocation, SealedMemory, block_major, gpu_uuid_string, kv_allocation
+from .memory import CudaAllocation, PassedCudaMemory, SealedMemory, block_major, gpu_uuid_string, kv_allocation
 from .metadata import Handshake, KVHandoffMetadata
 from .scheduler import ATTEMPT
 from .timeline import Timeline
@@ -48,7 +48,7 @@ class WorkerSide:
         self.cfg = cfg
         self.rank, self.tp_size = rank, tp_size
         self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
-        self.memory: list[SealedMemory] = []
+        self.memory: list = []  # a SealedMemory (host KV), or PassedCudaMemory each (GPU KV)
         self.session: Session | None = None
         # key -> (request id, "recv" | "send"): what the agent's events are about.
         self._keys: dict[str, tuple[str, str]] = {}
@@ -82,9 +82,9 @@ class WorkerSide:
         if cuda and not self.cfg.same_node:
             raise RuntimeError(
                 "kvhandoff connector: the agent moves KV held in GPU memory only between engines on one node "
-                "(CUDA IPC), and this engine's policy keeps pairs on different nodes, where GPU KV needs the "
+                "(CUDA copies), and this engine's policy keeps pairs on different nodes, where GPU KV needs the "
                 "agent's EFA dmabuf path, which it does not have; set the KVTransferPolicy's sameNode: Allow or Prefer")
-        if not cuda and not self.memory:
+        if not cuda and not isinstance(self.memory[0] if self.memory else None, SealedMemory):
             raise RuntimeError(
                 "kvhandoff connector: the KV cache was not allocated through the connector's memory pool "
                 "context, so the agent cannot map it; this connector supports vLLM's CPU backend from "
@@ -94,7 +94,7 @@ class WorkerSide:
         # its regions. Host regions are numbered in memfd order; CUDA regions, spread over
         # allocations whose addresses differ between engines, in vLLM's layer order.
         regions, layers, dtype_bytes = {}, {}, 0
-        allocations: list[CudaAllocation] = []
+        allocations: list = [m for m in self.memory if isinstance(m, PassedCudaMemory)] if cuda else []
         for name, t in kv_caches.items():
             layers[name] = []
             for v in block_major(t, split_kv=cuda):
@@ -127,20 +127,28 @@ class WorkerSide:
             fabric_domains=rank_nics(os.environ.get(ACCELERATOR_EFAS_ENV),
                                      gpu_uuid_string(allocations[0].device_uuid) if cuda else None, self.rank)),
             timeline=self.timeline, doorbell=self.cfg.doorbell)
+        passed: dict[int, int] = {}  # allocation's base -> the agent's handle for it
         for i, p in enumerate(order):
             mem, off, size, block_len, count = regions[p]
-            if cuda:
-                self.session.register_cuda_region(i, mem.handle, mem.device_uuid, off, size, block_len, count)
-            else:
+            if not cuda:
                 self.session.register_region(i, mem.fd, off, size, block_len, count)
-        where = f"{len(allocations)} CUDA allocations" if cuda else f"{self.memory[0].size >> 20} MiB of host memory"
+                continue
+            if mem.fd is not None and mem.base not in passed:
+                passed[mem.base] = self.session.pass_cuda(mem.fd, mem.size)
+            self.session.register_cuda_region(i, passed.get(mem.base, 0), mem.handle, mem.device_uuid, off, size, block_len, count)
+        legacy = sum(1 for a in allocations if a.fd is None) if cuda else 0
+        if legacy:
+            log.warning("kvhandoff: %s rank %d: %d KV allocations were made outside the connector's memory pool context and are "
+                        "named to the agent by legacy CUDA IPC handles, which it opens only if this engine shares its PID namespace",
+                        self.cfg.engine_id, self.rank, legacy)
+        where = f"{len(allocations)} CUDA allocations, {len(passed)} passed as fds" if cuda else f"{self.memory[0].size >> 20} MiB of host memory"
         log.info("kvhandoff: %s rank %d registered %d regions (%s) with the agent at %s (%s)",
                  self.cfg.engine_id, self.rank, len(order), where, self.session.ref.agent, self.session.provider)
 
     @staticmethod
-    def _cuda_allocation(known: list[CudaAllocation], t) -> CudaAllocation:
-        """The exported allocation holding t: one IPC handle per allocation, however many
-        layers the caching allocator put in it."""
+    def _cuda_allocation(known: list, t):
+        """The allocation holding t: one the connector made (PassedCudaMemory), or one named by
+        its IPC handle, once however many layers the caching allocator put in it."""
         for a in known:
             if a.offset_of(t) is not None:
                 return a

@@ -17,8 +17,8 @@ import (
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
-// The GPU tests (make test-gpu) run engines whose KV cache is GPU memory, handed to the
-// agent as CUDA IPC handles: prefill on GPU 0, decode on GPU 1 (KVH_CUDA_PEER=0 puts both
+// The GPU tests (make test-gpu) run engines whose KV cache is GPU memory, passed to the
+// agent as file descriptors (or, legacy, named by CUDA IPC handles): prefill on GPU 0, decode on GPU 1 (KVH_CUDA_PEER=0 puts both
 // on GPU 0, where only one GPU is to be had), both served by one agent on one node.
 
 func peerGPU() int {
@@ -29,11 +29,11 @@ func peerGPU() int {
 	return 1
 }
 
-func gpuEngine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout, gpu int, bell bool) *simengine.Engine {
+func gpuEngine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout, gpu int, bell, legacy bool) *simengine.Engine {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Layout: l, Socket: a.Socket, GPU: &gpu, Doorbell: bell})
+	e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Layout: l, Socket: a.Socket, GPU: &gpu, Doorbell: bell, LegacyIPC: legacy})
 	if err != nil {
 		t.Fatalf("starting engine %s on GPU %d: %v", id, gpu, err)
 	}
@@ -42,24 +42,32 @@ func gpuEngine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode ag
 }
 
 func gpuPair(t *testing.T, mode agentv1.Mode, l simengine.Layout, bell bool) *pair {
+	return gpuPairOf(t, mode, l, bell, false)
+}
+
+func gpuPairOf(t *testing.T, mode agentv1.Mode, l simengine.Layout, bell, legacy bool) *pair {
 	dir := t.TempDir()
 	a := startAgent(t, "node", dir)
 	p := &pair{layout: l, dirA: dir, dirB: dir, mode: mode, A: a, B: a}
-	p.P = append(p.P, gpuEngine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, mode, l, 0, bell))
-	p.D = append(p.D, gpuEngine(t, a, "decode-0.default", agentv1.Role_ROLE_DECODE, mode, l, peerGPU(), bell))
+	p.P = append(p.P, gpuEngine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, mode, l, 0, bell, legacy))
+	p.D = append(p.D, gpuEngine(t, a, "decode-0.default", agentv1.Role_ROLE_DECODE, mode, l, peerGPU(), bell, legacy))
 	return p
 }
 
 // TestGPUPushAndPullBetweenEnginesOnOneNode: KV in GPU memory moves by CUDA copies
-// between two engines of one node, push and pull, every byte checked on the decode GPU.
+// between two engines of one node, push and pull, every byte checked on the decode GPU;
+// with memory passed as file descriptors, and named by legacy IPC handles.
 func TestGPUPushAndPullBetweenEnginesOnOneNode(t *testing.T) {
 	for _, mode := range []agentv1.Mode{agentv1.Mode_MODE_PUSH, agentv1.Mode_MODE_PULL} {
-		t.Run(mode.String(), func(t *testing.T) {
-			p := gpuPair(t, mode, testLayout(1, 256), false)
-			for i := range 6 {
-				handOver(t, p, fmt.Sprintf("gpu-%d", i))
-			}
-		})
+		for _, legacy := range []bool{false, true} {
+			name := mode.String() + map[bool]string{false: "/passed-fd", true: "/legacy-ipc"}[legacy]
+			t.Run(name, func(t *testing.T) {
+				p := gpuPairOf(t, mode, testLayout(1, 256), false, legacy)
+				for i := range 6 {
+					handOver(t, p, fmt.Sprintf("gpu-%d", i))
+				}
+			})
+		}
 	}
 }
 

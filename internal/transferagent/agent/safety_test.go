@@ -122,10 +122,18 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 		return err
 	}(), "exactly one fd")
 	refused(t, "a handle never passed", register(0, 12345, 0, 16<<10, host), codes.InvalidArgument, "memory_handle")
+	// A GPU allocation's packet names its size, and its fd must be one the CUDA driver
+	// made: a memfd is refused (here, where no driver is, as such; on a GPU host by the
+	// driver), and a memfd's handle names no GPU allocation.
+	memRefused("a GPU allocation without its size", second(client.PassCUDA(memsock, e.Session+" x", fd, 0)), agentv1.CUDAPrefix)
+	memRefused("a GPU allocation of an unknown session", second(client.PassCUDA(memsock, "nope", fd, 1<<21)), "session")
+	memRefused("a memfd passed as a GPU allocation", second(client.PassCUDA(memsock, e.Session, fd, 1<<21)), "cuda")
+	refused(t, "a memfd's handle as GPU memory", register(0, pass(e.Session, fd), 0, 16<<10, agentv1.MemoryKind_MEMORY_KIND_CUDA),
+		codes.InvalidArgument, "names no GPU allocation")
 
 	refused(t, "a region past the memfd's end", region(0, 60<<10, 16<<10, host), codes.InvalidArgument, "size")
 	refused(t, "blocks that do not fit the size", region(0, 0, 8<<10, host), codes.InvalidArgument, "size")
-	refused(t, "device memory without FI_MR_DMABUF", region(0, 0, 16<<10, agentv1.MemoryKind_MEMORY_KIND_CUDA), codes.FailedPrecondition, "FI_MR_DMABUF")
+	refused(t, "device memory without FI_MR_DMABUF", region(0, 0, 16<<10, agentv1.MemoryKind_MEMORY_KIND_NEURON), codes.FailedPrecondition, "FI_MR_DMABUF")
 	gpuRegion := func(handle, uuid []byte) error {
 		_, err := api.RegisterRegion(bg, &agentv1.RegisterRegionRequest{Session: e.Session, Kind: agentv1.MemoryKind_MEMORY_KIND_CUDA,
 			CudaIpcHandle: handle, CudaDeviceUuid: uuid, Size: 16 << 10, BlockLen: 1024, BlockCount: 16})

@@ -2,12 +2,16 @@
 // resolves from libcuda.so.1 at run time, so nothing links against CUDA.
 #include "cuda.h"
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 // The batch copy takes the Go side's uint64 arrays as CUdeviceptr and size_t arrays.
 _Static_assert(sizeof(kvh_CUdeviceptr) == sizeof(uint64_t) && sizeof(size_t) == sizeof(uint64_t), "64-bit pointers and sizes");
 _Static_assert(sizeof(kvh_CUmemcpyAttributes) == 24, "CUmemcpyAttributes is 24 bytes");
+_Static_assert(sizeof(kvh_CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes");
+_Static_assert(sizeof(kvh_CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
 
 static struct {
 	int (*init)(unsigned int);
@@ -36,6 +40,19 @@ static struct {
 	int (*ctx_enable_peer_access)(kvh_CUcontext, unsigned int);
 	int (*device_get_uuid)(unsigned char *, kvh_CUdevice);
 	int (*mem_get_address_range)(kvh_CUdeviceptr *, size_t *, kvh_CUdeviceptr);
+	// Optional (CUDA 10.2+): virtual memory management, by which engines pass GPU memory as
+	// POSIX file descriptors. NULL where the driver lacks any of them.
+	int (*mem_import)(kvh_CUmemGenericAllocationHandle *, void *, int);
+	int (*mem_export)(void *, kvh_CUmemGenericAllocationHandle, int, unsigned long long);
+	int (*mem_props)(kvh_CUmemAllocationProp *, kvh_CUmemGenericAllocationHandle);
+	int (*mem_granularity)(size_t *, const kvh_CUmemAllocationProp *, int);
+	int (*mem_create)(kvh_CUmemGenericAllocationHandle *, size_t, const kvh_CUmemAllocationProp *, unsigned long long);
+	int (*mem_release)(kvh_CUmemGenericAllocationHandle);
+	int (*mem_reserve)(kvh_CUdeviceptr *, size_t, size_t, kvh_CUdeviceptr, unsigned long long);
+	int (*mem_address_free)(kvh_CUdeviceptr, size_t);
+	int (*mem_map)(kvh_CUdeviceptr, size_t, size_t, kvh_CUmemGenericAllocationHandle, unsigned long long);
+	int (*mem_unmap)(kvh_CUdeviceptr, size_t);
+	int (*mem_set_access)(kvh_CUdeviceptr, size_t, const kvh_CUmemAccessDesc *, size_t);
 	// Optional: cuMemcpyBatchAsync as CUDA 13 declares it (no failIdx), NULL before 13.
 	int (*memcpy_batch)(kvh_CUdeviceptr *, kvh_CUdeviceptr *, size_t *, size_t, kvh_CUmemcpyAttributes *, size_t *, size_t, kvh_CUstream);
 } cu;
@@ -77,6 +94,17 @@ int kvh_cu_load(const char *path, char *missing, size_t missing_len) {
 	SYM(mem_get_address_range, "cuMemGetAddressRange_v2");
 #undef SYM
 	*(void **)&cu.memcpy_batch = dlsym(lib, "cuMemcpyBatchAsync_v2");
+	*(void **)&cu.mem_import = dlsym(lib, "cuMemImportFromShareableHandle");
+	*(void **)&cu.mem_export = dlsym(lib, "cuMemExportToShareableHandle");
+	*(void **)&cu.mem_props = dlsym(lib, "cuMemGetAllocationPropertiesFromHandle");
+	*(void **)&cu.mem_granularity = dlsym(lib, "cuMemGetAllocationGranularity");
+	*(void **)&cu.mem_create = dlsym(lib, "cuMemCreate");
+	*(void **)&cu.mem_release = dlsym(lib, "cuMemRelease");
+	*(void **)&cu.mem_reserve = dlsym(lib, "cuMemAddressReserve");
+	*(void **)&cu.mem_address_free = dlsym(lib, "cuMemAddressFree");
+	*(void **)&cu.mem_map = dlsym(lib, "cuMemMap");
+	*(void **)&cu.mem_unmap = dlsym(lib, "cuMemUnmap");
+	*(void **)&cu.mem_set_access = dlsym(lib, "cuMemSetAccess");
 	return KVH_CUDA_SUCCESS;
 }
 
@@ -164,3 +192,84 @@ int kvh_cu_address_range(kvh_CUcontext ctx, kvh_CUdeviceptr p, kvh_CUdeviceptr *
 	return cu.mem_get_address_range(base, size, p);
 }
 int kvh_cu_enable_peer(kvh_CUcontext ctx, kvh_CUcontext peer) { ON(ctx); return cu.ctx_enable_peer_access(peer, 0); }
+
+int kvh_cu_has_vmm(void) {
+	return cu.mem_import && cu.mem_export && cu.mem_props && cu.mem_granularity && cu.mem_create && cu.mem_release &&
+	       cu.mem_reserve && cu.mem_address_free && cu.mem_map && cu.mem_unmap && cu.mem_set_access;
+}
+
+// kvh_cu_vmm_import opens the allocation an exporter passed as a POSIX fd (the fd stays the
+// caller's to close) and says which GPU holds it and the granularity its mappings take.
+int kvh_cu_vmm_import(int fd, kvh_CUmemGenericAllocationHandle *h, int *ordinal, size_t *granularity) {
+	int r = cu.mem_import(h, (void *)(intptr_t)fd, KVH_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	if (r) return r;
+	kvh_CUmemAllocationProp prop;
+	memset(&prop, 0, sizeof prop);
+	if (!(r = cu.mem_props(&prop, *h)) && !(r = cu.mem_granularity(granularity, &prop, 0))) {
+		if (prop.location.type != KVH_CU_MEM_LOCATION_TYPE_DEVICE) r = KVH_CUDA_ERROR_INVALID_VALUE;
+		*ordinal = prop.location.id;
+	}
+	if (r) cu.mem_release(*h);
+	return r;
+}
+
+// kvh_cu_vmm_map maps the first size bytes of an imported allocation at a new address,
+// readable and writable from devs, and gives up the handle (the mapping holds the
+// memory now), whatever the outcome. The driver refuses a size beyond the allocation.
+int kvh_cu_vmm_map(kvh_CUcontext ctx, kvh_CUmemGenericAllocationHandle h, size_t size, const int *devs, int ndevs, kvh_CUdeviceptr *p) {
+	int r = cu.ctx_set_current(ctx);
+	if (!r) r = cu.mem_reserve(p, size, 0, 0, 0);
+	if (r) {
+		cu.mem_release(h);
+		return r;
+	}
+	r = cu.mem_map(*p, size, 0, h, 0);
+	cu.mem_release(h);
+	if (r) {
+		cu.mem_address_free(*p, size);
+		return r;
+	}
+	kvh_CUmemAccessDesc access[16];
+	if (ndevs > 16) ndevs = 16;
+	for (int i = 0; i < ndevs; i++) {
+		access[i].location.type = KVH_CU_MEM_LOCATION_TYPE_DEVICE;
+		access[i].location.id = devs[i];
+		access[i].flags = KVH_CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	}
+	if ((r = cu.mem_set_access(*p, size, access, ndevs))) kvh_cu_vmm_unmap(ctx, *p, size);
+	return r;
+}
+
+void kvh_cu_vmm_release(kvh_CUmemGenericAllocationHandle h) { cu.mem_release(h); }
+
+int kvh_cu_vmm_unmap(kvh_CUcontext ctx, kvh_CUdeviceptr p, size_t size) {
+	int r = cu.ctx_set_current(ctx);
+	if (!r) r = cu.mem_unmap(p, size);
+	int f = cu.mem_address_free(p, size);
+	return r ? r : f;
+}
+
+// kvh_cu_vmm_alloc makes size bytes (rounded up to the granularity, which size then
+// says) on GPU ordinal that can be exported as a POSIX fd, maps them for that GPU, and
+// exports them (fd): what an engine does with its KV cache, for the tests.
+int kvh_cu_vmm_alloc(kvh_CUcontext ctx, int ordinal, size_t *size, kvh_CUdeviceptr *p, int *fd) {
+	kvh_CUmemAllocationProp prop;
+	memset(&prop, 0, sizeof prop);
+	prop.type = KVH_CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop.requested_handle_types = KVH_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	prop.location.type = KVH_CU_MEM_LOCATION_TYPE_DEVICE;
+	prop.location.id = ordinal;
+	size_t g;
+	kvh_CUmemGenericAllocationHandle h;
+	int r = cu.ctx_set_current(ctx);
+	if (!r) r = cu.mem_granularity(&g, &prop, 0);
+	if (r) return r;
+	*size = (*size + g - 1) / g * g;
+	if ((r = cu.mem_create(&h, *size, &prop, 0))) return r;
+	if ((r = cu.mem_export(fd, h, KVH_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))) {
+		cu.mem_release(h);
+		return r;
+	}
+	if ((r = kvh_cu_vmm_map(ctx, h, *size, &ordinal, 1, p))) close(*fd);
+	return r;
+}

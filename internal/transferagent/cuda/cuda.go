@@ -321,3 +321,82 @@ func (e *Event) Done() (bool, error) {
 
 // Close destroys the event.
 func (e *Event) Close() error { return check("cuEventDestroy", C.kvh_cu_event_destroy(e.ctx.c, e.e)) }
+
+// ErrNoVMM: the driver lacks virtual memory management, by which engines pass GPU memory
+// as file descriptors.
+var ErrNoVMM = errors.New("cuda: the driver has no virtual memory management (cuMemImportFromShareableHandle)")
+
+func loadVMM() error {
+	if err := Load(); err != nil {
+		return err
+	}
+	if C.kvh_cu_has_vmm() == 0 {
+		return ErrNoVMM
+	}
+	return nil
+}
+
+// Shared is an allocation another process passed as a POSIX file descriptor
+// (cuMemExportToShareableHandle), opened and not yet mapped: Map it or Release it.
+type Shared struct {
+	h           C.kvh_CUmemGenericAllocationHandle
+	Ordinal     int    // the GPU that holds it, in this process's numbering
+	Granularity uint64 // what a mapping's size must be a multiple of
+}
+
+// ImportFD opens the allocation fd passes; fd stays the caller's. A file that is not a
+// CUDA allocation's is refused by the driver.
+func ImportFD(fd int) (*Shared, error) {
+	if err := loadVMM(); err != nil {
+		return nil, err
+	}
+	s := &Shared{}
+	var ordinal C.int
+	var gran C.size_t
+	if err := check("cuMemImportFromShareableHandle", C.kvh_cu_vmm_import(C.int(fd), &s.h, &ordinal, &gran)); err != nil {
+		return nil, err
+	}
+	s.Ordinal, s.Granularity = int(ordinal), uint64(gran)
+	return s, nil
+}
+
+// Release gives up an allocation that was not mapped.
+func (s *Shared) Release() { C.kvh_cu_vmm_release(s.h) }
+
+// Map maps the first size bytes of s at a new address of this process, readable and
+// writable from GPUs devs, and consumes s. The driver refuses a size beyond the
+// allocation, so an engine cannot name more memory than it passed.
+func (c *Context) Map(s *Shared, size uint64, devs []int) (Ptr, error) {
+	if size == 0 || size%s.Granularity != 0 {
+		s.Release()
+		return 0, fmt.Errorf("cuda: mapping %d bytes: must be a positive multiple of the allocation's granularity, %d", size, s.Granularity)
+	}
+	cdevs := make([]C.int, len(devs))
+	for i, d := range devs {
+		cdevs[i] = C.int(d)
+	}
+	var p C.kvh_CUdeviceptr
+	err := check(fmt.Sprintf("mapping %d bytes of a passed allocation", size),
+		C.kvh_cu_vmm_map(c.c, s.h, C.size_t(size), &cdevs[0], C.int(len(cdevs)), &p))
+	return Ptr(p), err
+}
+
+// Unmap undoes Map.
+func (c *Context) Unmap(p Ptr, size uint64) error {
+	return check("cuMemUnmap", C.kvh_cu_vmm_unmap(c.c, C.kvh_CUdeviceptr(p), C.size_t(size)))
+}
+
+// AllocShareable allocates at least n bytes on this context's GPU as an engine's KV cache
+// is allocated to be passed to the agent: rounded up to the granularity (2 MiB on an
+// H200), mapped here, and exported as a POSIX fd (the caller's to close). It returns the
+// address, the size and the fd; Unmap frees it.
+func (c *Context) AllocShareable(n uint64) (Ptr, uint64, int, error) {
+	if err := loadVMM(); err != nil {
+		return 0, 0, -1, err
+	}
+	var p C.kvh_CUdeviceptr
+	var fd C.int
+	size := C.size_t(n)
+	err := check(fmt.Sprintf("allocating %d shareable bytes on GPU %d", n, c.Ordinal), C.kvh_cu_vmm_alloc(c.c, C.int(c.Ordinal), &size, &p, &fd))
+	return Ptr(p), uint64(size), int(fd), err
+}

@@ -1,7 +1,7 @@
 // Package cudaipc is the transfer agent's transport between engines on one node whose KV
-// is GPU memory: the other processes' allocations opened from their CUDA IPC handles
-// (once per allocation, counted), and copies on one stream per engine rank that complete
-// like fabric operations.
+// is GPU memory: the other processes' allocations, passed as file descriptors or named by
+// legacy CUDA IPC handles, opened once per allocation and counted, and copies on one
+// stream per engine rank that complete like fabric operations.
 package cudaipc
 
 import (
@@ -12,33 +12,41 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 )
 
-// Devices is the agent's CUDA state: a context per GPU it has used, and the allocations it
-// has opened from IPC handles, shared by the sessions that name them (a handle opens once
-// per context and process).
 // Devices are the GPUs' contexts and the allocations opened on them, shared by the
-// sessions of one agent. The zero value is ready to use.
+// sessions of one agent: allocations engines passed as file descriptors, mapped once for
+// every GPU that can reach them, and legacy IPC handles, opened once per GPU context.
+// Each is counted, and unmapped when its last user closes it. The zero value is ready to
+// use.
 type Devices struct {
 	mu      sync.Mutex
 	ctxs    map[int]*cuda.Context
 	imports map[Key]*imported
+	passed  uint64 // allocations passed as fds so far: their keys' numbers
 }
 
-// Key names an opened allocation: its handle and the GPU it is opened on.
+// Key names an opened allocation. Passed allocations and IPC handles never share a key:
+// an engine cannot name a number by an IPC handle.
 type Key struct {
-	Handle cuda.IPCHandle
-	GPU    int
+	Passed uint64         // the number of an allocation passed as an fd; 0 for an IPC handle
+	Handle cuda.IPCHandle // the IPC handle (Passed 0)
+	GPU    int            // the context an IPC handle is opened in (Passed 0)
 }
 
 type imported struct {
 	ptr    cuda.Ptr
 	extent uint64
 	refs   int
+	ctx    *cuda.Context // a passed allocation's mapping, undone by Unmap; nil: an IPC import
 }
 
 // Context is GPU ordinal's context, retained once for the agent's life.
 func (g *Devices) Context(ordinal int) (*cuda.Context, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	return g.context(ordinal)
+}
+
+func (g *Devices) context(ordinal int) (*cuda.Context, error) {
 	if c, ok := g.ctxs[ordinal]; ok {
 		return c, nil
 	}
@@ -53,21 +61,62 @@ func (g *Devices) Context(ordinal int) (*cuda.Context, error) {
 	return c, nil
 }
 
-// open maps the allocation of handle into GPU ordinal's context (once, then counted) and
-// returns where it starts and how long it is.
-func (g *Devices) open(h cuda.IPCHandle, ordinal int) (cuda.Ptr, uint64, error) {
-	c, err := g.Context(ordinal)
+// Pass maps the first size bytes of the allocation an engine passed as fd (the caller
+// keeps fd) for its own GPU and every GPU that can reach it, and returns its key, counted
+// once, and the GPU that holds it. The driver refuses a size beyond the allocation, and a
+// file that is not a CUDA allocation's.
+func (g *Devices) Pass(fd int, size uint64) (Key, int, error) {
+	sh, err := cuda.ImportFD(fd)
 	if err != nil {
-		return 0, 0, err
+		return Key{}, 0, err
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	k := Key{Handle: h, GPU: ordinal}
+	c, err := g.context(sh.Ordinal)
+	if err != nil {
+		sh.Release()
+		return Key{}, 0, err
+	}
+	n, err := cuda.DeviceCount()
+	if err != nil {
+		sh.Release()
+		return Key{}, 0, err
+	}
+	devs := []int{sh.Ordinal}
+	for d := 0; d < n; d++ {
+		if d != sh.Ordinal {
+			if ok, _ := c.CanAccessPeer(d); ok {
+				devs = append(devs, d)
+			}
+		}
+	}
+	p, err := c.Map(sh, size, devs)
+	if err != nil {
+		return Key{}, 0, err
+	}
+	g.passed++
+	k := Key{Passed: g.passed}
+	g.imports[k] = &imported{ptr: p, extent: size, refs: 1, ctx: c}
+	return k, sh.Ordinal, nil
+}
+
+// open maps the allocation k names into GPU ordinal's context (once, then counted) and
+// returns where it starts and how long it is. A passed allocation is counted again.
+func (g *Devices) open(k Key) (cuda.Ptr, uint64, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
 	if m, ok := g.imports[k]; ok {
 		m.refs++
 		return m.ptr, m.extent, nil
 	}
-	p, err := c.Import(h)
+	if k.Passed != 0 {
+		return 0, 0, fmt.Errorf("passed allocation %d is closed", k.Passed)
+	}
+	c, err := g.context(k.GPU)
+	if err != nil {
+		return 0, 0, err
+	}
+	p, err := c.Import(k.Handle)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -80,40 +129,44 @@ func (g *Devices) open(h cuda.IPCHandle, ordinal int) (cuda.Ptr, uint64, error) 
 	return p, extent, nil
 }
 
-// Close drops one use of an opened allocation, unmapping it after the last.
-func (g *Devices) Close(h cuda.IPCHandle, ordinal int) {
+// Close drops one count of k's allocation, unmapping it with its last.
+func (g *Devices) Close(k Key) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	k := Key{Handle: h, GPU: ordinal}
 	m, ok := g.imports[k]
 	if !ok {
 		return
 	}
-	if m.refs--; m.refs == 0 {
-		delete(g.imports, k)
-		_ = g.ctxs[ordinal].Unimport(m.ptr)
+	if m.refs--; m.refs > 0 {
+		return
+	}
+	delete(g.imports, k)
+	if m.ctx != nil {
+		_ = m.ctx.Unmap(m.ptr, m.extent)
+	} else {
+		_ = g.ctxs[k.GPU].Unimport(m.ptr)
 	}
 }
 
 // Region is a region of GPU memory as a session holds it.
 type Region struct {
-	Handle cuda.IPCHandle
-	Off    uint64
-	Ptr    cuda.Ptr // the region's start in this process
+	Key Key
+	Off uint64
+	Ptr cuda.Ptr // the region's start in this process
 }
 
-// OpenRegion opens a region of size bytes at off of handle's allocation on GPU ordinal,
-// refusing one that does not fit the allocation.
-func (g *Devices) OpenRegion(h cuda.IPCHandle, ordinal int, off, size uint64) (*Region, error) {
-	p, extent, err := g.open(h, ordinal)
+// OpenRegion opens a region of size bytes at off of k's allocation, refusing one that
+// does not fit the allocation.
+func (g *Devices) OpenRegion(k Key, off, size uint64) (*Region, error) {
+	p, extent, err := g.open(k)
 	if err != nil {
 		return nil, err
 	}
 	if off > extent || size > extent-off {
-		g.Close(h, ordinal)
+		g.Close(k)
 		return nil, fmt.Errorf("%d bytes at offset %d do not fit the %d-byte allocation", size, off, extent)
 	}
-	return &Region{Handle: h, Off: off, Ptr: p + cuda.Ptr(off)}, nil
+	return &Region{Key: k, Off: off, Ptr: p + cuda.Ptr(off)}, nil
 }
 
 // Copier moves one rank's bytes with copies on one stream of its GPU: the writer's Copier

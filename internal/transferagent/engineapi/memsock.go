@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -119,7 +120,7 @@ func receivedFDs(oob []byte, flags int) ([]int, error) {
 }
 
 // deposit checks one packet: the id of a live session of the sender's owner and exactly
-// one sealed memfd. Every fd that is not kept is closed. A doorbell's answer passes fds
+// one fd, a sealed memfd or a GPU allocation's (parseDeposit). Every fd that is not kept is closed. A doorbell's answer passes fds
 // back (pass), and golive, when set, is told whether the answer went out.
 func (srv *Server) deposit(owner, id string, fds []int, perr error) (answer string, pass []int, golive func(sent bool)) {
 	refuse := func(format string, args ...any) string {
@@ -141,9 +142,21 @@ func (srv *Server) deposit(owner, id string, fds []int, perr error) (answer stri
 	if len(fds) != 1 {
 		return refuse("pass exactly one fd per packet, got %d", len(fds)), nil, nil
 	}
+	gpu, id, size, err := parseDeposit(id)
+	if err != nil {
+		return refuse("%v", err), nil, nil
+	}
 	s, err := srv.cfg.Sessions.Lookup(id, owner)
 	if err != nil {
 		return refuse("%s", status.Convert(err).Message()), nil, nil
+	}
+	if gpu {
+		h, err := s.PassGPU(fds[0], size)
+		if err != nil {
+			return refuse("%v", err), nil, nil
+		}
+		closeFDs(fds) // the mapping holds the allocation now
+		return fmt.Sprintf("ok %d", h), nil, nil
 	}
 	if _, _, err := session.CheckSealed(fds[0]); err != nil {
 		return refuse("%v", err), nil, nil
@@ -153,4 +166,18 @@ func (srv *Server) deposit(owner, id string, fds []int, perr error) (answer stri
 		return refuse("%v", err), nil, nil
 	}
 	return fmt.Sprintf("ok %d", h), nil, nil
+}
+
+// parseDeposit reads a deposit packet: a session id (a memfd), or CUDAPrefix, a session id
+// and a size (a GPU allocation).
+func parseDeposit(p string) (gpu bool, id string, size uint64, err error) {
+	rest, gpu := strings.CutPrefix(p, agentv1.CUDAPrefix)
+	if !gpu {
+		return false, p, 0, nil
+	}
+	id, n, ok := strings.Cut(rest, " ")
+	if size, err = strconv.ParseUint(n, 10, 64); !ok || err != nil || size == 0 {
+		return true, "", 0, fmt.Errorf("a GPU allocation's packet is %q, the session id, a space and its size in bytes", agentv1.CUDAPrefix)
+	}
+	return true, id, size, nil
 }

@@ -1,6 +1,7 @@
 package session
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 
@@ -15,7 +16,7 @@ import (
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
-// sessionGPU is a session whose regions are GPU memory (CUDA IPC): the GPU they are on,
+// sessionGPU is a session whose regions are GPU memory: the GPU they are on,
 // and the stream the rank's copies run on (made with its first region).
 type sessionGPU struct {
 	ordinal int
@@ -37,11 +38,15 @@ func (s *Session) addGPURegion(r *agentv1.RegisterRegionRequest, m *mapping, gr 
 		if err != nil {
 			return status.Errorf(codes.Internal, "GPU %d: %v", ordinal, err)
 		}
+		uuid, err := cuda.DeviceUUID(ordinal)
+		if err != nil {
+			return status.Errorf(codes.Internal, "GPU %d: %v", ordinal, err)
+		}
 		cp, err := cudaipc.NewCopier(c)
 		if err != nil {
 			return status.Errorf(codes.Internal, "a CUDA stream for the rank's copies: %v", err)
 		}
-		s.gpu = &sessionGPU{ordinal: ordinal, uuid: cuda.UUID(r.CudaDeviceUuid), copier: cp}
+		s.gpu = &sessionGPU{ordinal: ordinal, uuid: uuid, copier: cp}
 	}
 	s.track(r, &localRegion{id: r.RegionId, m: m, dev: gr, blockLen: r.BlockLen, blocks: r.BlockCount})
 	return nil
@@ -56,18 +61,34 @@ func (s *Session) devices() map[int]uint64 {
 	return out
 }
 
-// gpuInfo describes the rank's GPU memory to a peer: with the handles to a peer within
-// this agent, without them to any other (a handle opens only on its own node).
+// gpuInfo describes the rank's GPU memory to a peer: with the allocations' keys to a peer
+// within this agent, without them to any other (they name allocations in this process).
 func (s *Session) gpuInfo(local bool) *wire.GPU {
 	g := &wire.GPU{Engine: s.key, Epoch: s.epoch, Device: string(s.gpu.uuid[:])}
 	if local {
 		for _, l := range s.layout {
 			r := s.regions[uint32(l.ID)]
-			g.Handles = append(g.Handles, string(r.dev.Handle[:]))
+			g.Handles = append(g.Handles, wireKey(r.dev.Key))
 			g.Offsets = append(g.Offsets, r.dev.Off)
 		}
 	}
 	return g
+}
+
+// wireKey and keyOf write an allocation's key in wire.GPU's Handles: an IPC handle's 64
+// bytes, or a passed allocation's number in 8.
+func wireKey(k cudaipc.Key) string {
+	if k.Passed != 0 {
+		return string(binary.LittleEndian.AppendUint64(nil, k.Passed))
+	}
+	return string(k.Handle[:])
+}
+
+func keyOf(h string, ordinal int) cudaipc.Key {
+	if len(h) == 8 {
+		return cudaipc.Key{Passed: binary.LittleEndian.Uint64([]byte(h))}
+	}
+	return cudaipc.Key{Handle: cuda.IPCHandle([]byte(h)), GPU: ordinal}
 }
 
 // openPeerGPU opens a peer engine's GPU regions in this rank's GPU context, making r's
@@ -81,13 +102,12 @@ func (s *Session) openPeerGPU(p *mesh.Peer, info *wire.EngineInfo, r *remoteEngi
 		return errors.New("its KV is in GPU memory on another node; moving GPU memory between nodes needs the EFA dmabuf path, which this agent does not have")
 	}
 	for i, reg := range r.regions {
-		h := cuda.IPCHandle([]byte(info.GPU.Handles[i]))
-		gr, err := s.n.gpus.OpenRegion(h, s.gpu.ordinal, info.GPU.Offsets[i], reg.BlockLen*uint64(reg.Blocks))
+		gr, err := s.n.gpus.OpenRegion(keyOf(info.GPU.Handles[i], s.gpu.ordinal), info.GPU.Offsets[i], reg.BlockLen*uint64(reg.Blocks))
 		if err != nil {
 			s.release(r)
 			return fmt.Errorf("region %d: %w", reg.ID, err)
 		}
-		r.opened = append(r.opened, cudaipc.Key{Handle: h, GPU: s.gpu.ordinal})
+		r.opened = append(r.opened, gr.Key)
 		r.byID[reg.ID] = writer.RemoteRegion{Region: reg, Addr: uint64(gr.Ptr)}
 	}
 	r.onGPU = true
@@ -97,7 +117,7 @@ func (s *Session) openPeerGPU(p *mesh.Peer, info *wire.EngineInfo, r *remoteEngi
 // release closes the GPU allocations a peer engine's memory held open here.
 func (s *Session) release(r *remoteEngine) {
 	for _, k := range r.opened {
-		s.n.gpus.Close(k.Handle, k.GPU)
+		s.n.gpus.Close(k)
 	}
 	r.opened = nil
 }
@@ -115,6 +135,6 @@ func (s *Session) closeGPU() {
 		s.release(r)
 	}
 	for _, r := range s.regions {
-		s.n.gpus.Close(r.dev.Handle, s.gpu.ordinal)
+		s.n.gpus.Close(r.dev.Key)
 	}
 }

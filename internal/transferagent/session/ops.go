@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/cuda"
+	"github.com/kvhandoff/kvhandoff/internal/transferagent/cudaipc"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/fabric"
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -29,8 +30,8 @@ func Invalid(field, format string, args ...any) error {
 }
 
 // RegisterRegion maps and registers one of the engine's KV regions: host memory from a
-// memfd the engine passed over the memory socket (memory_handle), or GPU memory from a
-// CUDA IPC handle.
+// memfd the engine passed over the memory socket (memory_handle), or GPU memory from an
+// allocation passed there (memory_handle) or a legacy CUDA IPC handle.
 func (s *Session) RegisterRegion(r *agentv1.RegisterRegionRequest) error {
 	switch {
 	case r.BlockLen == 0 || r.BlockCount == 0:
@@ -42,7 +43,7 @@ func (s *Session) RegisterRegion(r *agentv1.RegisterRegionRequest) error {
 	case agentv1.MemoryKind_MEMORY_KIND_HOST:
 		return s.registerHostRegion(r)
 	case agentv1.MemoryKind_MEMORY_KIND_CUDA, agentv1.MemoryKind_MEMORY_KIND_NEURON:
-		if r.Kind == agentv1.MemoryKind_MEMORY_KIND_CUDA && len(r.CudaIpcHandle) > 0 {
+		if r.Kind == agentv1.MemoryKind_MEMORY_KIND_CUDA && (len(r.CudaIpcHandle) > 0 || r.MemoryHandle != 0) {
 			return s.registerGPURegion(r)
 		}
 		// The dmabuf path needs libfabric's FI_MR_DMABUF at build time and the fd in
@@ -81,42 +82,70 @@ func (s *Session) registerHostRegion(r *agentv1.RegisterRegionRequest) error {
 	return nil
 }
 
-// registerGPURegion checks and opens a CUDA region an engine exported as an IPC handle.
+// registerGPURegion checks and opens a CUDA region: of an allocation the engine passed
+// over the memory socket (memory_handle), or one it exported as a legacy IPC handle.
 func (s *Session) registerGPURegion(r *agentv1.RegisterRegionRequest) error {
-	if len(r.CudaIpcHandle) != 64 {
-		return Invalid("cuda_ipc_handle", "must be the 64 bytes of a cuIpcGetMemHandle, got %d", len(r.CudaIpcHandle))
-	}
-	if len(r.CudaDeviceUuid) != 16 {
-		return Invalid("cuda_device_uuid", "must be the 16 bytes of a cuDeviceGetUuid, got %d", len(r.CudaDeviceUuid))
-	}
-	ordinal, err := cuda.DeviceByUUID(cuda.UUID(r.CudaDeviceUuid))
-	if errors.Is(err, cuda.ErrNoDriver) {
-		return status.Errorf(codes.FailedPrecondition, "kind MEMORY_KIND_CUDA: %v (the agent's pod needs NVIDIA_VISIBLE_DEVICES=all and the "+
-			"driver's libraries)", err)
-	}
+	k, ordinal, err := s.gpuAllocation(r)
 	if err != nil {
-		return Invalid("cuda_device_uuid", "%v", err)
+		return err
 	}
-	h := cuda.IPCHandle(r.CudaIpcHandle)
-	gr, err := s.n.gpus.OpenRegion(h, ordinal, r.Offset, r.Size)
+	gr, err := s.n.gpus.OpenRegion(k, r.Offset, r.Size)
 	if err != nil {
-		return status.Errorf(codes.InvalidArgument, "cuda_ipc_handle: %v", err)
+		field := "offset"
+		if k.Passed == 0 {
+			field = "cuda_ipc_handle"
+		}
+		return Invalid(field, "%v", err)
 	}
-	// The claim index sees the allocation as a file named by its handle: no two regions
-	// of any engine may overlap in it.
+	// The claim index sees the allocation as a file named by its key: no two regions of
+	// any engine may overlap in it.
 	f := fnv.New64a()
-	f.Write(h[:])
+	fmt.Fprintf(f, "%d/%x", k.Passed, k.Handle)
 	m := &mapping{file: fileID{dev: ^uint64(0), ino: f.Sum64()}, off: r.Offset, size: r.Size}
 	if err := s.n.memory.claim(s, r.RegionId, m); err != nil {
-		s.n.gpus.Close(h, ordinal)
+		s.n.gpus.Close(gr.Key)
 		return status.Error(codes.AlreadyExists, err.Error())
 	}
 	if err := s.call(func() error { return s.addGPURegion(r, m, gr, ordinal) }); err != nil {
 		s.n.memory.release(s, r.RegionId)
-		s.n.gpus.Close(h, ordinal)
+		s.n.gpus.Close(gr.Key)
 		return err
 	}
 	return nil
+}
+
+// gpuAllocation is the allocation a CUDA region names and the GPU that holds it.
+func (s *Session) gpuAllocation(r *agentv1.RegisterRegionRequest) (cudaipc.Key, int, error) {
+	if len(r.CudaDeviceUuid) != 16 && (len(r.CudaDeviceUuid) != 0 || r.MemoryHandle == 0) {
+		return cudaipc.Key{}, 0, Invalid("cuda_device_uuid", "must be the 16 bytes of a cuDeviceGetUuid, got %d", len(r.CudaDeviceUuid))
+	}
+	if r.MemoryHandle != 0 {
+		if len(r.CudaIpcHandle) != 0 {
+			return cudaipc.Key{}, 0, Invalid("cuda_ipc_handle", "must be empty with memory_handle")
+		}
+		p, ok := s.passedAllocation(r.MemoryHandle)
+		if !ok {
+			return cudaipc.Key{}, 0, Invalid("memory_handle", "%d names no GPU allocation this session passed over %s", r.MemoryHandle, agentv1.MemorySocketName)
+		}
+		if len(r.CudaDeviceUuid) == 16 {
+			if want, err := cuda.DeviceUUID(p.ordinal); err != nil || want != cuda.UUID(r.CudaDeviceUuid) {
+				return cudaipc.Key{}, 0, Invalid("cuda_device_uuid", "names another GPU than the one holding the allocation")
+			}
+		}
+		return p.key, p.ordinal, nil
+	}
+	if len(r.CudaIpcHandle) != 64 {
+		return cudaipc.Key{}, 0, Invalid("cuda_ipc_handle", "must be the 64 bytes of a cuIpcGetMemHandle, got %d", len(r.CudaIpcHandle))
+	}
+	ordinal, err := cuda.DeviceByUUID(cuda.UUID(r.CudaDeviceUuid))
+	if errors.Is(err, cuda.ErrNoDriver) {
+		return cudaipc.Key{}, 0, status.Errorf(codes.FailedPrecondition, "kind MEMORY_KIND_CUDA: %v (the agent's pod needs NVIDIA_VISIBLE_DEVICES=all "+
+			"and the driver's libraries)", err)
+	}
+	if err != nil {
+		return cudaipc.Key{}, 0, Invalid("cuda_device_uuid", "%v", err)
+	}
+	return cudaipc.Key{Handle: cuda.IPCHandle(r.CudaIpcHandle), GPU: ordinal}, ordinal, nil
 }
 
 // RegisterDestination registers decode blocks for a push (decode, push).

@@ -54,9 +54,11 @@ type Session struct {
 	reason         string
 
 	// fds are memfds passed over the memory socket, by handle, until a RegisterRegion
-	// claims them (nil once the session ended).
+	// claims them (nil once the session ended); passed are GPU allocations passed there,
+	// by handle, held until the session ends. Their handles are numbered together.
 	fdMu   sync.Mutex
 	fds    map[uint64]*os.File
+	passed map[uint64]passedGPU
 	nextFD uint64
 
 	// Everything below belongs to the pump.
@@ -124,7 +126,7 @@ func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64,
 		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
 		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]*remoteEngine{},
-		fds: map[uint64]*os.File{}, files: map[fileID]*os.File{},
+		fds: map[uint64]*os.File{}, passed: map[uint64]passedGPU{}, files: map[fileID]*os.File{},
 	}
 	if r.Role == agentv1.Role_ROLE_PREFILL {
 		s.side = newPrefillSide(s)

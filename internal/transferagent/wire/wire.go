@@ -146,8 +146,9 @@ type GPU struct {
 	Epoch  uint64
 	// Device is the GPU's UUID (16 bytes).
 	Device string
-	// Handles and Offsets are, by region in EngineInfo's order, the IPC handle (64 bytes)
-	// of the allocation holding it and where in it the region starts; empty off the node.
+	// Handles and Offsets are, by region in EngineInfo's order, the allocation holding it
+	// (its IPC handle, 64 bytes, or the agent's number of an allocation passed as an fd, 8
+	// bytes little-endian) and where in it the region starts; sent only within the agent.
 	Handles []string
 	Offsets []uint64
 }
@@ -164,8 +165,8 @@ func (m *EngineInfo) WithGPU(g *GPU) (*EngineInfo, error) {
 		return nil, fmt.Errorf("wire: GPU memory of %s has %d handles and %d offsets for %d regions", g.Engine, len(g.Handles), len(g.Offsets), len(m.Regions))
 	}
 	for i, h := range g.Handles {
-		if len(h) != 64 {
-			return nil, fmt.Errorf("wire: GPU memory of %s: region %d's IPC handle has %d bytes, not 64", g.Engine, i, len(h))
+		if len(h) != 64 && len(h) != 8 {
+			return nil, fmt.Errorf("wire: GPU memory of %s: region %d's handle has %d bytes, not 64 (an IPC handle) or 8 (a passed allocation)", g.Engine, i, len(h))
 		}
 	}
 	c := *m
@@ -407,7 +408,7 @@ func (m *GPU) fields(c codec) {
 	c.num(&m.Epoch)
 	c.str(&m.Device)
 	n := uint64(len(m.Handles))
-	c.count(&n, MaxRegions, 66) // a 64-byte handle and its offset
+	c.count(&n, MaxRegions, 10) // at least an 8-byte allocation number and its offset
 	if uint64(len(m.Handles)) != n {
 		m.Handles, m.Offsets = make([]string, n), make([]uint64, n)
 	}

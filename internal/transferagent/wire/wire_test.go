@@ -32,13 +32,13 @@ var samples = []Message{
 	&Resignal{Request: "req-1", Attempt: 2, Source: "p/0"},
 	&Writing{Request: "req-1", Attempt: 2, Engine: "d/0"},
 	&GPU{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Device: strings.Repeat("u", 16), Handles: []string{strings.Repeat("h", 64),
-		strings.Repeat("i", 64)}, Offsets: []uint64{0, 1 << 30}},
+		strings.Repeat("i", 8)}, Offsets: []uint64{0, 1 << 30}}, // an IPC handle, a passed allocation's number
 	&Rails{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Rails: []Rail{{Address: "fi-address-rail-1", Keys: []uint64{19, 20}}}},
 }
 
 // TestGPUMemoryJoinsItsEngineInfo: a GPU message completes the EngineInfo of its engine
 // and epoch; off the node it carries no handles; one with a handle per region missing, or
-// a short handle, is refused.
+// a handle of neither an IPC handle's length nor a passed allocation number's, is refused.
 func TestGPUMemoryJoinsItsEngineInfo(t *testing.T) {
 	info, gpu := samples[2].(*EngineInfo), samples[len(samples)-2].(*GPU)
 	got, err := info.WithGPU(gpu)
@@ -54,7 +54,7 @@ func TestGPUMemoryJoinsItsEngineInfo(t *testing.T) {
 		"another epoch":     {Engine: gpu.Engine, Epoch: 8, Device: gpu.Device},
 		"a short device id": {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: "u"},
 		"a handle missing":  {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: gpu.Device, Handles: gpu.Handles[:1], Offsets: gpu.Offsets[:1]},
-		"a 63-byte handle": {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: gpu.Device, Handles: []string{gpu.Handles[0],
+		"a 7-byte handle": {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: gpu.Device, Handles: []string{gpu.Handles[0],
 			gpu.Handles[1][1:]}, Offsets: gpu.Offsets},
 		"an offset missing": {Engine: gpu.Engine, Epoch: gpu.Epoch, Device: gpu.Device, Handles: gpu.Handles, Offsets: gpu.Offsets[:1]},
 	} {

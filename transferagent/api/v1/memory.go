@@ -17,6 +17,14 @@ import (
 // A handle is good for one RegisterRegion of that session; fds that no region claims are
 // closed when the session ends.
 //
+// GPU memory is passed the same way, for engine pairs on one node: the packet's bytes are
+// CUDAPrefix, the session id, a space and the allocation's size in bytes, with the fd
+// cuMemExportToShareableHandle made for it (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR).
+// The agent maps the allocation at once; the driver refuses a size beyond it. The handle
+// answered is good for any number of RegisterRegions (kind MEMORY_KIND_CUDA) of that
+// session, each a part of the allocation; the agent unmaps it when the session ends. No
+// process needs another's PID namespace, as legacy CUDA IPC handles do.
+//
 // A doorbell (package transferagent/doorbell) is passed the same way: the packet's bytes
 // are DoorbellPrefix and the session id, with the doorbell memfd alone. The answer is
 // "error <reason>", or "ok 0" with two eventfds in SCM_RIGHTS that the agent made: the
@@ -24,6 +32,9 @@ import (
 // events (an engine that polls its events ring may close it). A session has at most one
 // doorbell.
 const MemorySocketName = "memory.sock"
+
+// CUDAPrefix starts a memory socket packet that passes a GPU allocation.
+const CUDAPrefix = "cuda "
 
 // DoorbellPrefix starts a memory socket packet that passes a doorbell.
 const DoorbellPrefix = "doorbell "
