@@ -373,9 +373,6 @@ const (
 	// ReasonUnsupportedFabric: the policy's fabric provider cannot serve the pool's
 	// accelerators (EFA interfaces are counted per accelerator; CPU engines have none).
 	ReasonUnsupportedFabric = "UnsupportedFabric"
-	// ReasonRootInHostPID: runAsRoot with a policy whose sameNode puts engines in the
-	// host's PID namespace, where a root engine could signal any process of the node.
-	ReasonRootInHostPID = "RootInHostPID"
 	// ReasonPrivilegedNotAllowed: the policy's fabric.privileged would run privileged engines
 	// in a namespace the cluster's administrators have not labelled kvhandoff.io/privileged-engines=true.
 	ReasonPrivilegedNotAllowed = "PrivilegedNotAllowed"

@@ -155,13 +155,9 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 			"instanceType %s carries %s accelerators but accelerator.type is %s; change one of them", spec.InstanceType, info.Accelerator,
 			spec.Accelerator.Type), warnings
 	}
-	if spec.RunAsRoot && policy.Executor == kvv1.ExecutorAgent && SharesHostPID(spec, policy) {
-		return problem(kvv1.ReasonRootInHostPID, "runAsRoot with the policy's sameNode: %s would run root engines in the host's PID namespace, "+
-			"where they could signal any process of the node; unset runAsRoot, or use a policy with sameNode: Forbid", policy.SameNode), warnings
-	}
 	if policy.SameNode != kvv1.SameNodeForbid && spec.Accelerator.Type == kvv1.AcceleratorNeuron {
 		return problem(kvv1.ReasonSameNodeUnsupported, "the policy's sameNode: %s lets a pair share a node, whose KV the transfer agent moves with "+
-			"CUDA IPC, and this pool's accelerators are %s; use sameNode: Forbid", policy.SameNode, spec.Accelerator.Type), warnings
+			"CUDA copies, and this pool's accelerators are %s; use sameNode: Forbid", policy.SameNode, spec.Accelerator.Type), warnings
 	}
 	if policy.Fabric.Provider == kvv1.ProviderEFA {
 		if _, err := instancetype.EFACount(Accelerators(spec), spec.InstanceType, policy.Fabric.EFAPerAccelerator); err != nil {
@@ -204,14 +200,6 @@ func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.Engine
 }
 
 // Accelerators is the number of accelerator devices an engine pod gets.
-// SharesHostPID says whether a pool's engines join the host's PID namespace: GPU pairs
-// that may share a node move KV with CUDA IPC, whose legacy handles open only in a process
-// of the exporter's PID namespace (the agent runs in the host's). Host-memory KV (CPU
-// engines) needs no such thing.
-func SharesHostPID(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) bool {
-	return policy.SameNode != kvv1.SameNodeForbid && spec.Accelerator.Type == kvv1.AcceleratorNvidiaGPU
-}
-
 func Accelerators(spec *kvv1.EngineSpec) int32 {
 	if spec.Accelerator.Count > 0 {
 		return spec.Accelerator.Count

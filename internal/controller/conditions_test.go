@@ -199,15 +199,6 @@ var _ = Describe("Conditions for what CEL cannot check", func() {
 		}).Should(Succeed())
 	})
 
-	It("reports RootInHostPID for root engines of a same-node policy and recovers when they run non-root", func() {
-		ns := freshNamespace()
-		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").RunAsRoot(true).Obj()
-		create(ns, builder.Policy("policy").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodePrefer).Obj(), p)
-		expectNotReady(p, kvv1.ReasonRootInHostPID, "host's PID namespace")
-		update(p, func(p *kvv1.PrefillPool) { p.Spec.RunAsRoot = false })
-		expectRecovered(p)
-	})
-
 	It("leaves running engines untouched when a valid pool becomes invalid", func() {
 		ns := freshNamespace()
 		p := builder.PrefillPool("p").Obj()

@@ -121,13 +121,13 @@ var _ = Describe("Rendering through the API server", func() {
 			builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").Policy("nvlink").Obj())
 		Eventually(func(g Gomega) {
 			spec := statefulSet(ns, "decode").Spec.Template.Spec
-			g.Expect(spec.HostPID).To(BeTrue())
+			g.Expect(spec.HostPID).To(BeFalse()) // GPU memory reaches the agent as file descriptors
 			g.Expect(spec.Affinity.PodAntiAffinity).To(BeNil())
 			preferred := spec.Affinity.PodAffinity.PreferredDuringSchedulingIgnoredDuringExecution
 			g.Expect(preferred).To(HaveLen(1))
 			g.Expect(preferred[0].PodAffinityTerm.TopologyKey).To(Equal("kubernetes.io/hostname"))
 			g.Expect(preferred[0].PodAffinityTerm.LabelSelector.MatchLabels).To(Equal(map[string]string{kvv1.LabelPool: "prefill", kvv1.LabelRole: "prefill"}))
-			g.Expect(statefulSet(ns, "prefill").Spec.Template.Spec.HostPID).To(BeTrue())
+			g.Expect(statefulSet(ns, "prefill").Spec.Template.Spec.HostPID).To(BeFalse())
 		}).Should(Succeed())
 
 		update(policy, func(p *kvv1.KVTransferPolicy) { p.Spec.SameNode = kvv1.SameNodeForbid })

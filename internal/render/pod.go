@@ -129,7 +129,6 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			NodeSelector:    nodeSelector(in),
 			Tolerations:     tolerations(in.Spec.Accelerator.Type),
 			Affinity:        affinity(in),
-			HostPID:         compat.SharesHostPID(in.Spec, in.Policy),
 			// A Service named like vLLM's own variables (a "vllm" Service sets VLLM_PORT)
 			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
 			EnableServiceLinks: ptr.To(false),

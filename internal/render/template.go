@@ -12,7 +12,7 @@ import (
 )
 
 // What a pool's spec.template may set. Engine pods need hostPath volumes (the agent's
-// sockets, the host's EFA libfabric) and sometimes hostPID, so their namespace's Pod
+// sockets, the host's EFA libfabric), so their namespace's Pod
 // Security Admission level must be privileged and stops nothing: whoever may write a
 // pool could, through an open template, run a privileged pod with the host's / mounted.
 // So the template is an allow-list, checked on what the user wrote, before the merge:
