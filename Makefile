@@ -76,7 +76,7 @@ unit: ## The loop to run while editing: every Go test that needs no API server, 
 	go test $$(hack/unit-packages.sh) -count=1 -timeout 10m
 
 .PHONY: test-gpu
-# On a host with two NVIDIA GPUs (KVH_CUDA_PEER=0: within one): the CUDA layer (IPC across processes), push, pull
+# On a host with two NVIDIA GPUs (KVH_CUDA_PEER=0: within one): the CUDA layer (memory passed as fds into another PID namespace, IPC across processes), push, pull
 # and cancels between engines whose KV is GPU memory, and the vLLM connector's CUDA KV through the agent.
 test-gpu: ## GPU tests on an NVIDIA host; results in bench/results/gpu/.
 	mkdir -p bench/results/gpu

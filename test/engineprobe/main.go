@@ -12,6 +12,8 @@
 //	engineprobe --socket S hold-sessions N  N engine ranks registered, each with its event stream open
 //	engineprobe --socket S replace          remove the engine socket and bind one of its own there
 //	engineprobe --socket S flood N          N concurrent calls of nearly 2 MiB each (the agent's request limit)
+//	engineprobe processes                   print its uid and the pids it can see
+//	engineprobe linger                      run until SIGTERM
 package main
 
 import (
@@ -21,9 +23,12 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -37,6 +42,18 @@ func main() {
 	socket := flag.String("socket", client.DefaultSocket, "the agent's engine socket")
 	flag.Parse()
 	args := flag.Args()
+	if len(args) == 1 && args[0] == "processes" {
+		// What an engine can see of the node's processes: its uid and the pids in its /proc.
+		fmt.Println("uid", os.Getuid(), "pids", processes())
+		return
+	}
+	if len(args) == 1 && args[0] == "linger" {
+		// An engine that runs until its pod is deleted, for another to look for.
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+		defer stop()
+		<-ctx.Done()
+		return
+	}
 	if len(args) == 1 && args[0] == "replace" {
 		// What a root engine beside a writable socket folder did: every engine of the node
 		// would then connect to the intruder.
@@ -177,3 +194,16 @@ func answer(err error) {
 
 // hold keeps what was taken until stdin closes.
 func hold() { _, _ = io.Copy(io.Discard, os.Stdin) }
+
+// processes are the pids /proc lists, in order.
+func processes() []int {
+	entries, _ := os.ReadDir("/proc")
+	var pids []int
+	for _, e := range entries {
+		if pid, err := strconv.Atoi(e.Name()); err == nil {
+			pids = append(pids, pid)
+		}
+	}
+	slices.Sort(pids)
+	return pids
+}

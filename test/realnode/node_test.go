@@ -73,8 +73,13 @@ func logs(t *testing.T, cs *kubernetes.Clientset, ns, pod string) string {
 // (test/engineprobe) in the engine container's place, running args.
 func enginePod(t *testing.T, name string, args ...string) *corev1.Pod {
 	t.Helper()
+	return enginePodOf(t, name, builder.Policy("agent").Executor(kvv1.ExecutorAgent).Provider(kvv1.ProviderTCP).Obj(), args...)
+}
+
+// enginePodOf is enginePod for an engine of a pool of policy pol.
+func enginePodOf(t *testing.T, name string, pol *kvv1.KVTransferPolicy, args ...string) *corev1.Pod {
+	t.Helper()
 	pool := builder.PrefillPool(name).Image("vllm/vllm-openai:v0.33.0").InstanceType("").Policy("agent").Obj()
-	pol := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Provider(kvv1.ProviderTCP).Obj()
 	w, err := render.Engines(render.Input{Role: kvv1.RolePrefill, Name: name, Namespace: "default", Spec: &pool.Spec.EngineSpec,
 		Policy: &pol.Spec, ConnectorImage: "ghcr.io/kvhandoff/vllm-connector:" + realnode.Tag})
 	if err != nil {
@@ -152,6 +157,31 @@ func TestTheChartRunsTheNodeComponentsAndEnginesReachTheAgent(t *testing.T) {
 	}
 	if _, err := os.Stat("/var/run/kvhandoff/agent.sock"); err != nil {
 		t.Errorf("the agent's socket after the attempt: %v", err)
+	}
+
+	// Engines of two GPU pools whose policy lets pairs share a node run outside the
+	// host's PID namespace, each as a user of its own: one sees none of the other's
+	// processes, however long both run.
+	same := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Provider(kvv1.ProviderTCP).SameNode(kvv1.SameNodePrefer).Obj()
+	lingering := enginePodOf(t, "engine-d", same, "linger")
+	if err := n.Client.Create(bg, lingering); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "engine-d to run", 2*time.Minute, func() bool {
+		p := &corev1.Pod{}
+		return n.Client.Get(bg, client.ObjectKeyFromObject(lingering), p) == nil && p.Status.Phase == corev1.PodRunning
+	})
+	looking := enginePodOf(t, "engine-e", same, "processes")
+	uidD, uidE := *lingering.Spec.SecurityContext.RunAsUser, *looking.Spec.SecurityContext.RunAsUser
+	if lingering.Spec.HostPID || looking.Spec.HostPID || uidD == uidE {
+		t.Errorf("same-node GPU engine pods: hostPID %v and %v, uids %d and %d; want no hostPID and two uids",
+			lingering.Spec.HostPID, looking.Spec.HostPID, uidD, uidE)
+	}
+	if got, want := runPod(t, n, cs, looking), fmt.Sprintf("uid %d pids [1]", uidE); got != want {
+		t.Errorf("engine-e, beside engine-d (uid %d), sees %q; want %q: its own process alone", uidD, got, want)
+	}
+	if err := n.Client.Delete(bg, lingering); err != nil {
+		t.Error(err)
 	}
 }
 
