@@ -87,11 +87,10 @@ def kv_allocation(name: str, sink: list):
 # CUDA KV: inside the connector's memory pool context vLLM's GPU workers get their KV cache
 # tensors from PassedCudaMemory: driver-allocated memory (CUDA virtual memory management)
 # that is passed to the transfer agent as a file descriptor over the memory socket, so
-# the engine need not share a PID namespace with the agent or any other engine. KV that
-# was allocated elsewhere (PyTorch's caching allocator, cudaMalloc underneath) is named to
-# the agent by a legacy CUDA IPC handle, which the agent opens only from a process of its
-# own PID namespace. Nothing of CUDA is imported at module load: the CPU backend and
-# CPU-only machines never touch it.
+# the memory itself is handed over, to the agent alone. KV that was allocated elsewhere
+# (PyTorch's caching allocator, cudaMalloc underneath) is named to the agent by a legacy
+# CUDA IPC handle: a name any process of the node that learns it can open. Nothing of CUDA
+# is imported at module load: the CPU backend and CPU-only machines never touch it.
 
 _LIBCUDA = None
 

@@ -139,7 +139,7 @@ class WorkerSide:
         legacy = sum(1 for a in allocations if a.fd is None) if cuda else 0
         if legacy:
             log.warning("kvhandoff: %s rank %d: %d KV allocations were made outside the connector's memory pool context and are "
-                        "named to the agent by legacy CUDA IPC handles, which it opens only if this engine shares its PID namespace",
+                        "named to the agent by legacy CUDA IPC handles, names any process of the node that learns them can open",
                         self.cfg.engine_id, self.rank, legacy)
         where = f"{len(allocations)} CUDA allocations, {len(passed)} passed as fds" if cuda else f"{self.memory[0].size >> 20} MiB of host memory"
         log.info("kvhandoff: %s rank %d registered %d regions (%s) with the agent at %s (%s)",

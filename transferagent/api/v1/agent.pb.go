@@ -599,7 +599,9 @@ type RegisterRegionRequest struct {
 	// the engine passes the fd over the agent's memory socket (memory.sock beside the
 	// engine socket; see memory.go in this package), which answers with the handle. The
 	// memfd must be sealed against shrinking (F_SEAL_SHRINK), so no engine can truncate
-	// memory the agent has mapped.
+	// memory the agent has mapped. For MEMORY_KIND_CUDA it names a GPU allocation passed
+	// the same way as a POSIX fd (cuMemExportToShareableHandle): the way that needs no
+	// shared PID namespace, taken whenever cuda_ipc_handle is empty.
 	MemoryHandle uint64 `protobuf:"varint,10,opt,name=memory_handle,json=memoryHandle,proto3" json:"memory_handle,omitempty"`
 	Offset       uint64 `protobuf:"varint,5,opt,name=offset,proto3" json:"offset,omitempty"`
 	Size         uint64 `protobuf:"varint,6,opt,name=size,proto3" json:"size,omitempty"`
@@ -611,11 +613,14 @@ type RegisterRegionRequest struct {
 	DmabufFd int32 `protobuf:"varint,9,opt,name=dmabuf_fd,json=dmabufFd,proto3" json:"dmabuf_fd,omitempty"`
 	// cuda_ipc_handle is, for MEMORY_KIND_CUDA moved within the node, the allocation that
 	// holds the region at offset, as cuIpcGetMemHandle exported it (64 bytes): the agent
-	// opens it and copies to and from it with CUDA, for engine pairs on its own node.
+	// opens it and copies to and from it with CUDA, for engine pairs on its own node. Legacy,
+	// for KV allocated where the engine could not choose how: a handle is a name that any
+	// process of the node who learns it can open, where memory_handle hands over the memory.
 	CudaIpcHandle []byte `protobuf:"bytes,11,opt,name=cuda_ipc_handle,json=cudaIpcHandle,proto3" json:"cuda_ipc_handle,omitempty"`
 	// cuda_device_uuid is the UUID of the GPU the allocation lives on (16 bytes, as
 	// cuDeviceGetUuid gives it): the agent numbers GPUs differently from the engine's
-	// container, which sees only its own.
+	// container, which sees only its own. Optional with memory_handle (the agent reads the
+	// GPU off the allocation), checked when given.
 	CudaDeviceUuid []byte `protobuf:"bytes,12,opt,name=cuda_device_uuid,json=cudaDeviceUuid,proto3" json:"cuda_device_uuid,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
