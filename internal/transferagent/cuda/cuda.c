@@ -229,8 +229,7 @@ int kvh_cu_vmm_map(kvh_CUcontext ctx, kvh_CUmemGenericAllocationHandle h, size_t
 		cu.mem_address_free(*p, size);
 		return r;
 	}
-	kvh_CUmemAccessDesc access[16];
-	if (ndevs > 16) ndevs = 16;
+	kvh_CUmemAccessDesc access[ndevs];
 	for (int i = 0; i < ndevs; i++) {
 		access[i].location.type = KVH_CU_MEM_LOCATION_TYPE_DEVICE;
 		access[i].location.id = devs[i];

@@ -77,17 +77,14 @@ func (g *Devices) Pass(fd int, size uint64) (Key, int, error) {
 		sh.Release()
 		return Key{}, 0, err
 	}
-	n, err := cuda.DeviceCount()
-	if err != nil {
-		sh.Release()
-		return Key{}, 0, err
-	}
+	n, _ := cuda.DeviceCount() // the driver answered for the import already
 	devs := []int{sh.Ordinal}
-	for d := 0; d < n; d++ {
-		if d != sh.Ordinal {
-			if ok, _ := c.CanAccessPeer(d); ok {
-				devs = append(devs, d)
-			}
+	for d := range n {
+		if d == sh.Ordinal {
+			continue
+		}
+		if ok, _ := c.CanAccessPeer(d); ok {
+			devs = append(devs, d)
 		}
 	}
 	p, err := c.Map(sh, size, devs)
@@ -100,8 +97,9 @@ func (g *Devices) Pass(fd int, size uint64) (Key, int, error) {
 	return k, sh.Ordinal, nil
 }
 
-// open maps the allocation k names into GPU ordinal's context (once, then counted) and
-// returns where it starts and how long it is. A passed allocation is counted again.
+// open counts one more use of the allocation k names, opening an IPC handle in its GPU's
+// context the first time, and returns where it starts and how long it is. A passed
+// allocation is open from Pass until its last Close.
 func (g *Devices) open(k Key) (cuda.Ptr, uint64, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()

@@ -120,8 +120,9 @@ func receivedFDs(oob []byte, flags int) ([]int, error) {
 }
 
 // deposit checks one packet: the id of a live session of the sender's owner and exactly
-// one fd, a sealed memfd or a GPU allocation's (parseDeposit). Every fd that is not kept is closed. A doorbell's answer passes fds
-// back (pass), and golive, when set, is told whether the answer went out.
+// one fd, a sealed memfd or a GPU allocation's (parseDeposit). Every fd that is not kept
+// is closed. A doorbell's answer passes fds back (pass), and golive, when set, is told
+// whether the answer went out.
 func (srv *Server) deposit(owner, id string, fds []int, perr error) (answer string, pass []int, golive func(sent bool)) {
 	refuse := func(format string, args ...any) string {
 		closeFDs(fds)
