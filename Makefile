@@ -97,12 +97,14 @@ test-kubelet: ## The device plugin against the kubelet's own device manager (its
 	cd test/kubelet && go vet ./... && go test ./... -count=1 -timeout 10m
 
 .PHONY: test-vllm
-test-vllm: ## The vLLM connector: its scheduler side in vLLM's Scheduler, real vLLM engines through the agents (push and pull), and stock NIXL engines behind the router.
+test-vllm: ## The vLLM connector: its hooks against every supported vLLM release's source, its scheduler side in vLLM 0.32's and 0.34's Scheduler, real vLLM engines through the agents (push and pull), and stock NIXL engines behind the router.
 	go build -o bin/ ./cmd/transfer-agent ./cmd/router
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && nixl="$$(hack/nixl.sh)" && cd vllm-connector && \
 		PYTHONPATH="$$nixl" KVHANDOFF_BIN_DIR=$(CURDIR)/bin KVHANDOFF_VLLM_REPORT=$(CURDIR)/bin/vllm-report.json \
-		"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests
+		"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests --ignore tests/test_vllm034.py
 	@cat bin/vllm-report.json
+	venv="$$(hack/python-venv.sh vllm-connector/requirements-vllm034.txt)" && cd vllm-connector && \
+		"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_scheduler.py tests/test_vllm034.py
 
 .PHONY: e2e
 e2e: deps ## Run the end-to-end suite: against $$KUBECONFIG when set, else on a fresh simulated cluster.

@@ -108,16 +108,21 @@ const (
 func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Problem, warnings []Warning) {
 	if v, ok := ImageVersion(spec.Image); !ok {
 		warnings = append(warnings, Warning{WarningEngineVersionUnknown, fmt.Sprintf("cannot read a vLLM version from image %q; kvhandoff needs "+
-			"vLLM >= %s (>= %s for Push, >= %s for executor Agent) and cannot check it", spec.Image, MinSafeVersion, MinPushVersion, MinAgentVersion)})
+			"vLLM >= %s (>= %s for Push, %s for executor Agent) and cannot check it", spec.Image, MinSafeVersion, MinPushVersion, AgentRange())})
 	} else if v.Less(MinSafeVersion) {
 		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s; versions before %s execute code from the model at load time "+
 			"(CVE-2026-22807, CVSS 8.8); use vllm/vllm-openai:v0.29.0 or later", spec.Image, v, MinSafeVersion), warnings
 	} else if policy.Mode == kvv1.TransferPush && v.Less(MinPushVersion) {
 		return problem(kvv1.ReasonUnsupportedEngineVersion, "image %q runs vLLM %s, which has no push connector (needs %s); upgrade the image or "+
 			"use a policy with mode: Pull", spec.Image, v, MinPushVersion), warnings
-	} else if policy.Executor == kvv1.ExecutorAgent && v.Less(MinAgentVersion) {
+	} else if policy.Executor == kvv1.ExecutorAgent && !AgentSupports(v) {
 		return problem(kvv1.ReasonUnsupportedEngineVersion,
-			"image %q runs vLLM %s; kvhandoff's connector (executor Agent) needs vLLM %s or later", spec.Image, v, MinAgentVersion), warnings
+			"image %q runs vLLM %s; kvhandoff's connector (executor Agent) is tested with vLLM %s only; use an image in that range "+
+				"(a newer vLLM needs a kvhandoff release tested with it)", spec.Image, v, AgentRange()), warnings
+	} else if policy.Executor == kvv1.ExecutorAgent && spec.Accelerator.Type == kvv1.AcceleratorCPU && v.Less(MinAgentHostKVVersion) {
+		return problem(kvv1.ReasonUnsupportedEngineVersion,
+			"image %q runs vLLM %s; with accelerator.type CPU kvhandoff's connector (executor Agent) needs vLLM %s or later, the first "+
+				"that lets it allocate the KV cache the agent maps", spec.Image, v, MinAgentHostKVVersion), warnings
 	}
 	if policy.Executor == kvv1.ExecutorAgent && spec.RunAsRoot {
 		warnings = append(warnings, Warning{WarningEngineRunsAsRoot,

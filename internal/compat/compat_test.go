@@ -93,6 +93,8 @@ func TestCheckPool(t *testing.T) {
 	override := builder.Policy("p").EFAPerAccelerator(1).Obj().Spec
 	agent := builder.Policy("p").Executor(kvv1.ExecutorAgent).Obj().Spec
 	sameNode := builder.Policy("p").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodeAllow).Obj().Spec
+	agentPull := builder.Policy("p").Executor(kvv1.ExecutorAgent).Mode(kvv1.TransferPull).Obj().Spec
+	agentTCP := builder.Policy("p").Executor(kvv1.ExecutorAgent).Provider(kvv1.ProviderTCP).Obj().Spec
 	cases := []struct {
 		name        string
 		pool        *builder.PoolBuilder[*kvv1.PrefillPool]
@@ -108,8 +110,18 @@ func TestCheckPool(t *testing.T) {
 			kvv1.ReasonUnsupportedEngineVersion, "no push connector", ""},
 		{"pull on 0.25 is fine", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.25.1"), &pull, "", "", ""},
 		{"an unreadable tag warns", builder.PrefillPool("p").Image("vllm/vllm-openai:latest"), &push, "", "", WarningEngineVersionUnknown},
-		{"executor Agent before the connector's vLLM", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.31.0"), &agent,
-			kvv1.ReasonUnsupportedEngineVersion, "needs vLLM v0.32.0", ""},
+		{"executor Agent before the connector's vLLM", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.25.1"), &agentPull,
+			kvv1.ReasonUnsupportedEngineVersion, "tested with vLLM v0.26.0 through v0.34.x only", ""},
+		{"executor Agent on the oldest vLLM of the range", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.26.0"), &sameNode,
+			"", "", WarningDeviceMemoryUnsupported},
+		{"executor Agent on a patch release of the newest", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.34.2"), &sameNode,
+			"", "", WarningDeviceMemoryUnsupported},
+		{"executor Agent on CPUs before the connector could allocate host KV", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.30.0").
+			Accelerator(kvv1.AcceleratorCPU, 0), &agentTCP, kvv1.ReasonUnsupportedEngineVersion, "with accelerator.type CPU", ""},
+		{"executor Agent on CPUs from 0.31", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.31.0").Accelerator(kvv1.AcceleratorCPU, 0).InstanceType(""),
+			&agentTCP, "", "", ""},
+		{"executor Agent after the connector's vLLM", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.35.0"), &agent,
+			kvv1.ReasonUnsupportedEngineVersion, "tested with vLLM v0.26.0 through v0.34.x only", ""},
 		{"executor Agent on GPUs warns of device memory", builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0"), &agent, "", "",
 			WarningDeviceMemoryUnsupported},
 		{"unknown instance type on EFA", builder.PrefillPool("p").InstanceType("g6.48xlarge"), &push, kvv1.ReasonUnknownInstanceType, "g6.48xlarge", ""},

@@ -29,11 +29,28 @@ var (
 	MinSafeVersion = Version{0, 14, 0}
 	// MinPushVersion is the first vLLM release with the push connector.
 	MinPushVersion = Version{0, 26, 0}
-	// MinAgentVersion is the first vLLM release kvhandoff's connector (executor Agent)
-	// was tested with: it allocates the KV cache through the connector's memory pool
-	// hook and reports failed receives beside finished ones.
-	MinAgentVersion = Version{0, 32, 0}
+	// MinAgentVersion and MaxAgentMinor bound the vLLM releases kvhandoff's connector
+	// (executor Agent) is tested with, 0.26.0 through 0.34.x: the connector's contract test
+	// checks each release's connector hooks. A newer minor release may change them (0.34
+	// changed how CUDA KV is allocated), so it is refused until tested.
+	MinAgentVersion = Version{0, 26, 0}
+	MaxAgentMinor   = Version{0, 34, 0}
+	// MinAgentHostKVVersion is the first release that lets the connector allocate the KV
+	// cache (its memory pool hook): host KV reaches the agent only as the memfd the
+	// connector allocates, so CPU engines need it. GPU KV from older releases is named by
+	// legacy CUDA IPC handles instead.
+	MinAgentHostKVVersion = Version{0, 31, 0}
 )
+
+// AgentSupports reports whether kvhandoff's connector is tested with vLLM v.
+func AgentSupports(v Version) bool {
+	return !v.Less(MinAgentVersion) && v.Major == MaxAgentMinor.Major && v.Minor <= MaxAgentMinor.Minor
+}
+
+// AgentRange names the connector's tested vLLM releases.
+func AgentRange() string {
+	return fmt.Sprintf("%s through v%d.%d.x", MinAgentVersion, MaxAgentMinor.Major, MaxAgentMinor.Minor)
+}
 
 var tagVersion = regexp.MustCompile(`^v?(\d+)\.(\d+)(?:\.(\d+))?(?:$|[-+._])`)
 

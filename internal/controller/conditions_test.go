@@ -161,11 +161,11 @@ var _ = Describe("Conditions for what CEL cannot check", func() {
 		}).Should(HaveField("Privileged", HaveValue(BeTrue())))
 	})
 
-	It("reports UnsupportedEngineVersion for executor Agent below the connector's vLLM", func() {
+	It("reports UnsupportedEngineVersion for executor Agent outside the connector's tested vLLM", func() {
 		ns := freshNamespace()
-		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.31.0").Policy("agent").Obj()
+		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.35.0").Policy("agent").Obj()
 		create(ns, builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj(), p)
-		expectNotReady(p, kvv1.ReasonUnsupportedEngineVersion, "kvhandoff's connector (executor Agent) needs vLLM v0.32.0")
+		expectNotReady(p, kvv1.ReasonUnsupportedEngineVersion, "kvhandoff's connector (executor Agent) is tested with vLLM v0.26.0 through v0.34.x only")
 	})
 
 	It("reports UnsupportedEngineVersion on a PrefillPool too", func() {

@@ -84,13 +84,15 @@ def kv_allocation(name: str, sink: list):
         torch.zeros = zeros
 
 
-# CUDA KV: inside the connector's memory pool context vLLM's GPU workers get their KV cache
-# tensors from PassedCudaMemory: driver-allocated memory (CUDA virtual memory management)
-# that is passed to the transfer agent as a file descriptor over the memory socket, so
-# the memory itself is handed over, to the agent alone. KV that was allocated elsewhere
-# (PyTorch's caching allocator, cudaMalloc underneath) is named to the agent by a legacy
-# CUDA IPC handle: a name any process of the node that learns it can open. Nothing of CUDA
-# is imported at module load: the CPU backend and CPU-only machines never touch it.
+# CUDA KV is handed to the transfer agent as a file descriptor over the memory socket
+# wherever the driver allocated it (CUDA virtual memory management), so the memory itself
+# is handed over, to the agent alone: vLLM 0.31-0.33 enter the connector's memory pool
+# context, where the KV tensors come from PassedCudaMemory; vLLM 0.34 allocates them itself
+# in its extensible KV cache, exportable (CudaAllocation finds them). KV from cudaMalloc
+# (PyTorch's caching allocator: vLLM 0.26-0.30, which allocate KV outside any connector
+# context) is named by a legacy CUDA IPC handle: a name any process of the node that learns
+# it can open. Nothing of CUDA is imported at module load: the CPU backend and CPU-only
+# machines never touch it.
 
 _LIBCUDA = None
 
@@ -207,27 +209,46 @@ class PassedCudaMemory:
 
 
 class CudaAllocation:
-    """The CUDA allocation holding the device pointer ptr, named by a legacy IPC handle:
-    its base and size, its IPC handle (64 bytes) and its GPU's UUID (16 bytes). For KV
-    allocated outside the connector's memory pool context."""
-
-    fd = None  # not passed as fd: named by handle
+    """The CUDA allocation holding the device pointer ptr, found by its address: its base and
+    size, its GPU's UUID (16 bytes), and how the agent is given it. Memory the driver mapped
+    (cuMemCreate: vLLM 0.34's extensible KV cache, created exportable because the connector
+    says it exports fds) is passed as a POSIX fd (fd, until close); memory from cudaMalloc
+    (PyTorch's caching allocator, vLLM before 0.31) has no fd and is named by a legacy IPC
+    handle (64 bytes)."""
 
     def __init__(self, ptr: int):
         lib = _libcuda()
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        # For driver-mapped memory this is the one mapping holding ptr (one physical
+        # allocation), not the whole address reservation around it.
         _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)), "cuMemGetAddressRange")
         self.base, self.size = base.value, size.value
-        handle = ctypes.create_string_buffer(64)
-        # Memory from cuMemCreate (PyTorch's expandable segments, vLLM's sleep mode) has no
-        # legacy IPC handle.
-        _check(lib.cuIpcGetMemHandle(handle, ctypes.c_uint64(self.base)), "cuIpcGetMemHandle",
-               " (KV allocated outside the connector's memory pool context must come from cudaMalloc: run without "
-               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and without --enable-sleep-mode)")
-        self.handle = handle.raw
         ordinal = ctypes.c_int()
         _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _POINTER_DEVICE_ORDINAL, ctypes.c_uint64(ptr)), "cuPointerGetAttribute")
         self.device_uuid = _device_uuid(ordinal.value)
+        self.fd, self.handle = None, b""
+        allocation = ctypes.c_uint64()
+        if lib.cuMemRetainAllocationHandle(ctypes.byref(allocation), ctypes.c_void_p(self.base)) == 0:
+            fd = ctypes.c_int(-1)
+            try:
+                _check(lib.cuMemExportToShareableHandle(ctypes.byref(fd), allocation, _POSIX_FD, ctypes.c_ulonglong(0)),
+                       "cuMemExportToShareableHandle",
+                       " (driver-mapped KV can be passed only if it was created exportable as a POSIX fd: vLLM's extensible KV "
+                       "cache is, for this connector; PyTorch's expandable_segments:True and vLLM's sleep-mode pool are not)")
+            finally:
+                lib.cuMemRelease(allocation)  # the mapping holds the memory; the fd, its own reference
+            self.fd = fd.value
+            os.set_inheritable(self.fd, False)
+            return
+        handle = ctypes.create_string_buffer(64)
+        _check(lib.cuIpcGetMemHandle(handle, ctypes.c_uint64(self.base)), "cuIpcGetMemHandle")
+        self.handle = handle.raw
+
+    def close(self) -> None:
+        """Closes the fd once it was passed: the agent holds its own reference."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = -1
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """The byte offset of t's first element in this allocation, or None if t is elsewhere."""

@@ -8,10 +8,11 @@ blocks at their stride in the memfd); the agent maps the same pages. Nothing is 
 prefill's attention writes the KV the agent then sends, and the agent writes (push) or
 reads (pull) straight into the blocks decode's attention reads.
 
-Data path (CUDA KV, pairs on one node): vLLM's GPU worker allocates each layer's KV with
-the caching allocator; ``register_kv_caches`` exports each allocation as a CUDA IPC handle
-and registers K and V of every layer as regions in it (memory.py). The node's agent opens
-the handles and moves KV between the pair's GPUs with device copies (NVLink on P5en).
+Data path (CUDA KV, pairs on one node): ``register_kv_caches`` finds the CUDA allocation
+behind each layer's KV, passes it to the agent as a file descriptor where it can be exported
+as one (memory.py says which allocations can), else names it by a legacy IPC handle, and
+registers K and V of every layer as regions in it. The node's agent maps the memory and
+moves KV between the pair's GPUs with device copies (NVLink on P5en).
 
 Push prefill reports a request whose prefill completes in a step (a stream) from that step,
 through a sender thread, so the forward never waits on the agent. With layer streaming,
@@ -44,12 +45,17 @@ _SEND_OVER = (pb.Event.SOURCE_DONE, pb.Event.FAILED)
 
 
 class WorkerSide:
-    def __init__(self, cfg: Config, rank: int, tp_size: int, block_size: int, kv_heads: int, head_dim: int):
+    def __init__(self, cfg: Config, rank: int, tp_size: int, block_size: int, kv_heads: int, head_dim: int,
+                 own_pool: bool = True):
         self.cfg = cfg
+        # own_pool: the connector serves the KV allocation (mem_pool_context). vLLM 0.34's
+        # extensible KV cache allocates it itself, exportable as fds, and refuses a pool.
+        self.own_pool = own_pool
         self.rank, self.tp_size = rank, tp_size
         self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
         self.memory: list = []  # a SealedMemory (host KV), or PassedCudaMemory each (GPU KV)
         self.session: Session | None = None
+        self._kv_caches: dict | None = None  # what restore() registers again
         # key -> (request id, "recv" | "send"): what the agent's events are about.
         self._keys: dict[str, tuple[str, str]] = {}
         self._beating: set[str] = set()  # push registrations whose leases need heartbeats
@@ -58,6 +64,8 @@ class WorkerSide:
         self._sent: set[str] = set()  # ... and those the agent is done with
         self._recvd: set[str] = set()
         self._failed: set[str] = set()
+        self._recv_blocks: dict[str, list[int]] = {}  # receives in flight: their blocks
+        self._failed_blocks: set[int] = set()  # blocks of failed receives, for vLLM < 0.30
         self._finished: set[str] = set()  # of those, the ones the scheduler has finished
         self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0, "layers_streamed": 0}
         # Layer streaming: each layer's region indexes (by vLLM's layer name; K and V are
@@ -75,9 +83,12 @@ class WorkerSide:
         self.timeline = Timeline(f"{cfg.engine_id}-rank{rank}")
 
     def mem_pool_context(self):
+        if not self.own_pool:
+            return None
         return kv_allocation(f"kvhandoff-kv-{self.cfg.engine_id}-{self.rank}", self.memory)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        self._kv_caches = kv_caches
         cuda = any(t.is_cuda for t in kv_caches.values())
         if cuda and not self.cfg.same_node:
             raise RuntimeError(
@@ -87,8 +98,8 @@ class WorkerSide:
         if not cuda and not isinstance(self.memory[0] if self.memory else None, SealedMemory):
             raise RuntimeError(
                 "kvhandoff connector: the KV cache was not allocated through the connector's memory pool "
-                "context, so the agent cannot map it; this connector supports vLLM's CPU backend from "
-                "vLLM 0.32, and CUDA KV for pairs on one node")
+                "context, so the agent cannot map it; on vLLM's CPU backend the connector needs a vLLM that "
+                "enters that context around its KV allocation (0.31 and later)")
         # Each region is one block-major view of a layer's KV: (memory, offset, size, block
         # length, block count), keyed by its address so that layers sharing a KV cache share
         # its regions. Host regions are numbered in memfd order; CUDA regions, spread over
@@ -136,19 +147,39 @@ class WorkerSide:
             if mem.fd is not None and mem.base not in passed:
                 passed[mem.base] = self.session.pass_cuda(mem.fd, mem.size)
             self.session.register_cuda_region(i, passed.get(mem.base, 0), mem.handle, mem.device_uuid, off, size, block_len, count)
+        for a in allocations:
+            if isinstance(a, CudaAllocation):
+                a.close()  # the agent holds its own reference to what was passed
         legacy = sum(1 for a in allocations if a.fd is None) if cuda else 0
         if legacy:
-            log.warning("kvhandoff: %s rank %d: %d KV allocations were made outside the connector's memory pool context and are "
-                        "named to the agent by legacy CUDA IPC handles, names any process of the node that learns them can open",
+            log.warning("kvhandoff: %s rank %d: %d KV allocations came from cudaMalloc, which has no file descriptor to pass, and "
+                        "are named to the agent by legacy CUDA IPC handles, names any process of the node that learns them can "
+                        "open (vLLM before 0.31 does not let the connector allocate its KV)",
                         self.cfg.engine_id, self.rank, legacy)
         where = f"{len(allocations)} CUDA allocations, {len(passed)} passed as fds" if cuda else f"{self.memory[0].size >> 20} MiB of host memory"
         log.info("kvhandoff: %s rank %d registered %d regions (%s) with the agent at %s (%s)",
                  self.cfg.engine_id, self.rank, len(order), where, self.session.ref.agent, self.session.provider)
 
+    def unregister(self) -> None:
+        """Ends the session with the agent before vLLM releases or remaps the KV memory
+        (sleep, a weight update that borrows it): the agent unmaps it, and nothing can be
+        outstanding past this point. Idempotent."""
+        if self.session is None:
+            return
+        self.close()
+        self.session = None
+        self._end_outstanding()
+
+    def restore(self) -> None:
+        """Registers the KV caches again after unregister: the same views, whose memory may
+        now be other physical pages behind the same addresses (passed again). Idempotent."""
+        if self.session is None and self._kv_caches is not None:
+            self.register_kv_caches(self._kv_caches)
+
     @staticmethod
     def _cuda_allocation(known: list, t):
-        """The allocation holding t: one the connector made (PassedCudaMemory), or one named by
-        its IPC handle, once however many layers the caching allocator put in it."""
+        """The allocation holding t: one the connector made (PassedCudaMemory), or one found
+        behind t's address (CudaAllocation), once however many layers share it."""
         for a in known:
             if a.offset_of(t) is not None:
                 return a
@@ -163,6 +194,7 @@ class WorkerSide:
 
     def start_load(self, meta: KVHandoffMetadata) -> None:
         for r in meta.receives:
+            self._recv_blocks[r.req_id] = r.blocks
             if r.error:
                 log.error("kvhandoff: request %s cannot load its KV: %s", r.req_id, r.error)
                 self._recv_over(r.req_id, failed=True)
@@ -314,6 +346,12 @@ class WorkerSide:
         self._recvd, self._failed = set(), set()
         return sent, recvd, failed
 
+    def load_errors(self) -> set[int]:
+        """The blocks of receives that failed since the last call: how vLLM before 0.30
+        (no get_transfer_results) learns that a receive it sees finished brought no KV."""
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
+
     def _events(self):
         """The session's events: the stream's (before a doorbell, or without one), then
         the doorbell's; None once the session ended."""
@@ -359,13 +397,18 @@ class WorkerSide:
 
     def _recv_over(self, rid: str, failed: bool) -> None:
         self._recvd.add(rid)
+        blocks = self._recv_blocks.pop(rid, ())
         if failed:
             self._failed.add(rid)
+            self._failed_blocks.update(blocks)
 
     def _agent_lost(self) -> None:
-        # The session ended (the agent restarted or refused us): nothing outstanding can
-        # complete. Receives fail (the policy decides recompute or fail); sends are over.
         log.error("kvhandoff: the agent session ended: %s", self.session.error)
+        self._end_outstanding()
+
+    def _end_outstanding(self) -> None:
+        # The session is over: nothing outstanding can complete. Receives fail (the
+        # policy decides recompute or fail); sends are over.
         for key, (rid, kind) in self._keys.items():
             if kind == "recv":
                 self._recv_over(rid, failed=True)
@@ -378,5 +421,6 @@ class WorkerSide:
         if self._outbox is not None:
             self._outbox.put(None)
             self._sender.join(timeout=30)
+            self._outbox = self._sender = None
         if self.session is not None:
             self.session.close()

@@ -1,0 +1,120 @@
+"""Sleep and weight updates (vLLM >= 0.33 call unregister_kv_caches before they release or
+remap the KV memory, and restore_kv_caches after): against the real agent, a worker's
+session ends, whatever it had in flight fails where vLLM looks for it, and the same KV
+views register again and move KV as before."""
+
+import queue
+import time
+
+import pytest
+import torch
+
+from kvhandoff_vllm._api import agent_pb2 as pb
+from kvhandoff_vllm.config import Config
+from kvhandoff_vllm.metadata import KVHandoffMetadata, Receive
+from kvhandoff_vllm.worker import WorkerSide
+from stack import Agent
+
+LAYERS, BLOCKS, BLOCK_BYTES = 2, 32, 512
+
+
+@pytest.fixture
+def agent(bins, tmp_path):
+    a = Agent(bins, "agent", str(tmp_path))
+    yield a
+    a.stop()
+
+
+def worker(agent: Agent, role: str) -> tuple[WorkerSide, dict]:
+    cfg = Config.from_fields(f"{role}-0.default", {"mode": "push", "role": role, "socket": agent.socket,
+                                                   "kv_lease_duration": 30, "push_registration_timeout": 60,
+                                                   "decoder_kv_blocks_ttl": 60})
+    w = WorkerSide(cfg, rank=0, tp_size=1, block_size=16, kv_heads=1, head_dim=BLOCK_BYTES // 32)
+    with w.mem_pool_context():  # as vLLM's CPU worker allocates its KV: one int8 buffer
+        raw = torch.zeros(LAYERS * BLOCKS * BLOCK_BYTES, dtype=torch.int8)
+    layers = raw.view(LAYERS, BLOCKS, BLOCK_BYTES)
+    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": layers[i] for i in range(LAYERS)})
+    return w, layers
+
+
+def sessions(agent: Agent) -> float:
+    return sum(v for k, v in agent.metrics().items() if k.startswith("kvhandoff_agent_engine_sessions"))
+
+
+def until(what: str, ok, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout} s: {what}")
+        time.sleep(0.01)
+
+
+def delivered(w: WorkerSide, key: str) -> pb.Event:
+    deadline = time.monotonic() + 20
+    while True:
+        for ev in w.session.poll_events():
+            w.session.events.put(ev)
+        try:
+            ev = w.session.events.get(timeout=0.01)
+        except queue.Empty:
+            assert time.monotonic() < deadline, f"no event for {key}"
+            continue
+        if ev.request_id == key:
+            return ev
+
+
+def push(p: WorkerSide, d: WorkerSide, key: str, src: list[int], dst: list[int]) -> None:
+    d.session.register_destination(key, 1, dst, p.session.ref)
+    p.session.source_ready(key, src)
+    assert delivered(d, key).type == pb.Event.DELIVERED
+
+
+def test_a_worker_unregisters_before_sleep_and_moves_kv_again_after_it(agent):
+    p, src = worker(agent, "prefill")
+    d, dst = worker(agent, "decode")
+    try:
+        src.copy_(torch.randint(-128, 127, src.shape, dtype=torch.int8))
+        push(p, d, "before", [1, 2], [5, 6])
+        assert torch.equal(dst[:, [5, 6]], src[:, [1, 2]])
+        assert sessions(agent) == 2
+
+        # A receive vLLM is waiting for when the engine is put to sleep: it fails, both
+        # as a failed receive (vLLM >= 0.30) and by its blocks (before).
+        d.start_load(KVHandoffMetadata(receives=[Receive(req_id="r-1", key="waiting", blocks=[9, 10],
+                                                         source_agent=p.session.ref.agent, source_engine=p.cfg.engine_id)]))
+        d.unregister()
+        d.unregister()  # idempotent, as vLLM asks
+        assert d.session is None
+        until("the agent ended the decode session", lambda: sessions(agent) == 1)
+        sent, recvd, failed = d.results(set())
+        assert (recvd, failed) == ({"r-1"}, {"r-1"})
+        assert d.load_errors() == {9, 10} and d.load_errors() == set()
+
+        dst.zero_()  # the memory behind the same views may hold anything after a wake-up
+        d.restore()
+        d.restore()
+        until("the decode engine registered again, once", lambda: sessions(agent) == 2)
+        push(p, d, "after", [3, 4], [7, 8])
+        assert torch.equal(dst[:, [7, 8]], src[:, [3, 4]])
+        assert not dst[:, [5, 6]].any(), "a block nobody pushed to since the wake-up was written"
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_receive_that_fails_reports_its_blocks_for_vllm_before_get_transfer_results(agent):
+    d, _ = worker(agent, "decode")
+    try:
+        # The prefill engine named in the parameters does not exist: the pull fails.
+        d.start_load(KVHandoffMetadata(receives=[Receive(req_id="r-2", key="gone", blocks=[3, 4, 5],
+                                                         source_agent=d.session.ref.agent, source_engine="prefill-9.default",
+                                                         src_blocks=[1, 2, 3])]))
+        deadline = time.monotonic() + 20
+        recvd = failed = set()
+        while not recvd and time.monotonic() < deadline:
+            _, recvd, failed = d.results(set())
+            time.sleep(0.01)
+        assert (recvd, failed) == ({"r-2"}, {"r-2"})
+        assert d.load_errors() == {3, 4, 5}
+    finally:
+        d.close()
