@@ -86,6 +86,24 @@ test-gpu: ## GPU tests on an NVIDIA host; results in bench/results/gpu/.
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && cd vllm-connector && \
 		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" -m pytest -q -p no:cacheprovider gpu_tests
 
+KVH_GPU_PARTS ?= .gpu
+KVH_GPU_DIR ?= /tmp/kvh-gpu
+GPU_VLLM_ENV := PYTHONPATH=$(KVH_GPU_DIR)/site KVHANDOFF_BIN_DIR=$(KVH_GPU_DIR)/bin KVH_CUDA_PEER=0 PYTHONUNBUFFERED=1
+
+.PHONY: gpu-vllm-set
+gpu-vllm-set: ## The GPU tier's set for a GPU host without network (vLLM 0.26.0 trimmed, the packages it lacks there, the agent and router): $(KVH_GPU_PARTS)/part-*, 58 MiB each.
+	hack/gpu-vllm.sh pack $(KVH_GPU_PARTS)
+
+.PHONY: test-gpu-vllm
+# On the GPU host, with the set's parts in $(KVH_GPU_PARTS): needs nothing from the network.
+test-gpu-vllm: ## Real vLLM 0.26 engines on GPU 0 handing KV through the agent (push, push-layered, pull: token for token), the connector's CUDA KV kinds.
+	hack/gpu-vllm.sh install $(KVH_GPU_PARTS)
+	cd vllm-connector && $(GPU_VLLM_ENV) python3 -m pytest -v -p no:cacheprovider gpu_tests
+
+.PHONY: bench-vllm-gpu
+bench-vllm-gpu: ## After test-gpu-vllm: one engine alone against kvhandoff push, push-layered and pull on one seeded load of 16k-token prompts (Qwen3-8B-shaped); bench/results/gpu/.
+	cd vllm-connector && $(GPU_VLLM_ENV) python3 bench/bench_vllm.py --gpu --out ../bench/results/gpu --requests $${REQUESTS:-20} --qps $${QPS:-0.5}
+
 .PHONY: bench-handoff-gpu
 # Push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes.
 bench-handoff-gpu: ## GPU handoffs against raw copies on two NVIDIA GPUs; bench/results/gpu/handoff.json.

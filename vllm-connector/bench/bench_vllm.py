@@ -6,7 +6,13 @@ same arrivals, prompts and output lengths. For kvhandoff's configurations each r
 handoff is also taken apart (timeline()): the connector's timestamps ($KVHANDOFF_TIMELINE),
 the router's request log and the agents' stage histograms. Results: a table on stdout, JSON
 in --out; with several --qps rates, a sweep (every configuration at every rate, each rate's
-tokens checked against the engine alone's at that rate) and its SVG plot."""
+tokens checked against the engine alone's at that rate) and its SVG plot.
+
+With --gpu (make bench-vllm-gpu, on a GPU host): the engines run on GPU 0 in bf16, sharing
+it (and one agent, which moves their KV with CUDA copies), and the model is Qwen3-8B-shaped
+with random weights, so that the prompts (--prompt-tokens, 16k by default) move the KV an
+8B model's do; the stock NIXL configurations are left out (NIXL's CUDA wheels are not in the
+GPU tier's set)."""
 
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import psutil  # noqa: E402  (vLLM's own dependency)
 import tinymodel  # noqa: E402
-from stack import Engine, NixlStack, Stack, go_binaries  # noqa: E402
+from stack import GPU, Engine, NixlStack, Stack, go_binaries  # noqa: E402
 
 IDENTITY = 6  # prompts checked one at a time before each configuration is timed
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"] + [str(i) for i in range(100)]
@@ -83,21 +89,21 @@ class Config:
             p.stop()
 
 
-def start(name, bins, model, d) -> Config:
+def start(name, bins, model, d, gpu: GPU | None) -> Config:
     os.makedirs(d, exist_ok=True)
     if name == "one engine":
-        e = Engine("alone", model, d, 0)
-        e.ready()
+        e = Engine("alone", model, d, 0, gpu=gpu)
+        e.ready(900)
         return Config(name, [e], e.port)
     if name.startswith("kvhandoff"):
         timeline = os.path.join(d, "timeline")
         os.environ["KVHANDOFF_TIMELINE"] = timeline  # the engines' connectors write there
         try:
             # "(gRPC)": the engines' reports and events over gRPC, not their doorbells.
-            s = Stack(bins, model, d, name.split()[1], doorbell="(gRPC)" not in name)
+            s = Stack(bins, model, d, name.split()[1], doorbell="(gRPC)" not in name, gpu=gpu)
         finally:
             del os.environ["KVHANDOFF_TIMELINE"]
-        return Config(name, s.procs, s.r.port, agents=[s.a, s.b], router_log=s.r.log_path, timeline=timeline)
+        return Config(name, s.procs, s.r.port, agents=s.agents, router_log=s.r.log_path, timeline=timeline)
     s = NixlStack(bins, model, d, "push" if "push" in name else "pull", keep_affinity="placement undone" in name)
     return Config(name, s.procs, s.r.port)
 
@@ -264,16 +270,25 @@ def main():
     ap.add_argument("--qps", default="0.5", help="arrival rate; a comma-separated list runs each configuration at every rate in "
                     "turn (a sweep: the arrival pattern scaled, fresh prompts of the same lengths per rate), results in vllm-<cpus>cpu-sweep.json/.svg")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--configs", default="one engine,nixl pull,nixl pull (placement undone),nixl push,nixl push (placement undone),kvhandoff pull,kvhandoff push,kvhandoff push-layered")
+    ap.add_argument("--configs", default="")
+    ap.add_argument("--gpu", action="store_true", help="engines on GPU 0, a Qwen3-8B-shaped model")
+    ap.add_argument("--prompt-tokens", default="", help="lo,hi: prompt lengths (default 237,1893; with --gpu 15872,16384)")
     a = ap.parse_args()
+    if not a.configs:
+        a.configs = "one engine,kvhandoff pull,kvhandoff push,kvhandoff push-layered" if a.gpu else \
+            "one engine,nixl pull,nixl pull (placement undone),nixl push,nixl push (placement undone),kvhandoff pull,kvhandoff push,kvhandoff push-layered"
+    lo, hi = (int(x) for x in (a.prompt_tokens or ("15872,16384" if a.gpu else "237,1893")).split(","))
     work = tempfile.mkdtemp(prefix="bench-vllm-")
     bins = go_binaries(work)
-    model = tinymodel.make(os.path.join(work, "model"))
+    shape = "qwen3-8b" if a.gpu else "tiny"
+    model = tinymodel.make(os.path.join(work, "model"), shape)
+    # Two engines share the GPU: each its share of memory, KV for a few 16k prompts at once.
+    gpu = GPU(share=0.45, kv_bytes=24 << 30, max_model_len=hi + 1024) if a.gpu else None
     rng = random.Random(a.seed)
     # The identity checks' prompts are their own: were they the load's, decode engines
     # would hold them in their prefix caches when the load comes (push then computes them
     # there, and the prefill agent holds the unclaimed blocks until their TTL).
-    ps = prompts(rng, model, a.requests + IDENTITY, 237, 1893)
+    ps = prompts(rng, model, a.requests + IDENTITY, lo, hi)
     checks, ps = [(p, 32) for p in ps[:IDENTITY]], ps[IDENTITY:]
     rates = [float(q) for q in a.qps.split(",")]
     # Unit-rate gaps (the same random draws as expovariate at any rate), scaled per rate.
@@ -283,7 +298,7 @@ def main():
         """The load at a rate: the first rate's prompts are the seed's; every other rate gets
         prompts of its own (the same lengths), or the engines' prefix caches would hold
         them all from the first, and the arrival pattern scaled to the rate."""
-        fresh = ps if qps == rates[0] else prompts(random.Random(f"{a.seed}-{qps}"), model, len(ps), 237, 1893)
+        fresh = ps if qps == rates[0] else prompts(random.Random(f"{a.seed}-{qps}"), model, len(ps), lo, hi)
         at, out = 0.0, []
         for (gap, _, n), p in zip(unit, fresh):
             at += gap / qps
@@ -291,8 +306,14 @@ def main():
         return out
 
     loads = {q: load_at(q) for q in rates}
-    report = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": {"cpus": os.cpu_count()},
-              "load": {"requests": a.requests, "qps": rates[0] if len(rates) == 1 else rates, "seed": a.seed, "prompt_tokens": [237, 1893],
+    host = {"cpus": os.cpu_count()}
+    if a.gpu:
+        import torch
+
+        host.update(gpu=torch.cuda.get_device_name(0), model=f"{shape}, random weights, bf16",
+                    kv_bytes_per_token=tinymodel.kv_bytes_per_token(shape))
+    report = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": host,
+              "load": {"requests": a.requests, "qps": rates[0] if len(rates) == 1 else rates, "seed": a.seed, "prompt_tokens": [lo, hi],
                        "output_tokens": [16, 64]}, "configs": {}}
     if len(rates) > 1:
         report["sweep"] = {}
@@ -302,7 +323,7 @@ def main():
     for name in [c.strip() for c in a.configs.split(",")]:
         print(f"== {name}", flush=True)
         try:
-            cfg = start(name, bins, model, os.path.join(work, name.replace(" ", "-").replace("(", "").replace(")", "")))
+            cfg = start(name, bins, model, os.path.join(work, name.replace(" ", "-").replace("(", "").replace(")", "")), gpu)
         except Exception as e:
             report["configs"][name] = {"error": f"did not start: {str(e)[-2000:]}"}
             print(f"   did not start: {str(e)[-600:]}", flush=True)
@@ -332,7 +353,8 @@ def main():
         finally:
             cfg.stop()
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"vllm-{os.cpu_count()}cpu{'-sweep' if len(rates) > 1 else ''}.json")
+    where = "h200" if a.gpu else f"{os.cpu_count()}cpu"
+    path = os.path.join(a.out, f"vllm-{where}{'-sweep' if len(rates) > 1 else ''}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     if len(rates) > 1:

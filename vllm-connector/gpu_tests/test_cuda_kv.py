@@ -2,14 +2,17 @@
 laid out as vLLM's FlashAttention backend lays them out, (2, blocks, block size, KV
 heads, head size) per layer, through the real transfer agent, which moves blocks between
 them, push and pull, every byte checked. The caches are allocated as vLLM's GPU worker
-allocates them, one int8 tensor per layer: inside the connector's memory pool context
-(passed to the agent as file descriptors), and outside it by PyTorch (legacy IPC handles).
+allocates them: one int8 tensor per layer inside the connector's memory pool context
+(vLLM 0.31-0.33: passed to the agent as file descriptors) and outside it by PyTorch (vLLM
+0.26-0.30: legacy IPC handles), and as vLLM 0.34's extensible KV cache lays them out (one
+address reservation, one physical allocation per layer, created exportable: passed as fds).
 
 Needs an NVIDIA GPU (KVH_CUDA_PEER names the decode GPU, default 1 when there are two) and
 the agent binary in KVHANDOFF_BIN_DIR; `make test-gpu` runs it. Not part of `make test`:
 CI has no GPU.
 """
 
+import ctypes
 import os
 import queue
 import sys
@@ -37,6 +40,7 @@ except ImportError:
         sys.modules[name] = types.ModuleType(name)
     sys.modules[base.__name__] = base
 
+from kvhandoff_vllm import memory  # noqa: E402
 from kvhandoff_vllm._api import agent_pb2 as pb  # noqa: E402
 from kvhandoff_vllm.config import Config  # noqa: E402
 from kvhandoff_vllm.worker import WorkerSide  # noqa: E402
@@ -53,22 +57,52 @@ def agent():
     a.stop()
 
 
-def worker_side(agent, mode: str, role: str) -> WorkerSide:
+def worker_side(agent, mode: str, role: str, own_pool: bool = True) -> WorkerSide:
     cfg = Config.from_fields(f"{role}-{mode}.gpu", {"mode": mode, "role": role, "socket": agent.socket,
                                                     "kv_lease_duration": 30, "push_registration_timeout": 60,
                                                     "decoder_kv_blocks_ttl": 60, "same_node": True})
-    return WorkerSide(cfg, rank=0, tp_size=1, block_size=BLOCK_SIZE, kv_heads=HEADS, head_dim=HEAD_DIM)
+    return WorkerSide(cfg, rank=0, tp_size=1, block_size=BLOCK_SIZE, kv_heads=HEADS, head_dim=HEAD_DIM, own_pool=own_pool)
 
 
-def kv_caches(w: WorkerSide, device: str, fill: bool, passed: bool) -> dict:
+def extensible(device: str, n: int, layers: int) -> list[torch.Tensor]:
+    """layers tensors of n bytes laid out as vLLM 0.34's extensible KV cache lays out a
+    layer-outermost cache: one address reservation, each layer's segment one physical
+    allocation mapped into it, created exportable as a POSIX fd (the connector's
+    kv_cache_access is EXPORTS_FD)."""
+    lib, ordinal = memory._libcuda(), torch.device(device).index
+    torch.cuda.init()
+    prop = memory._AllocationProp(type=memory._PINNED, requested_handle_types=memory._POSIX_FD, location_type=memory._ON_DEVICE,
+                                  location_id=ordinal)
+    gran = ctypes.c_size_t()
+    assert lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 0) == 0
+    seg = -(-n // gran.value) * gran.value
+    base = ctypes.c_uint64()
+    assert lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(seg * (layers + 1)), ctypes.c_size_t(0), ctypes.c_uint64(0),
+                                   ctypes.c_ulonglong(0)) == 0  # a segment more than mapped, as vLLM reserves ahead
+    for i in range(layers):
+        h = ctypes.c_uint64()
+        assert lib.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(seg), ctypes.byref(prop), ctypes.c_ulonglong(0)) == 0
+        assert lib.cuMemMap(ctypes.c_uint64(base.value + i * seg), ctypes.c_size_t(seg), ctypes.c_size_t(0), h, ctypes.c_ulonglong(0)) == 0
+        lib.cuMemRelease(h)
+    access = memory._AccessDesc(location_type=memory._ON_DEVICE, location_id=ordinal, flags=memory._READ_WRITE)
+    assert lib.cuMemSetAccess(ctypes.c_uint64(base.value), ctypes.c_size_t(seg * layers), ctypes.byref(access), ctypes.c_size_t(1)) == 0
+    whole = torch.as_tensor(memory._Mapped(base.value, seg * layers), device=device)
+    whole.zero_()
+    return [whole[i * seg:i * seg + n] for i in range(layers)]
+
+
+def kv_caches(w: WorkerSide, device: str, fill: bool, memory_kind: str) -> dict:
     """One tensor per layer, each its own allocation as vLLM's GPU worker makes them: a
     1-D int8 torch.zeros viewed as the layer's shape, in the connector's memory pool
-    context when passed."""
+    context (passed-fd) or not (legacy-ipc); or segments of an extensible KV cache."""
     shape = (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
     n = 2 * BLOCKS * BLOCK_SIZE * HEADS * HEAD_DIM * 2
     caches = {}
+    segments = extensible(device, n, LAYERS) if memory_kind == "extensible" else None
     for i in range(LAYERS):
-        if passed:
+        if segments:
+            raw = segments[i]
+        elif memory_kind == "passed-fd":
             with w.mem_pool_context():
                 raw = torch.zeros(n, dtype=torch.int8, device=device)
         else:
@@ -103,16 +137,21 @@ def decode_device() -> str:
     return f"cuda:{int(os.environ.get('KVH_CUDA_PEER', 1 if n > 1 else 0))}"
 
 
-@pytest.mark.parametrize("memory", ["passed-fd", "legacy-ipc"])
+@pytest.mark.parametrize("memory", ["passed-fd", "legacy-ipc", "extensible"])
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_blocks_move_between_cuda_kv_caches_through_the_agent(agent, mode, memory):
-    passed = memory == "passed-fd"
-    p, d = worker_side(agent, mode, "prefill"), worker_side(agent, mode, "decode")
-    src_caches, dst_caches = kv_caches(p, "cuda:0", True, passed), kv_caches(d, decode_device(), False, passed)
+def test_blocks_move_between_cuda_kv_caches_through_the_agent(agent, mode, memory, caplog):
+    own_pool = memory != "extensible"
+    p, d = worker_side(agent, mode, "prefill", own_pool), worker_side(agent, mode, "decode", own_pool)
+    src_caches, dst_caches = kv_caches(p, "cuda:0", True, memory), kv_caches(d, decode_device(), False, memory)
     torch.cuda.synchronize()
-    assert len(p.memory) == len(d.memory) == (LAYERS if passed else 0)
-    p.register_kv_caches(src_caches)
-    d.register_kv_caches(dst_caches)
+    assert len(p.memory) == len(d.memory) == (LAYERS if memory == "passed-fd" else 0)
+    with caplog.at_level("INFO", logger="kvhandoff_vllm"):
+        p.register_kv_caches(src_caches)
+        d.register_kv_caches(dst_caches)
+    # Each layer's allocation found apart (not the reservation around them) and passed as an
+    # fd; cudaMalloc's (however the caching allocator packed the layers) named by handles.
+    want = ", 0 passed as fds" if memory == "legacy-ipc" else f"{LAYERS} CUDA allocations, {LAYERS} passed as fds"
+    assert caplog.text.count(want) == 2, caplog.text
     try:
         # K and V of every layer are regions: 8, in layer order.
         assert p._regions == d._regions == 2 * LAYERS

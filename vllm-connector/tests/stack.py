@@ -123,11 +123,13 @@ class Agent(Proc):
         return out
 
 
-def kv_config(mode: str, role: str, engine_id: str, socket_path: str, doorbell: bool = True) -> str:
+def kv_config(mode: str, role: str, engine_id: str, socket_path: str, doorbell: bool = True, same_node: bool = False) -> str:
     """mode push-layered is push with the prefill engine streaming its layers; doorbell
-    false keeps reports and events on gRPC."""
+    false keeps reports and events on gRPC; same_node lets GPU KV move (both engines on
+    one node, as the manager renders it for sameNode: Allow)."""
     extra = {"mode": mode.removesuffix("-layered"), "role": role, "socket": socket_path,
-             "kv_lease_duration": 30, "push_registration_timeout": 60, "decoder_kv_blocks_ttl": 60, "doorbell": doorbell}
+             "kv_lease_duration": 30, "push_registration_timeout": 60, "decoder_kv_blocks_ttl": 60, "doorbell": doorbell,
+             "same_node": same_node}
     if mode == "push-layered" and role == "prefill":
         extra["layer_streaming"] = True
     return json.dumps({
@@ -137,19 +139,36 @@ def kv_config(mode: str, role: str, engine_id: str, socket_path: str, doorbell: 
     })
 
 
+class GPU:
+    """Where a GPU engine runs: GPU 0 of the host, a share of its memory (engines share the
+    GPU), KV of kv_bytes, prompts up to max_model_len."""
+
+    def __init__(self, share: float, kv_bytes: int, max_model_len: int):
+        self.share, self.kv_bytes, self.max_model_len = share, kv_bytes, max_model_len
+
+
 class Engine(Proc):
-    """A vLLM OpenAI server on the CPU backend, pinned to one core."""
+    """A vLLM OpenAI server on the CPU backend, pinned to one core; or, with gpu, on a GPU in
+    bf16 (its engine core in the server's process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
 
     def __init__(self, name: str, model: str, log_dir: str, cpu: int, kv: str | None = None, extra: list[str] | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, gpu: GPU | None = None):
         self.port = free_port()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
-                "--host", "127.0.0.1", "--served-model-name", "m", "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0"]
+                "--host", "127.0.0.1", "--served-model-name", "m", "--enforce-eager", "--seed", "0"]
+        if gpu is None:
+            args += ["--dtype", "float32", "--max-model-len", "2048"]
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu), **(env or {})}
+        else:
+            # A prompt up to max_model_len is computed in one step: one forward for the whole
+            # prompt, whose layers push-layered streams as they are computed.
+            args += ["--dtype", "bfloat16", "--max-model-len", str(gpu.max_model_len), "--max-num-batched-tokens", str(gpu.max_model_len),
+                     "--gpu-memory-utilization", str(gpu.share), "--kv-cache-memory-bytes", str(gpu.kv_bytes)]
+            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **(env or {})}
         if kv:
             args += ["--kv-transfer-config", kv]
         args += extra or []
         connector = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu), **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [connector, env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]))
         super().__init__(name, args, log_dir, env)
         self.started = time.monotonic()
@@ -241,13 +260,21 @@ def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120,
 
 
 class Stack(Procs):
-    def __init__(self, bins, model, d, mode, decode_extra=None, doorbell=True):
+    """A prefill and a decode engine behind the router. On CPUs each engine has an agent of
+    its own (two "nodes" on loopback); with gpu both engines share GPU 0 and one agent (one
+    node), which moves their KV with CUDA copies. agents lists the distinct agents."""
+
+    def __init__(self, bins, model, d, mode, decode_extra=None, doorbell=True, gpu: GPU | None = None):
         self.procs = []
         try:
             self.a = self._add(Agent(bins, "agent-prefill-node", os.path.join(d, "a")))
-            self.b = self._add(Agent(bins, "agent-decode-node", os.path.join(d, "b")))
-            self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket, doorbell)))
-            self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket, doorbell), decode_extra))
+            self.b = self.a if gpu else self._add(Agent(bins, "agent-decode-node", os.path.join(d, "b")))
+            self.agents = [self.a] if gpu else [self.a, self.b]
+            same = gpu is not None
+            self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket, doorbell, same),
+                                      gpu=gpu))
+            self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket, doorbell, same),
+                                      decode_extra, gpu=gpu))
             TIMINGS[f"{mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
             # For executor Agent a prefill engine's KV side channel is its agent.
             host, _, port = self.a.peer.rpartition(":")
