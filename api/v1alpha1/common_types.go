@@ -361,7 +361,7 @@ const (
 	ReasonModelMismatch = "ModelMismatch"
 	// ReasonKVCacheDtypeMismatch: the two pools of a pair store KV in different dtypes.
 	ReasonKVCacheDtypeMismatch = "KVCacheDtypeMismatch"
-	// ReasonUnsupportedEngineVersion: the image's vLLM version is too old for safety or for the mode.
+	// ReasonUnsupportedEngineVersion: the image's vLLM version is too old for safety or for the mode, or outside the range the connector is tested with (executor Agent).
 	ReasonUnsupportedEngineVersion = "UnsupportedEngineVersion"
 	// ReasonUnknownInstanceType: the number of EFA interfaces cannot be derived from the pool and policy.
 	ReasonUnknownInstanceType = "UnknownInstanceType"

@@ -319,7 +319,7 @@ def main():
         report["sweep"] = {}
     # The engine alone's identity answers and, per rate, its timed results: what every
     # configuration's tokens are checked against.
-    reference, alone = None, {}
+    reference, alone, control = None, {}, None
     for name in [c.strip() for c in a.configs.split(",")]:
         print(f"== {name}", flush=True)
         try:
@@ -333,6 +333,11 @@ def main():
             ids = [stream(cfg.port, p, n)["ids"] for p, n in checks]
             if reference is None:
                 reference = ids
+                # The control for P/D's identity: the engine alone answering each prompt
+                # again from its own prefix cache computes the last prompt token over
+                # cached KV, as a decode engine does, with no transfer at all.
+                cached = [stream(cfg.port, p, n)["ids"] for p, n in checks]
+                control = f"{sum(x == y for x, y in zip(cached, ids))}/{len(ids)}"
             same = sum(x == y for x, y in zip(ids, reference))
             for qps in rates:
                 res = run_load(cfg, loads[qps])
@@ -341,6 +346,8 @@ def main():
                     alone[qps] = results
                 timed_same = sum(x == y["ids"] for x, y in zip(got, alone.get(qps, results)))
                 res["identical"] = {"alone": f"{same}/{len(ids)}", "under_load": f"{timed_same}/{len(got)}"}
+                if name == "one engine":
+                    res["identical"]["alone_from_its_prefix_cache"] = control
                 if qps == rates[0]:
                     if cfg.timeline:
                         res["timeline_ms"] = timeline(cfg, results, alone.get(qps))

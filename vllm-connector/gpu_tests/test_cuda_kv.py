@@ -43,6 +43,7 @@ except ImportError:
 from kvhandoff_vllm import memory  # noqa: E402
 from kvhandoff_vllm._api import agent_pb2 as pb  # noqa: E402
 from kvhandoff_vllm.config import Config  # noqa: E402
+from kvhandoff_vllm.metadata import KVHandoffMetadata, Stream  # noqa: E402
 from kvhandoff_vllm.worker import WorkerSide  # noqa: E402
 from stack import Agent, go_binaries  # noqa: E402
 
@@ -172,6 +173,37 @@ def test_blocks_move_between_cuda_kv_caches_through_the_agent(agent, mode, memor
         untouched = sorted(set(range(BLOCKS)) - {40, 41, 7, 8, 63, 0})
         for name, t in dst_caches.items():
             assert not t[:, untouched].any(), f"{name}: a block no request named was written"
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("layer_streaming", [False, True])
+def test_a_push_reported_while_the_gpu_still_computes_its_kv_moves_the_final_kv(agent, layer_streaming):
+    """The step enqueues the forward's kernels and reports its KV long before the GPU has
+    written it (vLLM's wait_for_save and save_kv_layer run when the launches are done):
+    the agent must copy the KV the kernels write, not what the blocks held before."""
+    cfg = Config.from_fields("prefill-race.gpu", {"mode": "push", "role": "prefill", "socket": agent.socket, "same_node": True,
+                                                   "layer_streaming": layer_streaming})
+    p = WorkerSide(cfg, rank=0, tp_size=1, block_size=BLOCK_SIZE, kv_heads=HEADS, head_dim=HEAD_DIM)
+    d = worker_side(agent, "push", "decode")
+    src_caches, dst_caches = kv_caches(p, "cuda:0", False, "passed-fd"), kv_caches(d, decode_device(), False, "passed-fd")
+    torch.cuda.synchronize()
+    p.register_kv_caches(src_caches)
+    d.register_kv_caches(dst_caches)
+    try:
+        key, src, dst = f"race-{layer_streaming}", [2, 3, 4], [10, 11, 12]
+        d.session.register_destination(key, 1, dst, p.session.ref)
+        meta = KVHandoffMetadata(streams=[Stream(req_id="r", key=key, blocks=src)])
+        for name, t in src_caches.items():  # the forward writing each layer's KV, enqueued
+            for _ in range(200):  # a layer's kernels: 200 of about 0.5 ms, as a long prompt's
+                torch.cuda._sleep(1_000_000)
+            t[:, src] = 1.5
+            p.save_layer(meta, name)
+        p.save(meta)
+        assert event(agent, d, key).type == pb.Event.DELIVERED
+        for name, t in dst_caches.items():
+            assert bool((t[:, dst] == 1.5).all()), f"{name}: the agent copied the blocks before the GPU wrote them"
     finally:
         p.close()
         d.close()

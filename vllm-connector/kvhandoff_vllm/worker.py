@@ -19,7 +19,9 @@ through a sender thread, so the forward never waits on the agent. With layer str
 ``save_layer`` reports each layer's region right after the forward pass wrote it (vLLM calls
 ``save_kv_layer`` after each attention layer); the agent writes that layer while the next
 computes, and tells decode only once every layer has landed. Without it, ``save`` reports the
-whole prompt once the forward is over, a step before vLLM finishes the request.
+whole prompt once the forward is over, a step before vLLM finishes the request. On a GPU
+"written" and "over" mean a CUDA event recorded there has passed: the step only enqueues
+the kernels, and the sender thread holds each report until the GPU has run them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import os
 import queue
 import threading
 import time
+
+import torch
 
 from ._api import agent_pb2 as pb
 from .agent import ACCELERATOR_EFAS_ENV, AgentError, Session, engine_ref, rank_nics
@@ -56,6 +60,7 @@ class WorkerSide:
         self.memory: list = []  # a SealedMemory (host KV), or PassedCudaMemory each (GPU KV)
         self.session: Session | None = None
         self._kv_caches: dict | None = None  # what restore() registers again
+        self._gpu_kv = False  # the KV is in GPU memory, written asynchronously to the step
         # key -> (request id, "recv" | "send"): what the agent's events are about.
         self._keys: dict[str, tuple[str, str]] = {}
         self._beating: set[str] = set()  # push registrations whose leases need heartbeats
@@ -90,6 +95,7 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._kv_caches = kv_caches
         cuda = any(t.is_cuda for t in kv_caches.values())
+        self._gpu_kv = cuda
         if cuda and not self.cfg.same_node:
             raise RuntimeError(
                 "kvhandoff connector: the agent moves KV held in GPU memory only between engines on one node "
@@ -193,6 +199,7 @@ class WorkerSide:
         return Handshake(agent=self.session.ref.agent, engine_id=self.cfg.engine_id)
 
     def start_load(self, meta: KVHandoffMetadata) -> None:
+        self._finished_prefills(meta)
         for r in meta.receives:
             self._recv_blocks[r.req_id] = r.blocks
             if r.error:
@@ -226,6 +233,28 @@ class WorkerSide:
             if self._streaming.pop(rid, None) is not None:
                 self._sent.discard(rid)  # vLLM asserts a finished send's request exists
         self._heartbeat()
+
+    def _finished_prefills(self, meta: KVHandoffMetadata) -> None:
+        """Reports the prefills vLLM finished at the start of the step that tells of them:
+        vLLM finishes a request after the forward that produced its last token, so their
+        blocks are complete in memory. Not at the step's end (wait_for_save): a step with
+        nothing to compute has none (vLLM's no-forward path), and an idle engine's last
+        prefill would wait for the next request."""
+        for s in meta.sends:
+            if s.streamed:
+                self._streaming.pop(s.req_id, None)
+                self._sending.add(s.req_id)  # reported layer by layer; now vLLM holds it
+                continue
+            self._keys[s.key] = (s.req_id, "send")
+            self._sending.add(s.req_id)
+            self.timeline.mark("ready_call", s.key)
+            try:
+                self.session.source_ready(s.key, s.blocks)
+                self.timeline.mark("ready_done", s.key)
+            except AgentError as e:
+                log.error("kvhandoff: request %s: %s", s.req_id, e)
+                del self._keys[s.key]
+                self._sent.add(s.req_id)
 
     def _heartbeat(self) -> None:
         # The decode agent forwards heartbeats to the prefill agents, renewing the leases
@@ -264,21 +293,33 @@ class WorkerSide:
         self._streaming[s.req_id] = s.key
 
     def _send_later(self, key: str, blocks: list[int], region: int | None, final: bool) -> None:
-        """Queues a report for the sender thread: one region of every block, or (region
-        None) the whole blocks. Through a doorbell a report costs microseconds: it is
-        written at once, from the step."""
-        if self.session.bell is not None:
+        """Reports KV the step's forward is computing: one region of every block, or
+        (region None) the whole blocks. Host KV is written when the call comes (the CPU
+        backend computes synchronously): through a doorbell the report costs microseconds
+        and is written at once, from the step; else the sender thread makes the RPC. GPU
+        KV is written only when the GPU gets there, long after the call that enqueued its
+        kernels: the report waits, in the sender thread, for a CUDA event recorded on the
+        forward's stream now, so the agent never copies blocks the GPU has yet to write
+        (the forward goes on meanwhile)."""
+        ready = None
+        if self._gpu_kv:
+            ready = torch.cuda.Event()
+            ready.record()
+        elif self.session.bell is not None:
             self._send_one((key, blocks, region, final))
             return
         if self._outbox is None:
             self._outbox = queue.Queue()
             self._sender = threading.Thread(target=self._send_loop, name="kvhandoff-sender", daemon=True)
             self._sender.start()
-        self._outbox.put((key, blocks, region, final))
+        self._outbox.put((key, blocks, region, final, ready))
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
-            self._send_one(item)
+            *report, ready = item
+            if ready is not None:
+                ready.synchronize()
+            self._send_one(tuple(report))
 
     def _send_one(self, item) -> None:
         key, blocks, region, final = item
@@ -314,23 +355,6 @@ class WorkerSide:
                 # The forward that computed the whole prompt is over: its blocks are final.
                 self._track(s)
                 self._send_later(s.key, s.blocks, None, final=True)
-        # The blocks were computed in an earlier step (vLLM finishes a request after the
-        # forward that produced its last token), so they are complete in memory now.
-        for s in meta.sends:
-            if s.streamed:
-                self._streaming.pop(s.req_id, None)
-                self._sending.add(s.req_id)  # reported layer by layer; now vLLM holds it
-                continue
-            self._keys[s.key] = (s.req_id, "send")
-            self._sending.add(s.req_id)
-            self.timeline.mark("ready_call", s.key)
-            try:
-                self.session.source_ready(s.key, s.blocks)
-                self.timeline.mark("ready_done", s.key)
-            except AgentError as e:
-                log.error("kvhandoff: request %s: %s", s.req_id, e)
-                del self._keys[s.key]
-                self._sent.add(s.req_id)
 
     def results(self, finished_req_ids) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""

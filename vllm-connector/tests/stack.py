@@ -208,7 +208,10 @@ class Procs:
             p.stop()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.log()[-4000:]}" for p in self.procs)
+        """The tail of every process's log, without the engines' metrics scrapes."""
+        def tail(p):
+            return "\n".join(line for line in p.log().splitlines() if "GET /metrics" not in line)[-4000:]
+        return "\n".join(f"--- {p.name}\n{tail(p)}" for p in self.procs)
 
 
 class NixlStack(Procs):
@@ -284,6 +287,31 @@ class Stack(Procs):
             raise
 
 
+def prompt_tokens(e: Engine, prompt: str) -> int:
+    """How many tokens the engine makes of prompt (its /tokenize)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{e.port}/tokenize", json.dumps({"model": "m", "prompt": prompt}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)["count"]
+
+
+def kv_moved(agents, mode: str) -> float:
+    """KV bytes the agents moved in mode: a push's counted once, by the prefill side that
+    writes them; a pull's twice, by the decode side that reads them and the prefill side
+    whose blocks were read."""
+    key = f'kvhandoff_agent_transferred_bytes_total{{mode="{mode}"}}'
+    return sum(a.metrics().get(key, 0) for a in agents)
+
+
+def block_size(e: Engine) -> int:
+    """The engine's KV block size in tokens, from its vllm:cache_config_info series."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{e.port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:cache_config_info{"):
+                return int(line.split('block_size="')[1].split('"')[0])
+    raise LookupError(f"{e.name} exports no vllm:cache_config_info")
+
+
 def engine_metric(e: Engine, name: str, label: str = "") -> float:
     """The sum of a vLLM metric's series (vllm:num_preemptions_total, ...), those with
     label (finished_reason="abort", ...) when one is named."""
@@ -302,5 +330,8 @@ def wait_idle(e: Engine, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
     while any(engine_metric(e, n) for n in names):
-        assert time.monotonic() < deadline, f"{e.name} still busy after {timeout} s:\n{e.log()}"
+        if time.monotonic() > deadline:
+            busy = {n: engine_metric(e, n) for n in names}
+            log = "\n".join(line for line in e.log().splitlines() if "GET /metrics" not in line)
+            raise AssertionError(f"{e.name} still busy after {timeout} s: {busy}\n{log[-8000:]}")
         time.sleep(0.1)  # polling the engine's metrics for its last blocks to come back
