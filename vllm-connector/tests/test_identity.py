@@ -80,6 +80,21 @@ def send_then_drop(port: int, prompt: str, after: float) -> None:
     c.close()
 
 
+def test_cancelled_requests_leave_the_others_and_later_ones_correct(stack, reference):
+    mode, s = stack
+    rng = random.Random(7)
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        drops = [pool.submit(send_then_drop, s.r.port, p, rng.uniform(0, 0.3)) for p in PROMPTS * 2]
+        kept = {p: pool.submit(complete, s.r.port, p, MAX_TOKENS) for p in PROMPTS}
+        for f in drops:
+            f.result()
+        for p, f in kept.items():
+            assert f.result() == reference[p], f"{mode}: prompt {p[:30]!r} beside cancelled requests"
+    # After the cancels, the blocks that came back to both engines' pools are reused.
+    for p in PROMPTS:
+        assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r} after the cancels"
+
+
 def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stack):
     """Push: the decode engine caches the prompt's blocks from its first request, so the
     second is computed on decode, and the push declined: the prefill agent frees the prefill
@@ -90,10 +105,10 @@ def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stac
     cancels the prefill leg, and the prefill engine aborts the request, perhaps before it
     reports a source: the decline then has no source to free. So the rule checked is exact:
     once the prefill engine is idle, every push source it reported for the second request
-    was declined, and the blocks came back at once, failing nothing. It runs before the
-    cancels' test: a prefill engine's Cancel can reach its agent before its own report of
-    the same request (the RPC overtakes the doorbell record), and that source then waits
-    out its blocks TTL and fails, which would be counted here."""
+    was declined, and the blocks came back at once, failing nothing. After the cancels' test: a prefill engine's Cancel can reach its agent
+    before its own report of the same request (the RPC overtakes the doorbell record); the
+    agent refuses the late report rather than keep the source a blocks TTL and fail it,
+    which would be counted here."""
     mode, s = stack
 
     def count(name: str) -> float:
@@ -114,18 +129,3 @@ def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stac
     want = declines + (1 if mode.startswith("push") and reported else 0)
     assert count("kvhandoff_agent_declines_total") == want, s.logs()
     assert count("kvhandoff_agent_failures_total") == failures, s.logs()
-
-
-def test_cancelled_requests_leave_the_others_and_later_ones_correct(stack, reference):
-    mode, s = stack
-    rng = random.Random(7)
-    with concurrent.futures.ThreadPoolExecutor(24) as pool:
-        drops = [pool.submit(send_then_drop, s.r.port, p, rng.uniform(0, 0.3)) for p in PROMPTS * 2]
-        kept = {p: pool.submit(complete, s.r.port, p, MAX_TOKENS) for p in PROMPTS}
-        for f in drops:
-            f.result()
-        for p, f in kept.items():
-            assert f.result() == reference[p], f"{mode}: prompt {p[:30]!r} beside cancelled requests"
-    # After the cancels, the blocks that came back to both engines' pools are reused.
-    for p in PROMPTS:
-        assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r} after the cancels"

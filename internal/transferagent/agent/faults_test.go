@@ -422,3 +422,61 @@ func TestAnEnginesPolicyTimeoutsGovernItsRequests(t *testing.T) {
 		Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}, LeaseMillis: 5000, RegistrationTimeoutMillis: 1000})
 	refused(t, "a registration timeout below the lease", err, codes.InvalidArgument, "registration_timeout_millis")
 }
+
+// TestACancelThatOvertakesItsReportLeavesNoSourceBehind: a prefill engine's Cancel (an
+// RPC) can reach its agent before the engine's own report of the request (a doorbell
+// record, or one a GPU event still holds back). The cancel is taken; the report that
+// follows is refused, and so are a decode engine's registration and pull of the request,
+// at once: nothing waits for a blocks TTL or a registration timeout, and no failure is
+// counted for it.
+func TestACancelThatOvertakesItsReportLeavesNoSourceBehind(t *testing.T) {
+	l := testLayout(1, 64)
+	for _, mode := range []agentv1.Mode{agentv1.Mode_MODE_PUSH, agentv1.Mode_MODE_PULL} {
+		t.Run(mode.String(), func(t *testing.T) {
+			A, B := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
+			P := engine(t, A, "prefill-0.default", agentv1.Role_ROLE_PREFILL, mode, 0, l)
+			D := engine(t, B, "decode-0.default", agentv1.Role_ROLE_DECODE, mode, 0, l)
+			src, dst := alloc(t, P, 4), alloc(t, D, 4)
+			if err := P.Cancel(bg, "early", 1); err != nil {
+				t.Fatalf("a cancel before the report: %v, want it taken", err)
+			}
+			if err := P.SourceReady(bg, "early", 0, src, true); status.Code(err) != codes.FailedPrecondition {
+				t.Fatalf("the report after its cancel: %v, want FailedPrecondition", err)
+			}
+			if mode == agentv1.Mode_MODE_PUSH {
+				if err := D.RegisterDestination(bg, "early", 1, dst, P.Self); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := D.Pull(bg, "early", 1, P.Self, src, dst); err != nil {
+				t.Fatal(err)
+			}
+			ev := wait(t, D, "early", 1)
+			expect(t, ev, agentv1.Event_FAILED)
+			if !strings.Contains(ev.Reason, "cancelled by its prefill engine") {
+				t.Fatalf("the decode engine was told %q, want the cancel named", ev.Reason)
+			}
+			// The engines go on: a request after it is delivered.
+			P.Cache.Fill("after", src)
+			if mode == agentv1.Mode_MODE_PUSH {
+				if err := D.RegisterDestination(bg, "after", 1, dst, P.Self); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := P.SourceReady(bg, "after", 0, src, true); err != nil {
+				t.Fatal(err)
+			}
+			if mode == agentv1.Mode_MODE_PULL {
+				if err := D.Pull(bg, "after", 1, P.Self, src, dst); err != nil {
+					t.Fatal(err)
+				}
+			}
+			expect(t, wait(t, D, "after", 1), agentv1.Event_DELIVERED)
+			if err := D.Cache.Verify("after", dst); err != nil {
+				t.Fatal(err)
+			}
+			if n := A.Metric(t, `kvhandoff_agent_failures_total{reason="blocks_ttl"}`); n != 0 {
+				t.Fatalf("%v blocks_ttl failures, want none", n)
+			}
+		})
+	}
+}

@@ -35,7 +35,17 @@ type prefillSide struct {
 	// signalled are delivered attempts whose delivery signal a decode agent may ask for
 	// again (Resignal), until a lease after delivery.
 	signalled map[landing.Key]sentSignal
+	// cancelled are requests the engine cancelled before any report of theirs came, until
+	// a blocks TTL later: the engine's Cancel (an RPC) can overtake its own report (a
+	// doorbell record, or one a GPU event still holds back), and a report arriving after
+	// it is refused, not kept for a decode engine that will never register.
+	cancelled map[string]time.Time
 }
+
+// maxCancelledEarly bounds the cancels remembered before their reports: past it an
+// unknown request's cancel is refused (NotFound) as before, so an engine cannot grow the
+// map without end.
+const maxCancelledEarly = 1 << 14
 
 // sentSignal is what posting a delivery signal again needs.
 type sentSignal struct {
@@ -81,7 +91,7 @@ const maxPositions = 1 << 19
 
 func newPrefillSide(s *Session) *prefillSide {
 	return &prefillSide{s: s, holds: rendezvous.NewHolds[*mesh.Peer](s.pol.BlocksTTL, s.pol.Lease, maxPositions), attempts: map[landing.Key]*pushAttempt{},
-		waiting: map[string]*waitingPull{}, signalled: map[landing.Key]sentSignal{}}
+		waiting: map[string]*waitingPull{}, signalled: map[landing.Key]sentSignal{}, cancelled: map[string]time.Time{}}
 }
 
 // partError is the engine's error for a part the tables refused: over the positions'
@@ -135,6 +145,9 @@ func (ps *prefillSide) sourceReady(r *agentv1.SourceReadyRequest) error {
 		return Invalid("offset", "positions %d..%d exceed the %d blocks of the engine's regions", r.Offset, end, s.minBlocks)
 	}
 	now := time.Now()
+	if _, ok := ps.cancelled[r.RequestId]; ok {
+		return status.Errorf(codes.FailedPrecondition, "request_id: %s was cancelled by this engine before it was reported", r.RequestId)
+	}
 	part := rendezvous.Part{Request: r.RequestId, Offset: int(r.Offset), Blocks: r.BlockIds, Final: r.Final}
 	kind := "blocks"
 	if r.RegionCount != 0 {
@@ -205,6 +218,10 @@ func (ps *prefillSide) onRegister(p *mesh.Peer, m *wire.Register) {
 	}
 	if m.Token == 0 || m.Token > landing.MaxToken {
 		refuse("token %d is outside 1..%d", m.Token, landing.MaxToken)
+		return
+	}
+	if _, ok := ps.cancelled[m.Request]; ok {
+		refuse("request %s was cancelled by its prefill engine", m.Request)
 		return
 	}
 	now := time.Now()
@@ -442,6 +459,10 @@ func (ps *prefillSide) onDecline(m *wire.Decline) {
 func (ps *prefillSide) onAcquire(p *mesh.Peer, m *wire.Acquire) {
 	now := time.Now()
 	w := &waitingPull{peer: p, m: m, until: now.Add(ps.holds.Lease() / 2)}
+	if _, ok := ps.cancelled[m.Request]; ok {
+		ps.refuse(w, "acquire_refused", fmt.Sprintf("request %s was cancelled by its prefill engine", m.Request))
+		return
+	}
 	if ps.acquire(now, w); ps.waiting[m.Request] == w {
 		ps.s.n.metrics.pullWaits.Inc()
 	}
@@ -509,6 +530,11 @@ func (ps *prefillSide) watchdog(now time.Time) {
 			delete(ps.signalled, k)
 		}
 	}
+	for req, until := range ps.cancelled {
+		if !now.Before(until) {
+			delete(ps.cancelled, req)
+		}
+	}
 	for req, w := range ps.waiting {
 		if !now.Before(w.until) {
 			delete(ps.waiting, req)
@@ -535,7 +561,9 @@ func (ps *prefillSide) peerLost(now time.Time, p *mesh.Peer) {
 }
 
 // cancel is the prefill engine giving up a request: its attempts are failed (after
-// draining), its source and any unacquired hold dropped.
+// draining), its source and any unacquired hold dropped. A request nothing of which has
+// come yet is remembered a blocks TTL: its report and its registrations, when they come,
+// are refused.
 func (ps *prefillSide) cancel(now time.Time, req string, attempt uint64) error {
 	found := ps.holds.Cancel(req)
 	if w := ps.waiting[req]; w != nil {
@@ -549,7 +577,10 @@ func (ps *prefillSide) cancel(now time.Time, req string, attempt uint64) error {
 		ps.handle(now, acts)
 	}
 	if !found {
-		return status.Errorf(codes.NotFound, "request_id: %s attempt %d is not outstanding on this engine", req, attempt)
+		if len(ps.cancelled) >= maxCancelledEarly {
+			return status.Errorf(codes.NotFound, "request_id: %s attempt %d is not outstanding on this engine", req, attempt)
+		}
+		ps.cancelled[req] = now.Add(ps.s.pol.BlocksTTL)
 	}
 	ps.s.n.metrics.cancels.Inc()
 	return nil
