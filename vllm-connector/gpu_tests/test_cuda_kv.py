@@ -14,10 +14,8 @@ CI has no GPU.
 
 import ctypes
 import os
-import queue
 import sys
 import tempfile
-import time
 
 import types
 
@@ -45,7 +43,7 @@ from kvhandoff_vllm._api import agent_pb2 as pb  # noqa: E402
 from kvhandoff_vllm.config import Config  # noqa: E402
 from kvhandoff_vllm.metadata import KVHandoffMetadata, Stream  # noqa: E402
 from kvhandoff_vllm.worker import WorkerSide  # noqa: E402
-from stack import Agent, go_binaries  # noqa: E402
+from stack import Agent, go_binaries, next_event  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 64, 16, 8, 128
 
@@ -116,21 +114,7 @@ def kv_caches(w: WorkerSide, device: str, fill: bool, memory_kind: str) -> dict:
 
 
 def event(agent, w: WorkerSide, key: str) -> pb.Event:
-    """The session's next event, from its doorbell's ring (drained into the queue the
-    event stream feeds) or its event stream."""
-    deadline = time.monotonic() + 20
-    while True:
-        for ev in w.session.poll_events():
-            w.session.events.put(ev)
-        try:
-            ev = w.session.events.get(timeout=0.01)
-            break
-        except queue.Empty:
-            if time.monotonic() > deadline:
-                pytest.fail(f"no event for {key} within 20 s; the agent's log:\n{agent.log()[-4000:]}")
-    assert ev is not None, f"the agent ended the session: {w.session.error}"
-    assert ev.request_id == key, ev
-    return ev
+    return next_event(w, key, log=lambda: f"; the agent's log:\n{agent.log()[-4000:]}")
 
 
 def decode_device() -> str:

@@ -312,6 +312,25 @@ def block_size(e: Engine) -> int:
     raise LookupError(f"{e.name} exports no vllm:cache_config_info")
 
 
+def next_event(w, key: str, timeout: float = 20, log=lambda: ""):
+    """A worker side's next agent event about key (others are skipped): from its session's
+    doorbell ring, drained into the queue the event stream feeds, or from that stream."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for ev in w.session.poll_events():
+            w.session.events.put(ev)
+        try:
+            ev = w.session.events.get(timeout=0.01)
+        except queue.Empty:
+            assert time.monotonic() < deadline, f"no event for {key} within {timeout} s{log()}"
+            continue
+        assert ev is not None, f"the agent ended the session: {w.session.error}"
+        if ev.request_id == key:
+            return ev
+
+
 def engine_metric(e: Engine, name: str, label: str = "") -> float:
     """The sum of a vLLM metric's series (vllm:num_preemptions_total, ...), those with
     label (finished_reason="abort", ...) when one is named."""

@@ -3,7 +3,6 @@ remap the KV memory, and restore_kv_caches after): against the real agent, a wor
 session ends, whatever it had in flight fails where vLLM looks for it, and the same KV
 views register again and move KV as before."""
 
-import queue
 import time
 
 import pytest
@@ -13,7 +12,7 @@ from kvhandoff_vllm._api import agent_pb2 as pb
 from kvhandoff_vllm.config import Config
 from kvhandoff_vllm.metadata import KVHandoffMetadata, Receive
 from kvhandoff_vllm.worker import WorkerSide
-from stack import Agent
+from stack import Agent, next_event
 
 LAYERS, BLOCKS, BLOCK_BYTES = 2, 32, 512
 
@@ -49,24 +48,10 @@ def until(what: str, ok, timeout: float = 20) -> None:
         time.sleep(0.01)
 
 
-def delivered(w: WorkerSide, key: str) -> pb.Event:
-    deadline = time.monotonic() + 20
-    while True:
-        for ev in w.session.poll_events():
-            w.session.events.put(ev)
-        try:
-            ev = w.session.events.get(timeout=0.01)
-        except queue.Empty:
-            assert time.monotonic() < deadline, f"no event for {key}"
-            continue
-        if ev.request_id == key:
-            return ev
-
-
 def push(p: WorkerSide, d: WorkerSide, key: str, src: list[int], dst: list[int]) -> None:
     d.session.register_destination(key, 1, dst, p.session.ref)
     p.session.source_ready(key, src)
-    assert delivered(d, key).type == pb.Event.DELIVERED
+    assert next_event(d, key).type == pb.Event.DELIVERED
 
 
 def test_a_worker_unregisters_before_sleep_and_moves_kv_again_after_it(agent):
