@@ -108,10 +108,11 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self):
         # vLLM < 0.30 learns of a failed receive only from its blocks, in the step that
         # reports it finished; later releases read failed_recving, and the blocks must
-        # not be reported twice.
-        if self._w is None or KVConnectorTransferResults is not None:
+        # not be reported twice. Every release calls this each step: it drains them.
+        if self._w is None:
             return set()
-        return self._w.load_errors()
+        blocks = self._w.load_errors()
+        return blocks if KVConnectorTransferResults is None else set()
 
     def shutdown(self):
         if self._w:
