@@ -333,6 +333,7 @@ def main():
             ids = [stream(cfg.port, p, n)["ids"] for p, n in checks]
             if reference is None:
                 reference = ids
+            if name == "one engine":
                 # The control for P/D's identity: the engine alone answering each prompt
                 # again from its own prefix cache computes the last prompt token over
                 # cached KV, as a decode engine does, with no transfer at all.
