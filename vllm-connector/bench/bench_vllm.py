@@ -58,20 +58,22 @@ class Config:
         self.name, self.procs, self.port, self.agents = name, procs, port, list(agents)
         self.router_log, self.timeline = router_log, timeline
 
-    def agent_counters(self) -> tuple[float, dict[str, list[float]]]:
+    def agent_counters(self) -> tuple[float, float, dict[str, list[float]]]:
         """kvhandoff's agents, one scrape each: attempts that ended without delivery (the
-        engines recompute those), and the handoff stage histograms (stage -> [sum of
-        seconds, count])."""
-        failures, stages = 0.0, {}
+        engines recompute those), RMA operations or device copies posted, and the handoff
+        stage histograms (stage -> [sum of seconds, count])."""
+        failures, descriptors, stages = 0.0, 0.0, {}
         for a in self.agents:
             for k, v in a.metrics().items():
                 if k.startswith("kvhandoff_agent_failures_total"):
                     failures += v
+                if k.startswith("kvhandoff_agent_descriptors_total"):
+                    descriptors += v
                 for suffix, i in (("_sum{", 0), ("_count{", 1)):
                     if k.startswith("kvhandoff_agent_handoff_stage_seconds" + suffix):
                         stage = k.split('stage="')[1].split('"')[0]
                         stages.setdefault(stage, [0.0, 0.0])[i] += v
-        return failures, stages
+        return failures, descriptors, stages
 
     def cpu_seconds(self) -> float:
         total = 0.0
@@ -148,7 +150,7 @@ def pct(xs, q):
 def run_load(cfg: Config, load) -> dict:
     results = [None] * len(load)
     threads = []
-    (failed0, stages0), cpu0, t0 = cfg.agent_counters(), cfg.cpu_seconds(), time.monotonic()
+    (failed0, desc0, stages0), cpu0, t0 = cfg.agent_counters(), cfg.cpu_seconds(), time.monotonic()
     for i, (at, prompt, n) in enumerate(load):
         delay = t0 + at - time.monotonic()
         if delay > 0:
@@ -158,13 +160,14 @@ def run_load(cfg: Config, load) -> dict:
         threads.append(th)
     for th in threads:
         th.join()
-    wall, cpu, (failed, stages) = time.monotonic() - t0, cfg.cpu_seconds() - cpu0, cfg.agent_counters()
+    wall, cpu, (failed, desc, stages) = time.monotonic() - t0, cfg.cpu_seconds() - cpu0, cfg.agent_counters()
     ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["itl"]]
     return {"requests": len(load), "failed": len(load) - len(ok), "ttft_ms": {q: pct(ttft, v) for q, v in (("p50", .5), ("p90", .9), ("p99", .99))},
             "itl_ms": {"p50": pct(itl, .5), "p90": pct(itl, .9)}, "cpu_s": round(cpu, 1), "cpu_s_per_request": round(cpu / len(load), 2),
             "wall_s": round(wall, 1), "ids": [r["ids"] for r in results], "agent_transfer_failures": failed - failed0,
+            "agent_descriptors_per_request": round((desc - desc0) / len(load), 1),
             "errors": sorted({r["error"] for r in results if r["error"]})[:5], "results": results,
             "agent_stage_mean_ms": {k: round(1000 * (v[0] - stages0.get(k, [0, 0])[0]) / (v[1] - stages0.get(k, [0, 0])[1]), 2)
                                     for k, v in stages.items() if v[1] > stages0.get(k, [0, 0])[1]}}
@@ -319,7 +322,9 @@ def main():
         report["sweep"] = {}
     # The engine alone's identity answers and, per rate, its timed results: what every
     # configuration's tokens are checked against.
-    reference, alone, control = None, {}, None
+    # cached: its answers again from its own prefix cache; first_pd: the first P/D
+    # configuration's answers, which every other P/D configuration computes the same way.
+    reference, alone, cached, first_pd = None, {}, None, None
     for name in [c.strip() for c in a.configs.split(",")]:
         print(f"== {name}", flush=True)
         try:
@@ -338,8 +343,12 @@ def main():
                 # again from its own prefix cache computes the last prompt token over
                 # cached KV, as a decode engine does, with no transfer at all.
                 cached = [stream(cfg.port, p, n)["ids"] for p, n in checks]
-                control = f"{sum(x == y for x, y in zip(cached, ids))}/{len(ids)}"
+            elif first_pd is None:
+                first_pd = (name, ids)
             same = sum(x == y for x, y in zip(ids, reference))
+
+            def agree(other, ids=ids):
+                return f"{sum(x == y for x, y in zip(ids, other))}/{len(ids)}"
             for qps in rates:
                 res = run_load(cfg, loads[qps])
                 results, got = res.pop("results"), res.pop("ids")
@@ -347,8 +356,12 @@ def main():
                     alone[qps] = results
                 timed_same = sum(x == y["ids"] for x, y in zip(got, alone.get(qps, results)))
                 res["identical"] = {"alone": f"{same}/{len(ids)}", "under_load": f"{timed_same}/{len(got)}"}
-                if name == "one engine":
-                    res["identical"]["alone_from_its_prefix_cache"] = control
+                if cached is not None:
+                    # P/D's decode computes over cached KV, as the engine from its cache does.
+                    key = "alone_from_its_prefix_cache" if name == "one engine" else "the_engine_alone_from_its_prefix_cache"
+                    res["identical"][key] = agree(cached)
+                if first_pd is not None and first_pd[0] != name:
+                    res["identical"][first_pd[0]] = agree(first_pd[1])
                 if qps == rates[0]:
                     if cfg.timeline:
                         res["timeline_ms"] = timeline(cfg, results, alone.get(qps))
@@ -384,7 +397,8 @@ def main():
               f"{r['failed']} | {r['identical']['alone']}, {r['identical']['under_load']} |")
     for name, r in report["configs"].items():
         if r.get("timeline_ms"):
-            print(f"\n{name}: where the time goes (ms, p50 / p90 over requests; agent stage means {r['agent_stage_mean_ms']})")
+            print(f"\n{name}: where the time goes (ms, p50 / p90 over requests; agent stage means {r['agent_stage_mean_ms']}; "
+                  f"{r['agent_descriptors_per_request']} copies or RMA operations a request; identical {r['identical']})")
             for seg, v in r["timeline_ms"].items():
                 print(f"  {v['p50']:8.2f} / {v['p90']:8.2f}  {seg} (n={v['n']})")
     print(f"\n{path}")

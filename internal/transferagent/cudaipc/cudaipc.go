@@ -201,30 +201,28 @@ func (c *Copier) Copy(dst, src, n, id uint64) error {
 	return nil
 }
 
-// Poll queues what was gathered and reports the copies of finished batches, in order.
-func (c *Copier) Poll(out []fabric.Completion) int {
+// Reap queues what was gathered and appends to done every copy of the finished batches,
+// in order. All of them: a caller's window refills by what it reaps, and reaping a
+// buffer's worth a step would queue the copies in batches that small again.
+func (c *Copier) Reap(done []fabric.Completion) []fabric.Completion {
 	if len(c.ids) > 0 {
 		c.flush()
 	}
-	n := copy(out, c.ready)
-	c.ready = c.ready[n:]
-	for n < len(out) && len(c.pending) > 0 {
-		b := &c.pending[0]
-		done, err := b.ev.Done()
-		if !done {
+	done = append(done, c.ready...)
+	c.ready = c.ready[:0]
+	for len(c.pending) > 0 {
+		b := c.pending[0]
+		finished, err := b.ev.Done()
+		if !finished {
 			break
 		}
-		for n < len(out) && len(b.ids) > 0 {
-			out[n] = fabric.Completion{ID: b.ids[0], Err: err}
-			b.ids = b.ids[1:]
-			n++
+		for _, id := range b.ids {
+			done = append(done, fabric.Completion{ID: id, Err: err})
 		}
-		if len(b.ids) == 0 {
-			_ = b.ev.Close()
-			c.pending = c.pending[1:]
-		}
+		_ = b.ev.Close()
+		c.pending = c.pending[1:]
 	}
-	return n
+	return done
 }
 
 // flush queues the gathered copies behind one event. The copies of one batch may run in

@@ -13,11 +13,9 @@
 package rendezvous
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"math/bits"
-	"slices"
 	"sync"
 	"time"
 )
@@ -478,7 +476,6 @@ func (t *Table) progress(now time.Time, r *request) []Action {
 				tr.SourceWait = max(now.Sub(r.first), 0)
 			}
 		}
-		sortPairs(tr.Src, tr.Dst)
 		acts = append(acts, *tr)
 	}
 	return append(acts, t.maybeDelivered(now, r)...)
@@ -836,22 +833,6 @@ func (t *Table) find(req string, att uint64) *attempt {
 		}
 	}
 	return nil
-}
-
-// sortPairs orders a transfer by source block, so contiguous runs are easy to merge.
-func sortPairs(src, dst []uint32) {
-	if slices.IsSorted(src) {
-		return // the common case: a request's blocks were allocated in order
-	}
-	idx := make([]int, len(src))
-	for i := range idx {
-		idx[i] = i
-	}
-	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(src[a], src[b]) })
-	s, d := slices.Clone(src), slices.Clone(dst)
-	for i, j := range idx {
-		src[i], dst[i] = s[j], d[j]
-	}
 }
 
 // spanMask is the bits of span that fall in word i of a region bitset.

@@ -758,7 +758,7 @@ func TestLayerGroupsAcrossWordBoundaries(t *testing.T) {
 }
 
 // BenchmarkPairedSourceReady16k is a push's SourceReady when decode registered first: the
-// source recorded and the transfer handed to the writer, sorted by source block.
+// source recorded and the transfer handed to the writer.
 func BenchmarkPairedSourceReady16k(b *testing.B) {
 	src, dst := make([]uint32, 1024), make([]uint32, 1024)
 	for i := range src {

@@ -245,9 +245,9 @@ func (ds *decodeSide) dropReads(k landing.Key) int {
 
 // The reads a rank keeps posted. RDMA reads wait in the provider's queues, which a
 // window of 64 keeps full. Device copies queue on a stream, gathered into one batch
-// behind one event a step (cudaipc.Copier), so 64 at a time is 64 copies an event and a
-// step's round trip; the larger window bounds only the bookkeeping. (With 64, a
-// 16k-token pull of an 8B model's KV, about 2.3 GB, took 105 ms on an H200.)
+// behind one event a step (cudaipc.Copier), so a window of 64 would be 64 copies an event
+// and a step's round trip for a fragmented request; the larger window bounds only the
+// bookkeeping.
 const (
 	maxReads  = 64
 	maxCopies = 4096
@@ -287,7 +287,7 @@ func (ds *decodeSide) step(now time.Time) bool {
 	n := s.ep.Poll(s.buf)
 	done := append(ds.waited, s.buf[:n]...)
 	if s.gpu != nil {
-		done = append(done, s.buf[:s.gpu.copier.Poll(s.buf)]...)
+		done = s.gpu.copier.Reap(done)
 	}
 	ds.waited = nil
 	for _, c := range done {

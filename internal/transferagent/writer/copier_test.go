@@ -25,11 +25,10 @@ func (c *memCopier) Copy(dst, src, n, id uint64) error {
 	return nil
 }
 
-func (c *memCopier) Poll(out []fabric.Completion) int {
-	n := copy(out, c.running)
-	c.running = append(c.running[n:], c.queued...)
-	c.queued = nil
-	return n
+func (c *memCopier) Reap(done []fabric.Completion) []fabric.Completion {
+	done = append(done, c.running...)
+	c.running, c.queued = c.queued, nil
+	return done
 }
 
 // TestADestinationOfCopiesIsWrittenByTheCopierAndNotified: a same-node destination (one

@@ -4,7 +4,9 @@
 package writer
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
 )
@@ -30,8 +32,9 @@ type Write struct {
 
 // Plan maps a transfer onto the regions. Every block id is checked against both sides'
 // regions before anything is planned, so an out-of-bounds request is refused whole,
-// never half-written. Contiguous source and destination runs merge into one write per
-// region, split where a write would exceed maxMsg bytes. Source and destination must
+// never half-written. Pairs are taken in source-block order, whatever order the prompt's
+// positions gave them, and contiguous source and destination runs merge into one write
+// per region, split where a write would exceed maxMsg bytes. Source and destination must
 // hold the same regions with the same block length.
 func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, error) {
 	if len(t.Src) != len(t.Dst) {
@@ -63,6 +66,11 @@ func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, err
 				smallest, srcBlocks, dstBlocks)
 		}
 	}
+
+	// Position order hides runs: an engine that freed a request's blocks tail first hands
+	// them out again in descending order (a 16k-token pull on vLLM 0.26 planned 18,943
+	// copies in position order where its push, in source order, planned 166).
+	t.Src, t.Dst = bySource(t.Src, t.Dst)
 
 	// Runs depend only on the block ids and how many blocks one write may carry, not on
 	// the region: find them once per block length, then emit one write per run and region.
@@ -97,4 +105,22 @@ func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, err
 		}
 	}
 	return writes, nil
+}
+
+// bySource returns the pairs ordered by source block: copies when they are not already
+// (the common case, a request's blocks allocated in order, costs no copy).
+func bySource(src, dst []uint32) ([]uint32, []uint32) {
+	if slices.IsSorted(src) {
+		return src, dst
+	}
+	idx := make([]int, len(src))
+	for i := range idx {
+		idx[i] = i
+	}
+	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(src[a], src[b]) })
+	s, d := make([]uint32, len(src)), make([]uint32, len(dst))
+	for i, j := range idx {
+		s[i], d[i] = src[j], dst[j]
+	}
+	return s, d
 }

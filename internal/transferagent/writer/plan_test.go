@@ -65,6 +65,29 @@ func TestPlanCountsOneWritePerContiguousRun(t *testing.T) {
 	}
 }
 
+// An engine that freed a request's blocks tail first hands them out again in descending
+// order, on both sides: in position order no two pairs are adjacent, in source order the
+// whole request is one run. The caller's slices keep their order.
+func TestPlanMergesRunsThatPositionOrderHides(t *testing.T) {
+	src, dst := make([]uint32, 1024), make([]uint32, 1024)
+	for i := range src {
+		src[i], dst[i] = uint32(3000-i), uint32(5000-i)
+	}
+	w, err := Plan(transfer(src, dst), regions(72, 32<<10, 8192), regions(72, 32<<10, 8192), 1<<30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(w) != 72 {
+		t.Fatalf("%d writes, want one run in each of 72 regions", len(w))
+	}
+	if w[0] != (Write{Region: 0, SrcOff: 1977 * 32 << 10, DstOff: 3977 * 32 << 10, Len: 1024 * 32 << 10, Blocks: 1024}) {
+		t.Fatalf("write %+v", w[0])
+	}
+	if src[0] != 3000 || dst[0] != 5000 {
+		t.Fatalf("Plan reordered its caller's pairs: %d → %d first", src[0], dst[0])
+	}
+}
+
 func TestPlanSplitsAtTheProviderMessageSize(t *testing.T) {
 	w, err := Plan(transfer(seq(0, 10), seq(0, 10)), regions(1, 1000, 16), regions(1, 1000, 16), 3500)
 	if err != nil {

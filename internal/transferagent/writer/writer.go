@@ -72,10 +72,10 @@ type Writer struct {
 }
 
 // Copier moves bytes by device copies (CUDA within a node) in place of RMA writes. A copy
-// completes, through Poll, once its bytes are in the destination's memory.
+// completes, appended by Reap, once its bytes are in the destination's memory.
 type Copier interface {
 	Copy(dst, src, n, id uint64) error
-	Poll(out []fabric.Completion) int
+	Reap(done []fabric.Completion) []fabric.Completion
 }
 
 // UseCopier lets the writer serve destinations with Notify: c copies from the local
@@ -225,7 +225,7 @@ func (w *Writer) Poll(now time.Time) ([]rendezvous.Action, []Failure, error) {
 	n := w.ep.Poll(w.buf)
 	done := append(w.reaped, w.buf[:n]...)
 	if w.copier != nil {
-		done = append(done, w.buf[:w.copier.Poll(w.buf)]...)
+		done = w.copier.Reap(done)
 	}
 	w.reaped = nil
 	for _, c := range done {
