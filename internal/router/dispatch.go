@@ -26,6 +26,10 @@ type request struct {
 	// received is when the body was read; the router's own time counts from there.
 	received time.Time
 
+	// prefer is the prefill engine the gateway's endpoint picker named (leg runner):
+	// the first attempt's, when it is a ready engine of the PrefillPool.
+	prefer string
+
 	// What the request log and the metrics report.
 	prefill, decode string
 	retries         int
@@ -83,6 +87,11 @@ func (s *Server) dispatch(rq *request) result {
 		return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: "no engines discovered yet"}
 	}
 	rq.mode = modeLabel(set.Mode)
+	if s.cfg.Local != "" {
+		if res, ok := s.named(rq, set); !ok {
+			return res
+		}
+	}
 	var res result
 	if set.Mode == kvv1.TransferPush {
 		res = s.push(rq, set)
@@ -128,6 +137,9 @@ func (s *Server) withRetry(rq *request, set *discovery.Set, try func(prefills, d
 			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: why}
 		}
 		rq.retries = attempt
+		if attempt == 0 && rq.prefer != "" {
+			prefills = choice.SameID(prefills, rq.prefer)
+		}
 		res, retry := try(prefills, decodes, mark)
 		if !retry {
 			return res

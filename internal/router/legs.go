@@ -8,9 +8,11 @@ import (
 	"net/http"
 	"time"
 
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/epp"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
 
@@ -165,4 +167,33 @@ func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) 
 		panic(http.ErrAbortHandler)
 	}
 	return result{outcome: outcome, engine: e.EngineID}
+}
+
+// named reads, in a leg runner, the prefill engine the gateway's endpoint picker chose
+// (epp.PrefillHeader, which no leg forwards): rq.prefer when it is a ready engine of the
+// paired PrefillPool. An address that is not one is never dialled: the request is logged
+// and routed as the router would. Without the header (a gateway that failed open, or a
+// client that reached the pod directly) the request follows handoffFailurePolicy; ok is
+// false when res is its answer.
+func (s *Server) named(rq *request, set *discovery.Set) (res result, ok bool) {
+	addr := rq.r.Header.Get(epp.PrefillHeader)
+	rq.r.Header.Del(epp.PrefillHeader)
+	if addr == "" {
+		why := result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable,
+			msg: "no " + epp.PrefillHeader + " header: the request came without the endpoint picker's prefill choice (a gateway that failed open?)"}
+		if set.HandoffFailurePolicy == kvv1.HandoffFailureServeOnDecode {
+			return s.serveOnDecode(rq, set, FallbackNoPrefillHeader, why), false
+		}
+		return why, false
+	}
+	for _, p := range set.Prefill {
+		if epp.PrefillAddress(p) == addr {
+			rq.prefer = p.EngineID
+			return result{}, true
+		}
+	}
+	s.m.unknownPrefill.Inc()
+	s.cfg.Log.Warn("the endpoint picker named a prefill engine that is not a ready engine of the PrefillPool; choosing one", "request_id", rq.id,
+		"named", addr, "source", set.Source)
+	return result{}, true
 }

@@ -34,6 +34,9 @@ const (
 	FallbackPrefillFailed = "prefill_failed"
 	// FallbackNoPrefillEngine: the PrefillPool had no ready engine.
 	FallbackNoPrefillEngine = "no_prefill_engine"
+	// FallbackNoPrefillHeader: a leg runner got a request without the endpoint picker's
+	// prefill choice (a gateway that failed open).
+	FallbackNoPrefillHeader = "no_prefill_header"
 )
 
 type metrics struct {
@@ -46,6 +49,8 @@ type metrics struct {
 	added     *prometheus.HistogramVec
 	inflight  *prometheus.GaugeVec
 	endpoints *prometheus.GaugeVec
+
+	unknownPrefill prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -90,13 +95,17 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvhandoff_router_eligible_engines",
 			Help: "Engines the router may send legs to (Ready), per role.",
 		}, []string{"role"}),
+		unknownPrefill: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvhandoff_router_unknown_prefill_named_total",
+			Help: "Leg runner: requests whose endpoint picker named a prefill engine that was not a ready engine of the PrefillPool (another was chosen).",
+		}),
 	}
 	// Fallbacks start at zero, so the first ones show in rate() (an alert) at once.
 	for _, mode := range []string{"push", "pull"} {
-		for _, reason := range []string{FallbackPrefillFailed, FallbackNoPrefillEngine} {
+		for _, reason := range []string{FallbackPrefillFailed, FallbackNoPrefillEngine, FallbackNoPrefillHeader} {
 			m.fallbacks.WithLabelValues(mode, reason)
 		}
 	}
-	reg.MustRegister(m.requests, m.fallbacks, m.retries, m.legFails, m.ttft, m.leg, m.added, m.inflight, m.endpoints)
+	reg.MustRegister(m.requests, m.fallbacks, m.retries, m.legFails, m.ttft, m.leg, m.added, m.inflight, m.endpoints, m.unknownPrefill)
 	return m
 }

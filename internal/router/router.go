@@ -16,7 +16,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -49,6 +48,11 @@ type Config struct {
 	// HealthWindow is how far back the health report (GET /health/transfer) looks, and
 	// HealthInterval how often it is computed.
 	HealthWindow, HealthInterval time.Duration
+	// Local, when set, makes the router a decode pod's leg runner: its decode engine is
+	// the one whose URL this is (as the DecodePool's status publishes it), and a request's
+	// prefill engine is the one the gateway's endpoint picker named (epp.PrefillHeader),
+	// if it is a ready engine of the paired PrefillPool.
+	Local string
 	// Log gets one line per request and every change of endpoints.
 	Log *slog.Logger
 	// Registry gets the router's metrics; /metrics serves Gatherer.
@@ -150,6 +154,9 @@ func (s *Server) Update(set *discovery.Set) {
 		s.cfg.Log.Error("refusing an invalid set of engines; keeping the last one", "source", set.Source, "err", err)
 		return
 	}
+	if s.cfg.Local != "" {
+		set = set.WithDecode(s.cfg.Local)
+	}
 	old := s.set.Swap(set)
 	s.choose.Forget(set)
 	s.m.endpoints.WithLabelValues(string(balance.Prefill)).Set(float64(len(set.Prefill)))
@@ -173,7 +180,7 @@ func (s *Server) Run(ctx context.Context, src discovery.Source) error {
 	errc := make(chan error, 1)
 	go func() { errc <- src.Run(ctx, sets) }()
 	if s.cfg.ScrapeInterval > 0 {
-		go s.scrape(ctx)
+		go s.bal.Follow(ctx, s.client, s.cfg.ScrapeInterval, s.set.Load)
 	}
 	if s.cfg.Gatherer != nil && s.cfg.HealthInterval > 0 {
 		go s.watchHealth(ctx)
@@ -191,38 +198,6 @@ func (s *Server) Run(ctx context.Context, src discovery.Source) error {
 		case <-ctx.Done():
 			return nil
 		}
-	}
-}
-
-// scrape reads every engine's load once per interval, all engines at once.
-func (s *Server) scrape(ctx context.Context) {
-	t := time.NewTicker(s.cfg.ScrapeInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		set := s.set.Load()
-		if set == nil {
-			continue
-		}
-		sctx, cancel := context.WithTimeout(ctx, s.cfg.ScrapeInterval)
-		var wg sync.WaitGroup
-		for role, es := range map[balance.Role][]discovery.Engine{balance.Prefill: set.Prefill, balance.Decode: set.Decode} {
-			for _, e := range es {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					if l, err := balance.Scrape(sctx, s.client, e.URL); err == nil {
-						s.bal.SetLoad(role, e.EngineID, l)
-					}
-				}()
-			}
-		}
-		wg.Wait()
-		cancel()
 	}
 }
 

@@ -8,7 +8,10 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
+
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 )
 
 // vLLM's gauges, by their names in its Prometheus exposition. Older releases called the
@@ -86,4 +89,36 @@ func Scrape(ctx context.Context, c *http.Client, base string) (Load, error) {
 	l, err := ParseLoad(io.LimitReader(resp.Body, 8<<20))
 	l.At = time.Now()
 	return l, err
+}
+
+// Follow reads every engine's load of the current set once per interval, all engines at
+// once, until ctx ends. An engine that does not answer keeps its last load until it goes
+// stale.
+func (b *Balancer) Follow(ctx context.Context, c *http.Client, interval time.Duration, current func() *discovery.Set) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		set := current()
+		if set == nil {
+			continue
+		}
+		sctx, cancel := context.WithTimeout(ctx, interval)
+		var wg sync.WaitGroup
+		for role, es := range map[Role][]discovery.Engine{Prefill: set.Prefill, Decode: set.Decode} {
+			for _, e := range es {
+				wg.Go(func() {
+					if l, err := Scrape(sctx, c, e.URL); err == nil {
+						b.SetLoad(role, e.EngineID, l)
+					}
+				})
+			}
+		}
+		wg.Wait()
+		cancel()
+	}
 }

@@ -140,3 +140,13 @@ func SameHash(es []discovery.Engine, hash string) []discovery.Engine {
 	}
 	return out
 }
+
+// SameID is the engine of es with engine id id, alone, or es when none has it.
+func SameID(es []discovery.Engine, id string) []discovery.Engine {
+	for _, e := range es {
+		if e.EngineID == id {
+			return []discovery.Engine{e}
+		}
+	}
+	return es
+}

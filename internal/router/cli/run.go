@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"os/signal"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/kubeconfig"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/epp"
 )
 
 // Run runs the router until SIGINT or SIGTERM and returns the exit status. ready, when
@@ -29,7 +31,20 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfg := router.Defaults()
-	listen := fs.String("listen", ":8000", "address of the OpenAI API, /healthz and /readyz: the clients' side")
+	mode := fs.String("mode", "router", "router: the OpenAI front end of a DecodePool; epp: the Gateway API Inference Extension endpoint picker "+
+		"(Envoy ext_proc over gRPC on --listen); leg-runner: a decode pod's sidecar running the legs the endpoint picker chose (needs --local)")
+	listen := fs.String("listen", ":8000", "address of the OpenAI API, /healthz and /readyz: the clients' side (epp: its gRPC ext_proc and health services)")
+	local := fs.String("local", "", "leg-runner: the URL of this pod's decode engine, as the DecodePool's status publishes it (http://$(POD_IP):8000)")
+	eppCfg := epp.Defaults()
+	fs.Func("leg-runner-port", fmt.Sprintf("epp: the decode pods' leg-runner port, where the gateway sends requests (default %d)", eppCfg.LegRunnerPort), func(v string) error {
+		n, err := strconv.ParseInt(v, 10, 32)
+		if err != nil || n < 1 || n > 65535 {
+			return fmt.Errorf("must be a port number, 1 to 65535")
+		}
+		eppCfg.LegRunnerPort = int32(n)
+		return nil
+	})
+	fs.IntVar(&eppCfg.Fallbacks, "fallbacks", eppCfg.Fallbacks, "epp: decode endpoints listed after the first, for a gateway that retries down the list")
 	adminListen := fs.String("admin-listen", ":8001", "address of /metrics, the health report (GET /health/transfer), /healthz and /readyz: "+
 		"the operators' side, kept off the clients' port")
 	endpoints := fs.String("endpoints", "", "JSON file of engines (outside a cluster); re-read when it changes")
@@ -46,6 +61,14 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	fs.DurationVar(&cfg.HealthInterval, "health-interval", cfg.HealthInterval, "how often the health report is computed")
 	drain := fs.Duration("drain", 50*time.Second, "on SIGTERM, how long requests in flight may take to finish")
 	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	switch {
+	case *mode != "router" && *mode != "epp" && *mode != "leg-runner":
+		fmt.Fprintf(stderr, "--mode %q: must be router, epp or leg-runner\n", *mode)
+		return 2
+	case (*mode == "leg-runner") != (*local != ""):
+		fmt.Fprintln(stderr, "--local is the leg runner's decode engine: required with --mode leg-runner, and only there")
 		return 2
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, nil))
@@ -75,7 +98,12 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	cfg.Registry, cfg.Gatherer, cfg.Log = reg, reg, log
+	if *mode == "epp" {
+		eppCfg.MaxBodyBytes, eppCfg.MaxInFlight, eppCfg.ScrapeInterval = cfg.MaxBodyBytes, cfg.MaxInFlight, cfg.ScrapeInterval
+		eppCfg.Log, eppCfg.Registry = log, reg
+		return runEPP(epp.New(eppCfg), src, *listen, *adminListen, *drain, reg, log, ready)
+	}
+	cfg.Registry, cfg.Gatherer, cfg.Log, cfg.Local = reg, reg, log, *local
 	s := router.New(cfg)
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)

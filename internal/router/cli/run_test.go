@@ -23,6 +23,10 @@ func TestFlagsThatCannotRouteAreRefusedByName(t *testing.T) {
 		{[]string{"--decode-pool", "d"}, "--namespace is required with --decode-pool"},
 		{[]string{"--decode-pool", "d", "--endpoints", bad}, "exclude each other"},
 		{[]string{"--endpoints", bad}, "prefill[0]: host, sideChannelPort and tensorParallelSize must be set in Push mode"},
+		{[]string{"--mode", "gateway", "--endpoints", bad}, `--mode "gateway": must be router, epp or leg-runner`},
+		{[]string{"--mode", "leg-runner", "--endpoints", bad}, "--local is the leg runner's decode engine: required with --mode leg-runner"},
+		{[]string{"--local", "http://198.18.0.1:8000", "--endpoints", bad}, "required with --mode leg-runner, and only there"},
+		{[]string{"--mode", "epp", "--leg-runner-port", "0", "--endpoints", bad}, "must be a port number"},
 	} {
 		var stderr bytes.Buffer
 		if code := Run(c.args, &stderr, nil); code == 0 || !strings.Contains(stderr.String(), c.want) {

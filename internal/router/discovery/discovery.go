@@ -90,6 +90,18 @@ func (s *Set) Validate() error {
 	return errors.Join(errs...)
 }
 
+// WithDecode is the set with the decode engine of URL u alone (none when it is not ready).
+func (s *Set) WithDecode(u string) *Set {
+	out := *s
+	out.Decode = nil
+	for _, d := range s.Decode {
+		if d.URL == u {
+			out.Decode = append(out.Decode, d)
+		}
+	}
+	return &out
+}
+
 // Source delivers the current Set whenever it changes, starting with the first one.
 type Source interface {
 	// Run sends sets to out until ctx ends or the source fails for good.

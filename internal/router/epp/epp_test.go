@@ -1,0 +1,111 @@
+package epp_test
+
+import (
+	"context"
+	"net"
+	"testing"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/epp"
+)
+
+func engine(id, host, hash string) discovery.Engine {
+	return discovery.Engine{URL: "http://" + host + ":8000", EngineID: id, Host: host, SideChannelPort: 5600, TensorParallelSize: 1, CompatHash: hash}
+}
+
+// serve runs the picker on a loopback gRPC server and returns a client connection.
+func serve(t *testing.T, cfg epp.Config) (*epp.Server, *grpc.ClientConn) {
+	t.Helper()
+	s := epp.New(cfg)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	s.Register(g)
+	go func() { _ = g.Serve(l) }()
+	t.Cleanup(g.Stop)
+	conn, err := grpc.NewClient(l.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return s, conn
+}
+
+// The EPP protocol's health services: liveness at once, readiness and the ext_proc
+// service only while a prefill and a decode engine can be paired.
+func TestHealthFollowsWhetherAPairExists(t *testing.T) {
+	s, conn := serve(t, epp.Defaults())
+	h := healthpb.NewHealthClient(conn)
+	check := func(svc string) healthpb.HealthCheckResponse_ServingStatus {
+		r, err := h.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.Status
+	}
+	extproc := extprocv3.ExternalProcessor_ServiceDesc.ServiceName
+	if check(epp.Liveness) != healthpb.HealthCheckResponse_SERVING || check(epp.Readiness) != healthpb.HealthCheckResponse_NOT_SERVING ||
+		check(extproc) != healthpb.HealthCheckResponse_NOT_SERVING {
+		t.Fatal("before any engines: want liveness SERVING, readiness and ext_proc NOT_SERVING")
+	}
+	set := &discovery.Set{Mode: kvv1.TransferPush, Prefill: []discovery.Engine{engine("p", "198.18.0.1", "a")},
+		Decode: []discovery.Engine{engine("d", "198.18.0.2", "b")}, Source: "test"}
+	s.Update(set)
+	if check(epp.Readiness) != healthpb.HealthCheckResponse_NOT_SERVING {
+		t.Fatal("engines of different compat-hashes cannot be paired: want readiness NOT_SERVING")
+	}
+	set.Decode[0].CompatHash = "a"
+	s.Update(set)
+	if check(epp.Readiness) != healthpb.HealthCheckResponse_SERVING || check(extproc) != healthpb.HealthCheckResponse_SERVING {
+		t.Fatal("with a pair: want readiness and ext_proc SERVING")
+	}
+}
+
+// A request without a body is routed on its headers; the destination lists the fallbacks
+// asked for, each a decode engine of the first one's compat-hash, and the prefill engine
+// pairs with them all. The header and the metadata carry the same list.
+func TestFallbacksAreDecodeEnginesOfTheFirstsCompatHash(t *testing.T) {
+	cfg := epp.Defaults()
+	cfg.Fallbacks, cfg.LegRunnerPort, cfg.ScrapeInterval = 2, 8100, 0
+	s, conn := serve(t, cfg)
+	s.Update(&discovery.Set{Mode: kvv1.TransferPush, Source: "test",
+		Prefill: []discovery.Engine{engine("p", "198.18.0.1", "a")},
+		Decode:  []discovery.Engine{engine("d1", "198.18.0.2", "a"), engine("d2", "198.18.0.3", "a"), engine("other", "198.18.0.4", "b")}})
+	stream, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+		RequestHeaders: &extprocv3.HttpHeaders{EndOfStream: true, Headers: &corev3.HeaderMap{}}}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	headers := map[string]string{}
+	for _, h := range resp.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+		headers[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
+	}
+	dest := headers[epp.DestinationHeader]
+	if dest != "198.18.0.2:8100,198.18.0.3:8100" && dest != "198.18.0.3:8100,198.18.0.2:8100" {
+		t.Fatalf("destination %q: want both engines of compat-hash a on the leg-runner port, and not the other", dest)
+	}
+	if headers[epp.PrefillHeader] != "198.18.0.1:8000" {
+		t.Fatalf("prefill %q", headers[epp.PrefillHeader])
+	}
+	md := resp.GetDynamicMetadata().GetFields()[epp.MetadataNamespace].GetStructValue().GetFields()[epp.DestinationHeader].GetStringValue()
+	if md != dest {
+		t.Fatalf("metadata %q differs from the header %q", md, dest)
+	}
+	_ = stream.CloseSend()
+}

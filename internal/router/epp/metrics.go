@@ -1,0 +1,42 @@
+package epp
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Outcomes of a request at the picker, the outcome label of kvhandoff_epp_requests_total.
+const (
+	// OutcomePicked: a decode endpoint and a prefill engine were picked.
+	OutcomePicked = "picked"
+	// OutcomeNoEngine: no ready pair, or none in the gateway's subset hint (503).
+	OutcomeNoEngine = "no_engine"
+	// OutcomeShed: the picker was at MaxInFlight (429).
+	OutcomeShed = "shed"
+	// OutcomeBadRequest: the body was not a JSON object or too large (400, 413).
+	OutcomeBadRequest = "bad_request"
+)
+
+type metrics struct {
+	requests  *prometheus.CounterVec
+	pick      prometheus.Histogram
+	fallbacks prometheus.Counter
+	inflight  *prometheus.GaugeVec
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_epp_requests_total", Help: "Requests the endpoint picker saw, by outcome.",
+		}, []string{"outcome"}),
+		pick: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvhandoff_epp_pick_seconds", Help: "From a request's headers at the picker to its routing answer (includes receiving the body).",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16),
+		}),
+		fallbacks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvhandoff_epp_served_by_fallback_total", Help: "Responses the gateway reports served by a decode endpoint other than the first picked.",
+		}),
+		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvhandoff_epp_inflight", Help: "Requests picked for and not yet finished, by role and engine.",
+		}, []string{"role", "engine"}),
+	}
+	reg.MustRegister(m.requests, m.pick, m.fallbacks, m.inflight)
+	return m
+}

@@ -1,0 +1,229 @@
+package epp
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocfilter "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
+)
+
+// chunk is the most body bytes one streamed body response carries (Envoy's ext_proc
+// takes at most 64 KiB per message in FULL_DUPLEX_STREAMED mode).
+const chunk = 62000
+
+// stream is one request's ext_proc exchange.
+type stream struct {
+	s     *Server
+	srv   extprocv3.ExternalProcessor_ProcessServer
+	start time.Time
+
+	subset map[string]bool // the gateway's subset hint; nil: none
+	// modes are the body modes the gateway runs this filter in (its first message says):
+	// FULL_DUPLEX_STREAMED, where the picker answers the headers after the body and hands
+	// the body back, or BUFFERED, where Envoy waits for each answer in turn and keeps the
+	// body, so that it can still fail open when the picker is gone.
+	modes  *extprocv3.ProtocolConfiguration
+	body   []byte
+	slot   bool
+	picked *picked
+	served string
+}
+
+// handle answers one message from the gateway; done ends the stream (an immediate
+// response was sent).
+func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
+	if r.subset == nil {
+		r.subset = subsetHint(req.GetMetadataContext())
+	}
+	if r.modes == nil && req.GetProtocolConfig() != nil {
+		r.modes = req.GetProtocolConfig()
+	}
+	switch v := req.Request.(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		if v.RequestHeaders.GetEndOfStream() {
+			return r.route(0, false) // no body (GET /v1/models): pick by load alone
+		}
+		if r.buffered() {
+			// Envoy sends the body only once the headers are answered: route then, by
+			// mutating the headers in the body's answer.
+			return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+				RequestHeaders: &extprocv3.HeadersResponse{}}})
+		}
+		return false, nil // answered once the body is in: its prompt weighs the choice
+	case *extprocv3.ProcessingRequest_RequestBody:
+		b := v.RequestBody
+		if int64(len(r.body)+len(b.GetBody())) > r.s.cfg.MaxBodyBytes {
+			return r.refuse(&refusal{http.StatusRequestEntityTooLarge, OutcomeBadRequest, "the request body exceeds the endpoint picker's limit"})
+		}
+		r.body = append(r.body, b.GetBody()...)
+		if !b.GetEndOfStream() {
+			return false, nil
+		}
+		parsed, err := protocol.Parse(r.body)
+		if err != nil {
+			return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
+		}
+		return r.route(protocol.PromptTokens(parsed), true)
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
+			RequestTrailers: &extprocv3.TrailersResponse{}}})
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		r.served = served(req)
+		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
+			ResponseHeaders: &extprocv3.HeadersResponse{}}})
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		// The response passes through as it came, chunk by chunk: streamed tokens are not
+		// held back.
+		b := v.ResponseBody
+		resp := &extprocv3.CommonResponse{}
+		if r.modes.GetResponseBodyMode() == extprocfilter.ProcessingMode_FULL_DUPLEX_STREAMED || r.modes == nil {
+			resp = streamed(b.GetBody(), b.GetEndOfStream())
+		}
+		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
+			ResponseBody: &extprocv3.BodyResponse{Response: resp}}})
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
+			ResponseTrailers: &extprocv3.TrailersResponse{}}})
+	}
+	return false, nil
+}
+
+// route picks the request's engines and answers its headers (routing headers set, the
+// client's own removed), then gives its body back to the gateway unchanged.
+func (r *stream) route(tokens int, hasBody bool) (bool, error) {
+	select {
+	case r.s.slots <- struct{}{}:
+		r.slot = true
+	default:
+		return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is serving its limit of requests (--max-in-flight); retry later"})
+	}
+	p, err := r.s.pick(r.subset, tokens)
+	if err != nil {
+		return r.refuse(err.(*refusal))
+	}
+	r.picked = p
+	r.s.m.requests.WithLabelValues(OutcomePicked).Inc()
+	r.s.m.pick.Observe(time.Since(r.start).Seconds())
+	dest := strings.Join(p.destinations, ",")
+	set := func(k, v string) *corev3.HeaderValueOption {
+		return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
+			AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD}
+	}
+	routing := &extprocv3.CommonResponse{
+		// The route is chosen again, by the headers set here.
+		ClearRouteCache: true,
+		HeaderMutation:  &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{set(DestinationHeader, dest), set(PrefillHeader, p.prefill)}},
+	}
+	md := &structpb.Struct{Fields: map[string]*structpb.Value{
+		MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			DestinationHeader: structpb.NewStringValue(dest),
+		}}),
+	}}
+	if hasBody && r.buffered() {
+		// The headers were answered already; Envoy still holds them and the body.
+		r.body = nil
+		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
+			RequestBody: &extprocv3.BodyResponse{Response: routing}}, DynamicMetadata: md})
+	}
+	if err := r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+		RequestHeaders: &extprocv3.HeadersResponse{Response: routing}}, DynamicMetadata: md}); err != nil {
+		return false, err
+	}
+	if !hasBody {
+		return false, nil
+	}
+	for i := 0; ; i += chunk {
+		end := min(i+chunk, len(r.body))
+		resp := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
+			RequestBody: &extprocv3.BodyResponse{Response: streamed(r.body[i:end], end == len(r.body))}}}
+		if err := r.srv.Send(resp); err != nil {
+			return false, err
+		}
+		if end == len(r.body) {
+			break
+		}
+	}
+	r.body = nil
+	return false, nil
+}
+
+// buffered: Envoy runs this filter's request body in BUFFERED mode.
+func (r *stream) buffered() bool {
+	return r.modes.GetRequestBodyMode() == extprocfilter.ProcessingMode_BUFFERED
+}
+
+func streamed(b []byte, eos bool) *extprocv3.CommonResponse {
+	return &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+		StreamedResponse: &extprocv3.StreamedBodyResponse{Body: b, EndOfStream: eos}}}}
+}
+
+// refuse answers the request itself with an OpenAI-shaped error, and ends the stream.
+func (r *stream) refuse(rf *refusal) (bool, error) {
+	r.s.m.requests.WithLabelValues(rf.outcome).Inc()
+	r.s.cfg.Log.Warn("request refused", "status", rf.status, "outcome", rf.outcome, "err", rf.msg)
+	body, _ := json.Marshal(map[string]any{"error": map[string]any{"message": rf.msg, "type": http.StatusText(rf.status), "code": rf.status}})
+	return true, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+		ImmediateResponse: &extprocv3.ImmediateResponse{
+			Status:  &typev3.HttpStatus{Code: typev3.StatusCode(rf.status)},
+			Body:    body,
+			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{{Header: &corev3.HeaderValue{Key: "content-type", RawValue: []byte("application/json")}}}},
+			Details: "kvhandoff_epp_" + rf.outcome,
+		},
+	}})
+}
+
+// finish gives back what the request held once its stream ends, and counts a response
+// served by another endpoint than the first picked.
+func (r *stream) finish() {
+	if r.picked != nil {
+		r.picked.release()
+		if r.served != "" && r.served != r.picked.destinations[0] {
+			r.s.m.fallbacks.Inc()
+		}
+	}
+	if r.slot {
+		<-r.s.slots
+	}
+}
+
+// subsetHint reads the gateway's subset hint: nil when it sent none, else the set of
+// endpoints (empty when the list is).
+func subsetHint(md *corev3.Metadata) map[string]bool {
+	ns := md.GetFilterMetadata()[SubsetNamespace]
+	v, ok := ns.GetFields()[SubsetKey]
+	if !ok {
+		return nil
+	}
+	out := map[string]bool{}
+	// A list of endpoints, as the protocol has it; a comma-separated string also serves (what
+	// Envoy's header_to_metadata filter can set).
+	values := v.GetListValue().GetValues()
+	if values == nil {
+		values = []*structpb.Value{v}
+	}
+	for _, e := range values {
+		for _, ep := range strings.Split(e.GetStringValue(), ",") {
+			if ep = strings.TrimSpace(ep); ep != "" {
+				out[ep] = true
+			}
+		}
+	}
+	return out
+}
+
+// served is the endpoint the gateway reports as having served the request: the EPP
+// protocol's metadata, or Envoy's upstream.address attribute (response_attributes).
+func served(req *extprocv3.ProcessingRequest) string {
+	if v := req.GetMetadataContext().GetFilterMetadata()[MetadataNamespace].GetFields()[ServedKey].GetStringValue(); v != "" {
+		return v
+	}
+	return req.GetAttributes()["envoy.filters.http.ext_proc"].GetFields()["upstream.address"].GetStringValue()
+}

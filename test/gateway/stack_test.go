@@ -1,0 +1,219 @@
+package gateway
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/router"
+	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/epp"
+	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
+)
+
+// engine is a simulated vLLM engine on a loopback address of its own, as pods have.
+type engine struct {
+	*vllmserver.Server
+	discovery.Engine
+	host string
+}
+
+func serve(t *testing.T, host string, port int, h http.Handler) string {
+	t.Helper()
+	l, err := net.Listen("tcp", net.JoinHostPort(host, itoa(port)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = hs.Serve(l) }()
+	t.Cleanup(func() { _ = hs.Close() })
+	return "http://" + l.Addr().String()
+}
+
+func startEngine(t *testing.T, id, host string, kv vllmserver.KV, tpot time.Duration) *engine {
+	t.Helper()
+	s := vllmserver.New(vllmserver.Config{EngineID: id, Model: "tiny", SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv, TPOT: tpot})
+	u := serve(t, host, 0, s)
+	return &engine{Server: s, host: host, Engine: discovery.Engine{URL: u, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}
+}
+
+type options struct {
+	mode     kvv1.TransferMode
+	policy   kvv1.HandoffFailurePolicy
+	failOpen bool
+	bodyMode string // ext_proc's request body mode (default FULL_DUPLEX_STREAMED)
+	inFlight int           // the EPP's MaxInFlight (0: its default)
+	tpot     time.Duration // decode engines' time per token
+}
+
+// stack is two prefill and two decode engines, a leg runner beside each decode engine,
+// the endpoint picker, Envoy in front, and the standalone router over the same engines
+// for comparison.
+type stack struct {
+	prefill, decode []*engine
+	legPort         int
+	epp             *epp.Server
+	eppReg          *prometheus.Registry
+	eppGRPC         *grpc.Server
+	gateway         string // Envoy
+	router          string // the standalone router
+	set             *discovery.Set
+}
+
+func startStack(t *testing.T, o options) *stack {
+	t.Helper()
+	kv := vllmserver.NewLocalKV()
+	st := &stack{}
+	for i := range 2 {
+		st.prefill = append(st.prefill, startEngine(t, fmt.Sprintf("prefill-%d", i), fmt.Sprintf("127.0.0.%d", 21+i), kv, 0))
+		st.decode = append(st.decode, startEngine(t, fmt.Sprintf("decode-%d", i), fmt.Sprintf("127.0.0.%d", 11+i), kv, o.tpot))
+	}
+	st.set = &discovery.Set{Mode: o.mode, HandoffFailurePolicy: o.policy, Source: "test"}
+	for i := range 2 {
+		st.set.Prefill = append(st.set.Prefill, st.prefill[i].Engine)
+		st.set.Decode = append(st.set.Decode, st.decode[i].Engine)
+	}
+
+	// One leg-runner port on every decode pod, as the InferencePool's targetPort.
+	st.legPort = freePort(t, st.decode[0].host)
+	var pool []hostPort
+	for _, d := range st.decode {
+		cfg := router.Defaults()
+		cfg.ScrapeInterval, cfg.Local = 0, d.URL
+		r := router.New(cfg)
+		r.Update(st.set)
+		serve(t, d.host, st.legPort, r)
+		pool = append(pool, hostPort{d.host, st.legPort})
+	}
+	rcfg := router.Defaults()
+	rcfg.ScrapeInterval = 0
+	r := router.New(rcfg)
+	r.Update(st.set)
+	st.router = serve(t, "127.0.0.1", 0, r)
+
+	cfg := epp.Defaults()
+	cfg.LegRunnerPort, cfg.ScrapeInterval = int32(st.legPort), 0
+	if o.inFlight > 0 {
+		cfg.MaxInFlight = o.inFlight
+	}
+	st.eppReg = prometheus.NewRegistry()
+	cfg.Registry = st.eppReg
+	st.epp = epp.New(cfg)
+	st.epp.Update(st.set)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.eppGRPC = grpc.NewServer()
+	st.epp.Register(st.eppGRPC)
+	go func() { _ = st.eppGRPC.Serve(l) }()
+	t.Cleanup(st.eppGRPC.Stop)
+
+	if o.bodyMode == "" {
+		o.bodyMode = "FULL_DUPLEX_STREAMED"
+	}
+	st.gateway = startEnvoy(t, envoyBinary(t), envoyParams{EPP: l.Addr().(*net.TCPAddr).Port, FailOpen: o.failOpen, BodyMode: o.bodyMode, Pool: pool})
+	return st
+}
+
+// post sends a completion and returns the status, the response headers and the text.
+func post(t *testing.T, url, prompt string, headers map[string]string) (int, http.Header, string) {
+	t.Helper()
+	body := fmt.Sprintf(`{"model":"tiny","prompt":%q,"max_tokens":8}`, prompt)
+	req, err := http.NewRequest(http.MethodPost, url+"/v1/completions", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range headers {
+		req.Header.Set(k, v)
+	}
+	c := &http.Client{Timeout: 60 * time.Second}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return resp.StatusCode, resp.Header, string(data)
+	}
+	var out struct {
+		Choices []struct{ Text string } `json:"choices"`
+	}
+	if err := json.Unmarshal(data, &out); err != nil || len(out.Choices) != 1 {
+		t.Fatalf("not a completion: %s", data)
+	}
+	return resp.StatusCode, resp.Header, out.Choices[0].Text
+}
+
+// decodeLegs is how many completions each decode engine received.
+func (st *stack) decodeLegs() []int {
+	out := make([]int, len(st.decode))
+	for i, d := range st.decode {
+		out[i] = len(d.Seen())
+	}
+	return out
+}
+
+func (st *stack) eppCount(outcome string) float64 {
+	mfs, _ := st.eppReg.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() != "kvhandoff_epp_requests_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if m.GetLabel()[0].GetValue() == outcome {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
+}
+
+// listener counts the connections made to an address no request should reach.
+func listener(t *testing.T) (string, *atomic.Int64) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	var n atomic.Int64
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			n.Add(1)
+			c.Close()
+		}
+	}()
+	return l.Addr().String(), &n
+}
+
+// waitFor polls cond until it holds (Eventually), failing the test after 30 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
