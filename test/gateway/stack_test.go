@@ -51,7 +51,7 @@ type options struct {
 	mode     kvv1.TransferMode
 	policy   kvv1.HandoffFailurePolicy
 	failOpen bool
-	bodyMode string // ext_proc's request body mode (default FULL_DUPLEX_STREAMED)
+	bodyMode string        // ext_proc's request body mode (default FULL_DUPLEX_STREAMED)
 	inFlight int           // the EPP's MaxInFlight (0: its default)
 	tpot     time.Duration // decode engines' time per token
 }
