@@ -318,6 +318,27 @@ const (
 	// the policy's provider and see no failures, and (on a DecodePool) its routers hand
 	// requests off within the policy's limit. False makes the pool Degraded and not Ready.
 	ConditionTransferHealthy = "TransferHealthy"
+	// ConditionInferencePoolReady is, on a DecodePool with gateway.inferencePool, True when
+	// its InferencePool is accepted by a gateway with its references resolved; False when
+	// the CRD is missing or a gateway refused it. Informational: it does not make the pool
+	// Degraded, since the router serves clients without the gateway.
+	ConditionInferencePoolReady = "InferencePoolReady"
+)
+
+// Reasons of the InferencePoolReady condition.
+const (
+	// ReasonInferencePoolAccepted: a gateway accepted the InferencePool and resolved its
+	// endpoint picker.
+	ReasonInferencePoolAccepted = "Accepted"
+	// ReasonInferencePoolCRDMissing: the cluster has no InferencePool CRD
+	// (inference.networking.k8s.io/v1); install the Gateway API Inference Extension's CRDs.
+	ReasonInferencePoolCRDMissing = "InferencePoolCRDMissing"
+	// ReasonNoParentGateway: no gateway reports on the InferencePool yet: no HTTPRoute of a
+	// gateway that implements the extension names it.
+	ReasonNoParentGateway = "NoParentGateway"
+	// ReasonNotAccepted: a gateway reported the InferencePool not accepted, or its
+	// references unresolved; the message carries the gateway's reason.
+	ReasonNotAccepted = "NotAccepted"
 )
 
 // Reasons of the TransferHealthy condition. The agents and routers report them (package

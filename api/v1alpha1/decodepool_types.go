@@ -18,7 +18,58 @@ type DecodePoolSpec struct {
 	// +kubebuilder:default={}
 	// +optional
 	Router RouterSpec `json:"router,omitempty"`
+
+	// gateway puts the pool behind a Gateway API Inference Extension gateway (Istio, NGINX
+	// Gateway Fabric, agentgateway, Envoy): an InferencePool for an HTTPRoute to name, the
+	// endpoint picker it calls, and a leg runner in each decode engine pod. Off by default;
+	// the router above stays the path for clients without a gateway.
+	// +kubebuilder:default={}
+	// +optional
+	Gateway GatewaySpec `json:"gateway,omitempty"`
 }
+
+// GatewaySpec is a DecodePool's place behind a Gateway API Inference Extension gateway.
+type GatewaySpec struct {
+	// inferencePool renders an InferencePool named like the pool
+	// (inference.networking.k8s.io/v1) selecting this pool's decode engines on the leg-runner
+	// port (8100), the endpoint picker it names (a Deployment and a gRPC Service
+	// <pool>-epp, port 9002), and a leg-runner sidecar in each decode engine pod, which
+	// runs both legs with the prefill engine the picker chose. Needs the InferencePool CRD
+	// in the cluster: without it the pool's InferencePoolReady condition says so. false
+	// removes them (decode engines roll to drop the sidecar).
+	// +kubebuilder:default=false
+	// +optional
+	InferencePool bool `json:"inferencePool,omitempty"`
+
+	// failureMode is the InferencePool's endpointPickerRef.failureMode: what the gateway
+	// does when the endpoint picker does not answer. FailClose refuses the request;
+	// FailOpen sends it to a decode engine of the gateway's choosing, whose leg runner then
+	// follows the policy's handoffFailurePolicy. Envoy-based gateways can fail open only
+	// while no request body has gone to the picker (docs/gateway.md).
+	// +kubebuilder:validation:Enum=FailOpen;FailClose
+	// +kubebuilder:default=FailClose
+	// +optional
+	FailureMode GatewayFailureMode `json:"failureMode,omitempty"`
+
+	// endpointPickerReplicas is the number of endpoint picker pods. They keep no state
+	// a request needs after it is routed, so any replica serves any request.
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=16
+	// +kubebuilder:default=2
+	// +optional
+	EndpointPickerReplicas *int32 `json:"endpointPickerReplicas,omitempty"`
+}
+
+// GatewayFailureMode is what a gateway does when the endpoint picker does not answer.
+type GatewayFailureMode string
+
+// Gateway failure modes, the InferencePool's.
+const (
+	// GatewayFailClose: the gateway refuses the request.
+	GatewayFailClose GatewayFailureMode = "FailClose"
+	// GatewayFailOpen: the gateway sends the request to a decode engine of its choosing.
+	GatewayFailOpen GatewayFailureMode = "FailOpen"
+)
 
 // RouterSpec is the Deployment that routes requests to a DecodePool and its PrefillPool.
 type RouterSpec struct {

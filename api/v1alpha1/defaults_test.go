@@ -99,6 +99,24 @@ spec:
 		Expect(d.Spec.PipelineParallelSize).To(BeEquivalentTo(1))
 		Expect(d.Spec.BlockSize).To(BeEquivalentTo(16))
 		Expect(d.Spec.Accelerator.Count).To(BeEquivalentTo(0))
+		Expect(d.Spec.Gateway).To(Equal(kvv1.GatewaySpec{FailureMode: kvv1.GatewayFailClose, EndpointPickerReplicas: ptr.To[int32](2)}),
+			"no gateway unless asked; FailClose and two pickers when it is")
+	})
+
+	It("refuses a gateway failure mode the InferencePool does not have, naming the field", func() {
+		_, err := createYAML(`
+apiVersion: kvhandoff.io/v1alpha1
+kind: DecodePool
+metadata: {name: bad-gateway}
+spec:
+  model: m
+  image: i
+  accelerator: {type: NvidiaGPU}
+  transferPolicyRef: {name: policy}
+  prefillPoolRef: {name: prefill}
+  gateway: {inferencePool: true, failureMode: FailSoft}
+`)
+		Expect(err).To(MatchError(ContainSubstring("spec.gateway.failureMode")))
 	})
 
 	It("keeps replicas: 0 instead of defaulting it to 1", func() {

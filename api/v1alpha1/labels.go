@@ -40,6 +40,9 @@ const (
 	// pods carry the pool label too (never the role label), so they are never taken for
 	// engines.
 	LabelRouter = "kvhandoff.io/router"
+	// LabelEndpointPicker on an endpoint picker's objects and pods names the DecodePool it
+	// picks for (gateway.inferencePool).
+	LabelEndpointPicker = "kvhandoff.io/endpoint-picker"
 
 	// AnnotationPolicyHash on an engine pod template is the hash of the policy spec the pod
 	// was rendered from, so that any policy change rolls both pools.

@@ -10,6 +10,8 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -17,6 +19,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/source"
+
+	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/compat"
@@ -136,6 +140,8 @@ type validation struct {
 	prefill  *kvv1.PrefillPool
 	problem  *problem
 	warnings []compat.Warning
+	// gateway is what was found of the DecodePool's InferencePool (gateway.inferencePool).
+	gateway *gatewayState
 }
 
 func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, error) {
@@ -197,10 +203,18 @@ func (r *PoolReconciler) checkPrivileged(ctx context.Context, namespace, policy 
 }
 
 func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validation) error {
-	w, err := render.Engines(render.Input{
+	in := render.Input{
 		Role: p.role(), Name: p.GetName(), Namespace: p.GetNamespace(),
 		Spec: p.engine(), Policy: &v.policy.Spec, PrefillPool: p.prefillPoolName(), ConnectorImage: r.ConnectorImage,
-	})
+	}
+	if gatewayEnabled(p) {
+		// The decode engines run as the leg runners' account: it exists before they do.
+		if err := r.applyLegRunnerAccount(ctx, p); err != nil {
+			return err
+		}
+		in.LegRunnerImage = r.routerImage(p.object().(*kvv1.DecodePool))
+	}
+	w, err := render.Engines(in)
 	if err != nil {
 		return err
 	}
@@ -211,7 +225,11 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 		return err
 	}
 	if p.role() == kvv1.RoleDecode {
-		return r.applyRouter(ctx, p)
+		if err := r.applyRouter(ctx, p); err != nil {
+			return err
+		}
+		v.gateway, err = r.applyGateway(ctx, p)
+		return err
 	}
 	return nil
 }
@@ -240,6 +258,15 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 			// A hand edit of the router's Deployment or Service is undone.
 			Owns(&appsv1.Deployment{}).
 			Owns(&corev1.Service{})
+		// A gateway's report on an InferencePool reaches the pool's InferencePoolReady at
+		// once where the CRD was installed before the manager started; elsewhere at the
+		// pool's next reconcile (a watch on a kind the API server does not serve would
+		// stop the manager).
+		if _, err := mgr.GetRESTMapper().RESTMapping(schema.GroupKind{Group: infv1.GroupVersion.Group, Kind: "InferencePool"}, infv1.GroupVersion.Version); err == nil {
+			b = b.Owns(&infv1.InferencePool{})
+		} else if !meta.IsNoMatchError(err) {
+			return err
+		}
 	}
 	return b.Complete(r)
 }

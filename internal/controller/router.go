@@ -7,7 +7,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -27,11 +26,7 @@ func (r *PoolReconciler) applyRouter(ctx context.Context, p pool) error {
 	if !routerEnabled(p) {
 		return r.deleteRouter(ctx, p)
 	}
-	image := r.RouterImage
-	if image == "" {
-		image = render.DefaultRouterImage
-	}
-	w, err := render.Router(render.RouterInput{Pool: d.Name, Namespace: d.Namespace, Spec: &d.Spec.Router, DefaultImage: image})
+	w, err := render.Router(render.RouterInput{Pool: d.Name, Namespace: d.Namespace, Spec: &d.Spec.Router, DefaultImage: r.routerImage(d)})
 	if err != nil {
 		return err
 	}
@@ -59,28 +54,16 @@ func emptyLike(obj metav1.Object) client.Object {
 	case *policyv1.PodDisruptionBudget:
 		return &policyv1.PodDisruptionBudget{}
 	}
-	panic("controllers: no empty object for a rendered router object") // every rendered kind is listed above
+	panic("controllers: no empty object for a rendered object") // every rendered kind is listed above
 }
 
-// deleteRouter deletes the router objects the pool controls; objects of those names that
-// belong to something else are left alone.
+// deleteRouter deletes the router objects the pool controls.
 func (r *PoolReconciler) deleteRouter(ctx context.Context, p pool) error {
-	name := render.RouterName(p.object().GetName())
-	for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{},
-		&rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}} {
-		err := r.Get(ctx, client.ObjectKey{Namespace: p.object().GetNamespace(), Name: name}, obj)
-		if apierrors.IsNotFound(err) {
-			continue
-		}
-		if err != nil {
-			return err
-		}
-		if !metav1.IsControlledBy(obj, p.object()) {
-			continue
-		}
-		if err := r.Delete(ctx, obj, client.Preconditions{UID: ptr.To(obj.GetUID())}); client.IgnoreNotFound(err) != nil {
-			return err
-		}
-	}
-	return nil
+	return r.deleteControlled(ctx, p, render.RouterName(p.object().GetName()), serviceKinds()...)
+}
+
+// serviceKinds are the kinds of a render.ServiceWorkload, in the order they are deleted.
+func serviceKinds() []client.Object {
+	return []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{},
+		&rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}}
 }

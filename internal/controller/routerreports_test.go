@@ -73,7 +73,8 @@ var _ = Describe("Router health", func() {
 // routerReplicaSet plays the Deployment controller: a ReplicaSet with a router's name and
 // labels, controlled by the pool's router Deployment when owned.
 func routerReplicaSet(ns, pool, name string, owned bool) *appsv1.ReplicaSet {
-	labels := map[string]string{kvv1.LabelRouter: pool, kvv1.LabelPool: pool}
+	// As the Deployment controller labels them: the router pod template's labels.
+	labels := map[string]string{kvv1.LabelRouter: pool, kvv1.LabelPool: pool, render.LabelManagedBy: render.ManagedBy}
 	rs := &appsv1.ReplicaSet{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels},
 		Spec: appsv1.ReplicaSetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels}, Template: corev1.PodTemplateSpec{

@@ -18,8 +18,10 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/render"
 )
 
 // NewScheme returns the scheme the manager works with: Kubernetes' built-in kinds and
@@ -30,6 +32,11 @@ func NewScheme() *runtime.Scheme {
 		panic(err) // only a programming error makes registration fail
 	}
 	if err := kvv1.AddToScheme(s); err != nil {
+		panic(err)
+	}
+	// The Gateway API Inference Extension's InferencePool, which DecodePools with a
+	// gateway render (the CRD need not be installed).
+	if err := infv1.Install(s); err != nil {
 		panic(err)
 	}
 	return s
@@ -78,8 +85,9 @@ func Setup(mgr ctrl.Manager, o Options) error {
 // so that a foreign object with a pool's name is seen and reported, never taken over.
 //
 // Of Deployments, ReplicaSets, PodDisruptionBudgets, ServiceAccounts, Roles and
-// RoleBindings it caches only routers' (labelled kvhandoff.io/router): those kinds are numerous in a cluster and
-// the manager owns no others.
+// RoleBindings it caches only its own (labelled app.kubernetes.io/managed-by=kvhandoff:
+// routers, endpoint pickers, leg runners' accounts): those kinds are numerous in a
+// cluster and the manager owns no others.
 func CacheOptions() cache.Options {
 	has := func(key string) cache.ByObject {
 		r, err := labels.NewRequirement(key, selection.Exists, nil)
@@ -88,7 +96,7 @@ func CacheOptions() cache.Options {
 		}
 		return cache.ByObject{Label: labels.NewSelector().Add(*r)}
 	}
-	router := has(kvv1.LabelRouter)
+	router := cache.ByObject{Label: labels.SelectorFromSet(labels.Set{render.LabelManagedBy: render.ManagedBy})}
 	return cache.Options{ByObject: map[client.Object]cache.ByObject{
 		&corev1.Pod{}:                   has(kvv1.LabelPool),
 		&appsv1.Deployment{}:            router,

@@ -189,6 +189,12 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 	if p.role() == kvv1.RoleDecode {
 		c := paired(&st, v)
 		set(c.Type, c.Status, c.Reason, c.Message)
+		if v.gateway != nil {
+			c := inferencePoolReady(p.GetName(), v.gateway)
+			set(c.Type, c.Status, c.Reason, c.Message)
+		} else if !gatewayEnabled(p) {
+			meta.RemoveStatusCondition(&st.Conditions, kvv1.ConditionInferencePoolReady)
+		}
 	}
 	return st
 }

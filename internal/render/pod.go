@@ -116,6 +116,11 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 		initContainers = []corev1.Container{connectorInit(in)}
 	}
 
+	if in.LegRunnerImage != "" {
+		initContainers = append(initContainers, legRunner(in))
+		volumes = append(volumes, legRunnerToken())
+	}
+
 	pod := &corev1.PodTemplateSpec{
 		ObjectMeta: metav1.ObjectMeta{
 			Labels:      labels,
@@ -133,6 +138,15 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
 			EnableServiceLinks: ptr.To(false),
 		},
+	}
+	if in.LegRunnerImage != "" {
+		// The leg runner follows the pools through the API; the engine gets no token
+		// (legRunnerToken mounts one into the sidecar alone).
+		pod.Spec.ServiceAccountName = LegRunnerName(in.Name)
+		// Its deprecated alias too, or the API server would copy it back into
+		// serviceAccountName when the gateway goes and the apply drops the name.
+		pod.Spec.DeprecatedServiceAccount = pod.Spec.ServiceAccountName
+		pod.Spec.AutomountServiceAccountToken = ptr.To(false)
 	}
 	return mergeTemplate(pod, in.Spec.Template)
 }

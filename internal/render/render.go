@@ -49,6 +49,9 @@ type Input struct {
 	// ConnectorImage is the image of the connector init container (executor Agent);
 	// "" is DefaultConnectorImage.
 	ConnectorImage string
+	// LegRunnerImage, on a decode pool behind a gateway (gateway.inferencePool), is the
+	// router image its pods run the leg-runner sidecar from; "" renders none.
+	LegRunnerImage string
 }
 
 // Workload is what a pool renders to.

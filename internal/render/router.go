@@ -35,8 +35,8 @@ type RouterInput struct {
 	DefaultImage string
 }
 
-// RouterWorkload is what a DecodePool's router renders to.
-type RouterWorkload struct {
+// ServiceWorkload is what a DecodePool's router or endpoint picker renders to.
+type ServiceWorkload struct {
 	ServiceAccount *corev1.ServiceAccount
 	Role           *rbacv1.Role
 	RoleBinding    *rbacv1.RoleBinding
@@ -47,9 +47,16 @@ type RouterWorkload struct {
 
 // Objects lists the workload's objects in the order they are applied: identity and
 // permissions before the pods that use them.
-func (w *RouterWorkload) Objects() []metav1.Object {
+func (w *ServiceWorkload) Objects() []metav1.Object {
 	return []metav1.Object{w.ServiceAccount, w.Role, w.RoleBinding, w.Deployment, w.Service, w.PDB}
 }
+
+// LabelManagedBy is on every object the manager renders besides engines, ManagedBy its
+// value; the manager caches those kinds by it.
+const (
+	LabelManagedBy = "app.kubernetes.io/managed-by"
+	ManagedBy      = "kvhandoff"
+)
 
 // RouterName is the name of a DecodePool's router objects and of its Service.
 func RouterName(pool string) string { return pool + "-router" }
@@ -62,85 +69,99 @@ func RouterSelectorLabels(pool string) map[string]string {
 // Router renders a DecodePool's router: a Deployment of stateless replicas off the
 // accelerator nodes, its Service, a PodDisruptionBudget, and a ServiceAccount whose
 // Role reads only the namespace's pools and pods.
-func Router(in RouterInput) (*RouterWorkload, error) {
-	name := RouterName(in.Pool)
-	labels := RouterSelectorLabels(in.Pool)
-	maps.Copy(labels, map[string]string{
-		"app.kubernetes.io/name":       "kvhandoff-router",
-		"app.kubernetes.io/instance":   in.Pool,
-		"app.kubernetes.io/component":  "router",
-		"app.kubernetes.io/managed-by": "kvhandoff",
-	})
-	meta := func(kind, apiVersion string) (metav1.TypeMeta, metav1.ObjectMeta) {
-		return metav1.TypeMeta{Kind: kind, APIVersion: apiVersion}, metav1.ObjectMeta{Name: name, Namespace: in.Namespace, Labels: maps.Clone(labels)}
-	}
+func Router(in RouterInput) (*ServiceWorkload, error) {
 	image := in.Spec.Image
 	if image == "" {
 		image = in.DefaultImage
 	}
-	resources := corev1.ResourceRequirements{
-		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("128Mi")},
-		Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
-	}
-	if in.Spec.Resources != nil {
-		resources = *in.Spec.Resources
-	}
-
-	w := &RouterWorkload{}
-	w.ServiceAccount = &corev1.ServiceAccount{}
-	w.ServiceAccount.TypeMeta, w.ServiceAccount.ObjectMeta = meta("ServiceAccount", "v1")
-	w.Role = &rbacv1.Role{Rules: []rbacv1.PolicyRule{
-		{APIGroups: []string{kvv1.GroupVersion.Group}, Resources: []string{"decodepools", "prefillpools"}, Verbs: []string{"get", "list", "watch"}},
-		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
-	}}
-	w.Role.TypeMeta, w.Role.ObjectMeta = meta("Role", "rbac.authorization.k8s.io/v1")
-	w.RoleBinding = &rbacv1.RoleBinding{
-		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: name},
-		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: name, Namespace: in.Namespace}},
-	}
-	w.RoleBinding.TypeMeta, w.RoleBinding.ObjectMeta = meta("RoleBinding", "rbac.authorization.k8s.io/v1")
-
-	container := corev1.Container{
-		Name:  "router",
-		Image: image,
-		Args: []string{"--decode-pool=" + in.Pool, "--namespace=$(POD_NAMESPACE)", fmt.Sprintf("--listen=:%d", RouterPort),
-			fmt.Sprintf("--admin-listen=:%d", RouterAdminPort)},
-		Env: []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace")},
-		Ports: []corev1.ContainerPort{
+	// The pool label puts router pods in the manager's cache of pods (it polls their
+	// health reports); without the role label they are never taken for engines.
+	return serviceWorkload(serviceInput{
+		pool: in.Pool, namespace: in.Namespace, name: RouterName(in.Pool), component: "router",
+		selector: RouterSelectorLabels(in.Pool), podLabels: map[string]string{kvv1.LabelPool: in.Pool},
+		image: image, replicas: ptr.Deref(in.Spec.Replicas, 2), resources: in.Spec.Resources,
+		args: []string{fmt.Sprintf("--listen=:%d", RouterPort), fmt.Sprintf("--admin-listen=:%d", RouterAdminPort)},
+		ports: []corev1.ContainerPort{
 			{Name: "http", ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP},
 			{Name: "admin", ContainerPort: RouterAdminPort, Protocol: corev1.ProtocolTCP},
 		},
 		// Ready once it has found an engine pair: a router without engines would only
 		// answer 503s, so the Service should not send clients there.
-		ReadinessProbe: routerProbe("/readyz", 5, 2),
-		LivenessProbe:  routerProbe("/healthz", 10, 3),
-		Resources:      resources,
-		SecurityContext: &corev1.SecurityContext{
-			RunAsNonRoot:             ptr.To(true),
-			ReadOnlyRootFilesystem:   ptr.To(true),
-			AllowPrivilegeEscalation: ptr.To(false),
-			Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
-			SeccompProfile:           &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
-		},
+		readiness: routerProbe("/readyz", 5, 2), liveness: routerProbe("/healthz", 10, 3),
+		service: corev1.ServicePort{Name: "http", Port: RouterPort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP},
+	})
+}
+
+// serviceInput is a stateless Deployment of the router binary behind a Service.
+type serviceInput struct {
+	pool, namespace, name, component string
+	selector, podLabels              map[string]string
+	image                            string
+	replicas                         int32
+	resources                        *corev1.ResourceRequirements
+	args                             []string // after --decode-pool and --namespace
+	ports                            []corev1.ContainerPort
+	readiness, liveness              *corev1.Probe
+	service                          corev1.ServicePort
+}
+
+func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
+	labels := maps.Clone(in.selector)
+	maps.Copy(labels, map[string]string{
+		"app.kubernetes.io/name":      "kvhandoff-" + in.component,
+		"app.kubernetes.io/instance":  in.pool,
+		"app.kubernetes.io/component": in.component,
+		LabelManagedBy:                ManagedBy,
+	})
+	meta := func(kind, apiVersion string) (metav1.TypeMeta, metav1.ObjectMeta) {
+		return metav1.TypeMeta{Kind: kind, APIVersion: apiVersion}, metav1.ObjectMeta{Name: in.name, Namespace: in.namespace, Labels: maps.Clone(labels)}
 	}
-	// The pool label puts router pods in the manager's cache of pods (it polls their
-	// health reports); without the role label they are never taken for engines.
+	resources := corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("128Mi")},
+		Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
+	}
+	if in.resources != nil {
+		resources = *in.resources
+	}
+
+	w := &ServiceWorkload{}
+	w.ServiceAccount = &corev1.ServiceAccount{}
+	w.ServiceAccount.TypeMeta, w.ServiceAccount.ObjectMeta = meta("ServiceAccount", "v1")
+	w.Role = &rbacv1.Role{Rules: poolReaderRules()}
+	w.Role.TypeMeta, w.Role.ObjectMeta = meta("Role", "rbac.authorization.k8s.io/v1")
+	w.RoleBinding = &rbacv1.RoleBinding{
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: in.name},
+		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: in.name, Namespace: in.namespace}},
+	}
+	w.RoleBinding.TypeMeta, w.RoleBinding.ObjectMeta = meta("RoleBinding", "rbac.authorization.k8s.io/v1")
+
+	container := corev1.Container{
+		Name:            in.component,
+		Image:           in.image,
+		Args:            append([]string{"--decode-pool=" + in.pool, "--namespace=$(POD_NAMESPACE)"}, in.args...),
+		Env:             []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace")},
+		Ports:           in.ports,
+		ReadinessProbe:  in.readiness,
+		LivenessProbe:   in.liveness,
+		Resources:       resources,
+		SecurityContext: restrictedContainer(),
+	}
 	podLabels := maps.Clone(labels)
-	podLabels[kvv1.LabelPool] = in.Pool
+	maps.Copy(podLabels, in.podLabels)
 	pod := corev1.PodTemplateSpec{
 		ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
 		Spec: corev1.PodSpec{
-			ServiceAccountName: name,
+			ServiceAccountName: in.name,
 			Containers:         []corev1.Container{container},
-			Affinity:           routerAffinity(in.Pool),
-			// In-flight requests get this long to finish after the router stops taking new ones.
+			Affinity:           routerAffinity(in.selector),
+			// In-flight requests get this long to finish after it stops taking new ones.
 			TerminationGracePeriodSeconds: ptr.To[int64](60),
 			EnableServiceLinks:            ptr.To(false),
 		},
 	}
 	w.Deployment = &appsv1.Deployment{Spec: appsv1.DeploymentSpec{
-		Replicas: ptr.To(ptr.Deref(in.Spec.Replicas, 2)),
-		Selector: &metav1.LabelSelector{MatchLabels: RouterSelectorLabels(in.Pool)},
+		Replicas: ptr.To(in.replicas),
+		Selector: &metav1.LabelSelector{MatchLabels: in.selector},
 		// Keep every replica serving while a new one starts: a rollout never lowers capacity.
 		Strategy: appsv1.DeploymentStrategy{Type: appsv1.RollingUpdateDeploymentStrategyType, RollingUpdate: &appsv1.RollingUpdateDeployment{
 			MaxUnavailable: ptr.To(intstr.FromInt32(0)), MaxSurge: ptr.To(intstr.FromInt32(1)),
@@ -150,14 +171,14 @@ func Router(in RouterInput) (*RouterWorkload, error) {
 	w.Deployment.TypeMeta, w.Deployment.ObjectMeta = meta("Deployment", "apps/v1")
 	w.Service = &corev1.Service{Spec: corev1.ServiceSpec{
 		Type:     corev1.ServiceTypeClusterIP,
-		Selector: RouterSelectorLabels(in.Pool),
-		Ports:    []corev1.ServicePort{{Name: "http", Port: RouterPort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}},
+		Selector: in.selector,
+		Ports:    []corev1.ServicePort{in.service},
 	}}
 	w.Service.TypeMeta, w.Service.ObjectMeta = meta("Service", "v1")
 	// maxUnavailable rather than minAvailable: with one replica a drain still proceeds.
 	w.PDB = &policyv1.PodDisruptionBudget{Spec: policyv1.PodDisruptionBudgetSpec{
 		MaxUnavailable: ptr.To(intstr.FromInt32(1)),
-		Selector:       &metav1.LabelSelector{MatchLabels: RouterSelectorLabels(in.Pool)},
+		Selector:       &metav1.LabelSelector{MatchLabels: in.selector},
 	}}
 	w.PDB.TypeMeta, w.PDB.ObjectMeta = meta("PodDisruptionBudget", "policy/v1")
 
@@ -169,11 +190,30 @@ func Router(in RouterInput) (*RouterWorkload, error) {
 	return w, nil
 }
 
+// poolReaderRules let the router binary follow a DecodePool: read the namespace's pools
+// and pods, nothing else.
+func poolReaderRules() []rbacv1.PolicyRule {
+	return []rbacv1.PolicyRule{
+		{APIGroups: []string{kvv1.GroupVersion.Group}, Resources: []string{"decodepools", "prefillpools"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
+	}
+}
+
+func restrictedContainer() *corev1.SecurityContext {
+	return &corev1.SecurityContext{
+		RunAsNonRoot:             ptr.To(true),
+		ReadOnlyRootFilesystem:   ptr.To(true),
+		AllowPrivilegeEscalation: ptr.To(false),
+		Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+		SeccompProfile:           &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
+	}
+}
+
 // routerAffinity keeps routers off accelerator nodes (every instance type kvhandoff
 // knows carries accelerators: the router needs none), prefers nodes without a transfer
 // agent (engines' nodes), and spreads replicas over nodes. The agent rule is only a
 // preference: CPU engines run on ordinary nodes, and a small cluster may have no other.
-func routerAffinity(pool string) *corev1.Affinity {
+func routerAffinity(selector map[string]string) *corev1.Affinity {
 	return &corev1.Affinity{
 		NodeAffinity: &corev1.NodeAffinity{
 			RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
@@ -187,7 +227,7 @@ func routerAffinity(pool string) *corev1.Affinity {
 		},
 		PodAntiAffinity: &corev1.PodAntiAffinity{PreferredDuringSchedulingIgnoredDuringExecution: []corev1.WeightedPodAffinityTerm{{
 			Weight:          100,
-			PodAffinityTerm: corev1.PodAffinityTerm{LabelSelector: &metav1.LabelSelector{MatchLabels: RouterSelectorLabels(pool)}, TopologyKey: labelHostname},
+			PodAffinityTerm: corev1.PodAffinityTerm{LabelSelector: &metav1.LabelSelector{MatchLabels: selector}, TopologyKey: labelHostname},
 		}}},
 	}
 }

@@ -34,7 +34,7 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	mode := fs.String("mode", "router", "router: the OpenAI front end of a DecodePool; epp: the Gateway API Inference Extension endpoint picker "+
 		"(Envoy ext_proc over gRPC on --listen); leg-runner: a decode pod's sidecar running the legs the endpoint picker chose (needs --local)")
 	listen := fs.String("listen", ":8000", "address of the OpenAI API, /healthz and /readyz: the clients' side (epp: its gRPC ext_proc and health services)")
-	local := fs.String("local", "", "leg-runner: the URL of this pod's decode engine, as the DecodePool's status publishes it (http://$(POD_IP):8000)")
+	local := fs.String("local", "", "leg-runner: this pod's decode engine: its IP ($(POD_IP); the engine's API on its pod's port), or its URL")
 	eppCfg := epp.Defaults()
 	fs.Func("leg-runner-port", fmt.Sprintf("epp: the decode pods' leg-runner port, where the gateway sends requests (default %d)", eppCfg.LegRunnerPort), func(v string) error {
 		n, err := strconv.ParseInt(v, 10, 32)
@@ -103,7 +103,13 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 		eppCfg.Log, eppCfg.Registry = log, reg
 		return runEPP(epp.New(eppCfg), src, *listen, *adminListen, *drain, reg, log, ready)
 	}
-	cfg.Registry, cfg.Gatherer, cfg.Log, cfg.Local = reg, reg, log, *local
+	cfg.Registry, cfg.Gatherer, cfg.Log = reg, reg, log
+	if *local != "" {
+		cfg.Local = *local
+		if ip := net.ParseIP(*local); ip != nil {
+			cfg.Local = discovery.EngineURL(ip.String())
+		}
+	}
 	s := router.New(cfg)
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)

@@ -178,7 +178,7 @@ func eligible(engines []kvv1.EngineStatus, pods map[string]*corev1.Pod, push boo
 			continue
 		}
 		out = append(out, Engine{
-			URL:      "http://" + net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(HTTPPort)),
+			URL:      EngineURL(pod.Status.PodIP),
 			EngineID: e.EngineID, Host: host, SideChannelPort: port,
 			TensorParallelSize: e.TensorParallelSize, PipelineParallelSize: e.PipelineParallelSize,
 			// The pod's own label is what it runs; the status copy can lag a rollout.
@@ -196,3 +196,6 @@ func ready(pod *corev1.Pod) bool {
 	}
 	return false
 }
+
+// EngineURL is the OpenAI API of the engine whose pod has IP ip.
+func EngineURL(ip string) string { return "http://" + net.JoinHostPort(ip, strconv.Itoa(HTTPPort)) }
