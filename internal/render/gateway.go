@@ -137,8 +137,8 @@ func legRunner(in Input) corev1.Container {
 		},
 		// Its own health only: readiness on engine pairs would wait for this pod's own
 		// readiness, which waits for it.
-		ReadinessProbe: routerProbe("/healthz", 5, 2),
-		LivenessProbe:  routerProbe("/healthz", 10, 3),
+		ReadinessProbe: namedPortProbe("/healthz", "leg-runner", 5, 2),
+		LivenessProbe:  namedPortProbe("/healthz", "leg-runner", 10, 3),
 		Resources: corev1.ResourceRequirements{
 			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
 			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("256Mi")},
@@ -160,4 +160,11 @@ func legRunnerToken() corev1.Volume {
 				{Path: "namespace", FieldRef: &corev1.ObjectFieldSelector{APIVersion: "v1", FieldPath: "metadata.namespace"}}}}},
 		},
 	}}}
+}
+
+// namedPortProbe is routerProbe on the container's port of that name.
+func namedPortProbe(path, port string, period, failures int32) *corev1.Probe {
+	p := routerProbe(path, period, failures)
+	p.HTTPGet.Port = intstr.FromString(port)
+	return p
 }

@@ -89,3 +89,37 @@ func TestOnlyTheLegRunnerHoldsAToken(t *testing.T) {
 		t.Fatalf("a decode pool without a gateway got account %q and %d init containers", s.ServiceAccountName, len(s.InitContainers))
 	}
 }
+
+// A probe on a port name the container does not declare is never run by the kubelet
+// (it reports "port not found", and the container is never ready).
+func TestEveryProbeNamesAPortOfItsContainer(t *testing.T) {
+	pol := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj()
+	d := builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.33.0").Policy("agent").Obj()
+	w, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec, PrefillPool: "p",
+		LegRunnerImage: "router"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := GatewayInput{Pool: "d", Namespace: "ns", Spec: &kvv1.GatewaySpec{InferencePool: true}, Image: "router"}
+	epp, err := EndpointPicker(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	router, err := Router(RouterInput{Pool: "d", Namespace: "ns", Spec: &kvv1.RouterSpec{}, DefaultImage: "router"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, spec := range []corev1.PodSpec{w.StatefulSet.Spec.Template.Spec, epp.Deployment.Spec.Template.Spec, router.Deployment.Spec.Template.Spec} {
+		for _, c := range append(spec.InitContainers, spec.Containers...) {
+			ports := map[string]bool{}
+			for _, p := range c.Ports {
+				ports[p.Name] = true
+			}
+			for _, p := range []*corev1.Probe{c.ReadinessProbe, c.LivenessProbe, c.StartupProbe} {
+				if p != nil && p.HTTPGet != nil && p.HTTPGet.Port.StrVal != "" && !ports[p.HTTPGet.Port.StrVal] {
+					t.Errorf("container %s probes port %q, which it does not declare", c.Name, p.HTTPGet.Port.StrVal)
+				}
+			}
+		}
+	}
+}

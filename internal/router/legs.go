@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"time"
 
@@ -170,8 +171,8 @@ func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) 
 }
 
 // named reads, in a leg runner, the prefill engine the gateway's endpoint picker chose
-// (epp.PrefillHeader, which no leg forwards): rq.prefer when it is a ready engine of the
-// paired PrefillPool. An address that is not one is never dialled: the request is logged
+// (epp.PrefillHeader, which no leg forwards): rq.prefer when its host is a ready engine's
+// of the paired PrefillPool. An address that is not one is never dialled: the request is logged
 // and routed as the router would. Without the header (a gateway that failed open, or a
 // client that reached the pod directly) the request follows handoffFailurePolicy; ok is
 // false when res is its answer.
@@ -186,8 +187,14 @@ func (s *Server) named(rq *request, set *discovery.Set) (res result, ok bool) {
 		}
 		return why, false
 	}
+	// By host: a pod's address names one engine, whatever port the picker wrote (kvhandoff's
+	// picker writes the engine's API port; llm-d's, its InferencePool's target port).
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		host = addr
+	}
 	for _, p := range set.Prefill {
-		if epp.PrefillAddress(p) == addr {
+		if h, _, _ := net.SplitHostPort(epp.PrefillAddress(p)); h == host {
 			rq.prefer = p.EngineID
 			return result{}, true
 		}

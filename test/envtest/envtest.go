@@ -127,14 +127,18 @@ func ReadObjects(path string) ([]*unstructured.Unstructured, error) {
 	}
 }
 
-// InstallGatewayCRDs installs the Gateway API Inference Extension's InferencePool CRD,
-// from the Go module kvhandoff builds against (not a copy), into a running env.
-func (e *Env) InstallGatewayCRDs() error {
+// InstallGatewayCRDs installs the Gateway API Inference Extension's InferencePool CRD
+// into a running env.
+func (e *Env) InstallGatewayCRDs() error { return InstallGatewayCRDs(e.Config) }
+
+// InstallGatewayCRDs installs the InferencePool CRD, from the Go module kvhandoff builds
+// against (not a copy), into the cluster of cfg, and waits until it is served.
+func InstallGatewayCRDs(cfg *rest.Config) error {
 	out, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", "sigs.k8s.io/gateway-api-inference-extension").Output()
 	if err != nil {
 		return fmt.Errorf("finding the gateway-api-inference-extension module: %w", err)
 	}
 	path := filepath.Join(strings.TrimSpace(string(out)), "config", "crd", "bases", "inference.networking.k8s.io_inferencepools.yaml")
-	_, err = envtest.InstallCRDs(e.Config, envtest.CRDInstallOptions{Paths: []string{path}, ErrorIfPathMissing: true})
+	_, err = envtest.InstallCRDs(cfg, envtest.CRDInstallOptions{Paths: []string{path}, ErrorIfPathMissing: true})
 	return err
 }

@@ -7,6 +7,7 @@ package gateway
 
 import (
 	"bytes"
+	"cmp"
 	"fmt"
 	"net"
 	"net/http"
@@ -33,7 +34,7 @@ admin:
 static_resources:
   listeners:
   - name: gateway
-    address: {socket_address: {address: 127.0.0.1, port_value: {{.Listen}}}}
+    address: {socket_address: {address: {{.ListenAddress}}, port_value: {{.Listen}}}}
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
@@ -47,8 +48,10 @@ static_resources:
               routes:
               - match: {prefix: "/", headers: [{name: x-gateway-destination-endpoint, present_match: true}]}
                 route: {cluster: picked, timeout: 300s}
+{{- if .Pool}}
               - match: {prefix: "/"}
                 route: {cluster: pool, timeout: 300s}
+{{- end}}
           http_filters:
           - name: envoy.filters.http.header_to_metadata
             typed_config:
@@ -81,6 +84,7 @@ static_resources:
     lb_policy: CLUSTER_PROVIDED
     connect_timeout: 5s
     original_dst_lb_config: {use_http_header: true, http_header_name: x-gateway-destination-endpoint}
+{{- if .Pool}}
   - name: pool
     type: STATIC
     connect_timeout: 5s
@@ -90,6 +94,7 @@ static_resources:
       - lb_endpoints:
 {{- range .Pool}}
         - endpoint: {address: {socket_address: {address: {{.Host}}, port_value: {{.Port}}}}}
+{{- end}}
 {{- end}}
   - name: epp
     type: STATIC
@@ -102,25 +107,39 @@ static_resources:
       cluster_name: epp
       endpoints:
       - lb_endpoints:
-        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: {{.EPP}}}}}
+        - endpoint: {address: {socket_address: {address: {{.EPPAddress}}, port_value: {{.EPP}}}}}
 `))
 
-type hostPort struct {
+// HostPort is one endpoint of the pool a gateway that failed open sends to.
+type HostPort struct {
 	Host string
 	Port int
 }
 
-type envoyParams struct {
-	Admin, Listen, EPP int
-	FailOpen           bool
+// EnvoyParams are a static gateway's addresses and modes.
+type EnvoyParams struct {
+	Admin, Listen, EPP        int
+	ListenAddress, EPPAddress string // default 127.0.0.1
+	FailOpen                  bool
 	// BodyMode is ext_proc's request body mode: FULL_DUPLEX_STREAMED (GIE's and llm-d's),
 	// or BUFFERED, the one in which Envoy can still fail open once the body was read.
 	BodyMode string
-	Pool     []hostPort
+	// Pool is where a request the picker did not route goes (FailOpen); none: nowhere.
+	Pool []HostPort
+}
+
+// EnvoyConfig is Envoy's static configuration for p.
+func EnvoyConfig(p EnvoyParams) (string, error) {
+	p.ListenAddress = cmp.Or(p.ListenAddress, "127.0.0.1")
+	p.EPPAddress = cmp.Or(p.EPPAddress, "127.0.0.1")
+	p.BodyMode = cmp.Or(p.BodyMode, "FULL_DUPLEX_STREAMED")
+	var cfg bytes.Buffer
+	err := envoyConfig.Execute(&cfg, p)
+	return cfg.String(), err
 }
 
 // envoyBinary is Envoy's release build, installed once by hack/envoy.sh.
-func envoyBinary(t *testing.T) string {
+func envoyBinary(t testing.TB) string {
 	t.Helper()
 	out, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "envoy.sh")).Output()
 	if err != nil {
@@ -131,16 +150,16 @@ func envoyBinary(t *testing.T) string {
 
 // startEnvoy runs Envoy with p (its ports chosen here) until the test ends, and returns
 // its listener's URL once it is ready.
-func startEnvoy(t *testing.T, bin string, p envoyParams) string {
+func startEnvoy(t testing.TB, bin string, p EnvoyParams) string {
 	t.Helper()
 	p.Admin, p.Listen = freePort(t, "127.0.0.1"), freePort(t, "127.0.0.1")
-	var cfg bytes.Buffer
-	if err := envoyConfig.Execute(&cfg, p); err != nil {
+	cfg, err := EnvoyConfig(p)
+	if err != nil {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
 	path := filepath.Join(dir, "envoy.yaml")
-	if err := os.WriteFile(path, cfg.Bytes(), 0o644); err != nil {
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	log, err := os.Create(filepath.Join(dir, "envoy.log"))
@@ -192,7 +211,7 @@ func tail(b []byte, n int) string {
 }
 
 // freePort is a port nothing listens on at host now.
-func freePort(t *testing.T, host string) int {
+func freePort(t testing.TB, host string) int {
 	t.Helper()
 	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
 	if err != nil {

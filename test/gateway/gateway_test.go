@@ -22,7 +22,7 @@ func TestThroughEnvoyTheEPPsPickServesAndAnswersAsTheRouter(t *testing.T) {
 		mode := c.mode
 		t.Run(string(mode)+"/"+c.bodyMode, func(t *testing.T) {
 			st := startStack(t, options{mode: mode, policy: kvv1.HandoffFailureFail, bodyMode: c.bodyMode})
-			evil, dialled := listener(t)
+			evil, dialled := listener(t, "127.0.0.1")
 			forged := map[string]string{"x-gateway-destination-endpoint": evil, "x-prefiller-host-port": evil}
 			const n = 8
 			for i := range n {
@@ -49,8 +49,8 @@ func TestThroughEnvoyTheEPPsPickServesAndAnswersAsTheRouter(t *testing.T) {
 			if got := st.eppCount("picked"); got != n {
 				t.Errorf("the picker picked for %v requests, want %d", got, n)
 			}
-			if d := dialled.Load(); d != 0 {
-				t.Errorf("the address the client's routing headers named was dialled %d times", d)
+			if dialled() {
+				t.Error("the address the client's routing headers named was dialled")
 			}
 		})
 	}
@@ -136,5 +136,36 @@ func TestThePickerAnswers503WithoutEnginesAnd429WhenShedding(t *testing.T) {
 	}
 	if st.eppCount("shed") != 1 || st.eppCount("no_engine") != 1 {
 		t.Errorf("shed %v, no_engine %v counted; want 1 each", st.eppCount("shed"), st.eppCount("no_engine"))
+	}
+}
+
+// The leg runner takes the prefill engine by its pod's address, whatever port the picker
+// wrote (llm-d's picker writes its InferencePool's target port), and never dials an
+// address that is not a ready engine of its PrefillPool: such a request is served with
+// an engine of the pool's, and counted.
+func TestTheLegRunnerDialsOnlyEnginesOfItsPrefillPool(t *testing.T) {
+	st := startStack(t, options{mode: kvv1.TransferPush, policy: kvv1.HandoffFailureFail})
+	prefills := func() [2]int { return [2]int{len(st.prefill[0].Seen()), len(st.prefill[1].Seen())} }
+	llmd := map[string]string{"x-prefiller-host-port": st.prefill[1].host + ":8100"}
+	for i := range 3 {
+		if code, _, body := post(t, st.legRunners[0], fmt.Sprintf("llm-d %d", i), llmd); code != http.StatusOK {
+			t.Fatalf("%d %s", code, body)
+		}
+	}
+	if got := prefills(); got != [2]int{0, 3} {
+		t.Fatalf("prefill legs %v: want all 3 on the engine the header named by its address", got)
+	}
+	evil, dialled := listener(t, "127.0.0.99")
+	if code, _, body := post(t, st.legRunners[0], "forged", map[string]string{"x-prefiller-host-port": evil}); code != http.StatusOK {
+		t.Fatalf("a request naming an address outside the pool: %d %s", code, body)
+	}
+	if dialled() {
+		t.Fatal("the leg runner dialled the address a header named")
+	}
+	if got := prefills(); got[0]+got[1] != 4 {
+		t.Fatalf("prefill legs %v: the forged request was not served by an engine of the pool", got)
+	}
+	if n := counter(st.legRegs[0], "kvhandoff_router_unknown_prefill_named_total", ""); n != 1 {
+		t.Errorf("%v requests counted as naming an unknown prefill engine, want 1", n)
 	}
 }

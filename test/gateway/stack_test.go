@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/http"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -28,7 +27,7 @@ type engine struct {
 	host string
 }
 
-func serve(t *testing.T, host string, port int, h http.Handler) string {
+func serve(t testing.TB, host string, port int, h http.Handler) string {
 	t.Helper()
 	l, err := net.Listen("tcp", net.JoinHostPort(host, itoa(port)))
 	if err != nil {
@@ -40,7 +39,7 @@ func serve(t *testing.T, host string, port int, h http.Handler) string {
 	return "http://" + l.Addr().String()
 }
 
-func startEngine(t *testing.T, id, host string, kv vllmserver.KV, tpot time.Duration) *engine {
+func startEngine(t testing.TB, id, host string, kv vllmserver.KV, tpot time.Duration) *engine {
 	t.Helper()
 	s := vllmserver.New(vllmserver.Config{EngineID: id, Model: "tiny", SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv, TPOT: tpot})
 	u := serve(t, host, 0, s)
@@ -62,6 +61,8 @@ type options struct {
 type stack struct {
 	prefill, decode []*engine
 	legPort         int
+	legRunners      []string // each decode engine's leg runner, reached directly
+	legRegs         []*prometheus.Registry
 	epp             *epp.Server
 	eppReg          *prometheus.Registry
 	eppGRPC         *grpc.Server
@@ -70,7 +71,7 @@ type stack struct {
 	set             *discovery.Set
 }
 
-func startStack(t *testing.T, o options) *stack {
+func startStack(t testing.TB, o options) *stack {
 	t.Helper()
 	kv := vllmserver.NewLocalKV()
 	st := &stack{}
@@ -86,14 +87,17 @@ func startStack(t *testing.T, o options) *stack {
 
 	// One leg-runner port on every decode pod, as the InferencePool's targetPort.
 	st.legPort = freePort(t, st.decode[0].host)
-	var pool []hostPort
+	var pool []HostPort
 	for _, d := range st.decode {
 		cfg := router.Defaults()
 		cfg.ScrapeInterval, cfg.Local = 0, d.URL
+		reg := prometheus.NewRegistry()
+		cfg.Registry, cfg.Gatherer = reg, reg
 		r := router.New(cfg)
 		r.Update(st.set)
-		serve(t, d.host, st.legPort, r)
-		pool = append(pool, hostPort{d.host, st.legPort})
+		st.legRunners = append(st.legRunners, serve(t, d.host, st.legPort, r))
+		st.legRegs = append(st.legRegs, reg)
+		pool = append(pool, HostPort{d.host, st.legPort})
 	}
 	rcfg := router.Defaults()
 	rcfg.ScrapeInterval = 0
@@ -119,10 +123,7 @@ func startStack(t *testing.T, o options) *stack {
 	go func() { _ = st.eppGRPC.Serve(l) }()
 	t.Cleanup(st.eppGRPC.Stop)
 
-	if o.bodyMode == "" {
-		o.bodyMode = "FULL_DUPLEX_STREAMED"
-	}
-	st.gateway = startEnvoy(t, envoyBinary(t), envoyParams{EPP: l.Addr().(*net.TCPAddr).Port, FailOpen: o.failOpen, BodyMode: o.bodyMode, Pool: pool})
+	st.gateway = startEnvoy(t, envoyBinary(t), EnvoyParams{EPP: l.Addr().(*net.TCPAddr).Port, FailOpen: o.failOpen, BodyMode: o.bodyMode, Pool: pool})
 	return st
 }
 
@@ -170,13 +171,19 @@ func (st *stack) decodeLegs() []int {
 }
 
 func (st *stack) eppCount(outcome string) float64 {
-	mfs, _ := st.eppReg.Gather()
+	return counter(st.eppReg, "kvhandoff_epp_requests_total", outcome)
+}
+
+// counter is a counter's value in reg: the series whose first label is label, or the
+// one series of an unlabelled counter ("").
+func counter(reg *prometheus.Registry, name, label string) float64 {
+	mfs, _ := reg.Gather()
 	for _, mf := range mfs {
-		if mf.GetName() != "kvhandoff_epp_requests_total" {
+		if mf.GetName() != name {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
-			if m.GetLabel()[0].GetValue() == outcome {
+			if label == "" || (len(m.GetLabel()) > 0 && m.GetLabel()[0].GetValue() == label) {
 				return m.GetCounter().GetValue()
 			}
 		}
@@ -184,30 +191,35 @@ func (st *stack) eppCount(outcome string) float64 {
 	return 0
 }
 
-// listener counts the connections made to an address no request should reach.
-func listener(t *testing.T) (string, *atomic.Int64) {
+// listener is an address no request should reach, and a check of whether one did.
+func listener(t testing.TB, host string) (string, func() bool) {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { l.Close() })
-	var n atomic.Int64
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			n.Add(1)
-			c.Close()
-		}
-	}()
-	return l.Addr().String(), &n
+	return l.Addr().String(), func() bool { return dialled(t, l.(*net.TCPListener)) }
+}
+
+// dialled reports whether a connection waits in l's backlog: a dial completes in the
+// kernel before the dialler goes on, so once a request's answer is in, a leg sent to l
+// is there. The deadline only bounds the wait for none.
+func dialled(t testing.TB, l *net.TCPListener) bool {
+	t.Helper()
+	if err := l.SetDeadline(time.Now().Add(50 * time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	c, err := l.Accept()
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
 }
 
 // waitFor polls cond until it holds (Eventually), failing the test after 30 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
+func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for !cond() {

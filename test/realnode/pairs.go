@@ -81,7 +81,7 @@ var SimEngines = Engines{Image: "simvllm", Model: "sim", BlockSize: 16}
 
 // CreatePair creates a mode's policy and CPU pair of pools running e, the decode pool
 // with one router.
-func (n *Node) CreatePair(ctx context.Context, e Engines, mode kvv1.TransferMode) error {
+func (n *Node) CreatePair(ctx context.Context, e Engines, mode kvv1.TransferMode, tune ...func(*kvv1.DecodePool)) error {
 	name := strings.ToLower(string(mode))
 	image := Registry + "/" + e.Image + ":" + Tag
 	pol := builder.Policy(name).Mode(mode).Executor(kvv1.ExecutorAgent).Provider(kvv1.ProviderTCP).Obj()
@@ -92,6 +92,9 @@ func (n *Node) CreatePair(ctx context.Context, e Engines, mode kvv1.TransferMode
 		Accelerator(kvv1.AcceleratorCPU, 0).Policy(name).EngineArgs(e.Args...).Obj()
 	decode.Spec.Env = e.Env[kvv1.RoleDecode]
 	decode.Spec.Router.Replicas = ptr.To[int32](1)
+	for _, f := range tune {
+		f(decode)
+	}
 	for _, o := range []client.Object{pol, prefill, decode} {
 		o.SetNamespace("default")
 		if err := n.Client.Create(ctx, o); err != nil {
@@ -149,12 +152,17 @@ func (n *Node) pairNotServing(ctx context.Context, mode string) string {
 	return ""
 }
 
-// RouterURL is the URL of path on a mode's router Service: its cluster IP on this node
-// (through kube-proxy's rules), the API server's Service proxy on an existing cluster,
-// whose Service addresses are not reachable from outside it.
+// RouterURL is the URL of path on a mode's router Service.
 func (n *Node) RouterURL(mode, path string) (string, error) {
+	return n.ServiceURL(mode+"-decode-router", path)
+}
+
+// ServiceURL is the URL of path on the first port of Service name in namespace default:
+// its cluster IP on this node (through kube-proxy's rules), the API server's Service proxy
+// on an existing cluster, whose Service addresses are not reachable from outside it.
+func (n *Node) ServiceURL(name, path string) (string, error) {
 	svc := &corev1.Service{}
-	if err := n.Client.Get(context.Background(), client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, svc); err != nil {
+	if err := n.Client.Get(context.Background(), client.ObjectKey{Namespace: "default", Name: name}, svc); err != nil {
 		return "", err
 	}
 	if n.external {
@@ -167,7 +175,12 @@ func (n *Node) RouterURL(mode, path string) (string, error) {
 // request must end, one way or the other), and returns the status, the body, and for a
 // 200 the answer.
 func (n *Node) Chat(mode, model, prompt string) (status int, body, answer string, err error) {
-	url, err := n.RouterURL(mode, "/v1/chat/completions")
+	return n.ChatVia(mode+"-decode-router", model, prompt)
+}
+
+// ChatVia is Chat through Service name.
+func (n *Node) ChatVia(name, model, prompt string) (status int, body, answer string, err error) {
+	url, err := n.ServiceURL(name, "/v1/chat/completions")
 	if err != nil {
 		return 0, "", "", err
 	}

@@ -1,0 +1,67 @@
+package realnode_test
+
+import (
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/test/realnode"
+)
+
+// The gateway path as a user sets it up: the Gateway API Inference Extension's CRD, a
+// DecodePool per mode with gateway.inferencePool, and Envoy as a pod configured as GIE's
+// and llm-d's end-to-end tests configure it, its ext_proc the pool's endpoint picker
+// Service. A chat request through Envoy reaches the decode pod the picker chose, whose
+// leg runner runs both legs with the prefill engine the picker named: the answer is the
+// router's for the same prompt, and the agent pod moves the KV.
+func TestAChatRequestThroughEnvoyAndTheEndpointPickerInPushAndPull(t *testing.T) {
+	n, _ := startNode(t, "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", "envoy", realnode.SimEngines.Image)
+	// Before the manager starts, so that it watches InferencePools.
+	if err := n.InstallGatewayCRDs(); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
+		t.Fatal(err)
+	}
+	modes := []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull}
+	for _, mode := range modes {
+		if err := n.CreatePair(bg, realnode.SimEngines, mode, func(d *kvv1.DecodePool) {
+			d.Spec.Gateway.InferencePool = true
+			d.Spec.Gateway.EndpointPickerReplicas = ptr.To[int32](1)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, mode := range modes {
+		waitPair(t, n, strings.ToLower(string(mode)))
+	}
+	before := agentMetric(t, n, "kvhandoff_agent_transferred_bytes_total")
+	for _, m := range modes {
+		mode := strings.ToLower(string(m))
+		pool := &infv1.InferencePool{}
+		if err := n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode"}, pool); err != nil {
+			t.Fatalf("%s: the manager rendered no InferencePool: %v", mode, err)
+		}
+		envoy, err := n.StartGateway(bg, mode, 2*time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		prompt := "Which engine prefilled this " + mode + " request?"
+		status, body, got, err := n.ChatVia(envoy, "sim", prompt)
+		if err != nil || status != http.StatusOK {
+			t.Fatalf("%s through envoy: %d %s %v", mode, status, body, err)
+		}
+		if _, _, want, err := n.Chat(mode, "sim", prompt); err != nil || got != want {
+			t.Errorf("%s: envoy answered %q, the router %q (%v)", mode, got, want, err)
+		}
+	}
+	if after := agentMetric(t, n, "kvhandoff_agent_transferred_bytes_total"); after <= before {
+		t.Errorf("the agent pod moved no KV bytes for the requests through envoy (%v before, %v after)", before, after)
+	}
+}
