@@ -176,29 +176,13 @@ func ids(es []discovery.Engine) []string {
 
 // Run follows src, and scrapes the engines' load, until ctx ends.
 func (s *Server) Run(ctx context.Context, src discovery.Source) error {
-	sets := make(chan *discovery.Set)
-	errc := make(chan error, 1)
-	go func() { errc <- src.Run(ctx, sets) }()
 	if s.cfg.ScrapeInterval > 0 {
 		go s.bal.Follow(ctx, s.client, s.cfg.ScrapeInterval, s.set.Load)
 	}
 	if s.cfg.Gatherer != nil && s.cfg.HealthInterval > 0 {
 		go s.watchHealth(ctx)
 	}
-	for {
-		select {
-		case set := <-sets:
-			s.Update(set)
-		case err := <-errc:
-			if err != nil {
-				return fmt.Errorf("discovering engines: %w", err)
-			}
-			<-ctx.Done()
-			return nil
-		case <-ctx.Done():
-			return nil
-		}
-	}
+	return discovery.Follow(ctx, src, s.Update)
 }
 
 // readyz is ready when at least one prefill and one decode engine can be paired.

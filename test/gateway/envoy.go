@@ -41,6 +41,14 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: gateway
+          # Envoy's own refusals (the picker unreachable, no upstream) say why, as the
+          # picker's (JSON already, left as they are) and the leg runner's do.
+          local_reply_config:
+            mappers:
+            - filter: {header_filter: {header: {name: content-type, string_match: {exact: application/json}}}}
+            - filter: {status_code_filter: {comparison: {op: GE, value: {default_value: 400, runtime_key: local_reply_errors}}}}
+              body_format_override:
+                json_format: {error: {message: "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", code: "%RESPONSE_CODE%"}}
           route_config:
             virtual_hosts:
             - name: pool

@@ -1,7 +1,9 @@
 package gateway
 
 import (
+	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -70,8 +72,11 @@ func TestTheSubsetHintConfinesThePick(t *testing.T) {
 		t.Fatalf("decode legs %v with the hint naming only the second engine", legs)
 	}
 	code, _, body := post(t, st.gateway, "nowhere", map[string]string{"x-test-subset-hint": "127.0.0.99:1"})
-	if code != http.StatusServiceUnavailable || !strings.Contains(body, "subset hint") {
-		t.Fatalf("a hint of no eligible endpoint: %d %s, want 503 naming the subset hint", code, body)
+	var refusal struct {
+		Error struct{ Message string } `json:"error"`
+	}
+	if code != http.StatusServiceUnavailable || json.Unmarshal([]byte(body), &refusal) != nil || !strings.Contains(refusal.Error.Message, "subset hint") {
+		t.Fatalf("a hint of no eligible endpoint: %d %s, want 503 with an OpenAI-shaped error naming the subset hint", code, body)
 	}
 	if legs := st.decodeLegs(); legs[0]+legs[1] != 4 {
 		t.Fatalf("a refused request reached an engine: %v", legs)
@@ -109,6 +114,19 @@ func TestWhenThePickerIsDownTheGatewaysFailureModeAndThePolicyDecide(t *testing.
 			}
 			if c.code == http.StatusServiceUnavailable && !strings.Contains(body, "x-prefiller-host-port") {
 				t.Errorf("the leg runner's refusal does not name the missing header: %s", body)
+			}
+			// Envoy names why it refused a request without a body (local_reply_config); one
+			// whose body it had begun to stream to the picker it refuses with none.
+			if !c.failOpen {
+				resp, err := http.Get(st.gateway + "/v1/models")
+				if err != nil {
+					t.Fatal(err)
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusInternalServerError || !strings.Contains(string(b), "ext_proc_error") {
+					t.Errorf("envoy's refusal of a GET with the picker down: %d %s; want 500 naming ext_proc", resp.StatusCode, b)
+				}
 			}
 		})
 	}

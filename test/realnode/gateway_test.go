@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
@@ -33,7 +32,6 @@ func TestAChatRequestThroughEnvoyAndTheEndpointPickerInPushAndPull(t *testing.T)
 	for _, mode := range modes {
 		if err := n.CreatePair(bg, realnode.SimEngines, mode, func(d *kvv1.DecodePool) {
 			d.Spec.Gateway.InferencePool = true
-			d.Spec.Gateway.EndpointPickerReplicas = ptr.To[int32](1)
 		}); err != nil {
 			t.Fatal(err)
 		}
@@ -63,5 +61,25 @@ func TestAChatRequestThroughEnvoyAndTheEndpointPickerInPushAndPull(t *testing.T)
 	}
 	if after := agentMetric(t, n, "kvhandoff_agent_transferred_bytes_total"); after <= before {
 		t.Errorf("the agent pod moved no KV bytes for the requests through envoy (%v before, %v after)", before, after)
+	}
+
+	// One of the two endpoint picker pods, then the decode engine's pod, deleted under
+	// traffic through Envoy: every request answered or failed by name, and served again
+	// once the pod is back. (The picker drains its streams on SIGTERM and Envoy opens its
+	// next stream to the other replica; with one replica the gateway would refuse requests
+	// until the replacement is ready, and Envoy's refusal of a request whose body it had
+	// begun to stream to the picker carries no body at all.)
+	send := func(prompt string) (int, string, error) {
+		status, body, _, err := n.ChatVia("push-gateway", "sim", prompt)
+		return status, body, err
+	}
+	for _, victim := range []struct {
+		what, selector string
+		max            int
+	}{
+		{"an endpoint picker", kvv1.LabelEndpointPicker + "=push-decode", 1},
+		{"the decode engine", "kvhandoff.io/pool=push-decode,kvhandoff.io/role=decode", 0},
+	} {
+		deleteUnderTraffic(t, n, victim.what, "default", victim.selector, victim.max, send, func() { waitPair(t, n, "push") })
 	}
 }

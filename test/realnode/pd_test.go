@@ -129,71 +129,84 @@ func TestPodsDeletedUnderTrafficFailByNameAndRecover(t *testing.T) {
 		{"the transfer agent", "kvhandoff-node", "app.kubernetes.io/component=transfer-agent"},
 		{"the router", "default", "kvhandoff.io/router=push-decode"},
 	} {
-		stop := make(chan struct{})
-		// A collector drains the results as they come, so that workers failing fast
-		// (a refused connection) never block on a full channel.
-		results := make(chan string, 64)
-		counts, collected := map[string]int{}, make(chan struct{})
-		go func() {
-			defer close(collected)
-			for r := range results {
-				if strings.HasPrefix(r, "hung") || strings.HasPrefix(r, "unnamed") {
-					t.Errorf("%s: a request %s", victim.what, r)
-				}
-				counts[strings.SplitN(r, ":", 2)[0]]++
-			}
-		}()
-		var wg sync.WaitGroup
-		for w := range 4 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := 0; ; i++ {
-					select {
-					case <-stop:
-						return
-					default:
-					}
-					status, body, err := chat(n, "push", fmt.Sprintf("request %d of worker %d while %s goes", i, w, victim.what))
-					switch {
-					case err != nil && strings.Contains(err.Error(), "Client.Timeout"):
-						results <- "hung: " + err.Error()
-					case err != nil:
-						results <- "error: " + err.Error()
-					case status != http.StatusOK && !strings.Contains(body, "message"):
-						results <- fmt.Sprintf("unnamed %d: %s", status, body)
-					case status != http.StatusOK:
-						results <- "failed"
-					default:
-						results <- "ok"
-					}
-				}
-			}()
-		}
-		pods := &corev1.PodList{}
-		sel, _ := labels.Parse(victim.selector)
-		if err := n.Client.List(bg, pods, client.InNamespace(victim.ns), client.MatchingLabelsSelector{Selector: sel}); err != nil || len(pods.Items) == 0 {
-			t.Fatalf("%s: %d pods, %v", victim.what, len(pods.Items), err)
-		}
-		for _, p := range pods.Items {
-			if err := n.Client.Delete(bg, &p); err != nil {
-				t.Fatal(err)
-			}
-		}
-		// Back: the agents Ready with their nodes' label again, the pool Ready again, the
-		// router Service answering again.
-		until(t, victim.what+"'s replacement to serve", 3*time.Minute, func() bool { return n.AgentsServe(bg) })
-		waitPair(t, n, "push")
-		until(t, "a request to succeed after "+victim.what+" came back", 2*time.Minute, func() bool {
-			status, _, err := chat(n, "push", "after "+victim.what)
-			return err == nil && status == http.StatusOK
+		send := func(prompt string) (int, string, error) { return chat(n, "push", prompt) }
+		deleteUnderTraffic(t, n, victim.what, victim.ns, victim.selector, 0, send, func() {
+			// Back: the agents Ready with their nodes' label again, the pool Ready again,
+			// the router Service answering again.
+			until(t, victim.what+"'s replacement to serve", 3*time.Minute, func() bool { return n.AgentsServe(bg) })
+			waitPair(t, n, "push")
 		})
-		close(stop)
-		wg.Wait()
-		close(results)
-		<-collected
-		t.Logf("%s deleted under traffic: %v", victim.what, counts)
 	}
+}
+
+// deleteUnderTraffic deletes the pods of selector in ns (the first max of them; 0: all)
+// while four workers send requests with send; every request must be answered or fail by
+// name (an HTTP status with a message, or a refused connection), never hang. back waits
+// until the pods' replacements serve; then a request through send must succeed again.
+func deleteUnderTraffic(t *testing.T, n *realnode.Node, what, ns, selector string, max int, send func(prompt string) (int, string, error), back func()) {
+	t.Helper()
+	stop := make(chan struct{})
+	// A collector drains the results as they come, so that workers failing fast (a
+	// refused connection) never block on a full channel.
+	results := make(chan string, 64)
+	counts, collected := map[string]int{}, make(chan struct{})
+	go func() {
+		defer close(collected)
+		for r := range results {
+			if strings.HasPrefix(r, "hung") || strings.HasPrefix(r, "unnamed") {
+				t.Errorf("%s: a request %s", what, r)
+			}
+			counts[strings.SplitN(r, ":", 2)[0]]++
+		}
+	}()
+	var wg sync.WaitGroup
+	for w := range 4 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				status, body, err := send(fmt.Sprintf("request %d of worker %d while %s goes", i, w, what))
+				switch {
+				case err != nil && strings.Contains(err.Error(), "Client.Timeout"):
+					results <- "hung: " + err.Error()
+				case err != nil:
+					results <- "error: " + err.Error()
+				case status != http.StatusOK && !strings.Contains(body, "message"):
+					results <- fmt.Sprintf("unnamed %d: %s", status, body)
+				case status != http.StatusOK:
+					results <- "failed"
+				default:
+					results <- "ok"
+				}
+			}
+		})
+	}
+	pods := &corev1.PodList{}
+	sel, _ := labels.Parse(selector)
+	if err := n.Client.List(bg, pods, client.InNamespace(ns), client.MatchingLabelsSelector{Selector: sel}); err != nil || len(pods.Items) == 0 {
+		t.Fatalf("%s: %d pods, %v", what, len(pods.Items), err)
+	}
+	if max > 0 {
+		pods.Items = pods.Items[:min(max, len(pods.Items))]
+	}
+	for _, p := range pods.Items {
+		if err := n.Client.Delete(bg, &p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	back()
+	until(t, "a request to succeed after "+what+" came back", 2*time.Minute, func() bool {
+		status, _, err := send("after " + what)
+		return err == nil && status == http.StatusOK
+	})
+	close(stop)
+	wg.Wait()
+	close(results)
+	<-collected
+	t.Logf("%s deleted under traffic: %v", what, counts)
 }
 
 func agentMetric(t *testing.T, n *realnode.Node, name string) float64 {

@@ -107,3 +107,25 @@ type Source interface {
 	// Run sends sets to out until ctx ends or the source fails for good.
 	Run(ctx context.Context, out chan<- *Set) error
 }
+
+// Follow runs src and hands every set it sends to update, until ctx ends (nil) or src
+// fails for good.
+func Follow(ctx context.Context, src Source, update func(*Set)) error {
+	sets := make(chan *Set)
+	errc := make(chan error, 1)
+	go func() { errc <- src.Run(ctx, sets) }()
+	for {
+		select {
+		case set := <-sets:
+			update(set)
+		case err := <-errc:
+			if err != nil {
+				return fmt.Errorf("discovering engines: %w", err)
+			}
+			<-ctx.Done()
+			return nil
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}

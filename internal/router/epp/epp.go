@@ -150,27 +150,11 @@ func (s *Server) Update(set *discovery.Set) {
 
 // Run follows src, and scrapes the engines' load, until ctx ends.
 func (s *Server) Run(ctx context.Context, src discovery.Source, client *http.Client) error {
-	sets := make(chan *discovery.Set)
-	errc := make(chan error, 1)
-	go func() { errc <- src.Run(ctx, sets) }()
 	if s.cfg.ScrapeInterval > 0 {
 		go s.bal.Follow(ctx, client, s.cfg.ScrapeInterval, s.set.Load)
 	}
-	for {
-		select {
-		case set := <-sets:
-			s.Update(set)
-		case err := <-errc:
-			if err != nil {
-				return fmt.Errorf("discovering engines: %w", err)
-			}
-			<-ctx.Done()
-			return nil
-		case <-ctx.Done():
-			s.health.Shutdown()
-			return nil
-		}
-	}
+	defer s.health.Shutdown() // NOT_SERVING from the moment the picker stops
+	return discovery.Follow(ctx, src, s.Update)
 }
 
 // Endpoint is where the gateway sends a decode engine's requests: its pod address on the
