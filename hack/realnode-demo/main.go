@@ -138,7 +138,7 @@ func run(ctx context.Context) error {
 	if err := kubectl("get", "inferencepools,deployments,services", "-l", "app.kubernetes.io/instance=push-decode"); err != nil {
 		return err
 	}
-	gw, err := n.StartGateway(ctx, "push", 2*time.Minute)
+	gw, err := n.StartGateway(ctx, "push", realnode.SimEngines.Model, 2*time.Minute)
 	if err != nil {
 		return fmt.Errorf("%w\n%s", err, n.LogTail(20))
 	}

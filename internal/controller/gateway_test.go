@@ -43,6 +43,7 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 
 		Eventually(func() metav1.Condition { return condition(d, kvv1.ConditionInferencePoolReady) }).Should(And(
 			HaveField("Status", metav1.ConditionFalse), HaveField("Reason", kvv1.ReasonInferencePoolCRDMissing)))
+		expectEvent(d, kvv1.ReasonInferencePoolCRDMissing)
 		// Informational: the pool still serves through its router.
 		Expect(condition(d, kvv1.ConditionDegraded).Status).To(Equal(metav1.ConditionFalse))
 	})
@@ -79,6 +80,7 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 		Eventually(func() metav1.Condition { return condition(d, kvv1.ConditionInferencePoolReady) }).Should(And(
 			HaveField("Status", metav1.ConditionFalse), HaveField("Reason", kvv1.ReasonNotAccepted),
 			HaveField("Message", ContainSubstring(ns+"/inference-gateway: Accepted NotSupportedByParent"))))
+		expectEvent(d, kvv1.ReasonNotAccepted)
 		report(metav1.ConditionTrue, "Accepted")
 		Eventually(func() metav1.Condition { return condition(d, kvv1.ConditionInferencePoolReady) }).Should(And(
 			HaveField("Status", metav1.ConditionTrue), HaveField("Reason", kvv1.ReasonInferencePoolAccepted)))

@@ -203,7 +203,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 type event struct{ kind, reason, action, message string }
 
 // statusEvents are the events a status change from old to cur tells a user: a warning
-// that appeared, and each Ready, Degraded, Paired or TransferHealthy condition whose
+// that appeared, and each Ready, Degraded, Paired, TransferHealthy or InferencePoolReady condition whose
 // status or reason changed (what a user watching `kubectl get events` needs to see).
 // Ready and Degraded that only follow TransferHealthy's reason are not told again: one
 // transfer problem is one Warning event. Keyed on the saved
@@ -217,7 +217,7 @@ func statusEvents(old, cur *kvv1.PoolStatus) []event {
 		}
 	}
 	transfer := meta.FindStatusCondition(cur.Conditions, kvv1.ConditionTransferHealthy)
-	for _, t := range []string{kvv1.ConditionReady, kvv1.ConditionDegraded, kvv1.ConditionPaired, kvv1.ConditionTransferHealthy} {
+	for _, t := range []string{kvv1.ConditionReady, kvv1.ConditionDegraded, kvv1.ConditionPaired, kvv1.ConditionTransferHealthy, kvv1.ConditionInferencePoolReady} {
 		c := meta.FindStatusCondition(cur.Conditions, t)
 		if c == nil {
 			continue

@@ -1,8 +1,11 @@
 package realnode
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"time"
 
@@ -23,8 +26,8 @@ func (n *Node) InstallGatewayCRDs() error { return envtest.InstallGatewayCRDs(n.
 // StartGateway runs Envoy (the envoy image, a static configuration as GIE's and llm-d's
 // end-to-end tests use) in front of a mode's DecodePool with gateway.inferencePool: its
 // ext_proc is the pool's endpoint picker Service, FailClose. It returns the name of the
-// Service in front of Envoy once a chat request through it is answered.
-func (n *Node) StartGateway(ctx context.Context, mode string, limit time.Duration) (string, error) {
+// Service in front of Envoy once a completion for model through it is answered.
+func (n *Node) StartGateway(ctx context.Context, mode, model string, limit time.Duration) (string, error) {
 	name := mode + "-gateway"
 	epp := &corev1.Service{}
 	err := wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, limit, true, func(ctx context.Context) (bool, error) {
@@ -62,13 +65,22 @@ func (n *Node) StartGateway(ctx context.Context, mode string, limit time.Duratio
 			return "", fmt.Errorf("creating %T %s: %w", o, name, err)
 		}
 	}
+	url, err := n.ServiceURL(name, "/v1/completions")
+	if err != nil {
+		return "", err
+	}
+	req, _ := json.Marshal(map[string]any{"model": model, "prompt": "ready?", "max_tokens": 1})
 	var last string
 	err = wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, limit, true, func(ctx context.Context) (bool, error) {
-		status, body, _, err := n.ChatVia(name, "sim", "ready?")
-		if last = body; err != nil {
+		resp, err := n.HTTPClient(url, 30*time.Second).Post(url, "application/json", bytes.NewReader(req))
+		if err != nil {
 			last = err.Error()
+			return false, nil
 		}
-		return err == nil && status == http.StatusOK, nil
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		last = resp.Status + " " + string(b)
+		return resp.StatusCode == http.StatusOK, nil
 	})
 	if err != nil {
 		return "", fmt.Errorf("%s: envoy did not answer within %s: %w; last %s", mode, limit, err, last)

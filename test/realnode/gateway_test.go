@@ -20,22 +20,8 @@ import (
 // leg runner runs both legs with the prefill engine the picker named: the answer is the
 // router's for the same prompt, and the agent pod moves the KV.
 func TestAChatRequestThroughEnvoyAndTheEndpointPickerInPushAndPull(t *testing.T) {
-	n, _ := startNode(t, "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", "envoy", realnode.SimEngines.Image)
-	// Before the manager starts, so that it watches InferencePools.
-	if err := n.InstallGatewayCRDs(); err != nil {
-		t.Fatal(err)
-	}
-	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
-		t.Fatal(err)
-	}
 	modes := []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull}
-	for _, mode := range modes {
-		if err := n.CreatePair(bg, realnode.SimEngines, mode, func(d *kvv1.DecodePool) {
-			d.Spec.Gateway.InferencePool = true
-		}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	n := createPairsBehindGateways(t, realnode.SimEngines, modes...)
 	for _, mode := range modes {
 		waitPair(t, n, strings.ToLower(string(mode)))
 	}
@@ -46,7 +32,7 @@ func TestAChatRequestThroughEnvoyAndTheEndpointPickerInPushAndPull(t *testing.T)
 		if err := n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: mode + "-decode"}, pool); err != nil {
 			t.Fatalf("%s: the manager rendered no InferencePool: %v", mode, err)
 		}
-		envoy, err := n.StartGateway(bg, mode, 2*time.Minute)
+		envoy, err := n.StartGateway(bg, mode, "sim", 2*time.Minute)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -82,4 +68,24 @@ func TestAChatRequestThroughEnvoyAndTheEndpointPickerInPushAndPull(t *testing.T)
 	} {
 		deleteUnderTraffic(t, n, victim.what, "default", victim.selector, victim.max, send, func() { waitPair(t, n, "push") })
 	}
+}
+
+// createPairsBehindGateways is createPairs with the gateway path: the InferencePool CRD
+// (before the manager starts, so that it watches InferencePools), the envoy image, and
+// each DecodePool with gateway.inferencePool.
+func createPairsBehindGateways(t *testing.T, e realnode.Engines, modes ...kvv1.TransferMode) *realnode.Node {
+	t.Helper()
+	n, _ := startNode(t, "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", "envoy", e.Image)
+	if err := n.InstallGatewayCRDs(); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
+		t.Fatal(err)
+	}
+	for _, mode := range modes {
+		if err := n.CreatePair(bg, e, mode, func(d *kvv1.DecodePool) { d.Spec.Gateway.InferencePool = true }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return n
 }

@@ -50,12 +50,13 @@ var vllmPrompts = []string{
 
 // Real vLLM engines as pods: the engine image carries vLLM's CPU backend and the tiny
 // model, the connector comes from the rendered init container, and the command line is
-// the manager's. Through each mode's router Service, greedy generation returns the token
-// ids of one engine alone (a plain pod of the same image, no connector), and the agent
-// pod moved the KV of each mode.
+// the manager's. Through each mode's router Service, and through Envoy, the DecodePool's
+// endpoint picker and its decode pod's leg runner, greedy generation returns the token ids
+// of one engine alone (a plain pod of the same image, no connector), and the agent pod
+// moved the KV of each mode.
 func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 	start := time.Now()
-	n := createPairs(t, vllmEngines, kvv1.TransferPush, kvv1.TransferPull)
+	n := createPairsBehindGateways(t, vllmEngines, kvv1.TransferPush, kvv1.TransferPull)
 	created := time.Now()
 	alone := engineAlone(t, n)
 	waitPair(t, n, "push")
@@ -66,21 +67,27 @@ func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 	for _, mode := range []string{"push", "pull"} {
 		series := fmt.Sprintf("kvhandoff_agent_transferred_bytes_total{mode=%q}", mode)
 		before := agentMetric(t, n, series)
+		gw, err := n.StartGateway(bg, mode, "m", 3*time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
 		for _, p := range vllmPrompts {
 			want, err := completion(n, alone, p)
 			if err != nil {
 				t.Fatalf("the engine alone: %v", err)
 			}
-			url, err := n.RouterURL(mode, "/v1/completions")
-			if err != nil {
-				t.Fatal(err)
-			}
-			got, err := completion(n, url, p)
-			if err != nil {
-				t.Fatalf("%s through the router Service: %v", mode, err)
-			}
-			if !slices.Equal(got, want) {
-				t.Errorf("%s: prompt %.30q: %v through the pools, %v from one engine alone", mode, p, got, want)
+			for _, via := range []string{mode + "-decode-router", gw} {
+				url, err := n.ServiceURL(via, "/v1/completions")
+				if err != nil {
+					t.Fatal(err)
+				}
+				got, err := completion(n, url, p)
+				if err != nil {
+					t.Fatalf("%s through %s: %v", mode, via, err)
+				}
+				if !slices.Equal(got, want) {
+					t.Errorf("%s through %s: prompt %.30q: %v through the pools, %v from one engine alone", mode, via, p, got, want)
+				}
 			}
 		}
 		if after := agentMetric(t, n, series); after <= before {
