@@ -3,6 +3,7 @@ package agent_test
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -228,7 +229,8 @@ func (k *cluster) startRouter(pool, name string) (addr, admin string) {
 	}
 	rs := &appsv1.ReplicaSet{
 		ObjectMeta: metav1.ObjectMeta{Name: name[:strings.LastIndexByte(name, '-')], Namespace: "default",
-			Labels: map[string]string{kvv1.LabelRouter: pool}, OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(dep, appsv1.SchemeGroupVersion.WithKind("Deployment"))}},
+			// As the Deployment controller labels them: the pod template's labels.
+			Labels: maps.Clone(dep.Spec.Template.Labels), OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(dep, appsv1.SchemeGroupVersion.WithKind("Deployment"))}},
 		Spec: appsv1.ReplicaSetSpec{Selector: dep.Spec.Selector, Template: dep.Spec.Template},
 	}
 	if err := k.env.Client.Create(bg, rs); err != nil {
