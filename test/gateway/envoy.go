@@ -41,6 +41,7 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: gateway
+          http_protocol_options: {enable_trailers: true}
           # Envoy's own refusals (the picker unreachable, no upstream) say why, as the
           # picker's (JSON already, left as they are) and the leg runner's do.
           local_reply_config:

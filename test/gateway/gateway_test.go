@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router"
@@ -185,5 +186,34 @@ func TestTheLegRunnerDialsOnlyEnginesOfItsPrefillPool(t *testing.T) {
 	}
 	if n := counter(st.legRegs[0], "kvhandoff_router_unknown_prefill_named_total", ""); n != 1 {
 		t.Errorf("%v requests counted as naming an unknown prefill engine, want 1", n)
+	}
+}
+
+// A body that ends with trailers (chunked HTTP/1.1 here) is routed once they arrive, and
+// reaches the engines whole.
+func TestABodyEndingWithTrailersIsRouted(t *testing.T) {
+	st := startStack(t, options{mode: kvv1.TransferPush, policy: kvv1.HandoffFailureFail})
+	pr, pw := io.Pipe()
+	go func() {
+		_, _ = pw.Write([]byte(`{"model":"tiny","prompt":"trailers","max_tokens":8}`))
+		pw.Close()
+	}()
+	req, err := http.NewRequest(http.MethodPost, st.gateway+"/v1/completions", pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Trailer = http.Header{"X-Checksum": {"abc"}}
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if _, _, want := post(t, st.router, "trailers", nil); !strings.Contains(string(b), want) {
+		t.Fatalf("through envoy %s; the router answers %q", b, want)
 	}
 }

@@ -32,6 +32,8 @@ type stream struct {
 	// body, so that it can still fail open when the picker is gone.
 	modes  *extprocv3.ProtocolConfiguration
 	body   []byte
+	// trailers: the request's body ends with trailers, not with a last chunk marked so.
+	trailers bool
 	slot   bool
 	picked *picked
 	served string
@@ -73,6 +75,17 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 		}
 		return r.route(protocol.PromptTokens(parsed), true)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
+		if r.picked == nil && !r.buffered() {
+			// The body ended with trailers: route now, then answer them.
+			r.trailers = true
+			parsed, err := protocol.Parse(r.body)
+			if err != nil {
+				return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
+			}
+			if done, err := r.route(protocol.PromptTokens(parsed), true); done || err != nil {
+				return done, err
+			}
+		}
 		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
 			RequestTrailers: &extprocv3.TrailersResponse{}}})
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
@@ -143,7 +156,7 @@ func (r *stream) route(tokens int, hasBody bool) (bool, error) {
 	for i := 0; ; i += chunk {
 		end := min(i+chunk, len(r.body))
 		resp := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
-			RequestBody: &extprocv3.BodyResponse{Response: streamed(r.body[i:end], end == len(r.body))}}}
+			RequestBody: &extprocv3.BodyResponse{Response: streamed(r.body[i:end], end == len(r.body) && !r.trailers)}}}
 		if err := r.srv.Send(resp); err != nil {
 			return false, err
 		}
