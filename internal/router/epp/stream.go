@@ -30,13 +30,13 @@ type stream struct {
 	// FULL_DUPLEX_STREAMED, where the picker answers the headers after the body and hands
 	// the body back, or BUFFERED, where Envoy waits for each answer in turn and keeps the
 	// body, so that it can still fail open when the picker is gone.
-	modes  *extprocv3.ProtocolConfiguration
-	body   []byte
+	modes *extprocv3.ProtocolConfiguration
+	body  []byte
 	// trailers: the request's body ends with trailers, not with a last chunk marked so.
 	trailers bool
-	slot   bool
-	picked *picked
-	served string
+	slot     bool
+	picked   *picked
+	served   string
 }
 
 // handle answers one message from the gateway; done ends the stream (an immediate
