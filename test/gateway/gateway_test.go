@@ -217,3 +217,35 @@ func TestABodyEndingWithTrailersIsRouted(t *testing.T) {
 		t.Fatalf("through envoy %s; the router answers %q", b, want)
 	}
 }
+
+// Several target ports per pod, as data-parallel ranks: each (pod, port) is an endpoint of
+// its own, the picker spreads an engine's requests over its ranks, and the gateway sends
+// each request to exactly the rank the picker chose (Envoy reports the one that served it).
+func TestRanksOnSeveralTargetPortsAreEndpointsOfTheirOwn(t *testing.T) {
+	st := startStack(t, options{mode: kvv1.TransferPush, policy: kvv1.HandoffFailureFail, ranks: 2})
+	const n = 12
+	for i := range n {
+		if code, _, body := post(t, st.gateway, fmt.Sprintf("rank %d", i), nil); code != http.StatusOK {
+			t.Fatalf("%d %s", code, body)
+		}
+	}
+	served := make([]float64, len(st.legRegs))
+	total := 0.0
+	for i, reg := range st.legRegs {
+		served[i] = counter(reg, "kvhandoff_router_requests_total", "push")
+		total += served[i]
+	}
+	if total != n {
+		t.Fatalf("the leg runners served %v requests (%v), want %d", total, served, n)
+	}
+	for i, c := range served {
+		if c == 0 {
+			t.Errorf("leg runner %d (decode engine %d, rank %d) got no request: %v", i, i/2, i%2, served)
+		}
+	}
+	// Envoy reports the endpoint that served each response once the stream ends.
+	waitFor(t, "the gateway's report of every served endpoint", func() bool { return counter(st.eppReg, "kvhandoff_epp_served_total", "") == n })
+	if first := counter(st.eppReg, "kvhandoff_epp_served_total", "first"); first != n {
+		t.Errorf("%v of %d responses served by the endpoint picked", first, n)
+	}
+}

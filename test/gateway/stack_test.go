@@ -6,11 +6,13 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -52,6 +54,7 @@ type options struct {
 	failOpen bool
 	bodyMode string        // ext_proc's request body mode (default FULL_DUPLEX_STREAMED)
 	inFlight int           // the EPP's MaxInFlight (0: its default)
+	ranks    int           // leg-runner ports per decode pod, as data-parallel ranks (0: 1)
 	tpot     time.Duration // decode engines' time per token
 }
 
@@ -60,9 +63,12 @@ type options struct {
 // for comparison.
 type stack struct {
 	prefill, decode []*engine
-	legPort         int
-	legRunners      []string // each decode engine's leg runner, reached directly
-	legRegs         []*prometheus.Registry
+	legPort         int   // the first of legPorts
+	legPorts        []int // the InferencePool's target ports
+	// legRunners and legRegs: each decode engine's leg runner on each port, reached
+	// directly (decode engine by decode engine).
+	legRunners []string
+	legRegs    []*prometheus.Registry
 	epp             *epp.Server
 	eppReg          *prometheus.Registry
 	eppGRPC         *grpc.Server
@@ -85,19 +91,26 @@ func startStack(t testing.TB, o options) *stack {
 		st.set.Decode = append(st.set.Decode, st.decode[i].Engine)
 	}
 
-	// One leg-runner port on every decode pod, as the InferencePool's targetPort.
-	st.legPort = freePort(t, st.decode[0].host)
+	// The same leg-runner ports on every decode pod, as the InferencePool's target ports:
+	// one per data-parallel rank, each its own leg runner (here in front of the pod's one
+	// engine).
+	for range max(o.ranks, 1) {
+		st.legPorts = append(st.legPorts, freePort(t, st.decode[0].host))
+	}
+	st.legPort = st.legPorts[0]
 	var pool []HostPort
 	for _, d := range st.decode {
-		cfg := router.Defaults()
-		cfg.ScrapeInterval, cfg.Local = 0, d.URL
-		reg := prometheus.NewRegistry()
-		cfg.Registry, cfg.Gatherer = reg, reg
-		r := router.New(cfg)
-		r.Update(st.set)
-		st.legRunners = append(st.legRunners, serve(t, d.host, st.legPort, r))
-		st.legRegs = append(st.legRegs, reg)
-		pool = append(pool, HostPort{d.host, st.legPort})
+		for _, port := range st.legPorts {
+			cfg := router.Defaults()
+			cfg.ScrapeInterval, cfg.Local = 0, d.URL
+			reg := prometheus.NewRegistry()
+			cfg.Registry, cfg.Gatherer = reg, reg
+			r := router.New(cfg)
+			r.Update(st.set)
+			st.legRunners = append(st.legRunners, serve(t, d.host, port, r))
+			st.legRegs = append(st.legRegs, reg)
+			pool = append(pool, HostPort{d.host, port})
+		}
 	}
 	rcfg := router.Defaults()
 	rcfg.ScrapeInterval = 0
@@ -106,7 +119,10 @@ func startStack(t testing.TB, o options) *stack {
 	st.router = serve(t, "127.0.0.1", 0, r)
 
 	cfg := epp.Defaults()
-	cfg.LegRunnerPort, cfg.ScrapeInterval = int32(st.legPort), 0
+	cfg.LegRunnerPorts, cfg.ScrapeInterval = nil, 0
+	for _, p := range st.legPorts {
+		cfg.LegRunnerPorts = append(cfg.LegRunnerPorts, int32(p))
+	}
 	if o.inFlight > 0 {
 		cfg.MaxInFlight = o.inFlight
 	}
@@ -174,21 +190,21 @@ func (st *stack) eppCount(outcome string) float64 {
 	return counter(st.eppReg, "kvhandoff_epp_requests_total", outcome)
 }
 
-// counter is a counter's value in reg: the series whose first label is label, or the
-// one series of an unlabelled counter ("").
+// counter sums a counter's series in reg that have a label of value label ("": all).
 func counter(reg *prometheus.Registry, name, label string) float64 {
 	mfs, _ := reg.Gather()
+	sum := 0.0
 	for _, mf := range mfs {
 		if mf.GetName() != name {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
-			if label == "" || (len(m.GetLabel()) > 0 && m.GetLabel()[0].GetValue() == label) {
-				return m.GetCounter().GetValue()
+			if label == "" || slices.ContainsFunc(m.GetLabel(), func(l *dto.LabelPair) bool { return l.GetValue() == label }) {
+				sum += m.GetCounter().GetValue()
 			}
 		}
 	}
-	return 0
+	return sum
 }
 
 // listener is an address no request should reach, and a check of whether one did.

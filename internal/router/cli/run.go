@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -36,12 +37,16 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	listen := fs.String("listen", ":8000", "address of the OpenAI API, /healthz and /readyz: the clients' side (epp: its gRPC ext_proc and health services)")
 	local := fs.String("local", "", "leg-runner: this pod's decode engine: its IP ($(POD_IP); the engine's API on its pod's port), or its URL")
 	eppCfg := epp.Defaults()
-	fs.Func("leg-runner-port", fmt.Sprintf("epp: the decode pods' leg-runner port, where the gateway sends requests (default %d)", eppCfg.LegRunnerPort), func(v string) error {
-		n, err := strconv.ParseInt(v, 10, 32)
-		if err != nil || n < 1 || n > 65535 {
-			return fmt.Errorf("must be a port number, 1 to 65535")
+	fs.Func("leg-runner-port", fmt.Sprintf("epp: the decode pods' leg-runner port, where the gateway sends requests (default %d); a comma-separated "+
+		"list for data-parallel ranks, one endpoint each (the InferencePool's target ports)", eppCfg.LegRunnerPorts[0]), func(v string) error {
+		eppCfg.LegRunnerPorts = nil
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.ParseInt(strings.TrimSpace(f), 10, 32)
+			if err != nil || n < 1 || n > 65535 {
+				return fmt.Errorf("%q: must be a port number, 1 to 65535", f)
+			}
+			eppCfg.LegRunnerPorts = append(eppCfg.LegRunnerPorts, int32(n))
 		}
-		eppCfg.LegRunnerPort = int32(n)
 		return nil
 	})
 	fs.IntVar(&eppCfg.Fallbacks, "fallbacks", eppCfg.Fallbacks, "epp: decode endpoints listed after the first, for a gateway that retries down the list")

@@ -20,7 +20,9 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -62,9 +64,10 @@ var routingHeaders = []string{DestinationHeader, PrefillHeader}
 
 // Config is the picker's behaviour.
 type Config struct {
-	// LegRunnerPort is the decode pods' leg-runner port: the endpoints the gateway gets
-	// are each decode engine's pod address on it.
-	LegRunnerPort int32
+	// LegRunnerPorts are the decode pods' leg-runner ports, the InferencePool's target
+	// ports: one per data-parallel rank, each its own endpoint (its pod address on the
+	// port). One for engines without data parallelism.
+	LegRunnerPorts []int32
 	// Fallbacks is how many more decode endpoints follow the first, for a gateway that
 	// retries down the list. 0 for Envoy's ORIGINAL_DST cluster, which takes one endpoint
 	// (a list there is no destination at all).
@@ -82,7 +85,7 @@ type Config struct {
 
 // Defaults are the picker's defaults.
 func Defaults() Config {
-	return Config{LegRunnerPort: 8100, MaxBodyBytes: 32 << 20, MaxInFlight: 4096, ScrapeInterval: time.Second}
+	return Config{LegRunnerPorts: []int32{8100}, MaxBodyBytes: 32 << 20, MaxInFlight: 4096, ScrapeInterval: time.Second}
 }
 
 // Server picks endpoints over the engines of the latest Set.
@@ -96,6 +99,12 @@ type Server struct {
 	health *health.Server
 	m      *metrics
 	slots  chan struct{}
+
+	mu sync.Mutex
+	// onEndpoint counts the picks not yet finished per endpoint, to spread an engine's
+	// requests over its ranks; turns, per engine, breaks ties.
+	onEndpoint map[string]int
+	turns      map[string]int
 }
 
 // New returns a picker with no engines: it answers 503 and reports NOT_SERVING for
@@ -109,8 +118,11 @@ func New(cfg Config) *Server {
 	}
 	m := newMetrics(cfg.Registry)
 	bal := balance.New(5 * max(cfg.ScrapeInterval, time.Second))
+	if len(cfg.LegRunnerPorts) == 0 {
+		cfg.LegRunnerPorts = Defaults().LegRunnerPorts
+	}
 	s := &Server{cfg: cfg, bal: bal, choose: choice.New(bal, m.inflight), health: health.NewServer(), m: m,
-		slots: make(chan struct{}, max(cfg.MaxInFlight, 1))}
+		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)), onEndpoint: map[string]int{}, turns: map[string]int{}}
 	s.health.SetServingStatus(Liveness, healthpb.HealthCheckResponse_SERVING)
 	for _, svc := range []string{Readiness, extprocv3.ExternalProcessor_ServiceDesc.ServiceName} {
 		s.health.SetServingStatus(svc, healthpb.HealthCheckResponse_NOT_SERVING)
@@ -139,6 +151,13 @@ func (s *Server) Update(set *discovery.Set) {
 	}
 	s.set.Store(set)
 	s.choose.Forget(set)
+	s.mu.Lock()
+	for id := range s.turns {
+		if !slices.ContainsFunc(set.Decode, func(e discovery.Engine) bool { return e.EngineID == id }) {
+			delete(s.turns, id)
+		}
+	}
+	s.mu.Unlock()
 	st := healthpb.HealthCheckResponse_SERVING
 	if _, _, why := choice.Pairable(set, nil); why != "" {
 		st = healthpb.HealthCheckResponse_NOT_SERVING
@@ -157,10 +176,45 @@ func (s *Server) Run(ctx context.Context, src discovery.Source, client *http.Cli
 	return discovery.Follow(ctx, src, s.Update)
 }
 
-// Endpoint is where the gateway sends a decode engine's requests: its pod address on the
-// leg-runner port.
-func (s *Server) Endpoint(e discovery.Engine) string {
-	return net.JoinHostPort(urlHost(e.URL), strconv.Itoa(int(s.cfg.LegRunnerPort)))
+// Endpoints are where the gateway may send a decode engine's requests: its pod address on
+// each leg-runner port.
+func (s *Server) Endpoints(e discovery.Engine) []string {
+	out := make([]string, len(s.cfg.LegRunnerPorts))
+	for i, p := range s.cfg.LegRunnerPorts {
+		out[i] = net.JoinHostPort(urlHost(e.URL), strconv.Itoa(int(p)))
+	}
+	return out
+}
+
+// endpoint takes the endpoint of e (among allowed, nil: any) with the fewest picks
+// unfinished, counting one more on it until the returned release.
+func (s *Server) endpoint(e discovery.Engine, allowed map[string]bool) (string, func()) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	best, n := "", 0
+	eps := s.Endpoints(e)
+	turn := s.turns[e.EngineID]
+	s.turns[e.EngineID] = turn + 1
+	for i := range eps {
+		ep := eps[(turn+i)%len(eps)]
+		if allowed != nil && !allowed[ep] {
+			continue
+		}
+		if c := s.onEndpoint[ep]; best == "" || c < n {
+			best, n = ep, c
+		}
+	}
+	s.onEndpoint[best]++
+	var once sync.Once
+	return best, func() {
+		once.Do(func() {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			if s.onEndpoint[best]--; s.onEndpoint[best] == 0 {
+				delete(s.onEndpoint, best)
+			}
+		})
+	}
 }
 
 // PrefillAddress is the prefill engine as the leg runner finds it: its API's host:port.
@@ -210,7 +264,7 @@ func (s *Server) pick(subset map[string]bool, tokens int) (*picked, error) {
 	if subset != nil {
 		var in []discovery.Engine
 		for _, d := range decodes {
-			if subset[s.Endpoint(d)] {
+			if slices.ContainsFunc(s.Endpoints(d), func(ep string) bool { return subset[ep] }) {
 				in = append(in, d)
 			}
 		}
@@ -221,34 +275,22 @@ func (s *Server) pick(subset map[string]bool, tokens int) (*picked, error) {
 		decodes = in
 	}
 	p, d := s.choose.Push(prefills, decodes, tokens)
-	out := &picked{destinations: []string{s.Endpoint(d.Engine)}, prefill: PrefillAddress(p.Engine),
-		release: func() { p.Release(); d.Release() }}
+	ep, releaseEP := s.endpoint(d.Engine, subset)
+	out := &picked{destinations: []string{ep}, prefill: PrefillAddress(p.Engine),
+		release: func() { p.Release(); d.Release(); releaseEP() }}
 	// Fallbacks: other decode engines of the same compat-hash, best first, so that the
 	// prefill engine named for the first pairs with each of them too.
-	rest := choice.SameHash(decodes, d.CompatHash)
+	others := slices.DeleteFunc(slices.Clone(choice.SameHash(decodes, d.CompatHash)), func(e discovery.Engine) bool { return e.EngineID == d.EngineID })
 	for len(out.destinations) <= s.cfg.Fallbacks {
-		var others []discovery.Engine
-		for _, e := range rest {
-			if !contains(out.destinations, s.Endpoint(e)) {
-				others = append(others, e)
-			}
-		}
 		e, ok := s.bal.Pick(balance.Decode, others)
 		if !ok {
 			break
 		}
-		out.destinations = append(out.destinations, s.Endpoint(e))
+		others = slices.DeleteFunc(others, func(o discovery.Engine) bool { return o.EngineID == e.EngineID })
+		eps := slices.DeleteFunc(s.Endpoints(e), func(ep string) bool { return subset != nil && !subset[ep] })
+		out.destinations = append(out.destinations, eps[0])
 	}
 	return out, nil
-}
-
-func contains(xs []string, x string) bool {
-	for _, y := range xs {
-		if y == x {
-			return true
-		}
-	}
-	return false
 }
 
 // Process serves one request's ext_proc stream. Envoy sends the request's headers, its

@@ -75,7 +75,7 @@ func TestHealthFollowsWhetherAPairExists(t *testing.T) {
 // pairs with them all. The header and the metadata carry the same list.
 func TestFallbacksAreDecodeEnginesOfTheFirstsCompatHash(t *testing.T) {
 	cfg := epp.Defaults()
-	cfg.Fallbacks, cfg.LegRunnerPort, cfg.ScrapeInterval = 2, 8100, 0
+	cfg.Fallbacks, cfg.LegRunnerPorts, cfg.ScrapeInterval = 2, []int32{8100}, 0
 	s, conn := serve(t, cfg)
 	s.Update(&discovery.Set{Mode: kvv1.TransferPush, Source: "test",
 		Prefill: []discovery.Engine{engine("p", "198.18.0.1", "a")},

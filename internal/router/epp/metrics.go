@@ -17,7 +17,7 @@ const (
 type metrics struct {
 	requests  *prometheus.CounterVec
 	pick      prometheus.Histogram
-	fallbacks prometheus.Counter
+	served    *prometheus.CounterVec
 	inflight  *prometheus.GaugeVec
 }
 
@@ -30,13 +30,13 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "kvhandoff_epp_pick_seconds", Help: "From a request's headers at the picker to its routing answer (includes receiving the body).",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16),
 		}),
-		fallbacks: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kvhandoff_epp_served_by_fallback_total", Help: "Responses the gateway reports served by a decode endpoint other than the first picked.",
-		}),
+		served: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvhandoff_epp_served_total", Help: "Responses whose serving endpoint the gateway reported, by whether it was the first picked (first) or another (fallback).",
+		}, []string{"by"}),
 		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvhandoff_epp_inflight", Help: "Requests picked for and not yet finished, by role and engine.",
 		}, []string{"role", "engine"}),
 	}
-	reg.MustRegister(m.requests, m.pick, m.fallbacks, m.inflight)
+	reg.MustRegister(m.requests, m.pick, m.served, m.inflight)
 	return m
 }

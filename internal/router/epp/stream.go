@@ -198,8 +198,11 @@ func (r *stream) refuse(rf *refusal) (bool, error) {
 func (r *stream) finish() {
 	if r.picked != nil {
 		r.picked.release()
-		if r.served != "" && r.served != r.picked.destinations[0] {
-			r.s.m.fallbacks.Inc()
+		switch {
+		case r.served == r.picked.destinations[0]:
+			r.s.m.served.WithLabelValues("first").Inc()
+		case r.served != "":
+			r.s.m.served.WithLabelValues("fallback").Inc()
 		}
 	}
 	if r.slot {
