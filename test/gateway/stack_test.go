@@ -69,12 +69,12 @@ type stack struct {
 	// directly (decode engine by decode engine).
 	legRunners []string
 	legRegs    []*prometheus.Registry
-	epp             *epp.Server
-	eppReg          *prometheus.Registry
-	eppGRPC         *grpc.Server
-	gateway         string // Envoy
-	router          string // the standalone router
-	set             *discovery.Set
+	epp        *epp.Server
+	eppReg     *prometheus.Registry
+	eppGRPC    *grpc.Server
+	gateway    string // Envoy
+	router     string // the standalone router
+	set        *discovery.Set
 }
 
 func startStack(t testing.TB, o options) *stack {

@@ -15,10 +15,10 @@ const (
 )
 
 type metrics struct {
-	requests  *prometheus.CounterVec
-	pick      prometheus.Histogram
-	served    *prometheus.CounterVec
-	inflight  *prometheus.GaugeVec
+	requests *prometheus.CounterVec
+	pick     prometheus.Histogram
+	served   *prometheus.CounterVec
+	inflight *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
