@@ -101,6 +101,12 @@ func (r *PoolReconciler) deleteGateway(ctx context.Context, p pool) error {
 	if err := r.deleteControlled(ctx, p, render.LegRunnerName(p.GetName()), &rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}); err != nil {
 		return err
 	}
+	// Only a pool that had a gateway has an InferencePool to remove: every other pool's
+	// reconcile would otherwise look one up, and in a cluster without the CRD each lookup
+	// asks the API server's discovery again.
+	if meta.FindStatusCondition(p.status().Conditions, kvv1.ConditionInferencePoolReady) == nil {
+		return nil
+	}
 	err := r.deleteControlled(ctx, p, p.GetName(), &infv1.InferencePool{})
 	if meta.IsNoMatchError(err) {
 		return nil // no CRD, so no InferencePool
