@@ -30,7 +30,8 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 		Expect(metav1.IsControlledBy(dep, d)).To(BeTrue())
 		Expect(dep.Spec.Template.Spec.Containers[0].Args).To(ContainElements("--mode=epp", "--decode-pool=d", "--leg-runner-port=8100"))
 		svc := &corev1.Service{}
-		Expect(k8s.Get(ctx, key(ns, "d-epp"), svc)).To(Succeed())
+		// Applied after the Deployment.
+		Eventually(func() error { return k8s.Get(ctx, key(ns, "d-epp"), svc) }).Should(Succeed())
 		Expect(svc.Spec.Ports).To(ConsistOf(And(HaveField("Name", "grpc"), HaveField("Port", BeEquivalentTo(9002)))))
 
 		sts := statefulSet(ns, "d")

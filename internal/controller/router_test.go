@@ -30,10 +30,11 @@ var _ = Describe("Router", func() {
 		Expect(dep.Spec.Template.Spec.ServiceAccountName).To(Equal("d-router"))
 
 		svc := &corev1.Service{}
-		Expect(k8s.Get(ctx, key(ns, "d-router"), svc)).To(Succeed())
+		// The Service and PodDisruptionBudget are applied after the Deployment.
+		Eventually(func() error { return k8s.Get(ctx, key(ns, "d-router"), svc) }).Should(Succeed())
 		Expect(svc.Spec.Ports).To(HaveLen(1))
 		Expect(svc.Spec.Ports[0]).To(And(HaveField("Name", "http"), HaveField("Port", BeEquivalentTo(8000))))
-		Expect(k8s.Get(ctx, key(ns, "d-router"), &policyv1.PodDisruptionBudget{})).To(Succeed())
+		Eventually(func() error { return k8s.Get(ctx, key(ns, "d-router"), &policyv1.PodDisruptionBudget{}) }).Should(Succeed())
 		Expect(k8s.Get(ctx, key(ns, "d-router"), &corev1.ServiceAccount{})).To(Succeed())
 		role := &rbacv1.Role{}
 		Expect(k8s.Get(ctx, key(ns, "d-router"), role)).To(Succeed())
