@@ -50,13 +50,7 @@ func TestGatewayGolden(t *testing.T) {
 // The engine container gets no API token; the leg runner alone mounts one, and its
 // readiness does not wait for engine pairs (its own pod's readiness is one of them).
 func TestOnlyTheLegRunnerHoldsAToken(t *testing.T) {
-	pol := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj()
-	d := builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.33.0").Policy("agent").Obj()
-	w, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec, PrefillPool: "p",
-		LegRunnerImage: "router"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := agentDecode(t, "router")
 	spec := w.StatefulSet.Spec.Template.Spec
 	if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken || spec.ServiceAccountName != "d-leg-runner" {
 		t.Fatalf("pod account %q, automount %v: want d-leg-runner without an automounted token", spec.ServiceAccountName, spec.AutomountServiceAccountToken)
@@ -81,10 +75,7 @@ func TestOnlyTheLegRunnerHoldsAToken(t *testing.T) {
 		t.Fatalf("containers mounting the token: %v; want the leg runner alone", holders)
 	}
 	// Without a gateway, nothing of it.
-	w, err = Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec, PrefillPool: "p"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w = agentDecode(t, "")
 	if s := w.StatefulSet.Spec.Template.Spec; s.ServiceAccountName != "" || len(s.InitContainers) != 1 {
 		t.Fatalf("a decode pool without a gateway got account %q and %d init containers", s.ServiceAccountName, len(s.InitContainers))
 	}
@@ -93,13 +84,7 @@ func TestOnlyTheLegRunnerHoldsAToken(t *testing.T) {
 // A probe on a port name the container does not declare is never run by the kubelet
 // (it reports "port not found", and the container is never ready).
 func TestEveryProbeNamesAPortOfItsContainer(t *testing.T) {
-	pol := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj()
-	d := builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.33.0").Policy("agent").Obj()
-	w, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec, PrefillPool: "p",
-		LegRunnerImage: "router"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	w := agentDecode(t, "router")
 	in := GatewayInput{Pool: "d", Namespace: "ns", Spec: &kvv1.GatewaySpec{InferencePool: true}, Image: "router"}
 	epp, err := EndpointPicker(in)
 	if err != nil {
@@ -122,4 +107,18 @@ func TestEveryProbeNamesAPortOfItsContainer(t *testing.T) {
 			}
 		}
 	}
+}
+
+// agentDecode renders decode pool d (prefill pool "p", executor Agent), with the leg
+// runner from image legRunner ("" none).
+func agentDecode(t *testing.T, legRunner string) *Workload {
+	t.Helper()
+	pol := builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj()
+	d := builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.33.0").Policy("agent").Obj()
+	w, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec, PrefillPool: "p",
+		LegRunnerImage: legRunner})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
 }
