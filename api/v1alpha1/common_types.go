@@ -285,6 +285,10 @@ type PoolStatus struct {
 	// +optional
 	Warnings []PoolWarning `json:"warnings,omitempty"`
 
+	// autoscaling is set while a DecodePool's autoscaling owns the pool's replicas.
+	// +optional
+	Autoscaling *AutoscalingStatus `json:"autoscaling,omitempty"`
+
 	// conditions are Ready, Progressing, Degraded and TransferHealthy (and Paired on a
 	// DecodePool), in the
 	// kstatus convention that Argo CD and Flux read health from.
@@ -400,6 +404,9 @@ const (
 	// ReasonInvalidTemplate: spec.template sets what a template may not (docs/api.md), has
 	// unknown fields, or the API server refused the engine workload it produced.
 	ReasonInvalidTemplate = "InvalidTemplate"
+	// ReasonAutoscalingConflict: more than one DecodePool with spec.autoscaling names this
+	// PrefillPool; only one may size it.
+	ReasonAutoscalingConflict = "AutoscalingConflict"
 	// ReasonNameConflict: a workload with the pool's name exists and belongs to something else.
 	ReasonNameConflict = "NameConflict"
 

@@ -26,6 +26,12 @@ type DecodePoolSpec struct {
 	// +kubebuilder:default={}
 	// +optional
 	Gateway GatewaySpec `json:"gateway,omitempty"`
+
+	// autoscaling sizes this pool and its PrefillPool from TTFT and ITL targets within an
+	// accelerator budget (docs/operations.md#autoscaling). Unset, each pool's
+	// spec.replicas holds, and /scale (kubectl scale, a HorizontalPodAutoscaler) sets it.
+	// +optional
+	Autoscaling *AutoscalingSpec `json:"autoscaling,omitempty"`
 }
 
 // GatewaySpec is a DecodePool's place behind a Gateway API Inference Extension gateway.

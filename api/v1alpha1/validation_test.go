@@ -154,4 +154,36 @@ var _ = Describe("PrefillPool and DecodePool validation", func() {
 		Entry("rejects fewer GPUs than TP ranks", builder.DecodePool("d", "p").TP(8).Accelerator(kvv1.AcceleratorNvidiaGPU, 4),
 			"accelerator.count must be 0"),
 	)
+
+	DescribeTable("the API server's answer to a DecodePool's autoscaling",
+		func(change func(*kvv1.AutoscalingSpec), want string) {
+			d := builder.DecodePool("d", "p").Obj()
+			d.Spec.Autoscaling = &kvv1.AutoscalingSpec{TTFT: kvv1.LatencyTarget{Milliseconds: 2000}, ITL: kvv1.LatencyTarget{Milliseconds: 50},
+				Prefill: kvv1.ReplicaRange{MinReplicas: 1, MaxReplicas: 4}, Decode: kvv1.ReplicaRange{MinReplicas: 1, MaxReplicas: 4}, AcceleratorBudget: 64}
+			change(d.Spec.Autoscaling)
+			expectAdmission(d, want)
+		},
+		Entry("accepts targets, ranges and a budget", func(*kvv1.AutoscalingSpec) {}, ""),
+		Entry("rejects a minimum above the maximum", func(a *kvv1.AutoscalingSpec) { a.Decode.MinReplicas = 5 },
+			"autoscaling.decode.minReplicas must not exceed autoscaling.decode.maxReplicas"),
+		Entry("rejects a budget below the minimums", func(a *kvv1.AutoscalingSpec) {
+			a.Prefill.MinReplicas, a.Decode.MinReplicas, a.AcceleratorBudget = 2, 2, 3
+		}, "autoscaling.acceleratorBudget must hold both roles' minReplicas"),
+		Entry("rejects a percentile that is not 50, 90, 95 or 99", func(a *kvv1.AutoscalingSpec) { a.TTFT.Percentile = 75 },
+			`spec.autoscaling.ttft.percentile: Unsupported value: 75`),
+		Entry("rejects a zero target", func(a *kvv1.AutoscalingSpec) { a.ITL.Milliseconds = 0 },
+			"spec.autoscaling.itl.milliseconds"),
+		Entry("rejects a window under 5 seconds", func(a *kvv1.AutoscalingSpec) { a.WindowSeconds = 2 },
+			"spec.autoscaling.windowSeconds: Invalid value: 2"),
+	)
+
+	It("defaults the autoscaling windows", func() {
+		d := builder.DecodePool("d", "p").Obj()
+		d.Spec.Autoscaling = &kvv1.AutoscalingSpec{TTFT: kvv1.LatencyTarget{Milliseconds: 2000}, ITL: kvv1.LatencyTarget{Milliseconds: 50},
+			Prefill: kvv1.ReplicaRange{MaxReplicas: 4}, Decode: kvv1.ReplicaRange{MaxReplicas: 4}, AcceleratorBudget: 64}
+		expectAdmission(d, "")
+		a := d.Spec.Autoscaling
+		Expect([]int32{a.TTFT.Percentile, a.ITL.Percentile, a.Prefill.MinReplicas, a.Decode.MinReplicas, *a.StabilizationWindowSeconds, *a.WarmupSeconds, a.WindowSeconds}).
+			To(Equal([]int32{90, 90, 1, 1, 300, 60, 60}))
+	})
 })

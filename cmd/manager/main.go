@@ -31,6 +31,8 @@ func main() {
 		"a policy with executor Agent: the connector of this manager's version")
 	flag.DurationVar(&o.RouterHealthInterval, "router-health-interval", 10*time.Second, "how often every router pod's transfer health "+
 		"report is read into its DecodePool's TransferHealthy condition")
+	flag.DurationVar(&o.AutoscaleInterval, "autoscale-interval", 15*time.Second, "how often the autoscaler reads the load of DecodePools "+
+		"with spec.autoscaling and decides their pairs' sizes")
 	opts := zap.Options{}
 	opts.BindFlags(flag.CommandLine)
 	flag.Parse()

@@ -142,11 +142,18 @@ type validation struct {
 	warnings []compat.Warning
 	// gateway is what was found of the DecodePool's InferencePool (gateway.inferencePool).
 	gateway *gatewayState
+	// replicas is what the pool's StatefulSet runs: spec.replicas, or the autoscaler's
+	// size while a DecodePool's autoscaling owns the pool (autoscaledBy names it).
+	replicas     int32
+	autoscaledBy string
 }
 
 func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, error) {
 	v := &validation{policy: &kvv1.KVTransferPolicy{}}
 	spec := p.engine()
+	if err := r.replicas(ctx, p, v); err != nil || v.problem != nil {
+		return v, err
+	}
 	err := r.Get(ctx, types.NamespacedName{Namespace: p.GetNamespace(), Name: spec.TransferPolicyRef.Name}, v.policy)
 	switch {
 	case apierrors.IsNotFound(err):
@@ -203,9 +210,11 @@ func (r *PoolReconciler) checkPrivileged(ctx context.Context, namespace, policy 
 }
 
 func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validation) error {
+	spec := *p.engine()
+	spec.Replicas = &v.replicas
 	in := render.Input{
 		Role: p.role(), Name: p.GetName(), Namespace: p.GetNamespace(),
-		Spec: p.engine(), Policy: &v.policy.Spec, PrefillPool: p.prefillPoolName(), ConnectorImage: r.ConnectorImage,
+		Spec: &spec, Policy: &v.policy.Spec, PrefillPool: p.prefillPoolName(), ConnectorImage: r.ConnectorImage,
 	}
 	if gatewayEnabled(p) {
 		// The decode engines run as the leg runners' account: it exists before they do.
@@ -252,6 +261,10 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&kvv1.KVTransferPolicy{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPolicy)).
 		Watches(&corev1.Namespace{}, enqueuePoolsIn(mgr.GetClient(), r.Role)).
 		WatchesMetadata(&corev1.Node{}, enqueuePoolsOnNode(mgr.GetClient(), r.Role), builder.WithPredicates(agentChanged))
+	if r.Role == kvv1.RolePrefill {
+		// An autoscaling DecodePool sets its PrefillPool's replicas.
+		b = b.Watches(&kvv1.DecodePool{}, enqueuePrefillPoolOf())
+	}
 	if r.Role == kvv1.RoleDecode {
 		b = b.WatchesRawSource(source.Channel(r.routers.events, &handler.EnqueueRequestForObject{})).
 			Watches(&kvv1.PrefillPool{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPrefillPool)).

@@ -87,7 +87,7 @@ func (h *routerHealth) poll(ctx context.Context) error {
 	for i := range pods.Items {
 		pod := &pods.Items[i]
 		url := routerHealthURL(pod)
-		if url == "" || !h.managed(ctx, pod) {
+		if url == "" || !routerManaged(ctx, h.pods, pod) {
 			continue
 		}
 		wg.Add(1)
@@ -160,19 +160,19 @@ func (h *routerHealth) of(namespace, pool string) map[string]health.Report {
 	return out
 }
 
-// managed reports whether pod belongs to the router Deployment the manager made for its
+// routerManaged reports whether pod belongs to the router Deployment the manager made for its
 // DecodePool: the pod's controller is a ReplicaSet whose controller is that Deployment,
 // which the DecodePool controls, each by UID. Anyone who may create pods or ReplicaSets in
 // the namespace can copy a router's name and labels; only the manager's own objects carry
 // those UIDs.
-func (h *routerHealth) managed(ctx context.Context, pod *corev1.Pod) bool {
+func routerManaged(ctx context.Context, r client.Reader, pod *corev1.Pod) bool {
 	pool := pod.Labels[kvv1.LabelRouter]
 	rs := &appsv1.ReplicaSet{}
 	dep := &appsv1.Deployment{}
 	dp := &kvv1.DecodePool{}
-	return controlledBy(ctx, h.pods, pod, rs, "ReplicaSet", "") &&
-		controlledBy(ctx, h.pods, rs, dep, "Deployment", render.RouterName(pool)) &&
-		controlledBy(ctx, h.pods, dep, dp, "DecodePool", pool)
+	return controlledBy(ctx, r, pod, rs, "ReplicaSet", "") &&
+		controlledBy(ctx, r, rs, dep, "Deployment", render.RouterName(pool)) &&
+		controlledBy(ctx, r, dep, dp, "DecodePool", pool)
 }
 
 // controlledBy reads obj's controller into owner (of kind, and of name unless "") and

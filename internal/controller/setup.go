@@ -57,16 +57,22 @@ type Options struct {
 	Images Images
 	// RouterHealthInterval is how often every router pod's health report is read.
 	RouterHealthInterval time.Duration
+	// AutoscaleInterval is how often the autoscaler reads the load reports of the
+	// routers of autoscaled DecodePools and decides their sizes.
+	AutoscaleInterval time.Duration
 }
 
-// Setup registers the PrefillPool and DecodePool reconcilers with mgr, and the poller of
-// the routers' health reports.
+// Setup registers the PrefillPool and DecodePool reconcilers with mgr, the poller of
+// the routers' health reports, and the autoscaler.
 func Setup(mgr ctrl.Manager, o Options) error {
 	if err := indexPodNodes(context.Background(), mgr); err != nil {
 		return err
 	}
 	routers := newRouterHealth(mgr.GetClient(), cmp.Or(o.RouterHealthInterval, 10*time.Second))
 	if err := mgr.Add(routers); err != nil {
+		return err
+	}
+	if err := mgr.Add(newAutoscaler(mgr.GetClient(), mgr.GetEventRecorder("kvhandoff-autoscaler"), cmp.Or(o.AutoscaleInterval, 15*time.Second))); err != nil {
 		return err
 	}
 	for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {

@@ -49,7 +49,7 @@ func (r *PoolReconciler) updateStatus(ctx context.Context, p pool, before client
 	}
 	st := poolStatus(p, v, obs)
 	*p.status() = st
-	recordMetrics(p, ptr.Deref(p.engine().Replicas, 1), len(obs.pending))
+	recordMetrics(p, v.replicas, len(obs.pending))
 
 	old := poolOf(before).status()
 	if equality.Semantic.DeepEqual(*old, st) {
@@ -129,7 +129,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		st.RouterService = render.RouterName(p.GetName())
 	}
 	sts := obs.statefulSet
-	desired := ptr.Deref(p.engine().Replicas, 1)
+	desired := v.replicas
 	rolled := sts != nil && rolledOut(sts)
 	st.Replicas, st.ReadyReplicas, st.CompatHash = 0, 0, ""
 	if sts != nil {
@@ -186,6 +186,15 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, msg)
 	}
 	set(transfer.Type, transfer.Status, transfer.Reason, transfer.Message)
+	// While autoscaling owns the pool, status says so: the DecodePool's carries the
+	// sizes (the autoscaler writes them), the PrefillPool's names its owner.
+	switch {
+	case v.autoscaledBy == "":
+		st.Autoscaling = nil
+		meta.RemoveStatusCondition(&st.Conditions, kvv1.ConditionAutoscaling)
+	case p.role() == kvv1.RolePrefill:
+		st.Autoscaling = &kvv1.AutoscalingStatus{Owner: v.autoscaledBy, PrefillReplicas: v.replicas}
+	}
 	if p.role() == kvv1.RoleDecode {
 		c := paired(&st, v)
 		set(c.Type, c.Status, c.Reason, c.Message)

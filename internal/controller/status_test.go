@@ -36,13 +36,13 @@ func TestPoolStatusConditionTable(t *testing.T) {
 	}{
 		{"a problem stops everything", validation{problem: &problem{Reason: kvv1.ReasonPolicyNotFound, Message: "m"}}, observed{},
 			kvv1.ReasonPolicyNotFound, kvv1.ReasonPolicyNotFound, kvv1.ReasonPolicyNotFound, metav1.ConditionFalse},
-		{"engines the scheduler cannot place degrade the pool", validation{policy: policy}, observed{pending: []string{"p-0"}, schedulerSays: "0/2 nodes"},
+		{"engines the scheduler cannot place degrade the pool", validation{policy: policy, replicas: 1}, observed{pending: []string{"p-0"}, schedulerSays: "0/2 nodes"},
 			kvv1.ReasonEnginesUnschedulable, kvv1.ReasonEnginesUnschedulable, kvv1.ReasonRollingOut, metav1.ConditionFalse},
-		{"every engine ready and rolled out is Ready", validation{policy: policy}, observed{statefulSet: rolled(1, 1, "h")},
+		{"every engine ready and rolled out is Ready", validation{policy: policy, replicas: 1}, observed{statefulSet: rolled(1, 1, "h")},
 			kvv1.ReasonEnginesReady, kvv1.ReasonAsExpected, kvv1.ReasonRolledOut, metav1.ConditionTrue},
-		{"engines starting are progressing", validation{policy: policy}, observed{statefulSet: rolled(1, 0, "h")},
+		{"engines starting are progressing", validation{policy: policy, replicas: 1}, observed{statefulSet: rolled(1, 0, "h")},
 			kvv1.ReasonEnginesNotReady, kvv1.ReasonAsExpected, kvv1.ReasonRollingOut, metav1.ConditionFalse},
-		{"no StatefulSet yet is progressing", validation{policy: policy}, observed{},
+		{"no StatefulSet yet is progressing", validation{policy: policy, replicas: 1}, observed{},
 			kvv1.ReasonEnginesNotReady, kvv1.ReasonAsExpected, kvv1.ReasonRollingOut, metav1.ConditionFalse},
 	}
 	for _, c := range cases {
@@ -79,7 +79,7 @@ func TestPoolStatusPairsADecodePoolOnlyWithEqualHashes(t *testing.T) {
 	} {
 		prefill.Status.CompatHash = c.theirs
 		d := builder.DecodePool("d", "p").Obj()
-		st := poolStatus(decodePool{d}, &validation{policy: builder.Policy("policy").Obj(), prefill: prefill}, observed{statefulSet: rolled(1, 1, c.mine)})
+		st := poolStatus(decodePool{d}, &validation{policy: builder.Policy("policy").Obj(), prefill: prefill, replicas: 1}, observed{statefulSet: rolled(1, 1, c.mine)})
 		if got := meta.FindStatusCondition(st.Conditions, kvv1.ConditionPaired); got == nil || got.Status != c.want {
 			t.Errorf("%s: Paired = %+v, want %s", c.name, got, c.want)
 		}

@@ -136,3 +136,11 @@ func enqueuePoolOfPod(role kvv1.Role) handler.EventHandler {
 		return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: o.GetNamespace(), Name: l[kvv1.LabelPool]}}}
 	})
 }
+
+// enqueuePrefillPoolOf maps a DecodePool to the PrefillPool it names.
+func enqueuePrefillPoolOf() handler.EventHandler {
+	return handler.EnqueueRequestsFromMapFunc(func(_ context.Context, o client.Object) []reconcile.Request {
+		d := o.(*kvv1.DecodePool)
+		return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: d.Namespace, Name: d.Spec.PrefillPoolRef.Name}}}
+	})
+}

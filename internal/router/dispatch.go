@@ -82,6 +82,7 @@ func (s *Server) dispatch(rq *request) result {
 		return result{outcome: OutcomeBadRequest, status: http.StatusBadRequest, msg: err.Error()}
 	}
 	rq.tokens = protocol.PromptTokens(rq.body)
+	s.load.Arrived(rq.tokens)
 	set := s.set.Load()
 	if set == nil {
 		return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: "no engines discovered yet"}
@@ -167,6 +168,11 @@ func (s *Server) record(rq *request, res result) {
 	if !rq.firstByte.IsZero() && res.outcome == OutcomeOK {
 		s.m.ttft.WithLabelValues(mode).Observe(rq.firstByte.Sub(rq.start).Seconds())
 		s.m.added.WithLabelValues(mode).Observe(rq.added.Seconds())
+		prefill := rq.prefill
+		if rq.fallback != "" {
+			prefill = ""
+		}
+		s.load.TTFT(prefill, rq.decode, rq.firstByte.Sub(rq.start))
 	}
 	attrs := []any{"request_id", rq.id, "mode", mode, "outcome", res.outcome, "prefill", rq.prefill, "decode", rq.decode,
 		"prompt_tokens", rq.tokens, "retries", rq.retries, "prefill_ms", ms(rq.prefillTime), "decode_ms", ms(rq.decodeTime), "duration_ms",

@@ -31,11 +31,14 @@ type engine struct {
 	kv *vllmserver.AgentKV // nil for engines without agents
 }
 
-func startEngine(t *testing.T, id string, kv vllmserver.KV, prefill time.Duration) *engine {
+func startEngine(t *testing.T, id string, kv vllmserver.KV, prefill time.Duration, tune ...func(*vllmserver.Config)) *engine {
 	t.Helper()
 	cfg := vllmserver.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv}
 	if prefill > 0 {
 		cfg.PrefillTime = func(int) time.Duration { return prefill }
+	}
+	for _, f := range tune {
+		f(&cfg)
 	}
 	s := vllmserver.New(cfg)
 	hs := httptest.NewServer(s)

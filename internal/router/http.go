@@ -79,8 +79,9 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 
 // relay copies an engine's response to the client as it arrives: headers, status, the
 // first bytes already read, then every read flushed at once, so server-sent events pass
-// through byte for byte and without delay. onFirst runs just after the first write.
-func relay(w http.ResponseWriter, resp *http.Response, first []byte, onFirst ...func()) (int64, error) {
+// through byte for byte and without delay. onFirst runs just after the first write, and
+// onRead (when not nil) after each later one, with what it wrote.
+func relay(w http.ResponseWriter, resp *http.Response, first []byte, onFirst func(), onRead func([]byte)) (int64, error) {
 	h := w.Header()
 	for _, k := range relayed {
 		if vs := resp.Header.Values(k); len(vs) > 0 {
@@ -101,8 +102,8 @@ func relay(w http.ResponseWriter, resp *http.Response, first []byte, onFirst ...
 	if err := write(first); err != nil {
 		return total, err
 	}
-	for _, f := range onFirst {
-		f()
+	if onFirst != nil {
+		onFirst()
 	}
 	buf := make([]byte, 32<<10)
 	for {
@@ -110,6 +111,9 @@ func relay(w http.ResponseWriter, resp *http.Response, first []byte, onFirst ...
 		if n > 0 {
 			if werr := write(buf[:n]); werr != nil {
 				return total, werr
+			}
+			if onRead != nil {
+				onRead(buf[:n])
 			}
 		}
 		if errors.Is(err, io.EOF) {

@@ -59,6 +59,9 @@ func (s *Server) prefillLeg(ctx context.Context, rq *request, pick choice.Pick, 
 	defer cancel()
 	defer release()
 	start := time.Now()
+	tokens := 0 // of a completed leg, for the autoscaler's prefill rate
+	end := s.load.Leg(false, e.EngineID, start)
+	defer func() { end(time.Now(), tokens) }()
 	fail := func(reason, msg string) legResult {
 		if context.Cause(ctx) != errAnswered {
 			s.m.legFails.WithLabelValues("prefill", e.EngineID, reason).Inc()
@@ -88,6 +91,7 @@ func (s *Server) prefillLeg(ctx context.Context, rq *request, pick choice.Pick, 
 			return fail("no_kv_transfer_params", err.Error())
 		}
 	}
+	tokens = rq.tokens
 	return out
 }
 
@@ -152,10 +156,22 @@ func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) 
 	if ds.resp.StatusCode >= 400 {
 		outcome = OutcomeEngineRefused
 	}
+	// The decode engine generates from the first byte to the last: that is the stream
+	// in flight the autoscaler sizes decode by, and its token gaps are the ITL.
+	streaming := func(time.Time, int) {}
+	defer func() { streaming(time.Now(), 0) }()
+	last := time.Time{}
 	written, err := relay(rq.w, ds.resp, ds.first, func() {
 		rq.firstByte = time.Now()
 		rq.relay = rq.firstByte.Sub(ds.at)
 		rq.added += rq.relay
+		streaming, last = s.load.Leg(true, e.EngineID, rq.firstByte), rq.firstByte
+	}, func(p []byte) {
+		if n := protocol.Events(p); n > 0 {
+			now := time.Now()
+			s.load.Gaps(e.EngineID, now.Sub(last)/time.Duration(n), n)
+			last = now
+		}
 	})
 	if err != nil {
 		if rq.r.Context().Err() != nil {

@@ -24,6 +24,7 @@ import (
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/health"
+	"github.com/kvhandoff/kvhandoff/internal/load"
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
@@ -85,6 +86,8 @@ type Server struct {
 	mux    *http.ServeMux // clients'
 	admin  *http.ServeMux // operators' (Admin)
 	health atomic.Pointer[health.Report]
+	// load counts what the manager's autoscaler reads (GET /load).
+	load *load.Recorder
 
 	// slots holds a token per request being served (MaxInFlight).
 	slots chan struct{}
@@ -118,6 +121,7 @@ func New(cfg Config) *Server {
 		mux:   http.NewServeMux(),
 		admin: http.NewServeMux(),
 		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)),
+		load:  load.NewRecorder(),
 	}
 	s.choose = choice.New(s.bal, s.m.inflight)
 	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))
@@ -132,6 +136,10 @@ func New(cfg Config) *Server {
 	if cfg.Gatherer != nil {
 		s.admin.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{}))
 	}
+	s.admin.HandleFunc("GET /load", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(s.load.Report(time.Now()))
+	})
 	s.health.Store(&health.Report{})
 	s.admin.HandleFunc("GET /health/transfer", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
@@ -219,7 +227,7 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer resp.Body.Close()
-	_, _ = relay(w, resp, nil)
+	_, _ = relay(w, resp, nil, nil, nil)
 }
 
 func newID(prefix string) string {

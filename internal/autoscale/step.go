@@ -1,0 +1,20 @@
+package autoscale
+
+// Step is the sizes to apply now on the way from applied to desired, given the pods each
+// role still has (terminating ones hold their accelerators until they are gone): a role
+// shrinks at once; a role grows only into accelerators the budget has free after the
+// other role's pods. So a rebalance never exceeds the budget, even for a moment: the
+// over-provisioned role shrinks first, and the other follows as its pods go.
+func Step(desired, applied, pods Sizes, t Targets) (next Sizes, waiting bool) {
+	next = Sizes{min(applied.Prefill, desired.Prefill), min(applied.Decode, desired.Decode)}
+	held := func(role, podsOf int32, per int32) int32 { return max(role, podsOf) * per }
+	if desired.Prefill > next.Prefill {
+		free := t.Budget - held(next.Decode, pods.Decode, t.DecodePerEngine)
+		next.Prefill = max(next.Prefill, min(desired.Prefill, free/max(t.PrefillPerEngine, 1)))
+	}
+	if desired.Decode > next.Decode {
+		free := t.Budget - held(next.Prefill, pods.Prefill, t.PrefillPerEngine)
+		next.Decode = max(next.Decode, min(desired.Decode, free/max(t.DecodePerEngine, 1)))
+	}
+	return next, next != desired
+}
