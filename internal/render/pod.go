@@ -1,6 +1,7 @@
 package render
 
 import (
+	"fmt"
 	"hash/fnv"
 	"strconv"
 
@@ -38,6 +39,18 @@ const (
 	// --socket-gid); engine pods of executor Agent get it as a supplemental group, so they
 	// reach the agent without running as root.
 	AgentGroup = 7470
+	// DrainHook is the engine container's preStop hook (executor Agent): the connector
+	// init container's own binary, copied beside the connector, which returns once the
+	// engine has nothing in flight (package drain).
+	DrainHook = ConnectorDir + "/kvhandoff-drain"
+	// RunDir is a small writable emptyDir of the engine container where the connector
+	// keeps HeldFile, its count of requests whose blocks are held for a transfer, which
+	// the drain hook reads (KVHANDOFF_HELD_FILE).
+	RunDir   = "/run/kvhandoff"
+	HeldFile = RunDir + "/held"
+	// EngineTerminationGraceSeconds bounds a terminating engine's drain: its longest
+	// answers (a decode leg may stream for minutes) finish within it.
+	EngineTerminationGraceSeconds = 600
 	// engineHome is HOME for engines that do not run as root: a folder they can write,
 	// as the images' own home belongs to root.
 	engineHome = "/tmp/home"
@@ -114,6 +127,14 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			podSecurity.RunAsNonRoot, podSecurity.RunAsUser = ptr.To(true), ptr.To(EngineUser(in.Namespace, in.Name, in.Role))
 		}
 		initContainers = []corev1.Container{connectorInit(in)}
+		// Deleted (scaled down, drained, rolled), the engine stops only once it has
+		// finished what it serves and the transfers its blocks are held for: routers stop
+		// choosing a terminating pod, so it empties.
+		engine.Lifecycle = &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{
+			Command: []string{DrainHook, fmt.Sprintf("--metrics=http://127.0.0.1:%d/metrics", HTTPPort), "--held=" + HeldFile}}}}
+		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "kvhandoff-run", MountPath: RunDir})
+		volumes = append(volumes, corev1.Volume{Name: "kvhandoff-run",
+			VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory, SizeLimit: ptr.To(resource.MustParse("1Mi"))}}})
 	}
 
 	if in.LegRunnerImage != "" {
@@ -127,13 +148,14 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			Annotations: map[string]string{kvv1.AnnotationPolicyHash: policyHash},
 		},
 		Spec: corev1.PodSpec{
-			InitContainers:  initContainers,
-			Containers:      []corev1.Container{engine},
-			Volumes:         volumes,
-			SecurityContext: podSecurity,
-			NodeSelector:    nodeSelector(in),
-			Tolerations:     tolerations(in.Spec.Accelerator.Type),
-			Affinity:        affinity(in),
+			InitContainers:                initContainers,
+			Containers:                    []corev1.Container{engine},
+			Volumes:                       volumes,
+			SecurityContext:               podSecurity,
+			NodeSelector:                  nodeSelector(in),
+			Tolerations:                   tolerations(in.Spec.Accelerator.Type),
+			Affinity:                      affinity(in),
+			TerminationGracePeriodSeconds: ptr.To[int64](EngineTerminationGraceSeconds),
 			// A Service named like vLLM's own variables (a "vllm" Service sets VLLM_PORT)
 			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
 			EnableServiceLinks: ptr.To(false),
@@ -189,6 +211,7 @@ func env(in Input) []corev1.EnvVar {
 	}
 	if in.Policy.Executor == kvv1.ExecutorAgent {
 		e = append(e, corev1.EnvVar{Name: "KVHANDOFF_AGENT_SOCKET", Value: AgentSocket},
+			corev1.EnvVar{Name: "KVHANDOFF_HELD_FILE", Value: HeldFile},
 			// vLLM's images set no PYTHONPATH: the connector's folder is all it holds.
 			corev1.EnvVar{Name: "PYTHONPATH", Value: ConnectorDir})
 	}

@@ -103,6 +103,8 @@ func run(log *slog.Logger, args []string) error {
 	// As kvhandoff's connector: a prefill leg names this engine's agent as its remote_host
 	// and remote_port, and a decode leg's are the prefill engine's agent.
 	kv.AgentAddressed = true
+	// As the connector: the drain hook of a terminating engine waits for held blocks.
+	kv.HeldFile = os.Getenv("KVHANDOFF_HELD_FILE")
 	host, port, err := net.SplitHostPort(kv.Agent())
 	if err != nil {
 		return fmt.Errorf("the agent's address %q: %w", kv.Agent(), err)

@@ -25,12 +25,17 @@ chunks is reported whole when the request finishes.
 from __future__ import annotations
 
 import logging
+import os
 
 from .config import Config
 from .metadata import Decline, Handshake, KVHandoffMetadata, Receive, Send, Stream
 from .timeline import Timeline
 
 log = logging.getLogger("kvhandoff_vllm")
+
+# Where the count of requests holding blocks for a transfer is kept, for the engine pod's
+# drain hook (kvhandoff's manager renders it; unset, no count is kept).
+HELD_FILE_ENV = "KVHANDOFF_HELD_FILE"
 
 # An attempt number for the agent. A retried request is a new request of the router's,
 # with a new key (transfer_id), so every key sees one attempt.
@@ -61,6 +66,23 @@ class SchedulerSide:
         # Decode requests whose KV is on its way: request id -> key.
         self._receiving: dict[str, str] = {}
         self.timeline = Timeline(f"{cfg.engine_id}-scheduler")
+        # Finished prefill requests whose blocks are held until the agent is done with
+        # them. The drain hook of a terminating engine waits for none to be left: the
+        # engine's exit would end its agent session and fail their transfers.
+        self._held: set[str] = set()
+        self._held_file = os.environ.get(HELD_FILE_ENV)
+        self._publish_held()
+
+    def _publish_held(self) -> None:
+        if not self._held_file:
+            return
+        tmp = self._held_file + ".tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{len(self._held)}\n")
+            os.replace(tmp, self._held_file)
+        except OSError as e:
+            log.warning("kvhandoff: cannot write %s (%s): a drain would not wait for held blocks", self._held_file, e)
 
     def set_handshake(self, metadata: dict) -> None:
         for meta in metadata.values():
@@ -170,6 +192,8 @@ class SchedulerSide:
             return False, None
         self._meta.sends.append(Send(req_id=rid, key=key, blocks=blocks, streamed=streamed))
         self.timeline.mark("finished", key)
+        self._held.add(rid)
+        self._publish_held()
         if self.cfg.mode == "push":
             return True, None
         if self.agent is None:
@@ -187,6 +211,10 @@ class SchedulerSide:
         )
 
     def update_connector_output(self, connector_output) -> None:
+        sent = set(connector_output.finished_sending or ()) & self._held
+        if sent:
+            self._held -= sent
+            self._publish_held()
         for rid in connector_output.finished_recving or ():
             key = self._receiving.pop(rid, None)
             if key is not None:

@@ -148,18 +148,24 @@ def prefill_to_end(s: Scheduler, r: Request):
     return s.update_from_output(out, output([r]))
 
 
-def test_push_prefill_holds_its_blocks_until_the_agent_is_done_with_them(tiny_model):
+def test_push_prefill_holds_its_blocks_until_the_agent_is_done_with_them(tiny_model, tmp_path, monkeypatch):
+    held = tmp_path / "held"
+    monkeypatch.setenv("KVHANDOFF_HELD_FILE", str(held))
     s = scheduler(tiny_model, "push", "prefill")
+    assert held.read_text() == "0\n"
     before = free_blocks(s)
     r = request(40, dict(do_remote_decode=True, do_remote_prefill=False, transfer_id="t-7"), max_tokens=1)
     prefill_to_end(s, r)
     assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # The drain hook of a terminating engine waits while this says a request holds blocks.
+    assert held.read_text() == "1\n"
     out = s.schedule()
     (send,) = out.kv_connector_metadata.sends
     assert (send.req_id, send.key, len(send.blocks)) == (r.request_id, "t-7", 3)
     assert free_blocks(s) == before - 3
     s.update_from_output(out, output([], sending={r.request_id}))
     assert free_blocks(s) == before and not s.requests
+    assert held.read_text() == "0\n"
 
 
 def test_pull_prefill_returns_its_blocks_and_agent_to_the_router(tiny_model):

@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/internal/drain"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
@@ -34,8 +35,13 @@ type AgentKV struct {
 	// accepted: from then on an abort fences them through the agents, so tests that
 	// abort wait for it.
 	Accepted atomic.Int64
+	// HeldFile, when set, is kept with the number of published requests whose blocks
+	// are held for a transfer, as kvhandoff's vLLM connector keeps KVHANDOFF_HELD_FILE
+	// for the engine pod's drain hook (package drain).
+	HeldFile string
 
 	mu     sync.Mutex
+	held   int64
 	agents map[string]string // side channel host:port → the prefill engine's agent
 }
 
@@ -64,10 +70,23 @@ func (k *AgentKV) Produce(ctx context.Context, key string, tokens int, done time
 			alloc.Free(blocks)
 			return err
 		}
-		go k.freeWhenSent(key, blocks)
+		k.hold(1)
+		go func() {
+			k.freeWhenSent(key, blocks)
+			k.hold(-1)
+		}()
 		return nil
 	}
 	return blocks, publish, nil
+}
+
+func (k *AgentKV) hold(n int64) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.held += n
+	if k.HeldFile != "" {
+		_ = drain.WriteHeld(k.HeldFile, k.held)
+	}
 }
 
 // freeWhenSent frees a published request's blocks once the agent is done with them. The
