@@ -162,6 +162,12 @@ bench-vllm: deps ## Real vLLM engines on one seeded load: one engine alone, stoc
 bench-serving: deps ## Router under load, push vs pull on the same arrivals: table, bench/results/serving.json and serving.png.
 	go run ./bench/cmd/bench-serving --out bench/results
 
+.PHONY: bench-autoscale
+bench-autoscale: deps ## Autoscaling report: the stepped load on a real node, autoscaled against each static split of its budget (about 25 minutes); bench/results/autoscale/.
+	mkdir -p bench/results/autoscale
+	KVHANDOFF_AUTOSCALE_REPORT=$(CURDIR)/bench/results/autoscale KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" \
+		go test ./test/realnode -run '^$$' -bench SteppedLoadAgainstStaticSplits -benchtime 1x -timeout 60m -v
+
 .PHONY: demo
 demo: deps ## Start a local control plane, install the CRDs, apply the samples and show them.
 	hack/demo.sh

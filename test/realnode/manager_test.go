@@ -99,7 +99,7 @@ func kustomize(t *testing.T, n *realnode.Node, path string) []*unstructured.Unst
 	return objs
 }
 
-func until(t *testing.T, what string, limit time.Duration, cond func() bool) {
+func until(t testing.TB, what string, limit time.Duration, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(limit)
 	for !cond() {

@@ -25,7 +25,7 @@ import (
 
 // startNode builds images and brings up a real node for one test; it is stopped (its
 // logs printed if the test failed) when the test ends.
-func startNode(t *testing.T, images ...string) (*realnode.Node, *kubernetes.Clientset) {
+func startNode(t testing.TB, images ...string) (*realnode.Node, *kubernetes.Clientset) {
 	t.Helper()
 	var n *realnode.Node
 	var err error

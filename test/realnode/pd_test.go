@@ -105,7 +105,7 @@ func createPairs(t *testing.T, e realnode.Engines, modes ...kvv1.TransferMode) *
 }
 
 // waitPair waits until a mode's pools are Ready and its router Service answers.
-func waitPair(t *testing.T, n *realnode.Node, mode string) {
+func waitPair(t testing.TB, n *realnode.Node, mode string) {
 	t.Helper()
 	if err := n.WaitPair(bg, mode, 5*time.Minute); err != nil {
 		t.Fatal(err)

@@ -39,10 +39,14 @@ type kvConfig struct {
 type options struct {
 	model, kvConfig     string
 	tp, blockSize, port int
+	// The simulated engine's speed, in flags of its own (a pool's engineArgs): prefill
+	// time per 1000 prompt tokens, and the gap between output tokens, which grows with
+	// the streams the engine generates for.
+	prefillPer1k, tpot, tpotPerStream time.Duration
 }
 
 func parse(args []string) (options, error) {
-	o := options{tp: 1, blockSize: 16, port: 8000}
+	o := options{tp: 1, blockSize: 16, port: 8000, tpot: time.Millisecond}
 	if len(args) < 2 || args[0] != "serve" {
 		return o, errors.New("usage: vllm serve MODEL [--tensor-parallel-size N] [--block-size B] [--port P] --kv-transfer-config JSON")
 	}
@@ -62,6 +66,12 @@ func parse(args []string) (options, error) {
 			o.port, err = strconv.Atoi(value)
 		case "--kv-transfer-config":
 			o.kvConfig = value
+		case "--sim-prefill-per-1k-tokens":
+			o.prefillPer1k, err = time.ParseDuration(value)
+		case "--sim-tpot":
+			o.tpot, err = time.ParseDuration(value)
+		case "--sim-tpot-per-stream":
+			o.tpotPerStream, err = time.ParseDuration(value)
 		}
 		if err != nil {
 			return o, fmt.Errorf("%s: %w", name, err)
@@ -111,7 +121,10 @@ func run(log *slog.Logger, args []string) error {
 	}
 	agentPort, _ := strconv.Atoi(port)
 	cfg := vllmserver.Config{EngineID: kc.EngineID, Model: o.model, SideChannelHost: host, SideChannelPort: agentPort, TP: o.tp, KV: kv,
-		TPOT: time.Millisecond, Log: log}
+		TPOT: o.tpot, TPOTPerStream: o.tpotPerStream, Log: log}
+	if o.prefillPer1k > 0 {
+		cfg.PrefillTime = func(tokens int) time.Duration { return o.prefillPer1k * time.Duration(tokens) / 1000 }
+	}
 	server := &http.Server{Addr: ":" + strconv.Itoa(o.port), Handler: vllmserver.New(cfg), ReadHeaderTimeout: 10 * time.Second}
 	errs := make(chan error, 1)
 	go func() { errs <- server.ListenAndServe() }()

@@ -18,10 +18,11 @@ func (s *Server) respond(w http.ResponseWriter, r *http.Request, rq *request, to
 	created := time.Now().Unix()
 	usage := map[string]int{"prompt_tokens": len(rq.prompt), "completion_tokens": len(tokens), "total_tokens": len(rq.prompt) + len(tokens)}
 	pace := func() bool {
-		if s.cfg.TPOT <= 0 {
+		gap := s.cfg.TPOT + time.Duration(s.running.Load())*s.cfg.TPOTPerStream
+		if gap <= 0 {
 			return r.Context().Err() == nil
 		}
-		t := time.NewTimer(s.cfg.TPOT)
+		t := time.NewTimer(gap)
 		defer t.Stop()
 		select {
 		case <-t.C:

@@ -40,8 +40,9 @@ type Config struct {
 	// PrefillTime is how long prefill of a prompt takes (nil: no time), for example
 	// simengine.Prefill's Time. One prefill runs at a time, as on one engine.
 	PrefillTime func(tokens int) time.Duration
-	// TPOT is the time per output token.
-	TPOT time.Duration
+	// TPOT is the time per output token, plus TPOTPerStream for every request the
+	// engine is generating for: a decode step's time grows with its batch.
+	TPOT, TPOTPerStream time.Duration
 	// KV moves the KV between engines; nil serves requests without P/D (no KV moves).
 	KV  KV
 	Log *slog.Logger
