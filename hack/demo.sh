@@ -6,7 +6,8 @@
 # then two transfer agents on loopback pushing one verified request. Then on a real node
 # (hack/realnode-demo, root): the images built here, the Helm chart installed on a real
 # kubelet with containerd, a CPU pair of pools per mode running as pods, one chat request
-# through each router Service, and the agent pod's account of the KV it moved.
+# through each router Service, the agent pod's account of the KV it moved, one request
+# through Envoy, and the pull pair autoscaled up under load and back down after it.
 # Everything it starts is stopped on exit.
 #
 #   DEMO_KEEP=1 make demo   keeps both clusters up until Ctrl-C, for kubectl by hand.

@@ -2,8 +2,10 @@
 // on a real kubelet with containerd (test/realnode), images built here, a CPU pair of
 // pools in push and one in pull whose engines are the simulated-engine image, one chat
 // request through each DecodePool's router Service, the agent pod's account of the KV it
-// moved, and one request through Envoy and kvhandoff's endpoint picker to the push pool. With DEMO_KEEP=1 the node stays up until Ctrl-C. It needs root, as the
-// kubelet does, and runs in a network and mount namespace of its own.
+// moved, one request through Envoy and kvhandoff's endpoint picker to the push pool, and
+// the pull pair's autoscaling: one scale-up under load and one scale-down after it, with
+// the pool's events. With DEMO_KEEP=1 the node stays up until Ctrl-C. It needs root, as
+// the kubelet does, and runs in a network and mount namespace of its own.
 package main
 
 import (
@@ -18,6 +20,7 @@ import (
 	"time"
 
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
@@ -75,21 +78,22 @@ func run(ctx context.Context) error {
 	}
 
 	step("helm install kvhandoff charts/kvhandoff   (the manager's Deployment; the agent and device plugin DaemonSets)")
-	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
+	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics, realnode.AutoscaleInterval)...); err != nil {
 		return fmt.Errorf("%w\n%s", err, n.LogTail(20))
 	}
 
 	step("a CPU pair of pools per mode (accelerator.type: CPU, executor: Agent, provider: tcp), engines = the simulated-engine image; " +
-		"the push DecodePool also behind a gateway (gateway.inferencePool: true)")
+		"the push DecodePool also behind a gateway (gateway.inferencePool: true), the pull DecodePool autoscaled (spec.autoscaling), its " +
+		"engines' speed following their load")
 	modes := []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull}
 	for _, m := range modes {
-		var tune []func(*kvv1.DecodePool)
-		if m == kvv1.TransferPush {
-			tune = append(tune, func(d *kvv1.DecodePool) {
-				d.Spec.Gateway.InferencePool, d.Spec.Gateway.EndpointPickerReplicas = true, ptr.To[int32](1)
-			})
+		engines, tune := realnode.SimEngines, func(d *kvv1.DecodePool) {
+			d.Spec.Gateway.InferencePool, d.Spec.Gateway.EndpointPickerReplicas = true, ptr.To[int32](1)
 		}
-		if err := n.CreatePair(ctx, realnode.SimEngines, m, tune...); err != nil {
+		if m == kvv1.TransferPull {
+			engines, tune = realnode.LoadFollowingEngines, realnode.Autoscaled
+		}
+		if err := n.CreatePair(ctx, engines, m, tune); err != nil {
 			return err
 		}
 	}
@@ -153,12 +157,75 @@ func run(ctx context.Context) error {
 		return err
 	}
 
+	if err := autoscale(ctx, n, kubectl); err != nil {
+		return err
+	}
+
 	if os.Getenv("DEMO_KEEP") == "1" {
 		step(fmt.Sprintf("real node kept up (Ctrl-C stops it); its network is this program's own:\n"+
 			"  nsenter --net=/proc/%d/ns/net %s --kubeconfig %s get pods -A -o wide", os.Getpid(), n.Kubectl(), n.Kubeconfig))
 		<-ctx.Done()
 	}
 	step("stopping the real node")
+	return nil
+}
+
+// autoscale loads the pull pair until its prefill grows, then stops and waits until both
+// pools are back at one engine each, and shows the DecodePool's events.
+func autoscale(ctx context.Context, n *realnode.Node, kubectl func(...string) error) error {
+	step("autoscaling: the pull DecodePool's spec.autoscaling (TTFT p90 ≤ 1.5 s, ITL p90 ≤ 30 ms, 1–3 engines a role, a budget of 4)")
+	if err := kubectl("get", "dcp", "pull-decode", "-o", "jsonpath={.spec.autoscaling}{\"\\n\"}"); err != nil {
+		return err
+	}
+	step("6 prompts a second of 200 words through the pull router: prefill must grow")
+	load, err := n.StartLoad("pull", realnode.PrefillHeavy)
+	if err != nil {
+		return err
+	}
+	defer load.Stop()
+	sizes := func() (prefill, decode int32) {
+		d := &kvv1.DecodePool{}
+		if err := n.Client.Get(ctx, client.ObjectKey{Namespace: "default", Name: "pull-decode"}, d); err != nil || d.Status.Autoscaling == nil {
+			return 0, 0
+		}
+		return d.Status.Autoscaling.PrefillReplicas, d.Status.Autoscaling.DecodeReplicas
+	}
+	if err := realnode.WaitFor(ctx, "the pull pair's prefill to grow", 3*time.Minute, func() bool {
+		p, _ := sizes()
+		_, ready := n.Pods("pull-prefill", kvv1.RolePrefill)
+		return p >= 2 && ready == int(p)
+	}); err != nil {
+		return err
+	}
+	if err := kubectl("get", "pfp,dcp", "-o", "wide"); err != nil {
+		return err
+	}
+	step("the load stops: both roles go back to one engine after the stabilization window, each engine draining before it exits")
+	load.Stop()
+	if err := realnode.WaitFor(ctx, "the pull pair back at one engine a role", 3*time.Minute, func() bool {
+		p, d := sizes()
+		pAll, _ := n.Pods("pull-prefill", kvv1.RolePrefill)
+		dAll, _ := n.Pods("pull-decode", kvv1.RoleDecode)
+		return p == 1 && d == 1 && pAll == 1 && dAll == 1
+	}); err != nil {
+		return err
+	}
+	failed := 0
+	for _, r := range load.Results() {
+		if r.Failed() {
+			failed++
+		}
+	}
+	fmt.Printf("  %d requests, %d failed\n", len(load.Results()), failed)
+	if failed > 0 {
+		return fmt.Errorf("%d requests failed while the pull pair scaled", failed)
+	}
+	for _, reason := range []string{kvv1.ReasonScaledUp, kvv1.ReasonScaledDown} {
+		if err := kubectl("get", "events", "--field-selector", "involvedObject.name=pull-decode,reason="+reason, "--sort-by", ".metadata.creationTimestamp",
+			"-o", "custom-columns=REASON:.reason,MESSAGE:.message"); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 

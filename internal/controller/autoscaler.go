@@ -63,18 +63,7 @@ func newAutoscaler(c client.Client, recorder events.EventRecorder, every time.Du
 }
 
 // Start decides every `every` until ctx ends (a manager Runnable).
-func (a *autoscaler) Start(ctx context.Context) error {
-	t := time.NewTicker(a.every)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-t.C:
-			a.tick(ctx)
-		}
-	}
-}
+func (a *autoscaler) Start(ctx context.Context) error { return every(ctx, a.every, a.tick) }
 
 // NeedLeaderElection: only the leader writes status, so only it decides.
 func (a *autoscaler) NeedLeaderElection() bool { return true }
@@ -198,7 +187,9 @@ func (a *autoscaler) publish(ctx context.Context, dp *kvv1.DecodePool, st *kvv1.
 		}
 		a.recorder.Eventf(dp, nil, corev1.EventTypeNormal, reason, "Autoscale", "prefill %d→%d, decode %d→%d (%s): %s",
 			was.Prefill, st.PrefillReplicas, was.Decode, st.DecodeReplicas, cond.Reason, cond.Message)
-	case old == nil || old.Reason != cond.Reason:
+	case old == nil || old.Status != cond.Status || (cond.Status != metav1.ConditionTrue && old.Reason != cond.Reason):
+		// A decision that changes nothing is not news; one that cannot be carried out
+		// (over the budget or a maximum, no measurements) is, once.
 		kind := corev1.EventTypeNormal
 		if cond.Status == metav1.ConditionFalse {
 			kind = corev1.EventTypeWarning

@@ -55,16 +55,23 @@ func newRouterHealth(pods client.Reader, every time.Duration) *routerHealth {
 
 // Start polls until ctx ends (a manager Runnable).
 func (h *routerHealth) Start(ctx context.Context) error {
-	t := time.NewTicker(h.every)
+	return every(ctx, h.every, func(ctx context.Context) {
+		if err := h.poll(ctx); err != nil {
+			log.FromContext(ctx).Error(err, "polling the routers' health reports")
+		}
+	})
+}
+
+// every runs f each period until ctx ends.
+func every(ctx context.Context, period time.Duration, f func(context.Context)) error {
+	t := time.NewTicker(period)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
-			if err := h.poll(ctx); err != nil {
-				log.FromContext(ctx).Error(err, "polling the routers' health reports")
-			}
+			f(ctx)
 		}
 	}
 }

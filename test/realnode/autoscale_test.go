@@ -9,35 +9,16 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
-	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/render"
 	"github.com/kvhandoff/kvhandoff/test/realnode"
 )
 
-// Targets and limits of the stepped load: CPU engines count one each against the budget.
-const (
-	targetTTFT = 1500 * time.Millisecond
-	targetITL  = 30 * time.Millisecond
-	budget     = 4
-)
-
-func autoscaling(d *kvv1.DecodePool) {
-	d.Spec.Autoscaling = &kvv1.AutoscalingSpec{
-		TTFT: kvv1.LatencyTarget{Milliseconds: int32(targetTTFT.Milliseconds())}, ITL: kvv1.LatencyTarget{Milliseconds: int32(targetITL.Milliseconds())},
-		Prefill: kvv1.ReplicaRange{MinReplicas: 1, MaxReplicas: 3}, Decode: kvv1.ReplicaRange{MinReplicas: 1, MaxReplicas: 3},
-		AcceleratorBudget: budget, WindowSeconds: 6, WarmupSeconds: ptr.To[int32](3), StabilizationWindowSeconds: ptr.To[int32](10),
-	}
-}
-
-// The stepped load's phases: prompts that keep prefill busy (6 a second of 200 words,
-// 0.2 s of prefill each, short answers), answers that keep decode busy (2 a second of 100
-// tokens), and a low load between.
 var (
-	low     = realnode.Phase{Name: "low", Rate: 1, Prompt: 100, Answer: 20}
-	prompts = realnode.Phase{Name: "prefill-heavy", Rate: 6, Prompt: 200, Answer: 8}
-	answers = realnode.Phase{Name: "decode-heavy", Rate: 2, Prompt: 100, Answer: 100}
+	targetTTFT, targetITL, budget = realnode.TargetTTFT, realnode.TargetITL, realnode.Budget
+	low, prompts, answers         = realnode.LowLoad, realnode.PrefillHeavy, realnode.DecodeHeavy
 )
 
 // TestThePairFollowsASteppedLoad runs a stepped load through the router of an autoscaled
@@ -90,6 +71,14 @@ func TestThePairFollowsASteppedLoad(t *testing.T) {
 	if failed > 0 {
 		t.Errorf("%d of %d requests failed across the scale-ups and scale-downs; the first: %s", failed, len(results), first)
 	}
+	// Nor did any handoff: an engine removed only once it has drained fails no leg, so
+	// the router retried nothing (a retry would hide a failed prefill from the client).
+	router := client.MatchingLabels{kvv1.LabelRouter: "push-decode"}
+	for _, metric := range []string{"kvhandoff_router_leg_failures_total", "kvhandoff_router_retries_total"} {
+		if v, err := n.PodsMetric("default", router, render.RouterAdminPort, metric); err != nil || v != 0 {
+			t.Errorf("the router counted %v %s across the scale-downs (%v); want none", v, metric, err)
+		}
+	}
 	if most > budget {
 		t.Errorf("the pools held %d engine pods at once, over the budget %d", most, budget)
 	}
@@ -101,10 +90,10 @@ func TestThePairFollowsASteppedLoad(t *testing.T) {
 func createAutoscaledPair(t testing.TB, tune ...func(*kvv1.DecodePool)) *realnode.Node {
 	t.Helper()
 	n, _ := startNode(t, "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", realnode.LoadFollowingEngines.Image)
-	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics, `manager.autoscaleInterval="1s"`)...); err != nil {
+	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics, realnode.AutoscaleInterval)...); err != nil {
 		t.Fatal(err)
 	}
-	if err := n.CreatePair(bg, realnode.LoadFollowingEngines, kvv1.TransferPush, append([]func(*kvv1.DecodePool){autoscaling}, tune...)...); err != nil {
+	if err := n.CreatePair(bg, realnode.LoadFollowingEngines, kvv1.TransferPush, append([]func(*kvv1.DecodePool){realnode.Autoscaled}, tune...)...); err != nil {
 		t.Fatal(err)
 	}
 	waitPair(t, n, "push")

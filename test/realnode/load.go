@@ -14,6 +14,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -30,6 +32,36 @@ var LoadFollowingEngines = func() Engines {
 	e.Args = []string{"--sim-prefill-per-1k-tokens=1s", "--sim-tpot=10ms", "--sim-tpot-per-stream=4ms"}
 	return e
 }()
+
+// The autoscaling that the stepped-load test, its report and the demo give a pair of
+// LoadFollowingEngines: CPU engines count one each against the budget; windows short
+// enough for a test.
+const (
+	TargetTTFT = 1500 * time.Millisecond
+	TargetITL  = 30 * time.Millisecond
+	Budget     = 4
+)
+
+// Autoscaled sets a DecodePool's autoscaling to those targets: 1–3 engines a role.
+func Autoscaled(d *kvv1.DecodePool) {
+	d.Spec.Autoscaling = &kvv1.AutoscalingSpec{
+		TTFT: kvv1.LatencyTarget{Milliseconds: int32(TargetTTFT.Milliseconds())}, ITL: kvv1.LatencyTarget{Milliseconds: int32(TargetITL.Milliseconds())},
+		Prefill: kvv1.ReplicaRange{MinReplicas: 1, MaxReplicas: 3}, Decode: kvv1.ReplicaRange{MinReplicas: 1, MaxReplicas: 3},
+		AcceleratorBudget: Budget, WindowSeconds: 6, WarmupSeconds: ptr.To[int32](3), StabilizationWindowSeconds: ptr.To[int32](10),
+	}
+}
+
+// AutoscaleInterval is the chart value that makes the manager decide every second.
+const AutoscaleInterval = `manager.autoscaleInterval="1s"`
+
+// The stepped load's phases: prompts that keep prefill busy (6 a second of 200 words,
+// 0.2 s of prefill each, short answers), answers that keep decode busy (2 a second of 100
+// tokens), and a low load between.
+var (
+	LowLoad      = Phase{Name: "low", Rate: 1, Prompt: 100, Answer: 20}
+	PrefillHeavy = Phase{Name: "prefill-heavy", Rate: 6, Prompt: 200, Answer: 8}
+	DecodeHeavy  = Phase{Name: "decode-heavy", Rate: 2, Prompt: 100, Answer: 100}
+)
 
 // Phase is a stretch of a stepped load: requests arrive Rate a second, each a streamed
 // chat request with a prompt of Prompt words and an answer of Answer tokens.
@@ -263,4 +295,13 @@ func P90(ds []time.Duration) time.Duration {
 	ds = slices.Clone(ds)
 	slices.Sort(ds)
 	return ds[(len(ds)*9)/10]
+}
+
+// WaitFor polls cond every 250 ms until it holds, for at most limit.
+func WaitFor(ctx context.Context, what string, limit time.Duration, cond func() bool) error {
+	err := wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, limit, true, func(context.Context) (bool, error) { return cond(), nil })
+	if err != nil {
+		return fmt.Errorf("waiting %s for %s: %w", limit, what, err)
+	}
+	return nil
 }

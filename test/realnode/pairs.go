@@ -208,16 +208,22 @@ func (n *Node) ChatVia(name, model, prompt string) (status int, body, answer str
 // AgentMetric sums a metric's series, or gives one series (name with its labels), over
 // the agent pods' /metrics (plain HTTP with PlainMetrics), read through the API server.
 func (n *Node) AgentMetric(name string) (float64, error) {
+	return n.PodsMetric("kvhandoff-node", client.MatchingLabels{"app.kubernetes.io/component": "transfer-agent"}, AgentMetricsPort, name)
+}
+
+// PodsMetric is AgentMetric over the pods of namespace that match labels, their /metrics
+// on port (plain HTTP), read through the API server.
+func (n *Node) PodsMetric(namespace string, labels client.MatchingLabels, port int, name string) (float64, error) {
 	pods := &corev1.PodList{}
-	if err := n.Client.List(context.Background(), pods, client.InNamespace("kvhandoff-node"), client.MatchingLabels{"app.kubernetes.io/component": "transfer-agent"}); err != nil {
+	if err := n.Client.List(context.Background(), pods, client.InNamespace(namespace), labels); err != nil {
 		return 0, err
 	}
 	if len(pods.Items) == 0 {
-		return 0, errors.New("no transfer-agent pod")
+		return 0, fmt.Errorf("no pod in %s matches %v", namespace, labels)
 	}
 	var sum float64
 	for _, p := range pods.Items {
-		url := n.PodURL(p.Namespace, p.Name, AgentMetricsPort, "/metrics")
+		url := n.PodURL(p.Namespace, p.Name, port, "/metrics")
 		resp, err := n.HTTPClient(url, 10*time.Second).Get(url)
 		if err != nil {
 			return 0, err

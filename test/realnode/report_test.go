@@ -37,7 +37,7 @@ func BenchmarkSteppedLoadAgainstStaticSplits(b *testing.B) {
 		prefill, decode int32 // 0: autoscaled
 	}{{"autoscaled", 0, 0}, {"static 3+1", 3, 1}, {"static 2+2", 2, 2}, {"static 1+3", 1, 3}}
 	var md strings.Builder
-	fmt.Fprintf(&md, "| configuration | all | %s |\n|---|---|---|---|---|---|\n", strings.Join(phaseNames(), " | "))
+	fmt.Fprintf(&md, "| configuration | all | %s |\n|---|---%s|\n", strings.Join(phaseNames(), " | "), strings.Repeat("|---", len(phaseNames())))
 	var auto *realnode.Load
 	var autoStart time.Time
 	for _, c := range configs {

@@ -147,6 +147,9 @@ func run(log *slog.Logger, args []string) error {
 	case <-ended:
 		return errors.New("the agent ended the engine's session; exiting so that the engine restarts and registers again")
 	case <-ctx.Done():
-		return server.Shutdown(context.Background())
+		// As vLLM's API server: on SIGTERM it cancels uvicorn's serve task
+		// (vllm/entrypoints/launcher.py), dropping the requests in flight, and the engine
+		// exits, ending its agent session. Waiting for them is the pod's preStop hook's job.
+		return server.Close()
 	}
 }
