@@ -54,9 +54,6 @@ type pairState struct {
 	learned autoscale.State
 }
 
-// maxWindow is the longest windowSeconds the API allows: how much of a series is kept.
-const maxWindow = 600 * time.Second
-
 func newAutoscaler(c client.Client, recorder events.EventRecorder, every time.Duration) *autoscaler {
 	return &autoscaler{client: c, recorder: recorder, every: every, http: &http.Client{Timeout: 2 * time.Second},
 		pairs: map[types.NamespacedName]*pairState{}}
@@ -225,7 +222,7 @@ func (a *autoscaler) measure(ctx context.Context, dp *kvv1.DecodePool, st *pairS
 			st.series[s.pod] = series
 		}
 		if reports[i] != nil {
-			series.Add(now, *reports[i], maxWindow)
+			series.Add(now, *reports[i], window)
 		}
 		g, covered := series.Growth(window)
 		if s.ready && (reports[i] == nil || covered < window/2) {

@@ -8,6 +8,7 @@ package load
 
 import (
 	"math"
+	"sort"
 	"time"
 )
 
@@ -58,12 +59,7 @@ func (h *Histogram) Observe(d time.Duration, n uint64) {
 	if len(*h) == 0 {
 		*h = make(Histogram, len(Buckets)+1)
 	}
-	s := d.Seconds()
-	i := 0
-	for i < len(Buckets) && s > Buckets[i] {
-		i++
-	}
-	(*h)[i] += n
+	(*h)[sort.SearchFloat64s(Buckets, d.Seconds())] += n // the first bound ≥ d
 }
 
 // Count is how many latencies were observed.

@@ -18,7 +18,7 @@ type sample struct {
 }
 
 // Add keeps r, read at at, and forgets what a window of span back from at no longer
-// needs (span: the longest window that will be asked for). A report of a new Boot starts
+// needs. A report of a new Boot starts
 // the series over: the old process's counts are not comparable.
 func (s *Series) Add(at time.Time, r Report, span time.Duration) {
 	if n := len(s.samples); n > 0 && s.samples[n-1].r.Boot != r.Boot {
@@ -30,14 +30,6 @@ func (s *Series) Add(at time.Time, r Report, span time.Duration) {
 		drop++
 	}
 	s.samples = s.samples[drop:]
-}
-
-// Last is when the series was last added to (zero if never).
-func (s *Series) Last() time.Time {
-	if len(s.samples) == 0 {
-		return time.Time{}
-	}
-	return s.samples[len(s.samples)-1].at
 }
 
 // Growth is how much the counts grew over the last span (from the newest sample at or
