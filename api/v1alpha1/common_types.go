@@ -260,6 +260,10 @@ type PoolStatus struct {
 	// +optional
 	HandoffFailureLimitPercent int32 `json:"handoffFailureLimitPercent,omitempty"`
 
+	// routing is the policy's, which a DecodePool's routers and endpoint picker follow.
+	// +optional
+	Routing *RoutingSpec `json:"routing,omitempty"`
+
 	// compatHash is the kvhandoff.io/compat-hash that every engine of the pool runs with;
 	// empty while a rollout leaves engines of different configurations side by side.
 	// A DecodePool is Paired when its compatHash equals its PrefillPool's.

@@ -14,4 +14,7 @@ const (
 	DefaultBlocksTTLSeconds = 480
 	// DefaultHandoffFailureLimitPercent is spec.handoffFailureLimitPercent's default.
 	DefaultHandoffFailureLimitPercent = 5
+	// DefaultOverlapWeight and DefaultLoadWeight are spec.routing's weights' defaults.
+	DefaultOverlapWeight = 4
+	DefaultLoadWeight    = 1
 )

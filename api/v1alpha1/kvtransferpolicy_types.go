@@ -223,6 +223,14 @@ type KVTransferPolicySpec struct {
 	// +optional
 	HandoffFailureLimitPercent *int32 `json:"handoffFailureLimitPercent,omitempty"`
 
+	// routing is how the routers and the gateway's endpoint picker choose a request's
+	// engines: decode by load alone (the default) or by prefix-cache overlap and load,
+	// and which requests skip prefill. It concerns only the routers: changing it rolls no
+	// engine.
+	// +kubebuilder:default={}
+	// +optional
+	Routing *RoutingSpec `json:"routing,omitempty"`
+
 	// bidirectional lets KV also flow from decode back to prefill. Pull mode only.
 	// +kubebuilder:default=false
 	// +optional

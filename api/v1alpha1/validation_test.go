@@ -76,6 +76,15 @@ var _ = Describe("KVTransferPolicy validation", func() {
 		Entry("rejects an unknown handoff failure policy", builder.Policy("p").HandoffFailurePolicy("Recompute"),
 			`spec.handoffFailurePolicy: Unsupported value: "Recompute": supported values: "Fail", "ServeOnDecode"`),
 		Entry("accepts serving on decode", builder.Policy("p").HandoffFailurePolicy(kvv1.HandoffFailureServeOnDecode), ""),
+		Entry("accepts prefix-aware routing", builder.Policy("p").PrefixAware(256), ""),
+		Entry("rejects an unknown decode choice", builder.Policy("p").Routing(kvv1.RoutingSpec{DecodeChoice: "Random", LoadWeight: 1}),
+			`spec.routing.decodeChoice: Unsupported value: "Random": supported values: "LoadOnly", "PrefixAware"`),
+		Entry("rejects a load weight below 1", builder.Policy("p").Routing(kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, LoadWeight: -1}),
+			"spec.routing.loadWeight in body should be greater than or equal to 1"),
+		Entry("rejects an overlap weight over 1000", builder.Policy("p").Routing(kvv1.RoutingSpec{OverlapWeight: 1001, LoadWeight: 1}),
+			"spec.routing.overlapWeight in body should be less than or equal to 1000"),
+		Entry("rejects a negative minPrefillTokens", builder.Policy("p").Routing(kvv1.RoutingSpec{MinPrefillTokens: -1, LoadWeight: 1}),
+			"spec.routing.minPrefillTokens in body should be greater than or equal to 0"),
 	)
 })
 

@@ -212,15 +212,20 @@ var _ = Describe("Lifecycle", func() {
 		}
 	})
 
-	It("hands a change of handoffFailurePolicy to the router through the DecodePool's status, rolling no engine", func() {
+	It("hands a change of handoffFailurePolicy and routing to the router through the DecodePool's status, rolling no engine", func() {
 		ns, pol, _, d := readyPair()
 		sts := func(name string) *appsv1.StatefulSet { return statefulSet(ns, name) }
 		before := map[string]string{"p": sts("p").ResourceVersion, "d": sts("d").ResourceVersion}
-		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.HandoffFailurePolicy = kvv1.HandoffFailureServeOnDecode })
-		Eventually(func() kvv1.HandoffFailurePolicy {
-			Expect(k8s.Get(ctx, client.ObjectKeyFromObject(d), d)).To(Succeed())
-			return d.Status.HandoffFailurePolicy
-		}).Should(Equal(kvv1.HandoffFailureServeOnDecode))
+		routing := kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, OverlapWeight: 8, LoadWeight: 2, MinPrefillTokens: 256}
+		update(pol, func(p *kvv1.KVTransferPolicy) {
+			p.Spec.HandoffFailurePolicy = kvv1.HandoffFailureServeOnDecode
+			p.Spec.Routing = &routing
+		})
+		Eventually(func(g Gomega) {
+			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(d), d)).To(Succeed())
+			g.Expect(d.Status.HandoffFailurePolicy).To(Equal(kvv1.HandoffFailureServeOnDecode))
+			g.Expect(d.Status.Routing).To(Equal(&routing))
+		}).Should(Succeed())
 		for name, rv := range before {
 			Expect(sts(name).ResourceVersion).To(Equal(rv), "the %s StatefulSet was rewritten for a router-only setting", name)
 		}

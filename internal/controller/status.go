@@ -122,6 +122,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 	if v.policy != nil {
 		st.Mode, st.HandoffFailurePolicy = v.policy.Spec.Mode, v.policy.Spec.HandoffFailurePolicy
 		st.HandoffFailureLimitPercent = ptr.Deref(v.policy.Spec.HandoffFailureLimitPercent, kvv1.DefaultHandoffFailureLimitPercent)
+		st.Routing = v.policy.Spec.Routing.DeepCopy()
 		provider = v.policy.Spec.Fabric.Provider
 	}
 	st.RouterService = ""

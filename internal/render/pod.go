@@ -71,8 +71,9 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 	if hashed.SameNode == kvv1.SameNodeForbid {
 		hashed.SameNode = ""
 	}
-	// The router carries out handoffFailurePolicy and its limit; engines never see them.
-	hashed.HandoffFailurePolicy, hashed.HandoffFailureLimitPercent = "", nil
+	// The router carries out handoffFailurePolicy, its limit and routing; engines never
+	// see them.
+	hashed.HandoffFailurePolicy, hashed.HandoffFailureLimitPercent, hashed.Routing = "", nil, nil
 	policyHash, err := hashJSON(&hashed)
 	if err != nil {
 		return nil, err

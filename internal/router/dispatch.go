@@ -30,10 +30,19 @@ type request struct {
 	// the first attempt's, when it is a ready engine of the PrefillPool.
 	prefer string
 
+	// routing is the policy's, and choice what engine choice reads of the request.
+	routing choice.Routing
+	choice  choice.Request
+	// planned is the decode engine a planned request (routing.Planned) was given at its
+	// arrival: push's first attempt and every pull attempt use it.
+	planned *choice.Pick
+
 	// What the request log and the metrics report.
 	prefill, decode string
 	retries         int
-	fallback        string        // why the request was served on a decode engine alone, if it was
+	fallback        string        // why the request was served on a decode engine alone, if its prefill side failed
+	decodeOnly      string        // why the request was planned on a decode engine alone, if it was
+	cached          int           // prompt tokens its decode engine held, by the prefix index
 	transferID      string        // push: the last attempt's, the key the agents and engines log it by
 	added           time.Duration // the router's own share of the time to first byte
 	relay           time.Duration // of which relaying the decode leg's first byte
@@ -88,9 +97,19 @@ func (s *Server) dispatch(rq *request) result {
 		return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: "no engines discovered yet"}
 	}
 	rq.mode = modeLabel(set.Mode)
+	rq.routing = choice.RoutingOf(set)
+	rq.choice = choice.NewRequest(rq.routing, rq.body, rq.tokens)
 	if s.cfg.Local != "" {
+		// The endpoint picker planned the request.
 		if res, ok := s.named(rq, set); !ok {
 			return res
+		}
+	} else if rq.routing.Planned() {
+		if res, done := s.plan(rq, set); done {
+			return res
+		}
+		if rq.planned != nil {
+			defer rq.planned.Release() // a pick no leg used (idempotent)
 		}
 	}
 	var res result
@@ -103,6 +122,24 @@ func (s *Server) dispatch(rq *request) result {
 		return s.serveOnDecode(rq, set, reason, res)
 	}
 	return res
+}
+
+// plan chooses a planned request's decode engine at its arrival, by its prefix and load,
+// and serves the request there alone when the plan says prefill does not pay (done);
+// otherwise the legs use that engine (rq.planned). Without a pair of engines it leaves
+// the request to its mode, which reports what is missing.
+func (s *Server) plan(rq *request, set *discovery.Set) (res result, done bool) {
+	_, decodes, why := choice.Pairable(set, nil)
+	if why != "" {
+		return result{}, false
+	}
+	d, plan := s.choose.Decode(rq.routing, decodes, rq.choice)
+	rq.cached = plan.Cached
+	if plan.DecodeOnly != "" {
+		return s.decodeAlone(rq, d, plan.DecodeOnly), true
+	}
+	rq.planned = &d
+	return result{}, false
 }
 
 // fallbackReason names why a request's prefill side could not serve it, or is "" when it
@@ -169,7 +206,7 @@ func (s *Server) record(rq *request, res result) {
 		s.m.ttft.WithLabelValues(mode).Observe(rq.firstByte.Sub(rq.start).Seconds())
 		s.m.added.WithLabelValues(mode).Observe(rq.added.Seconds())
 		prefill := rq.prefill
-		if rq.fallback != "" {
+		if rq.fallback != "" || rq.decodeOnly != "" {
 			prefill = ""
 		}
 		s.load.TTFT(prefill, rq.decode, rq.firstByte.Sub(rq.start))
@@ -185,6 +222,12 @@ func (s *Server) record(rq *request, res result) {
 	}
 	if rq.fallback != "" {
 		attrs = append(attrs, "fallback", rq.fallback)
+	}
+	if rq.decodeOnly != "" {
+		attrs = append(attrs, "decode_only", rq.decodeOnly)
+	}
+	if rq.routing.PrefixAware {
+		attrs = append(attrs, "cached_tokens", rq.cached)
 	}
 	if !rq.firstByte.IsZero() {
 		attrs = append(attrs, "ttft_ms", ms(rq.firstByte.Sub(rq.start)), "router_added_ms", ms(rq.added), "router_relay_ms", ms(rq.relay))

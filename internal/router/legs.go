@@ -43,6 +43,20 @@ func (s *Server) serveOnDecode(rq *request, set *discovery.Set, reason string, f
 	return s.finishDecode(rq, d.Engine, ds)
 }
 
+// decodeAlone serves a request its plan put on decode engine d alone (reason: prefill
+// does not pay): not a fallback, and counted apart from them.
+func (s *Server) decodeAlone(rq *request, d choice.Pick, reason string) result {
+	rq.decodeOnly = reason
+	rq.decode = d.EngineID
+	rq.w.Header().Set(epp.DecodeOnlyHeader, reason)
+	ctx, cancel := context.WithCancel(rq.r.Context())
+	defer cancel()
+	sent := time.Now()
+	ds := s.decodeLeg(ctx, rq, d, rq.body.Marshal())
+	rq.decodeTime = time.Since(sent)
+	return s.finishDecode(rq, d.Engine, ds)
+}
+
 type legResult struct {
 	res    result
 	params []byte // pull: the prefill engine's kv_transfer_params
@@ -189,12 +203,22 @@ func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) 
 // named reads, in a leg runner, the prefill engine the gateway's endpoint picker chose
 // (epp.PrefillHeader, which no leg forwards): rq.prefer when its host is a ready engine's
 // of the paired PrefillPool. An address that is not one is never dialled: the request is logged
-// and routed as the router would. Without the header (a gateway that failed open, or a
-// client that reached the pod directly) the request follows handoffFailurePolicy; ok is
-// false when res is its answer.
+// and routed as the router would. In its place, epp.DecodeOnlyHeader serves the request on
+// the decode engine alone. Without either (a gateway that failed open, or a client that
+// reached the pod directly) the request follows handoffFailurePolicy; ok is false when
+// res is its answer.
 func (s *Server) named(rq *request, set *discovery.Set) (res result, ok bool) {
 	addr := rq.r.Header.Get(epp.PrefillHeader)
 	rq.r.Header.Del(epp.PrefillHeader)
+	switch reason := rq.r.Header.Get(epp.DecodeOnlyHeader); {
+	case addr != "" || reason == "":
+	case len(set.Decode) == 0:
+		return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: fmt.Sprintf("no ready decode engine (%s)", set.Source)}, false
+	case reason == choice.DecodeOnlyShortPrompt || reason == choice.DecodeOnlyPrefixCached:
+		// A client reaching the pod directly could send it too: it gets what a gateway
+		// that failed open gives it, its request computed on this engine.
+		return s.decodeAlone(rq, s.choose.Take(balance.Decode, set.Decode, rq.tokens), reason), false
+	}
 	if addr == "" {
 		why := result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable,
 			msg: "no " + epp.PrefillHeader + " header: the request came without the endpoint picker's prefill choice (a gateway that failed open?)"}

@@ -2,10 +2,12 @@ package router
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"time"
 
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
+	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
@@ -15,6 +17,13 @@ import (
 // blocks.
 func (s *Server) pull(rq *request, set *discovery.Set) result {
 	return s.withRetry(rq, set, func(prefills, _ []discovery.Engine, mark time.Time) (result, bool) {
+		if rq.planned != nil {
+			prefills = choice.SameHash(prefills, rq.planned.CompatHash)
+			if len(prefills) == 0 {
+				return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: fmt.Sprintf(
+					"no ready prefill engine left with decode engine %s's compat-hash %q (%s)", rq.planned.EngineID, rq.planned.CompatHash, set.Source)}, false
+			}
+		}
 		p := s.choose.Take(balance.Prefill, prefills, rq.tokens)
 		rq.prefill = p.EngineID
 		rq.added = time.Since(mark)
@@ -26,10 +35,16 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 		}
 		s.m.leg.WithLabelValues(rq.mode, "prefill").Observe(pr.took.Seconds())
 
-		// Decode is chosen now, among engines of the prefill engine's configuration.
-		d, why := s.choose.PullDecode(s.set.Load(), p.Engine, rq.tokens)
-		if why != "" {
-			return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: why}, false
+		// Decode is the planned engine, or chosen now among engines of the prefill
+		// engine's configuration.
+		var d choice.Pick
+		if rq.planned != nil {
+			d = *rq.planned
+		} else {
+			var why string
+			if d, why = s.choose.PullDecode(s.set.Load(), p.Engine, rq.tokens); why != "" {
+				return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: why}, false
+			}
 		}
 		rq.decode = d.EngineID
 		body := protocol.PullDecodeLeg(rq.body, pr.params).Marshal()

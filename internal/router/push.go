@@ -5,6 +5,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
@@ -15,7 +16,16 @@ import (
 // the request in vLLM, which frees its blocks) before the pair is tried again.
 func (s *Server) push(rq *request, set *discovery.Set) result {
 	return s.withRetry(rq, set, func(prefills, decodes []discovery.Engine, mark time.Time) (result, bool) {
-		p, d := s.choose.Push(prefills, decodes, rq.tokens)
+		var p, d choice.Pick
+		if rq.planned != nil && rq.retries == 0 {
+			d = *rq.planned
+			p = s.choose.Prefill(d, prefills, rq.tokens)
+		} else {
+			// A retry takes a prefill leg whatever its tail: the plan said it pays.
+			r := rq.routing
+			r.MinPrefillTokens = 0
+			p, d, _ = s.choose.Push(r, prefills, decodes, rq.choice)
+		}
 		rq.prefill, rq.decode = p.EngineID, d.EngineID
 		// A new transfer id for every attempt: a retried pair never matches the aborted one.
 		transferID := newID("xfer-")

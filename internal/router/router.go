@@ -28,6 +28,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
 // Config is the router's behaviour; Defaults has the values cmd/router starts with.
@@ -46,6 +47,9 @@ type Config struct {
 	MaxInFlight int
 	// ScrapeInterval is how often engines' /metrics are read for their load; 0 never.
 	ScrapeInterval time.Duration
+	// PrefixIndexBlocks bounds the prefix index of each decode engine (routing
+	// PrefixAware), in blocks; each engine's own KV capacity bounds it too.
+	PrefixIndexBlocks int
 	// HealthWindow is how far back the health report (GET /health/transfer) looks, and
 	// HealthInterval how often it is computed.
 	HealthWindow, HealthInterval time.Duration
@@ -64,14 +68,15 @@ type Config struct {
 // Defaults are the router's defaults, the one place they are defined.
 func Defaults() Config {
 	return Config{
-		PrefillTimeout: 5 * time.Minute,
-		DecodeTimeout:  10 * time.Minute,
-		MaxBodyBytes:   32 << 20,
-		BodyTimeout:    30 * time.Second,
-		MaxInFlight:    1024,
-		ScrapeInterval: time.Second,
-		HealthWindow:   time.Minute,
-		HealthInterval: 5 * time.Second,
+		PrefillTimeout:    5 * time.Minute,
+		DecodeTimeout:     10 * time.Minute,
+		MaxBodyBytes:      32 << 20,
+		BodyTimeout:       30 * time.Second,
+		MaxInFlight:       1024,
+		ScrapeInterval:    time.Second,
+		PrefixIndexBlocks: prefix.DefaultMaxBlocks,
+		HealthWindow:      time.Minute,
+		HealthInterval:    5 * time.Second,
 	}
 }
 
@@ -123,7 +128,8 @@ func New(cfg Config) *Server {
 		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)),
 		load:  load.NewRecorder(),
 	}
-	s.choose = choice.New(s.bal, s.m.inflight)
+	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
+	s.choose = choice.New(s.bal, ix, choice.NewMetrics(cfg.Registry, "kvhandoff_router", ix), s.m.inflight)
 	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.completions("/v1/chat/completions"))
 	s.mux.HandleFunc("GET /v1/models", s.models)

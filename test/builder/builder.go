@@ -42,7 +42,9 @@ func Policy(name string) *PolicyBuilder {
 			LoadFailurePolicy:          kvv1.LoadFailureFail,
 			HandoffFailurePolicy:       kvv1.HandoffFailureFail,
 			HandoffFailureLimitPercent: ptr.To[int32](kvv1.DefaultHandoffFailureLimitPercent),
-			SameNode:                   kvv1.SameNodeForbid,
+			Routing: &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoiceLoadOnly, OverlapWeight: kvv1.DefaultOverlapWeight,
+				LoadWeight: kvv1.DefaultLoadWeight},
+			SameNode: kvv1.SameNodeForbid,
 		},
 	}}
 }
@@ -102,6 +104,19 @@ func (b *PolicyBuilder) LoadFailurePolicy(p kvv1.LoadFailurePolicy) *PolicyBuild
 }
 func (b *PolicyBuilder) HandoffFailurePolicy(p kvv1.HandoffFailurePolicy) *PolicyBuilder {
 	b.obj.Spec.HandoffFailurePolicy = p
+	return b
+}
+
+// Routing replaces the policy's routing.
+func (b *PolicyBuilder) Routing(r kvv1.RoutingSpec) *PolicyBuilder {
+	b.obj.Spec.Routing = &r
+	return b
+}
+
+// PrefixAware routes by prefix with a tail under minPrefill tokens served on decode alone.
+func (b *PolicyBuilder) PrefixAware(minPrefill int32) *PolicyBuilder {
+	b.obj.Spec.Routing.DecodeChoice = kvv1.DecodeChoicePrefixAware
+	b.obj.Spec.Routing.MinPrefillTokens = minPrefill
 	return b
 }
 

@@ -164,6 +164,16 @@ func (c *Cache) Verify(request string, blocks []uint32) error {
 
 // VerifyRegions is Verify for regions lo..hi-1 only: one layer group.
 func (c *Cache) VerifyRegions(request string, blocks []uint32, lo, hi int) error {
+	return c.verify(request, 0, blocks, lo, hi)
+}
+
+// VerifyTail is Verify of blocks holding positions first, first+1, …: a push of the tail
+// after a prefix the decode engine held.
+func (c *Cache) VerifyTail(request string, first int, blocks []uint32) error {
+	return c.verify(request, first, blocks, 0, len(c.Regions))
+}
+
+func (c *Cache) verify(request string, first int, blocks []uint32, lo, hi int) error {
 	c.dev.lock()
 	defer c.dev.unlock()
 	if err := c.dev.download(c, blocks, lo, hi); err != nil {
@@ -174,7 +184,8 @@ func (c *Cache) VerifyRegions(request string, blocks []uint32, lo, hi int) error
 	bb := c.Layout.BlockBytes()
 	for r := lo; r < hi; r++ {
 		region := c.Regions[r]
-		for pos, b := range blocks {
+		for i, b := range blocks {
+			pos := first + i
 			block := region[int(b)*bb : (int(b)+1)*bb]
 			binary.LittleEndian.PutUint64(body, blockBase(seed, r, pos)) // the tag this block must carry
 			if bytes.Equal(block, body) {

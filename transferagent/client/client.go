@@ -177,6 +177,15 @@ func (e *Engine) RegisterDestination(ctx context.Context, req string, attempt ui
 	return err
 }
 
+// RegisterTail (push, decode) names where the tail of a request's KV goes: blocks hold
+// token-order positions first, first+1, …; the engine's prefix cache holds the rest.
+func (e *Engine) RegisterTail(ctx context.Context, req string, attempt uint64, first uint32, blocks []uint32, source *agentv1.EngineRef) error {
+	_, err := e.c.API.RegisterDestination(ctx, &agentv1.RegisterDestinationRequest{
+		Session: e.Session, RequestId: req, Attempt: attempt, BlockIds: blocks, Source: source, FirstPosition: first,
+	})
+	return err
+}
+
 // SourceReady (prefill) reports a part of a request's blocks ready.
 // With a doorbell it goes through the submit ring, and the agent answers a report it
 // refuses with a FAILED event rather than an error here.

@@ -175,9 +175,10 @@ class Session:
             cuda_ipc_handle=ipc_handle, cuda_device_uuid=device_uuid, offset=offset, size=size, block_len=block_len,
             block_count=block_count))
 
-    def register_destination(self, key: str, attempt: int, blocks: list[int], source: pb.EngineRef) -> None:
+    def register_destination(self, key: str, attempt: int, blocks: list[int], source: pb.EngineRef, first: int = 0) -> None:
+        """blocks hold positions first, first+1, …: this engine's prefix cache holds the rest."""
         _call(self._stub.RegisterDestination, pb.RegisterDestinationRequest(
-            session=self.session, request_id=key, attempt=attempt, block_ids=blocks, source=source))
+            session=self.session, request_id=key, attempt=attempt, block_ids=blocks, source=source, first_position=first))
 
     def source_ready(self, key: str, blocks: list[int], offset: int = 0, final: bool = True) -> None:
         self._submit(KIND_SOURCE_READY, pb.SourceReadyRequest(

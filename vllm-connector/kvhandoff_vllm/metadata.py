@@ -13,13 +13,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 @dataclass
 class Receive:
-    """Decode: bring a request's KV into blocks (token order). src_blocks is None for push
-    (the prefill agent writes when prefill ends); for pull they are the prefill's blocks.
-    error, when set, fails the receive at once (the parameters made it impossible)."""
+    """Decode: bring a request's KV into blocks, which hold token-order positions first,
+    first+1, … (this engine's prefix cache holds the positions before). src_blocks is None
+    for push (the prefill agent writes when prefill ends); for pull they are the prefill's
+    blocks of the same positions. error, when set, fails the receive at once (the
+    parameters made it impossible)."""
 
     req_id: str
     key: str
     blocks: list[int]
+    first: int = 0
     source_agent: str = ""
     source_engine: str = ""
     src_blocks: list[int] | None = None
@@ -49,8 +52,8 @@ class Stream:
 
 @dataclass
 class Decline:
-    """Decode, push: the request is computed here (its prefix is cached here), so the prefill
-    engine's blocks are freed at once instead of waiting for a registration."""
+    """Decode, push: the request is computed here (the whole prompt is cached here), so the
+    prefill engine's blocks are freed at once instead of waiting for a registration."""
 
     key: str
     source_agent: str

@@ -65,6 +65,8 @@ class SchedulerSide:
         self._meta = KVHandoffMetadata()
         # Decode requests whose KV is on its way: request id -> key.
         self._receiving: dict[str, str] = {}
+        # Decode requests about to be allocated: request id -> tokens of its prompt cached here.
+        self._cached: dict[str, int] = {}
         self.timeline = Timeline(f"{cfg.engine_id}-scheduler")
         # Finished prefill requests whose blocks are held until the agent is done with
         # them. The drain hook of a terminating engine waits for none to be left: the
@@ -95,16 +97,18 @@ class SchedulerSide:
         if self.cfg.role != "decode" or not params or not params.get("do_remote_prefill"):
             return 0, False
         n = len(request.prompt_token_ids or ()) - num_computed_tokens
-        if self.cfg.mode == "push" and (n <= 0 or num_computed_tokens > 0):
-            # A push registration names destination blocks from the request's first
-            # token on; blocks this engine already holds (a prefix-cache hit) are shared
-            # and cannot be written, so the request is computed here instead, and the
-            # prefill agent is told to free its blocks now (a decline).
-            log.info("request %s: %d tokens are cached here; computing it here and declining the push", request.request_id, num_computed_tokens)
-            self._decline(params)
-            return 0, False
         if n <= 0:
+            # Nothing to bring (vLLM recomputes at least a prompt's last token, so this is
+            # defensive): a push is declined, so the prefill agent frees its blocks now.
+            if self.cfg.mode == "push":
+                self._decline(params)
             return 0, False
+        # Blocks this engine already holds (a prefix-cache hit, num_computed_tokens, always
+        # whole blocks) are shared and never written: the push registers, and the pull
+        # reads, the blocks after them only. vLLM sets the request's own count only after
+        # the allocation, so it is kept here for update_state_after_alloc (the last ask
+        # before it is the one the allocation follows).
+        self._cached[request.request_id] = num_computed_tokens
         return n, True
 
     def _decline(self, params: dict) -> None:
@@ -127,17 +131,22 @@ class SchedulerSide:
         if self.cfg.role != "decode" or not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return
         local = list(blocks.get_unhashed_block_ids())
-        r = Receive(req_id=request.request_id, key="", blocks=local)
+        cached = self._cached.pop(request.request_id, 0)
+        # The positions before the new blocks are this engine's cached prefix.
+        first = cached // self.block_size
+        r = Receive(req_id=request.request_id, key="", blocks=local, first=first)
         try:
+            if cached % self.block_size:
+                raise ValueError(f"a prefix of {cached} cached tokens is not whole blocks of {self.block_size}")
             r.source_agent = join_agent(params["remote_host"], params["remote_port"])
             r.source_engine = str(params["remote_engine_id"])
             if self.cfg.mode == "pull":
                 r.key = str(params["remote_request_id"])
                 remote = list(params.get("remote_block_ids") or ())
-                if len(remote) < len(local):
-                    raise ValueError(f"remote_block_ids: {len(remote)} blocks for {len(local)} local ones")
+                if len(remote) < first + len(local):
+                    raise ValueError(f"remote_block_ids: {len(remote)} blocks for {first} cached and {len(local)} new ones")
                 # Locally cached blocks are a prefix: the blocks to read are the tail.
-                r.src_blocks = remote[len(remote) - len(local):]
+                r.src_blocks = remote[first:first + len(local)]
             else:
                 r.key = str(params.get("transfer_id") or params["remote_request_id"])
         except (KeyError, TypeError, ValueError) as e:
@@ -168,6 +177,7 @@ class SchedulerSide:
             return False, None
         rid = request.request_id
         self._streamable.pop(rid, None)
+        self._cached.pop(rid, None)
         streamed = rid in self._streamed
         self._streamed.discard(rid)
         if rid in self._receiving:

@@ -211,7 +211,7 @@ class WorkerSide:
             self.timeline.mark("load_call", r.key)
             try:
                 if r.src_blocks is None:
-                    self.session.register_destination(r.key, ATTEMPT, r.blocks, src)
+                    self.session.register_destination(r.key, ATTEMPT, r.blocks, src, r.first)
                     self._beating.add(r.key)
                 else:
                     self.session.pull(r.key, ATTEMPT, src, r.src_blocks, r.blocks)

@@ -226,29 +226,33 @@ class NixlStack(Procs):
             TIMINGS[f"nixl {mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
             # NIXL's side channels are the engines' own.
             self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", "127.0.0.1", self.p.side),
-                                      endpoint(self.d, "decode", "127.0.0.1", self.d.side)))
+                                      [endpoint(self.d, "decode", "127.0.0.1", self.d.side)]))
         except BaseException:
             self.stop()
             raise
 
 
-def endpoint(e: Engine, role: str, host: str = "", side: int = 0) -> dict:
+def endpoint(e: Engine, role: str, host: str = "", side: int = 0, index: int = 0) -> dict:
     """A router endpoint for engine e: its KV side channel (host, side) where the prefill
     side of its pair dials it."""
-    ep = {"url": f"http://127.0.0.1:{e.port}", "engineID": f"{role}-0.default", "tensorParallelSize": 1}
+    ep = {"url": f"http://127.0.0.1:{e.port}", "engineID": f"{role}-{index}.default", "tensorParallelSize": 1}
     if host:
         ep.update(host=host, sideChannelPort=side)
     return ep
 
 
 class Router(Proc):
-    """kvhandoff's router over one prefill and one decode endpoint, with static discovery."""
+    """kvhandoff's router over a prefill and decode endpoints, with static discovery;
+    routing and block_size as a KVTransferPolicy's and a DecodePool's."""
 
-    def __init__(self, bins: str, log_dir: str, mode: str, prefill: dict, decode: dict):
+    def __init__(self, bins: str, log_dir: str, mode: str, prefill: dict, decodes: list[dict], routing: dict | None = None, block_size: int = 0):
         self.port = free_port()
         endpoints = os.path.join(log_dir, "endpoints.json")
         with open(endpoints, "w") as f:
-            json.dump({"mode": mode.removesuffix("-layered").capitalize(), "prefill": [prefill], "decode": [decode]}, f)
+            s = {"mode": mode.removesuffix("-layered").capitalize(), "prefill": [prefill], "decode": decodes}
+            if routing:
+                s.update(routing=routing, blockSize=block_size)
+            json.dump(s, f)
         super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}",
                                     "--endpoints", endpoints, "--scrape-interval", "0"], log_dir)
         self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
@@ -267,7 +271,8 @@ class Stack(Procs):
     its own (two "nodes" on loopback); with gpu both engines share GPU 0 and one agent (one
     node), which moves their KV with CUDA copies. agents lists the distinct agents."""
 
-    def __init__(self, bins, model, d, mode, decode_extra=None, doorbell=True, gpu: GPU | None = None):
+    def __init__(self, bins, model, d, mode, decode_extra=None, doorbell=True, gpu: GPU | None = None, decodes: int = 1,
+                 routing: dict | None = None, engine_args: list[str] | None = None):
         self.procs = []
         try:
             self.a = self._add(Agent(bins, "agent-prefill-node", os.path.join(d, "a")))
@@ -275,13 +280,18 @@ class Stack(Procs):
             self.agents = [self.a] if gpu else [self.a, self.b]
             same = gpu is not None
             self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket, doorbell, same),
-                                      gpu=gpu))
-            self.d = self._add(Engine("decode", model, d, 1, kv_config(mode, "decode", "decode-0.default", self.b.socket, doorbell, same),
-                                      decode_extra, gpu=gpu))
-            TIMINGS[f"{mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
+                                      engine_args, gpu=gpu))
+            # More decode engines share the decode node's agent and its core.
+            self.ds = [self._add(Engine(f"decode-{i}" if i else "decode", model, d, 1,
+                                        kv_config(mode, "decode", f"decode-{i}.default", self.b.socket, doorbell, same),
+                                        (engine_args or []) + (decode_extra or []), gpu=gpu))
+                       for i in range(decodes)]
+            self.d = self.ds[0]
+            TIMINGS[f"{mode} prefill+{decodes} decode start (together)"] = max(e.ready() for e in [self.p, *self.ds])
             # For executor Agent a prefill engine's KV side channel is its agent.
             host, _, port = self.a.peer.rpartition(":")
-            self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", host, int(port)), endpoint(self.d, "decode")))
+            self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", host, int(port)),
+                                      [endpoint(e, "decode", index=i) for i, e in enumerate(self.ds)], routing, block_size(self.d) if routing else 0))
         except BaseException:
             self.stop()  # nothing outlives a stack that failed to start
             raise
@@ -340,6 +350,15 @@ def engine_metric(e: Engine, name: str, label: str = "") -> float:
             if line.startswith(name) and label in line:
                 total += float(line.rpartition(" ")[2])
     return total
+
+
+def until(what: str, ok, timeout: float = 20) -> None:
+    """Polls ok until it holds, failing the test after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.01)
 
 
 def wait_idle(e: Engine, timeout: float = 60) -> None:

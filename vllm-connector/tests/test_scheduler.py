@@ -89,21 +89,29 @@ def test_push_decode_waits_for_the_agent_then_computes_only_the_last_token(tiny_
     assert out.num_scheduled_tokens == {r.request_id: 1}
 
 
-def test_a_push_whose_prompt_is_cached_here_is_computed_here_and_declined(tiny_model):
-    s = scheduler(tiny_model, "push", "decode")
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_prompt_whose_prefix_is_cached_here_brings_only_the_tail(tiny_model, mode):
+    s = scheduler(tiny_model, mode, "decode")
     seen = request(40, {}, max_tokens=1)
     s.add_request(seen)
-    s.update_from_output(s.schedule(), output([seen]))  # its prompt's two full blocks are cached now
-    r = request(40, PUSH_DECODE, prompt=list(seen.prompt_token_ids))
+    out = s.schedule()
+    cached = s.kv_cache_manager.get_block_ids(seen.request_id)[0][:2]
+    s.update_from_output(out, output([seen]))  # its prompt's two full blocks are cached now
+    params = PUSH_DECODE if mode == "push" else dict(PUSH_DECODE, transfer_id=None, remote_block_ids=[11, 12, 13])
+    r = request(40, params, prompt=list(seen.prompt_token_ids))
     s.add_request(r)
     out = s.schedule()
-    # Computed here from the cached 32 tokens on, without waiting for any KV.
-    assert r.status == RequestStatus.RUNNING and out.num_scheduled_tokens == {r.request_id: 8}
+    # The cached 32 tokens are this engine's own blocks; only the third block (positions
+    # 32..39) waits for KV: registered (push) or read from the prefill's third (pull).
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     meta = out.kv_connector_metadata
-    assert not meta.receives
-    (d,) = meta.declines
-    assert (d.key, d.source_agent, d.source_engine) == ("t-1", "198.18.0.7:7470", "prefill-0.default")
-    assert not s.schedule().kv_connector_metadata.declines  # once
+    assert not meta.declines
+    (recv,) = meta.receives
+    blocks = s.kv_cache_manager.get_block_ids(r.request_id)[0]
+    assert blocks[:2] == cached and recv.blocks == blocks[2:] and recv.first == 2
+    assert recv.src_blocks == (None if mode == "push" else [13])
+    s.update_from_output(s.schedule(), output([], recving={r.request_id}))
+    assert s.schedule().num_scheduled_tokens == {r.request_id: 1}
 
 
 def test_pull_decode_reads_the_prefill_blocks_named_in_the_parameters(tiny_model):

@@ -12,7 +12,7 @@ from kvhandoff_vllm._api import agent_pb2 as pb
 from kvhandoff_vllm.config import Config
 from kvhandoff_vllm.metadata import KVHandoffMetadata, Receive
 from kvhandoff_vllm.worker import WorkerSide
-from stack import Agent, next_event
+from stack import Agent, next_event, until
 
 LAYERS, BLOCKS, BLOCK_BYTES = 2, 32, 512
 
@@ -38,14 +38,6 @@ def worker(agent: Agent, role: str) -> tuple[WorkerSide, dict]:
 
 def sessions(agent: Agent) -> float:
     return sum(v for k, v in agent.metrics().items() if k.startswith("kvhandoff_agent_engine_sessions"))
-
-
-def until(what: str, ok, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout} s: {what}")
-        time.sleep(0.01)
 
 
 def push(p: WorkerSide, d: WorkerSide, key: str, src: list[int], dst: list[int]) -> None:

@@ -23,7 +23,10 @@ type Load struct {
 	Running, Waiting float64
 	// KVUsage is the fraction of the KV cache in use, 0 to 1.
 	KVUsage float64
-	At      time.Time
+	// Blocks is the KV cache's size in blocks (vllm:cache_config_info's num_gpu_blocks);
+	// 0 when not exported.
+	Blocks int
+	At     time.Time
 }
 
 // kvFull is the KV-cache usage above which a decode engine is avoided while another has
@@ -34,7 +37,9 @@ const kvFull = 0.95
 type Balancer struct {
 	// Stale is how old a scraped load may be and still count.
 	Stale time.Duration
-	now   func() time.Time
+	// OnLoad, when set before Follow starts, is told every load Follow reads.
+	OnLoad func(Role, string, Load)
+	now    func() time.Time
 
 	mu      sync.Mutex
 	engines map[string]*state // by role/engine id
@@ -132,9 +137,16 @@ func (b *Balancer) count(s *state, tokens int) (release func()) {
 // first and counting later sent a burst of requests to one engine); release ends the
 // count. ok is false when no candidate is left.
 func (b *Balancer) Take(r Role, candidates []discovery.Engine, tokens int) (e discovery.Engine, release func(), ok bool) {
+	return b.TakeScored(r, candidates, tokens, nil)
+}
+
+// TakeScored is Take with each candidate's load score (lower is better) passed through
+// adjust(i, score) first: what else than load weighs the choice (the prefix an engine
+// holds). nil adjusts nothing.
+func (b *Balancer) TakeScored(r Role, candidates []discovery.Engine, tokens int, adjust func(i int, score float64) float64) (e discovery.Engine, release func(), ok bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if e, ok = b.pick(r, candidates); !ok {
+	if e, ok = b.pick(r, candidates, adjust); !ok {
 		return e, func() {}, false
 	}
 	return e, b.count(b.get(r, e.EngineID), tokens), true
@@ -145,16 +157,19 @@ func (b *Balancer) Take(r Role, candidates []discovery.Engine, tokens int) (e di
 func (b *Balancer) Pick(r Role, candidates []discovery.Engine) (discovery.Engine, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.pick(r, candidates)
+	return b.pick(r, candidates, nil)
 }
 
-func (b *Balancer) pick(r Role, candidates []discovery.Engine) (discovery.Engine, bool) {
+func (b *Balancer) pick(r Role, candidates []discovery.Engine, adjust func(int, float64) float64) (discovery.Engine, bool) {
 	now := b.now()
 	best, bestScore := -1, math.Inf(1)
 	var bestPicks uint64
 	for i, e := range candidates {
 		s := b.get(r, e.EngineID)
 		score := b.score(r, s, now)
+		if adjust != nil {
+			score = adjust(i, score)
+		}
 		if best < 0 || score < bestScore || (score == bestScore && s.picks < bestPicks) {
 			best, bestScore, bestPicks = i, score, s.picks
 		}

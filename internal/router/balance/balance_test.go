@@ -92,12 +92,13 @@ vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-32B"} 2.0
 vllm:num_requests_waiting{engine="0",model_name="a{b}"} 7
 vllm:kv_cache_usage_perc{engine="0"} 0.42
 vllm:num_requests_running_total 99
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="29127",num_gpu_blocks_override="None"} 1.0
 `))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if l.Running != 5 || l.Waiting != 7 || l.KVUsage != 0.42 {
-		t.Errorf("load %+v, want running 5 (summed), waiting 7, usage 0.42", l)
+	if l.Running != 5 || l.Waiting != 7 || l.KVUsage != 0.42 || l.Blocks != 29127 {
+		t.Errorf("load %+v, want running 5 (summed), waiting 7, usage 0.42, 29127 blocks", l)
 	}
 	if _, err := ParseLoad(strings.NewReader("go_goroutines 12\n")); err == nil {
 		t.Error("an exposition without vLLM's gauges must be an error, not an idle engine")

@@ -39,6 +39,10 @@ func ParseLoad(r io.Reader) (Load, error) {
 		if i := strings.IndexAny(line, "{ "); i >= 0 {
 			name = line[:i]
 		}
+		if name == "vllm:cache_config_info" {
+			l.Blocks = max(l.Blocks, labelInt(line, "num_gpu_blocks"))
+			continue
+		}
 		set, ok := gauges[name]
 		if !ok {
 			continue
@@ -70,6 +74,17 @@ func ParseLoad(r io.Reader) (Load, error) {
 		return Load{}, fmt.Errorf("no vLLM load gauges (vllm:num_requests_running, …) in the exposition")
 	}
 	return l, nil
+}
+
+// labelInt reads label name's value of a series line as a number; 0 when absent.
+func labelInt(line, name string) int {
+	_, rest, ok := strings.Cut(line, name+`="`)
+	if !ok {
+		return 0
+	}
+	v, _, _ := strings.Cut(rest, `"`)
+	n, _ := strconv.Atoi(v)
+	return n
 }
 
 // Scrape reads one engine's load from base+"/metrics".
@@ -114,6 +129,9 @@ func (b *Balancer) Follow(ctx context.Context, c *http.Client, interval time.Dur
 				wg.Go(func() {
 					if l, err := Scrape(sctx, c, e.URL); err == nil {
 						b.SetLoad(role, e.EngineID, l)
+						if b.OnLoad != nil {
+							b.OnLoad(role, e.EngineID, l)
+						}
 					}
 				})
 			}

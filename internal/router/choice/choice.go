@@ -1,8 +1,10 @@
 // Package choice picks the engines of a request's legs: which prefill and decode engines
 // can be paired at all (a compat-hash both pools share: the same model, KV layout and
-// connector), and among those the least loaded (package balance), counting each pick as a
-// leg in flight until it is released. It is the router's one seam for engine choice: its
-// modes call it, and so can an endpoint picker in front of the pools.
+// connector), and among those the least loaded (package balance) or, under PrefixAware
+// routing, the decode engine that holds most of the prompt for its load (package prefix);
+// and whether a request takes a prefill leg at all. Each pick counts as a leg in flight
+// until it is released. It is the router's one seam for engine choice: its modes call
+// it, and so does the gateway's endpoint picker.
 package choice
 
 import (
@@ -13,21 +15,31 @@ import (
 
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
 // Chooser picks engines and keeps the count of legs in flight on each, in the balancer
 // (for the next choice) and in the inflight gauge (for operators).
 type Chooser struct {
 	bal      *balance.Balancer
+	ix       *prefix.Index
+	m        *Metrics
 	inflight *prometheus.GaugeVec // labels: role, engine
 
 	mu     sync.Mutex
 	gauged map[[2]string]bool // inflight series in use, to delete when engines go
 }
 
-// New returns a Chooser over bal, counting into inflight (labels role and engine).
-func New(bal *balance.Balancer, inflight *prometheus.GaugeVec) *Chooser {
-	return &Chooser{bal: bal, inflight: inflight, gauged: map[[2]string]bool{}}
+// New returns a Chooser over bal and the prefix index ix, counting its choices in m and
+// legs into inflight (labels role and engine). The balancer's scrapes bound each engine's
+// index at its KV capacity.
+func New(bal *balance.Balancer, ix *prefix.Index, m *Metrics, inflight *prometheus.GaugeVec) *Chooser {
+	bal.OnLoad = func(r balance.Role, id string, l balance.Load) {
+		if r == balance.Decode && l.Blocks > 0 {
+			ix.SetCapacity(id, l.Blocks)
+		}
+	}
+	return &Chooser{bal: bal, ix: ix, m: m, inflight: inflight, gauged: map[[2]string]bool{}}
 }
 
 // Pick is a chosen engine, counted as one leg in flight until Release (idempotent).
@@ -43,12 +55,20 @@ func (c *Chooser) Take(role balance.Role, candidates []discovery.Engine, tokens 
 }
 
 // Push picks a push request's pair at its arrival: the decode engine first (it holds the
-// request's blocks until the end), then a prefill engine of its compat-hash. prefills and
+// request's blocks until the end), then a prefill engine of its compat-hash, unless the
+// plan serves the request on decode alone (prefill is then no engine). prefills and
 // decodes are Pairable's, so each decode engine has one.
-func (c *Chooser) Push(prefills, decodes []discovery.Engine, tokens int) (prefill, decode Pick) {
-	decode = c.Take(balance.Decode, decodes, tokens)
-	prefill = c.Take(balance.Prefill, SameHash(prefills, decode.CompatHash), tokens)
-	return prefill, decode
+func (c *Chooser) Push(r Routing, prefills, decodes []discovery.Engine, req Request) (prefill, decode Pick, plan Plan) {
+	decode, plan = c.Decode(r, decodes, req)
+	if plan.DecodeOnly != "" {
+		return Pick{Release: func() {}}, decode, plan
+	}
+	return c.Prefill(decode, prefills, req.Tokens), decode, plan
+}
+
+// Prefill picks a prefill engine of decode's compat-hash among prefills.
+func (c *Chooser) Prefill(decode Pick, prefills []discovery.Engine, tokens int) Pick {
+	return c.Take(balance.Prefill, SameHash(prefills, decode.CompatHash), tokens)
 }
 
 // PullDecode picks a pull request's decode engine once its prefill leg returned: one of
@@ -77,6 +97,12 @@ func (c *Chooser) gauge(role balance.Role, id string, release func()) func() {
 // of those with no leg in flight, so a churning pool does not grow the exposition forever.
 func (c *Chooser) Forget(set *discovery.Set) {
 	c.bal.Forget(set)
+	// An engine that restarted left the set while it was not ready: its cache is empty.
+	alive := map[string]bool{}
+	for _, e := range set.Decode {
+		alive[e.EngineID] = true
+	}
+	c.ix.Keep(alive)
 	keep := map[[2]string]bool{}
 	for _, e := range set.Prefill {
 		keep[[2]string{string(balance.Prefill), e.EngineID}] = true

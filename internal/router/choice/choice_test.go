@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
 func engine(id, hash string) discovery.Engine {
@@ -18,7 +19,8 @@ func engine(id, hash string) discovery.Engine {
 
 func newChooser() (*Chooser, *prometheus.GaugeVec) {
 	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "inflight"}, []string{"role", "engine"})
-	return New(balance.New(5*time.Second), g), g
+	ix := prefix.NewIndex(0)
+	return New(balance.New(5*time.Second), ix, NewMetrics(prometheus.NewRegistry(), "test", ix), g), g
 }
 
 // Only engines whose compat-hash the other pool has too can be paired; the reason names
@@ -45,7 +47,7 @@ func TestPushPicksAPairOfOneHashAndCountsItsLegs(t *testing.T) {
 	c, g := newChooser()
 	prefills := []discovery.Engine{engine("p1", "a"), engine("p2", "b")}
 	decodes := []discovery.Engine{engine("d1", "b")}
-	p, d := c.Push(prefills, decodes, 100)
+	p, d, _ := c.Push(Routing{}, prefills, decodes, Request{Tokens: 100})
 	if p.EngineID != "p2" || d.EngineID != "d1" {
 		t.Fatalf("Push chose %s and %s, want p2 (hash b) and d1", p.EngineID, d.EngineID)
 	}

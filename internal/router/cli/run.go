@@ -59,6 +59,8 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	fs.DurationVar(&cfg.PrefillTimeout, "prefill-timeout", cfg.PrefillTimeout, "limit of a prefill leg, from send to its whole response")
 	fs.DurationVar(&cfg.DecodeTimeout, "decode-timeout", cfg.DecodeTimeout, "limit of a decode leg from send to its first byte (push: includes the prefill)")
 	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", cfg.ScrapeInterval, "how often engines' /metrics are read for their load; 0 never")
+	fs.IntVar(&cfg.PrefixIndexBlocks, "prefix-index-blocks", cfg.PrefixIndexBlocks, "the most KV blocks the prefix index (routing PrefixAware) keeps of one decode engine, "+
+		"about 40 bytes each; each engine's own KV capacity bounds it too")
 	fs.Int64Var(&cfg.MaxBodyBytes, "max-body-bytes", cfg.MaxBodyBytes, "largest request body accepted")
 	fs.DurationVar(&cfg.BodyTimeout, "body-timeout", cfg.BodyTimeout, "limit of receiving a request's body, from its headers to its last byte (then 408)")
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "requests served at once; past it a request is answered 429 at once")
@@ -105,6 +107,7 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	if *mode == "epp" {
 		eppCfg.MaxBodyBytes, eppCfg.MaxInFlight, eppCfg.ScrapeInterval = cfg.MaxBodyBytes, cfg.MaxInFlight, cfg.ScrapeInterval
+		eppCfg.PrefixIndexBlocks = cfg.PrefixIndexBlocks
 		eppCfg.Log, eppCfg.Registry = log, reg
 		return runEPP(epp.New(eppCfg), src, *listen, *adminListen, *drain, reg, log, ready)
 	}

@@ -174,4 +174,13 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 		t.Fatal(err)
 	}
 	next("the handoff failure policy follows", churn, func(s *discovery.Set) bool { return s.HandoffFailurePolicy == kvv1.HandoffFailureServeOnDecode })
+
+	// And its routing, with the pool's block size to cut prompts at.
+	d.Status.Routing = &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, OverlapWeight: 4, LoadWeight: 1, MinPrefillTokens: 128}
+	if err := c.Status().Update(ctx, d); err != nil {
+		t.Fatal(err)
+	}
+	next("the routing follows", churn, func(s *discovery.Set) bool {
+		return s.Routing != nil && s.Routing.DecodeChoice == kvv1.DecodeChoicePrefixAware && s.Routing.MinPrefillTokens == 128 && s.BlockSize == 16
+	})
 }

@@ -41,6 +41,12 @@ type Set struct {
 	// fail (or fall back) over the health window before the router reports HandoffFailures.
 	// nil: 5, the policy's default.
 	HandoffFailureLimitPercent *int32 `json:"handoffFailureLimitPercent,omitempty"`
+	// Routing is the policy's routing: how decode engines are chosen and which requests
+	// skip prefill. nil: by load alone, every request through prefill.
+	Routing *kvv1.RoutingSpec `json:"routing,omitempty"`
+	// BlockSize is the engines' KV block size in tokens (the DecodePool's blockSize),
+	// which prompts are cut at for the prefix index. 0: 16, vLLM's default.
+	BlockSize int `json:"blockSize,omitempty"`
 	// Prefill and Decode are the eligible engines of each pool.
 	Prefill []Engine `json:"prefill"`
 	Decode  []Engine `json:"decode"`
@@ -61,6 +67,12 @@ func (s *Set) Validate() error {
 	}
 	if l := s.HandoffFailureLimitPercent; l != nil && (*l < 0 || *l > 100) {
 		return fmt.Errorf("handoffFailureLimitPercent is %d: must be 0 to 100", *l)
+	}
+	if err := validRouting(s.Routing); err != nil {
+		return err
+	}
+	if s.BlockSize < 0 {
+		return fmt.Errorf("blockSize is %d: must be a positive number of tokens", s.BlockSize)
 	}
 	var errs []error
 	check := func(role string, engines []Engine) {
@@ -128,4 +140,26 @@ func Follow(ctx context.Context, src Source, update func(*Set)) error {
 			return nil
 		}
 	}
+}
+
+// validRouting checks a routing the API server did not (a file's): the CRD's rules.
+func validRouting(r *kvv1.RoutingSpec) error {
+	if r == nil {
+		return nil
+	}
+	switch r.DecodeChoice {
+	case "", kvv1.DecodeChoiceLoadOnly, kvv1.DecodeChoicePrefixAware:
+	default:
+		return fmt.Errorf("routing.decodeChoice is %q: must be LoadOnly or PrefixAware", r.DecodeChoice)
+	}
+	if r.OverlapWeight < 0 || r.OverlapWeight > 1000 {
+		return fmt.Errorf("routing.overlapWeight is %d: must be 0 to 1000", r.OverlapWeight)
+	}
+	if r.LoadWeight < 0 || r.LoadWeight > 1000 {
+		return fmt.Errorf("routing.loadWeight is %d: must be 1 to 1000 (0: 1)", r.LoadWeight)
+	}
+	if r.MinPrefillTokens < 0 {
+		return fmt.Errorf("routing.minPrefillTokens is %d: must be 0 or more", r.MinPrefillTokens)
+	}
+	return nil
 }

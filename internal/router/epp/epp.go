@@ -37,6 +37,8 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
 
 // The EPP protocol's names (GIE docs/proposals/004-endpoint-picker-protocol) and llm-d's
@@ -56,11 +58,15 @@ const (
 	SubsetKey       = "x-gateway-destination-endpoint-subset"
 	// PrefillHeader is the prefill engine's "ip:port" (its OpenAI API), llm-d's header.
 	PrefillHeader = "x-prefiller-host-port"
+	// DecodeOnlyHeader, in place of PrefillHeader, tells the leg runner to serve the
+	// request on its decode engine alone, and why (routing.minPrefillTokens: a short
+	// prompt, or one the engine holds most of). Routers send it back to clients too.
+	DecodeOnlyHeader = "x-kvhandoff-decode-only"
 )
 
 // routingHeaders are what a client may not set: the gateway routes by them and the leg
 // runner dials by them.
-var routingHeaders = []string{DestinationHeader, PrefillHeader}
+var routingHeaders = []string{DestinationHeader, PrefillHeader, DecodeOnlyHeader}
 
 // Config is the picker's behaviour.
 type Config struct {
@@ -79,13 +85,17 @@ type Config struct {
 	MaxInFlight int
 	// ScrapeInterval is how often engines' /metrics are read for their load; 0 never.
 	ScrapeInterval time.Duration
-	Log            *slog.Logger
-	Registry       prometheus.Registerer
+	// PrefixIndexBlocks bounds the prefix index of each decode engine (routing
+	// PrefixAware), in blocks; each engine's own KV capacity bounds it too.
+	PrefixIndexBlocks int
+	Log               *slog.Logger
+	Registry          prometheus.Registerer
 }
 
 // Defaults are the picker's defaults.
 func Defaults() Config {
-	return Config{LegRunnerPorts: []int32{8100}, MaxBodyBytes: 32 << 20, MaxInFlight: 4096, ScrapeInterval: time.Second}
+	return Config{LegRunnerPorts: []int32{8100}, MaxBodyBytes: 32 << 20, MaxInFlight: 4096, ScrapeInterval: time.Second,
+		PrefixIndexBlocks: prefix.DefaultMaxBlocks}
 }
 
 // Server picks endpoints over the engines of the latest Set.
@@ -121,7 +131,8 @@ func New(cfg Config) *Server {
 	if len(cfg.LegRunnerPorts) == 0 {
 		cfg.LegRunnerPorts = Defaults().LegRunnerPorts
 	}
-	s := &Server{cfg: cfg, bal: bal, choose: choice.New(bal, m.inflight), health: health.NewServer(), m: m,
+	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
+	s := &Server{cfg: cfg, bal: bal, choose: choice.New(bal, ix, choice.NewMetrics(cfg.Registry, "kvhandoff_epp", ix), m.inflight), health: health.NewServer(), m: m,
 		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)), onEndpoint: map[string]int{}, turns: map[string]int{}}
 	s.health.SetServingStatus(Liveness, healthpb.HealthCheckResponse_SERVING)
 	for _, svc := range []string{Readiness, extprocv3.ExternalProcessor_ServiceDesc.ServiceName} {
@@ -238,7 +249,9 @@ func urlHost(raw string) string {
 type picked struct {
 	destinations []string
 	prefill      string
-	release      func()
+	// decodeOnly, when set, is why the request takes no prefill leg (prefill is "").
+	decodeOnly string
+	release    func()
 }
 
 // refusal is a request the picker answers itself: its HTTP status and why.
@@ -250,9 +263,10 @@ type refusal struct {
 
 func (r *refusal) Error() string { return r.msg }
 
-// pick chooses a request's decode endpoints and prefill engine. subset, when not nil,
-// is the gateway's hint: only those endpoints may be picked.
-func (s *Server) pick(subset map[string]bool, tokens int) (*picked, error) {
+// pick chooses a request's decode endpoints and prefill engine, or that it takes none
+// (routing.minPrefillTokens). subset, when not nil, is the gateway's hint: only those
+// endpoints may be picked.
+func (s *Server) pick(subset map[string]bool, body protocol.Body) (*picked, error) {
 	set := s.set.Load()
 	if set == nil {
 		return nil, &refusal{http.StatusServiceUnavailable, OutcomeNoEngine, "no engines discovered yet"}
@@ -274,10 +288,14 @@ func (s *Server) pick(subset map[string]bool, tokens int) (*picked, error) {
 		}
 		decodes = in
 	}
-	p, d := s.choose.Push(prefills, decodes, tokens)
+	rt := choice.RoutingOf(set)
+	p, d, plan := s.choose.Push(rt, prefills, decodes, choice.NewRequest(rt, body, protocol.PromptTokens(body)))
 	ep, releaseEP := s.endpoint(d.Engine, subset)
-	out := &picked{destinations: []string{ep}, prefill: PrefillAddress(p.Engine),
+	out := &picked{destinations: []string{ep}, decodeOnly: plan.DecodeOnly,
 		release: func() { p.Release(); d.Release(); releaseEP() }}
+	if plan.DecodeOnly == "" {
+		out.prefill = PrefillAddress(p.Engine)
+	}
 	// Fallbacks: other decode engines of the same compat-hash, best first, so that the
 	// prefill engine named for the first pairs with each of them too.
 	others := slices.DeleteFunc(slices.Clone(choice.SameHash(decodes, d.CompatHash)), func(e discovery.Engine) bool { return e.EngineID == d.EngineID })

@@ -2,7 +2,10 @@ package epp_test
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"slices"
+	"strings"
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -108,4 +111,67 @@ func TestFallbacksAreDecodeEnginesOfTheFirstsCompatHash(t *testing.T) {
 		t.Fatalf("metadata %q differs from the header %q", md, dest)
 	}
 	_ = stream.CloseSend()
+}
+
+// The picker plans as the router does: a conversation's next turn to the decode endpoint
+// that holds its first, and a turn with a short new part marked for decode alone (the
+// prefill header removed, whatever the client sent).
+func TestThePickerRoutesByPrefixAndMarksDecodeOnlyTurns(t *testing.T) {
+	cfg := epp.Defaults()
+	cfg.ScrapeInterval = 0
+	s, conn := serve(t, cfg)
+	s.Update(&discovery.Set{Mode: kvv1.TransferPush, Source: "test", BlockSize: 16,
+		Routing: &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, OverlapWeight: 4, LoadWeight: 1, MinPrefillTokens: 64},
+		Prefill: []discovery.Engine{engine("p", "198.18.0.1", "a")},
+		Decode:  []discovery.Engine{engine("d1", "198.18.0.2", "a"), engine("d2", "198.18.0.3", "a")}})
+	pick := func(prompt string) (set map[string]string, removed []string) {
+		stream, err := extprocv3.NewExternalProcessorClient(conn).Process(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = stream.CloseSend() }()
+		for _, req := range []*extprocv3.ProcessingRequest{
+			{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{
+				Headers: []*corev3.HeaderValue{{Key: epp.PrefillHeader, RawValue: []byte("198.18.0.99:8000")}}}}}},
+			{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{
+				Body: []byte(fmt.Sprintf(`{"model":"m","prompt":%q}`, prompt)), EndOfStream: true}}},
+		} {
+			if err := stream.Send(req); err != nil {
+				t.Fatal(err)
+			}
+		}
+		resp, err := stream.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := resp.GetRequestHeaders().GetResponse().GetHeaderMutation()
+		set = map[string]string{}
+		for _, h := range m.GetSetHeaders() {
+			set[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
+		}
+		return set, m.GetRemoveHeaders()
+	}
+	opening := map[int]string{0: strings.Repeat("conversation zero opens. ", 40), 1: strings.Repeat("conversation one opens. ", 40)}
+	first := map[int]string{}
+	for c, prompt := range opening {
+		h, removed := pick(prompt)
+		first[c] = h[epp.DestinationHeader]
+		if h[epp.PrefillHeader] != "198.18.0.1:8000" || h[epp.DecodeOnlyHeader] != "" || !slices.Equal(removed, []string{epp.DecodeOnlyHeader}) {
+			t.Errorf("first turn of %d: %v, removed %v: want prefill p and the decode-only mark removed", c, h, removed)
+		}
+	}
+	if first[0] == first[1] {
+		t.Fatalf("both first turns to %s", first[0])
+	}
+	for c, prompt := range opening {
+		h, removed := pick(prompt + " thanks")
+		if h[epp.DestinationHeader] != first[c] || h[epp.DecodeOnlyHeader] != "prefix_cached" || h[epp.PrefillHeader] != "" ||
+			!slices.Equal(removed, []string{epp.PrefillHeader}) {
+			t.Errorf("a short second turn of %d: %v, removed %v: want %s alone, the client's prefill header removed", c, h, removed, first[c])
+		}
+		h, _ = pick(prompt + strings.Repeat(" and a long question", 30))
+		if h[epp.DestinationHeader] != first[c] || h[epp.PrefillHeader] != "198.18.0.1:8000" {
+			t.Errorf("a long turn of %d: %v: want %s with prefill p", c, h, first[c])
+		}
+	}
 }

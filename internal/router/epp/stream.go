@@ -51,7 +51,7 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 	switch v := req.Request.(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
 		if v.RequestHeaders.GetEndOfStream() {
-			return r.route(0, false) // no body (GET /v1/models): pick by load alone
+			return r.route(nil, false) // no body (GET /v1/models): pick by load alone
 		}
 		if r.buffered() {
 			// Envoy sends the body only once the headers are answered: route then, by
@@ -73,7 +73,7 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 		if err != nil {
 			return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
 		}
-		return r.route(protocol.PromptTokens(parsed), true)
+		return r.route(parsed, true)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
 		if r.picked == nil && !r.buffered() {
 			// The body ended with trailers: route now, then answer them.
@@ -82,7 +82,7 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 			if err != nil {
 				return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
 			}
-			if done, err := r.route(protocol.PromptTokens(parsed), true); done || err != nil {
+			if done, err := r.route(parsed, true); done || err != nil {
 				return done, err
 			}
 		}
@@ -111,14 +111,14 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 
 // route picks the request's engines and answers its headers (routing headers set, the
 // client's own removed), then gives its body back to the gateway unchanged.
-func (r *stream) route(tokens int, hasBody bool) (bool, error) {
+func (r *stream) route(body protocol.Body, hasBody bool) (bool, error) {
 	select {
 	case r.s.slots <- struct{}{}:
 		r.slot = true
 	default:
 		return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is serving its limit of requests (--max-in-flight); retry later"})
 	}
-	p, err := r.s.pick(r.subset, tokens)
+	p, err := r.s.pick(r.subset, body)
 	if err != nil {
 		return r.refuse(err.(*refusal))
 	}
@@ -130,10 +130,17 @@ func (r *stream) route(tokens int, hasBody bool) (bool, error) {
 		return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
 			AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD}
 	}
+	// The prefill engine, or that there is none: never what the client sent.
+	mutation := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{set(DestinationHeader, dest), set(PrefillHeader, p.prefill)},
+		RemoveHeaders: []string{DecodeOnlyHeader}}
+	if p.decodeOnly != "" {
+		mutation = &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{set(DestinationHeader, dest), set(DecodeOnlyHeader, p.decodeOnly)},
+			RemoveHeaders: []string{PrefillHeader}}
+	}
 	routing := &extprocv3.CommonResponse{
 		// The route is chosen again, by the headers set here.
 		ClearRouteCache: true,
-		HeaderMutation:  &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{set(DestinationHeader, dest), set(PrefillHeader, p.prefill)}},
+		HeaderMutation:  mutation,
 	}
 	md := &structpb.Struct{Fields: map[string]*structpb.Value{
 		MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{

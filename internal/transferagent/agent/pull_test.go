@@ -37,6 +37,36 @@ func TestPullReadsVerifiedBytesAndReleasesTheSource(t *testing.T) {
 	}
 }
 
+// A decode engine that holds a prompt's prefix pulls the tail's blocks only: both agents
+// count the tail's bytes, not the prompt's.
+func TestAPullOfTheTailCountsTheTail(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PULL, 1, 64)
+	const prompt, cached = 12, 5
+	src, dst := alloc(t, p.P[0], prompt), alloc(t, p.D[0], prompt-cached)
+	p.P[0].Cache.Fill("tail", src)
+	if err := p.P[0].SourceReady(bg, "tail", 0, src, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.D[0].Pull(bg, "tail", 1, p.P[0].Self, src[cached:], dst); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, wait(t, p.D[0], "tail", 1), agentv1.Event_DELIVERED)
+	if err := p.D[0].Cache.VerifyTail("tail", cached, dst); err != nil {
+		t.Fatal(err)
+	}
+	done := wait(t, p.P[0], "tail", 1)
+	expect(t, done, agentv1.Event_SOURCE_DONE)
+	want := uint64((prompt - cached) * p.layout.BlockBytes() * p.layout.Regions())
+	if done.Bytes != want {
+		t.Errorf("SOURCE_DONE says %d bytes, want the tail's %d", done.Bytes, want)
+	}
+	for _, a := range []*agentProc{p.A, p.B} {
+		if got := a.Metric(t, `kvhandoff_agent_transferred_bytes_total{mode="pull"}`); got != float64(want) {
+			t.Errorf("an agent counted %v pulled bytes, want the tail's %d", got, want)
+		}
+	}
+}
+
 // The pull race: the prefill engine's answer can reach the router, and the decode
 // engine's pull the prefill agent, before the engine's worker reports the blocks ready.
 // Such a pull waits for them and reads them, in one part or several; it is not failed at

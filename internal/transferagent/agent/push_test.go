@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"sync"
@@ -92,6 +93,67 @@ func TestPushDeliversVerifiedBytesInEitherOrder(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A push whose decode engine holds a prefix registers the tail only: the prefill agent
+// writes the tail's positions into it, whichever half comes first, never the blocks the
+// decode engine holds for the prefix, and counts the tail's bytes alone. An agent from
+// before tails (it skips the registration's kind) would leave it to time out.
+func TestAPushOfTheTailWritesOnlyTheTail(t *testing.T) {
+	p := newPair(t, agentv1.Mode_MODE_PUSH, 1, 128)
+	const prompt, cached = 12, 5
+	moved := p.A.Metric(t, `kvhandoff_agent_transferred_bytes_total{mode="push"}`)
+	for _, registrationFirst := range []bool{true, false} {
+		req := fmt.Sprintf("req-tail-%v", registrationFirst)
+		src, dst := alloc(t, p.P[0], prompt), alloc(t, p.D[0], prompt)
+		p.P[0].Cache.Fill(req, src)
+		// The decode engine's cached prefix: a sentinel that must stay.
+		if err := p.D[0].Cache.Set(dst[:cached], 0xAB); err != nil {
+			t.Fatal(err)
+		}
+		register := func() {
+			if err := p.D[0].RegisterTail(bg, req, 1, cached, dst[cached:], p.P[0].Self); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ready := func() {
+			if err := p.P[0].SourceReady(bg, req, 0, src, true); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if registrationFirst {
+			register()
+			ready()
+		} else {
+			ready()
+			register()
+		}
+		expect(t, wait(t, p.D[0], req, 1), agentv1.Event_DELIVERED)
+		done := wait(t, p.P[0], req, 1)
+		expect(t, done, agentv1.Event_SOURCE_DONE)
+		if err := p.D[0].Cache.VerifyTail(req, cached, dst[cached:]); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.D[0].Cache.Load(dst[:cached]); err != nil {
+			t.Fatal(err)
+		}
+		bb := p.layout.BlockBytes()
+		sentinel := bytes.Repeat([]byte{0xAB}, bb)
+		for _, region := range p.D[0].Cache.Regions {
+			for _, b := range dst[:cached] {
+				if !bytes.Equal(region[int(b)*bb:(int(b)+1)*bb], sentinel) {
+					t.Fatalf("%s: decode's cached block %d was written", req, b)
+				}
+			}
+		}
+		tailBytes := uint64((prompt - cached) * p.layout.BlockBytes() * p.layout.Regions())
+		if done.Bytes != tailBytes {
+			t.Errorf("%s: SOURCE_DONE says %d bytes, want the tail's %d", req, done.Bytes, tailBytes)
+		}
+	}
+	if got, want := p.A.Metric(t, `kvhandoff_agent_transferred_bytes_total{mode="push"}`)-moved, float64(2*(prompt-cached)*p.layout.BlockBytes()*p.layout.Regions()); got != want {
+		t.Errorf("prefill agent's transferred bytes: %v, want %v (the tails)", got, want)
 	}
 }
 

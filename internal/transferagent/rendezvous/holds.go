@@ -50,9 +50,12 @@ type hold[P comparable] struct {
 	final     bool
 	ttlEnd    time.Time
 	acquired  bool
-	attempt   uint64
-	by        P
-	until     time.Time
+	// read is how many of the blocks the acquirer reads: all of them, or the tail after a
+	// prefix the decode engine holds.
+	read    int
+	attempt uint64
+	by      P
+	until   time.Time
 }
 
 // NewHolds returns an empty set of holds that hold at most maxPositions positions in all
@@ -115,11 +118,11 @@ func (h *Holds[P]) Acquire(now time.Time, req string, attempt uint64, by P, bloc
 	if !o.acquired {
 		h.acquired++
 	}
-	o.acquired, o.attempt, o.by, o.until = true, attempt, by, now.Add(h.lease)
+	o.acquired, o.attempt, o.by, o.until, o.read = true, attempt, by, now.Add(h.lease), len(blocks)
 	return h.lease, nil
 }
 
-// Release ends the hold its acquirer releases, returning how many blocks it held; ok is
+// Release ends the hold its acquirer releases, returning how many blocks it read; ok is
 // false when there was no such hold, or it was draining (the engine already heard that
 // its lease ended).
 func (h *Holds[P]) Release(req string, attempt uint64, by P) (n int, ok bool) {
@@ -134,7 +137,7 @@ func (h *Holds[P]) Release(req string, attempt uint64, by P) (n int, ok bool) {
 	}
 	h.drop(req, o)
 	h.acquired--
-	return len(o.blocks), true
+	return o.read, true
 }
 
 // Cancel drops a request's hold unless a decode agent is reading it (its lease then

@@ -125,3 +125,19 @@ func TestAPullBeforeTheFinalPartIsNotReadyAndAfterItGrantedOrRefused(t *testing.
 		t.Fatal(err)
 	}
 }
+
+// A decode engine holding a prefix reads only the tail's blocks: the release counts what
+// was read, the SOURCE_DONE bytes and the pull byte counter with it.
+func TestAReleaseCountsTheBlocksRead(t *testing.T) {
+	a := &conn{"a"}
+	h := NewHolds[*conn](10*time.Second, 30*time.Second, 0)
+	if err := h.Ready(t0, Part{Request: "r1", Blocks: []uint32{4, 5, 6, 7}, Final: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{6, 7}); err != nil {
+		t.Fatal(err)
+	}
+	if n, ok := h.Release("r1", 1, a); !ok || n != 2 {
+		t.Fatalf("release of a 2-block tail of 4: %d blocks (ok %v), want 2", n, ok)
+	}
+}

@@ -46,13 +46,19 @@ type Engine struct {
 }
 
 // Registration is decode's destination for one attempt of a request: the blocks, in token
-// order, that the request's KV goes into.
+// order, that the request's KV goes into, from position First on. Decode's prefix cache
+// holds the positions before First: they are never written, and the attempt is delivered
+// once every position from First to the source's last is.
 type Registration struct {
 	Request string
 	Attempt uint64
 	Decode  Engine
+	First   int
 	Blocks  []uint32
 }
+
+// end is the position after the registration's last.
+func (reg *Registration) end() int { return reg.First + len(reg.Blocks) }
 
 // Part is prefill's readiness of some of a request's blocks: Blocks are the source blocks
 // for token-order positions Offset, Offset+1, …, ready in the regions Regions; Final marks
@@ -321,8 +327,8 @@ func (r *request) positions() int {
 func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if reg.Request == "" || len(reg.Blocks) == 0 {
-		return nil, fmt.Errorf("%w: a registration needs a request id and blocks", ErrBadBlocks)
+	if reg.Request == "" || len(reg.Blocks) == 0 || reg.First < 0 {
+		return nil, fmt.Errorf("%w: a registration needs a request id, blocks and a first position ≥ 0", ErrBadBlocks)
 	}
 	if e := t.epochs[reg.Decode.ID]; reg.Decode.Epoch < e {
 		return nil, ErrStaleEpoch
@@ -347,8 +353,8 @@ func (t *Table) Register(now time.Time, reg Registration) ([]Action, error) {
 			acts = append(acts, t.fence(now, r, cur, CancelAcked{Request: reg.Request, Attempt: cur.reg.Attempt, Decode: cur.reg.Decode})...)
 		}
 	}
-	if need := r.positions(); len(reg.Blocks) < need {
-		return nil, fmt.Errorf("%w: %d destination blocks for %d source blocks", ErrBadBlocks, len(reg.Blocks), need)
+	if need := r.positions(); reg.end() < need {
+		return nil, fmt.Errorf("%w: destination blocks for positions %d..%d, source blocks for 0..%d", ErrBadBlocks, reg.First, reg.end()-1, need-1)
 	}
 	r.current = &attempt{reg: reg, registered: now, leaseEnd: now.Add(t.cfg.Lease)}
 	r.latest, r.latestDecode = reg.Attempt, reg.Decode.ID
@@ -375,7 +381,7 @@ func (t *Table) SourceReady(now time.Time, p Part) ([]Action, error) {
 	}
 	defer t.recount(r)
 	end := p.Offset + len(p.Blocks)
-	if p.Offset < 0 || (r.final >= 0 && end > r.final) || (r.current != nil && end > len(r.current.reg.Blocks)) {
+	if p.Offset < 0 || (r.final >= 0 && end > r.final) || (r.current != nil && end > r.current.reg.end()) {
 		return nil, fmt.Errorf("%w: positions %d..%d", ErrBadBlocks, p.Offset, end)
 	}
 	if err := t.afford(end - len(r.src)); err != nil {
@@ -462,14 +468,18 @@ func (t *Table) progress(now time.Time, r *request) []Action {
 			bySpan[p.Regions] = tr
 			trs = append(trs, tr)
 		}
-		for i, src := range p.Blocks {
-			tr.Src = append(tr.Src, src)
-			tr.Dst = append(tr.Dst, cur.reg.Blocks[p.Offset+i])
+		// Positions before the registration's first are decode's cached prefix.
+		for i := max(cur.reg.First-p.Offset, 0); i < len(p.Blocks); i++ {
+			tr.Src = append(tr.Src, p.Blocks[i])
+			tr.Dst = append(tr.Dst, cur.reg.Blocks[p.Offset+i-cur.reg.First])
 		}
 	}
 	cur.sent = len(r.parts)
 	var acts []Action
 	for _, tr := range trs {
+		if len(tr.Src) == 0 {
+			continue
+		}
 		if !cur.paired {
 			cur.paired, tr.Paired = true, true
 			if !r.first.IsZero() {
@@ -483,7 +493,7 @@ func (t *Table) progress(now time.Time, r *request) []Action {
 
 func (t *Table) maybeDelivered(now time.Time, r *request) []Action {
 	cur := r.current
-	if cur == nil || cur.fenced || cur.done || r.final < 0 || cur.inFlight > 0 || cur.completed < r.final*t.regions() {
+	if cur == nil || cur.fenced || cur.done || r.final < 0 || cur.inFlight > 0 || cur.completed < max(r.final-cur.reg.First, 0)*t.regions() {
 		return nil
 	}
 	cur.done = true

@@ -870,3 +870,72 @@ func TestAbandonFailsOnlyTheLatestAttemptOfItsEngine(t *testing.T) {
 		t.Fatalf("the abandoned request still holds %d positions", tb.held)
 	}
 }
+
+// tail is a registration of positions first… only: decode's prefix cache holds the rest.
+func tail(att uint64, first int, blocks ...uint32) Registration {
+	r := reg(att, blocks...)
+	r.First = first
+	return r
+}
+
+// A registration of a tail pairs only the positions from its first on, whichever half
+// comes first and however the source is split into parts, and delivers once those are
+// written: the prefix decode holds is never written.
+func TestATailRegistrationWritesOnlyTheTail(t *testing.T) {
+	want := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{12, 13}, Dst: []uint32{100, 101}}
+
+	regFirst := New(cfg)
+	expect(t, must(t)(regFirst.Register(t0, tail(1, 2, 100, 101))))
+	expect(t, must(t)(regFirst.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10, 11, 12, 13}, Final: true})), want)
+	expect(t, writeAll(t, regFirst, 1, want), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+
+	srcFirst := New(cfg)
+	must(t)(srcFirst.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10, 11, 12, 13}, Final: true}))
+	expect(t, must(t)(srcFirst.Register(t0, tail(1, 2, 100, 101))), want)
+	expect(t, writeAll(t, srcFirst, 1, want), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+
+	// Parts across the boundary: the head part writes nothing, the one across it its tail.
+	parts := New(cfg)
+	must(t)(parts.Register(t0, tail(1, 2, 100, 101)))
+	expect(t, must(t)(parts.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10}})))
+	acts := must(t)(parts.SourceReady(t0, Part{Request: "r1", Offset: 1, Blocks: []uint32{11, 12}}))
+	first := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{12}, Dst: []uint32{100}}
+	expect(t, acts, first)
+	expect(t, writeAll(t, parts, 1, first))
+	last := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{13}, Dst: []uint32{101}}
+	expect(t, must(t)(parts.SourceReady(t0, Part{Request: "r1", Offset: 3, Blocks: []uint32{13}, Final: true})), last)
+	expect(t, writeAll(t, parts, 1, last), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+}
+
+// Layer-streamed push of a tail: every group writes the tail's positions only.
+func TestLayerGroupsOfATailWriteOnlyTheTail(t *testing.T) {
+	tb := layered()
+	must(t)(tb.Register(t0, tail(1, 1, 101)))
+	first := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: Span{0, 2}, Src: []uint32{11}, Dst: []uint32{101}}
+	expect(t, must(t)(group(tb, 0, 2, false)), first)
+	expect(t, writeAll(t, tb, 1, first))
+	second := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: Span{2, 4}, Src: []uint32{11}, Dst: []uint32{101}}
+	expect(t, must(t)(group(tb, 2, 4, true)), second)
+	expect(t, writeAll(t, tb, 1, second), Delivered{Request: "r1", Attempt: 1, Decode: dec})
+}
+
+// A tail that ends before the source's last position, a part past the tail's end, and a
+// negative first position are refused and change nothing.
+func TestATailThatDoesNotCoverTheSourceIsRefused(t *testing.T) {
+	tb := New(cfg)
+	must(t)(tb.SourceReady(t0, Part{Request: "r1", Blocks: []uint32{10, 11, 12, 13}, Final: true}))
+	if _, err := tb.Register(t0, tail(1, 2, 100)); !errors.Is(err, ErrBadBlocks) {
+		t.Fatalf("a tail of positions 2..2 for 4 source positions: %v, want ErrBadBlocks", err)
+	}
+	if _, err := tb.Register(t0, tail(1, -1, 100, 101, 102, 103, 104)); !errors.Is(err, ErrBadBlocks) {
+		t.Fatalf("first position -1: %v, want ErrBadBlocks", err)
+	}
+	want := Transfer{Request: "r1", Attempt: 1, Decode: dec, Regions: whole, Src: []uint32{12, 13}, Dst: []uint32{100, 101}}
+	expect(t, must(t)(tb.Register(t0, tail(1, 2, 100, 101))), want)
+
+	early := New(cfg)
+	must(t)(early.Register(t0, tail(1, 2, 100, 101)))
+	if _, err := early.SourceReady(t0, Part{Request: "r1", Offset: 3, Blocks: []uint32{13, 14}}); !errors.Is(err, ErrBadBlocks) {
+		t.Fatalf("a part of positions 3..4 for a tail ending at 3: %v, want ErrBadBlocks", err)
+	}
+}

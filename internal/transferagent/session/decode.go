@@ -57,6 +57,9 @@ func (ds *decodeSide) registerDestination(r *agentv1.RegisterDestinationRequest)
 	if err := s.checkBlocks("block_ids", r.BlockIds); err != nil {
 		return err
 	}
+	if r.FirstPosition >= wire.MaxBlocks {
+		return status.Errorf(codes.InvalidArgument, "first_position: %d is not below %d", r.FirstPosition, wire.MaxBlocks)
+	}
 	k := landing.Key{Request: r.RequestId, Attempt: r.Attempt}
 	source := engineKey(r.Source.EngineId, r.Source.TpRank)
 	p := s.n.mesh.Dial(r.Source.Agent)
@@ -68,10 +71,15 @@ func (ds *decodeSide) registerDestination(r *agentv1.RegisterDestinationRequest)
 		return status.Errorf(codes.FailedPrecondition, "attempt: %v", err)
 	}
 	p.Describe(s.key, s.epoch, s.describe)
-	p.Send(&wire.Register{
+	reg := wire.Register{
 		Request: r.RequestId, Attempt: r.Attempt, Engine: s.key, EngineEpoch: s.epoch,
 		Source: source, Token: uint64(token), Blocks: r.BlockIds,
-	})
+	}
+	if r.FirstPosition > 0 {
+		p.Send(&wire.RegisterTail{Register: reg, First: uint64(r.FirstPosition)})
+		return nil
+	}
+	p.Send(&reg)
 	return nil
 }
 

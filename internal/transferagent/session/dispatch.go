@@ -15,7 +15,9 @@ import (
 func (t *Table) Dispatch(p *mesh.Peer, m wire.Message) {
 	switch m := m.(type) {
 	case *wire.Register:
-		t.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onRegister(p, m) })
+		t.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onRegister(p, m, 0) })
+	case *wire.RegisterTail:
+		t.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onRegister(p, &m.Register, m.First) })
 	case *wire.Acquire:
 		t.toPrefill(p, m.Source, m.Request, m.Attempt, m.Engine, func(ps *prefillSide) { ps.onAcquire(p, m) })
 	case *wire.Heartbeat:

@@ -196,10 +196,11 @@ func (ps *prefillSide) span(first, count uint32) (rendezvous.Span, error) {
 	return rendezvous.Span{Lo: lo, Hi: hi}, nil
 }
 
-// onRegister takes a decode agent's registration. The decode engine's memory arrived
+// onRegister takes a decode agent's registration, of positions first… (a tail: decode
+// holds the positions before in its prefix cache). The decode engine's memory arrived
 // before it (EngineInfo, once per connection and epoch); a newer epoch of the engine
 // drops the older one's attempts.
-func (ps *prefillSide) onRegister(p *mesh.Peer, m *wire.Register) {
+func (ps *prefillSide) onRegister(p *mesh.Peer, m *wire.Register, first uint64) {
 	s := ps.s
 	refuse := func(format string, args ...any) {
 		s.n.metrics.Refused.WithLabelValues("peer", "Register").Inc()
@@ -220,6 +221,10 @@ func (ps *prefillSide) onRegister(p *mesh.Peer, m *wire.Register) {
 		refuse("token %d is outside 1..%d", m.Token, landing.MaxToken)
 		return
 	}
+	if first >= wire.MaxBlocks {
+		refuse("first position %d is not below %d", first, wire.MaxBlocks)
+		return
+	}
 	if _, ok := ps.cancelled[m.Request]; ok {
 		refuse("request %s was cancelled by its prefill engine", m.Request)
 		return
@@ -233,7 +238,7 @@ func (ps *prefillSide) onRegister(p *mesh.Peer, m *wire.Register) {
 		}
 		ps.handle(now, ps.table.EngineRestarted(now, decode))
 	}
-	acts, err := ps.table.Register(now, rendezvous.Registration{Request: m.Request, Attempt: m.Attempt, Blocks: m.Blocks, Decode: decode})
+	acts, err := ps.table.Register(now, rendezvous.Registration{Request: m.Request, Attempt: m.Attempt, First: int(first), Blocks: m.Blocks, Decode: decode})
 	if err != nil {
 		refuse("%v", err)
 		return

@@ -63,6 +63,7 @@ const (
 	KindAbandon
 	KindSignalled
 	KindResignal
+	KindRegisterTail
 )
 
 // Message is a pointer to one of the message structs below.
@@ -238,6 +239,17 @@ type Register struct {
 	Blocks      []uint32
 }
 
+// RegisterTail is a Register whose Blocks are the destinations of token-order positions
+// First, First+1, …: decode's prefix cache holds the positions before First, which are
+// not written. A kind of its own rather than a field of Register: an agent that predates
+// it skips it (the registration then times out and fails, reported) instead of reading
+// it as a registration from position 0, which would write the prompt's head into the
+// tail's blocks.
+type RegisterTail struct {
+	Register
+	First uint64
+}
+
 // Heartbeat renews a registration's (or an acquired pull's) lease.
 type Heartbeat struct {
 	Request string
@@ -343,24 +355,25 @@ type Writing struct {
 	Engine  string
 }
 
-func (*Hello) Kind() Kind       { return KindHello }
-func (*Writing) Kind() Kind     { return KindWriting }
-func (*Auth) Kind() Kind        { return KindAuth }
-func (*EngineInfo) Kind() Kind  { return KindEngineInfo }
-func (*Register) Kind() Kind    { return KindRegister }
-func (*Heartbeat) Kind() Kind   { return KindHeartbeat }
-func (*Cancel) Kind() Kind      { return KindCancel }
-func (*CancelAcked) Kind() Kind { return KindCancelAcked }
-func (*Failed) Kind() Kind      { return KindFailed }
-func (*Acquire) Kind() Kind     { return KindAcquire }
-func (*Acquired) Kind() Kind    { return KindAcquired }
-func (*Release) Kind() Kind     { return KindRelease }
-func (*Rails) Kind() Kind       { return KindRails }
-func (*GPU) Kind() Kind         { return KindGPU }
-func (*Decline) Kind() Kind     { return KindDecline }
-func (*Abandon) Kind() Kind     { return KindAbandon }
-func (*Signalled) Kind() Kind   { return KindSignalled }
-func (*Resignal) Kind() Kind    { return KindResignal }
+func (*Hello) Kind() Kind        { return KindHello }
+func (*Writing) Kind() Kind      { return KindWriting }
+func (*Auth) Kind() Kind         { return KindAuth }
+func (*EngineInfo) Kind() Kind   { return KindEngineInfo }
+func (*Register) Kind() Kind     { return KindRegister }
+func (*Heartbeat) Kind() Kind    { return KindHeartbeat }
+func (*Cancel) Kind() Kind       { return KindCancel }
+func (*CancelAcked) Kind() Kind  { return KindCancelAcked }
+func (*Failed) Kind() Kind       { return KindFailed }
+func (*Acquire) Kind() Kind      { return KindAcquire }
+func (*Acquired) Kind() Kind     { return KindAcquired }
+func (*Release) Kind() Kind      { return KindRelease }
+func (*Rails) Kind() Kind        { return KindRails }
+func (*GPU) Kind() Kind          { return KindGPU }
+func (*Decline) Kind() Kind      { return KindDecline }
+func (*Abandon) Kind() Kind      { return KindAbandon }
+func (*Signalled) Kind() Kind    { return KindSignalled }
+func (*Resignal) Kind() Kind     { return KindResignal }
+func (*RegisterTail) Kind() Kind { return KindRegisterTail }
 
 func (m *Hello) fields(c codec) { c.str(&m.Agent); c.num(&m.Epoch); c.str(&m.Nonce) }
 func (m *Auth) fields(c codec)  { c.str(&m.MAC) }
@@ -426,8 +439,9 @@ func (m *Register) fields(c codec) {
 	c.num(&m.Token)
 	c.blocks(&m.Blocks)
 }
-func (m *Heartbeat) fields(c codec) { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Source) }
-func (m *Cancel) fields(c codec)    { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Source) }
+func (m *RegisterTail) fields(c codec) { m.Register.fields(c); c.num(&m.First) }
+func (m *Heartbeat) fields(c codec)    { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Source) }
+func (m *Cancel) fields(c codec)       { c.str(&m.Request); c.num(&m.Attempt); c.str(&m.Source) }
 func (m *CancelAcked) fields(c codec) {
 	c.str(&m.Request)
 	c.num(&m.Attempt)
@@ -511,6 +525,8 @@ func newMessage(k Kind) Message {
 		return &Signalled{}
 	case KindResignal:
 		return &Resignal{}
+	case KindRegisterTail:
+		return &RegisterTail{}
 	}
 	return nil
 }

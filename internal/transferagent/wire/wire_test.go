@@ -19,6 +19,8 @@ var samples = []Message{
 	}},
 	&Register{Request: "req-1", Attempt: 2, Engine: "qwen3-32b-decode-0.default/3", EngineEpoch: 7,
 		Source: "qwen3-32b-prefill-0.default/3", Token: 41, Blocks: []uint32{0, 1, 2, 4096, 1<<32 - 1}},
+	&RegisterTail{Register: Register{Request: "req-1", Attempt: 2, Engine: "d/0", EngineEpoch: 7, Source: "p/0", Token: 41,
+		Blocks: []uint32{9, 10}}, First: 3},
 	&Heartbeat{Request: "req-1", Attempt: 2, Source: "p/0"},
 	&Cancel{Request: "req-1", Attempt: 2, Source: "p/0"},
 	&CancelAcked{Request: "req-1", Attempt: 2, Engine: "d/0", Signalled: 1},

@@ -770,12 +770,16 @@ func (*RegisterRegionResponse) Descriptor() ([]byte, []int) {
 }
 
 type RegisterDestinationRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
-	RequestId     string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	Attempt       uint64                 `protobuf:"varint,3,opt,name=attempt,proto3" json:"attempt,omitempty"`                          // a higher attempt supersedes a lower one
-	BlockIds      []uint32               `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"` // destination blocks in token order
-	Source        *EngineRef             `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`                             // the prefill engine rank that will write them
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Session   string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	RequestId string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	Attempt   uint64                 `protobuf:"varint,3,opt,name=attempt,proto3" json:"attempt,omitempty"`                          // a higher attempt supersedes a lower one
+	BlockIds  []uint32               `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"` // destination blocks in token order
+	Source    *EngineRef             `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`                             // the prefill engine rank that will write them
+	// first_position is the token-order block position of block_ids[0]. Decode's prefix
+	// cache holds the positions before it, so only the tail after them is written (the
+	// prefill engine's blocks for those positions are left alone).
+	FirstPosition uint32 `protobuf:"varint,6,opt,name=first_position,json=firstPosition,proto3" json:"first_position,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -843,6 +847,13 @@ func (x *RegisterDestinationRequest) GetSource() *EngineRef {
 		return x.Source
 	}
 	return nil
+}
+
+func (x *RegisterDestinationRequest) GetFirstPosition() uint32 {
+	if x != nil {
+		return x.FirstPosition
+	}
+	return 0
 }
 
 type SourceReadyRequest struct {
@@ -1404,14 +1415,15 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\tdmabuf_fd\x18\t \x01(\x05R\bdmabufFd\x12&\n" +
 	"\x0fcuda_ipc_handle\x18\v \x01(\fR\rcudaIpcHandle\x12(\n" +
 	"\x10cuda_device_uuid\x18\f \x01(\fR\x0ecudaDeviceUuidJ\x04\b\x04\x10\x05R\x04path\"\x18\n" +
-	"\x16RegisterRegionResponse\"\xc3\x01\n" +
+	"\x16RegisterRegionResponse\"\xea\x01\n" +
 	"\x1aRegisterDestinationRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x02 \x01(\tR\trequestId\x12\x18\n" +
 	"\aattempt\x18\x03 \x01(\x04R\aattempt\x12\x1b\n" +
 	"\tblock_ids\x18\x04 \x03(\rR\bblockIds\x125\n" +
-	"\x06source\x18\x05 \x01(\v2\x1d.kvhandoff.agent.v1.EngineRefR\x06source\"\xde\x01\n" +
+	"\x06source\x18\x05 \x01(\v2\x1d.kvhandoff.agent.v1.EngineRefR\x06source\x12%\n" +
+	"\x0efirst_position\x18\x06 \x01(\rR\rfirstPosition\"\xde\x01\n" +
 	"\x12SourceReadyRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1d\n" +
 	"\n" +

@@ -1,0 +1,56 @@
+package v1alpha1
+
+// DecodeChoice says how the routers (and the gateway's endpoint picker) choose a
+// request's decode engine.
+// +kubebuilder:validation:Enum=LoadOnly;PrefixAware
+type DecodeChoice string
+
+const (
+	// DecodeChoiceLoadOnly chooses the decode engine with the least load.
+	DecodeChoiceLoadOnly DecodeChoice = "LoadOnly"
+	// DecodeChoicePrefixAware chooses by the share of the prompt an engine holds in its
+	// prefix cache against its load: the engine holding a conversation's earlier turns
+	// gets its next one, and only the blocks it lacks are moved.
+	DecodeChoicePrefixAware DecodeChoice = "PrefixAware"
+)
+
+// RoutingSpec is how a request's engines are chosen, and when it skips prefill.
+type RoutingSpec struct {
+	// decodeChoice is LoadOnly, the default, or PrefixAware: by the share of the prompt
+	// a decode engine holds in its prefix cache (overlapWeight) against its load
+	// (loadWeight). The routers learn what each engine holds from the prompts they sent
+	// it, within the engine's KV capacity (docs/router.md says how exact that is).
+	// +kubebuilder:default=LoadOnly
+	// +optional
+	DecodeChoice DecodeChoice `json:"decodeChoice,omitempty"`
+
+	// overlapWeight is what a decode engine holding a whole prompt is worth, in units of
+	// loadWeight per request in flight on it: with 4 and 1, an engine holding the prompt
+	// is chosen over an idle one until it has 4 more requests in flight than that one,
+	// and one holding half of it until 2. PrefixAware only.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=1000
+	// +kubebuilder:default=4
+	// +optional
+	OverlapWeight int32 `json:"overlapWeight,omitempty"`
+
+	// loadWeight is the weight of a request in flight on a decode engine (see
+	// overlapWeight). A full KV cache steers away from an engine whatever the weights.
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=1000
+	// +kubebuilder:default=1
+	// +optional
+	LoadWeight int32 `json:"loadWeight,omitempty"`
+
+	// minPrefillTokens: a request whose prompt, less what the chosen decode engine holds
+	// of it, is shorter than this many tokens is served on that decode engine alone,
+	// with no prefill leg (counted in kvhandoff_router_decode_only_total by reason):
+	// computing a short tail costs the decode engine less than a handoff costs the
+	// request. 0, the default, sends every request through prefill. Under LoadOnly only
+	// the prompt's length counts.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=1048576
+	// +kubebuilder:default=0
+	// +optional
+	MinPrefillTokens int32 `json:"minPrefillTokens,omitempty"`
+}
