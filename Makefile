@@ -162,6 +162,16 @@ bench-vllm: deps ## Real vLLM engines on one seeded load: one engine alone, stoc
 bench-serving: deps ## Router under load, push vs pull on the same arrivals: table, bench/results/serving.json and serving.png.
 	go run ./bench/cmd/bench-serving --out bench/results
 
+.PHONY: bench-prefix
+bench-prefix: deps ## Prefix-aware routing report: 200 conversations of 5 turns through the router to simulated engines with prefix caches, load-only against prefix-aware in push and pull (about 8 minutes); bench/results/prefix/.
+	go run ./bench/cmd/bench-prefix --out bench/results/prefix
+
+.PHONY: bench-prefix-vllm
+bench-prefix-vllm: deps ## Prefix-aware routing with real vLLM CPU engines: multi-turn conversations, load-only against prefix-aware in push and pull (about 10 minutes); bench/results/prefix/vllm-cpu.md.
+	go build -o bin/ ./cmd/transfer-agent ./cmd/router
+	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && \
+		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" vllm-connector/bench/bench_prefix.py --out bench/results/prefix
+
 .PHONY: bench-autoscale
 bench-autoscale: deps ## Autoscaling report: the stepped load on a real node, autoscaled against each static split of its budget (about 25 minutes); bench/results/autoscale/.
 	mkdir -p bench/results/autoscale

@@ -27,7 +27,8 @@ type RoutingSpec struct {
 	// overlapWeight is what a decode engine holding a whole prompt is worth, in units of
 	// loadWeight per request in flight on it: with 4 and 1, an engine holding the prompt
 	// is chosen over an idle one until it has 4 more requests in flight than that one,
-	// and one holding half of it until 2. PrefixAware only.
+	// and one holding half of it until 2. What every candidate holds (a shared system
+	// prompt) does not count: the share is of the rest of the prompt. PrefixAware only.
 	// +kubebuilder:validation:Minimum=0
 	// +kubebuilder:validation:Maximum=1000
 	// +kubebuilder:default=4

@@ -111,22 +111,25 @@ def start(name, bins, model, d, gpu: GPU | None) -> Config:
 
 
 def stream(port: int, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: time to first token, the gaps between tokens, token ids."""
+    """One streamed completion: time to first token, the gaps between tokens, token ids, text,
+    and (routers with routing.minPrefillTokens) why it was served on decode alone."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
             "stream": True, "return_token_ids": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     sent, t0 = time.time(), time.monotonic()
-    out = {"ttft": None, "itl": [], "ids": [], "error": None, "sent": sent, "id": None}
+    out = {"ttft": None, "itl": [], "ids": [], "text": "", "error": None, "sent": sent, "id": None, "decode_only": None}
     last = None
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             out["id"] = r.headers.get("X-Request-Id")
+            out["decode_only"] = r.headers.get("X-Kvhandoff-Decode-Only")
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 for c in json.loads(line[6:]).get("choices", []):
+                    out["text"] += c.get("text") or ""
                     ids = c.get("token_ids") or []
                     if not ids:
                         continue

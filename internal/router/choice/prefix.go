@@ -86,10 +86,11 @@ const (
 )
 
 // Decode picks a request's decode engine among decodes and plans its legs. Under
-// PrefixAware an engine's load score is lowered by OverlapWeight × the share of the
-// prompt it holds (in LoadWeight units), and the chosen engine is recorded as holding
-// the prompt from now on: it will, once it served the request, whether its KV came from
-// a prefill engine or it computed the tail itself.
+// PrefixAware an engine's load score is lowered by OverlapWeight × the share it holds of
+// the prompt beyond what every candidate holds (in LoadWeight units): a system prompt all
+// engines hold does not tell them apart, so a conversation's own turns weigh in full. The
+// chosen engine is recorded as holding the prompt from now on: it will, once it served
+// the request, whether its KV came from a prefill engine or it computed the tail itself.
 func (c *Chooser) Decode(r Routing, decodes []discovery.Engine, req Request) (Pick, Plan) {
 	plan := Plan{Basis: BasisLoad}
 	var adjust func(int, float64) float64
@@ -99,12 +100,17 @@ func (c *Chooser) Decode(r Routing, decodes []discovery.Engine, req Request) (Pi
 		if len(req.Prompt.Keys) > 0 && req.Prompt.Tokens > 0 {
 			plan.Basis = BasisPrefix
 			cached = make([]int, len(decodes))
+			common := req.Prompt.Tokens
 			for i, d := range decodes {
 				n := req.Prompt.Usable(c.ix.Match(d.EngineID, req.Prompt.Keys), r.BlockTokens)
 				cached[i] = min(n*r.BlockTokens, req.Prompt.Tokens)
+				common = min(common, cached[i])
 			}
 			adjust = func(i int, load float64) float64 {
-				return r.LoadWeight*load - r.OverlapWeight*float64(cached[i])/float64(req.Prompt.Tokens)
+				if common == req.Prompt.Tokens { // every engine holds all of it
+					return r.LoadWeight * load
+				}
+				return r.LoadWeight*load - r.OverlapWeight*float64(cached[i]-common)/float64(req.Prompt.Tokens-common)
 			}
 		}
 	}

@@ -45,6 +45,7 @@ func TestDecodeWeighsThePrefixHeldAgainstLoad(t *testing.T) {
 		routing  Routing
 		body     protocol.Body
 		inflight map[string]int // legs in flight per decode engine before the request
+		shared   bool           // d2 holds the 80 tokens every conversation shares
 		want     string
 		cached   int
 		only     string
@@ -54,6 +55,10 @@ func TestDecodeWeighsThePrefixHeldAgainstLoad(t *testing.T) {
 		{name: "held 80% is worth 3.2 requests: chosen over an idle engine with 3 more in flight", routing: prefixAware(0), body: ids(1, 80, 400),
 			inflight: map[string]int{"d1": 3}, want: "d1", cached: 320, basis: BasisPrefix},
 		{name: "but not with 4 more", routing: prefixAware(0), body: ids(1, 80, 400), inflight: map[string]int{"d1": 4}, want: "d2", basis: BasisPrefix},
+		{name: "a prefix both hold does not count: 240 of the other 320 held is worth 3 requests", routing: prefixAware(0), body: ids(1, 80, 400),
+			shared: true, inflight: map[string]int{"d1": 2}, want: "d1", cached: 320, basis: BasisPrefix},
+		{name: "but not 4", routing: prefixAware(0), body: ids(1, 80, 400), shared: true, inflight: map[string]int{"d1": 4}, want: "d2", cached: 80,
+			basis: BasisPrefix},
 		{name: "a weight of 0 chooses by load", routing: func() Routing { r := prefixAware(0); r.OverlapWeight = 0; return r }(), body: ids(1, 80, 400),
 			inflight: map[string]int{"d1": 1}, want: "d2", basis: BasisPrefix},
 		{name: "another conversation with the shared start only: d1 holds its first 5 blocks", routing: prefixAware(0), body: ids(2, 80, 400),
@@ -77,6 +82,9 @@ func TestDecodeWeighsThePrefixHeldAgainstLoad(t *testing.T) {
 			c, _ := newChooser()
 			decodes := []discovery.Engine{engine("d1", "a"), engine("d2", "a")}
 			c.ix.Add("d1", prefix.Cut(ids(1, 80, 320), 16).Keys)
+			if tc.shared {
+				c.ix.Add("d2", prefix.Cut(ids(2, 80, 80), 16).Keys)
+			}
 			for id, n := range tc.inflight {
 				for range n {
 					c.bal.Acquire(balance.Decode, id, 10)

@@ -114,8 +114,9 @@ func (k *AgentKV) freeWhenSent(key string, blocks []uint32) {
 	k.Ranks[0].Free(blocks)
 }
 
-// Receive takes the request's KV into this engine's cache and verifies it.
-func (k *AgentKV) Receive(ctx context.Context, key string, tokens int, src Source) error {
+// Receive takes the request's KV from block position first on into this engine's cache
+// (a tail: a push registers, a pull reads, only those positions) and verifies it.
+func (k *AgentKV) Receive(ctx context.Context, key string, tokens, first int, src Source) error {
 	if src.TP != len(k.Ranks) {
 		return fmt.Errorf("prefill engine %s runs TP %d and this engine TP %d: the simulated engine transfers only between equal TP",
 			src.EngineID, src.TP, len(k.Ranks))
@@ -129,7 +130,7 @@ func (k *AgentKV) Receive(ctx context.Context, key string, tokens int, src Sourc
 		return err
 	}
 	alloc := k.Ranks[0]
-	dst, err := alloc.AllocateWait(ctx, n)
+	dst, err := alloc.AllocateWait(ctx, n-first)
 	if err != nil {
 		return err
 	}
@@ -138,9 +139,9 @@ func (k *AgentKV) Receive(ctx context.Context, key string, tokens int, src Sourc
 	}
 	err = parallel(len(k.Ranks), func(r int) error {
 		if src.Blocks == nil {
-			return k.Ranks[r].RegisterDestination(ctx, key, 1, dst, ref(r))
+			return k.Ranks[r].RegisterTail(ctx, key, 1, uint32(first), dst, ref(r))
 		}
-		return k.Ranks[r].Pull(ctx, key, 1, ref(r), src.Blocks, dst)
+		return k.Ranks[r].Pull(ctx, key, 1, ref(r), src.Blocks[first:], dst)
 	})
 	if err == nil {
 		k.Accepted.Add(1)
@@ -152,7 +153,7 @@ func (k *AgentKV) Receive(ctx context.Context, key string, tokens int, src Sourc
 			if ev.Type != agentv1.Event_DELIVERED {
 				return fmt.Errorf("rank %d: %s: %s", r, ev.Type, ev.Reason)
 			}
-			return k.Ranks[r].Cache.Verify(key, dst)
+			return k.Ranks[r].Cache.VerifyTail(key, first, dst)
 		})
 	}
 	if err != nil && ctx.Err() != nil {
@@ -281,7 +282,7 @@ func (x *LocalKV) Produce(ctx context.Context, key string, tokens int, done time
 	}, nil
 }
 
-func (x *LocalKV) Receive(ctx context.Context, key string, _ int, src Source) error {
+func (x *LocalKV) Receive(ctx context.Context, key string, _, _ int, src Source) error {
 	x.mu.Lock()
 	c := x.ch(key)
 	_, produced := x.Produced[key]

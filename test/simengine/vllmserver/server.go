@@ -45,7 +45,13 @@ type Config struct {
 	TPOT, TPOTPerStream time.Duration
 	// KV moves the KV between engines; nil serves requests without P/D (no KV moves).
 	KV  KV
-	Log *slog.Logger
+	// PrefixCacheBlocks, when not 0, gives the engine a prefix cache of that many blocks
+	// of BlockSize tokens (0: 16), as vLLM's: the leading whole blocks of a prompt the
+	// engine holds are not computed again (prefill time counts the rest), nor moved to it
+	// (a decode leg takes only the tail); it keeps the blocks of every prompt it computed
+	// or received, least recently used first out.
+	PrefixCacheBlocks, BlockSize int
+	Log                          *slog.Logger
 }
 
 // KV is how a simulated engine hands a request's KV to another.
@@ -57,9 +63,10 @@ type KV interface {
 	// waits for the agent.
 	Produce(ctx context.Context, key string, tokens int, done time.Time) (blocks []uint32, publish func(context.Context) error, err error)
 	// Receive runs on a decode engine and returns once the request's KV is in its cache
-	// and verified. Push (src.Blocks nil): it registers its blocks with the prefill
-	// engine at once and waits for the writes. Pull: it reads src.Blocks.
-	Receive(ctx context.Context, key string, tokens int, src Source) error
+	// and verified, from block position first on (the engine holds the blocks before).
+	// Push (src.Blocks nil): it registers its blocks with the prefill engine at once and
+	// waits for the writes. Pull: it reads src.Blocks from first on.
+	Receive(ctx context.Context, key string, tokens, first int, src Source) error
 }
 
 // Source is the prefill engine a decode leg names in its kv_transfer_params.
@@ -90,6 +97,7 @@ type Server struct {
 	cfg     Config
 	mux     *http.ServeMux
 	prefill sync.Mutex // one prefill at a time
+	cache   *prefixCache
 
 	running, waiting atomic.Int64
 	mu               sync.Mutex
@@ -103,7 +111,10 @@ func New(cfg Config) *Server {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, mux: http.NewServeMux()}
+	if cfg.BlockSize <= 0 {
+		cfg.BlockSize = 16
+	}
+	s := &Server{cfg: cfg, mux: http.NewServeMux(), cache: newPrefixCache(cfg.PrefixCacheBlocks, cfg.BlockSize)}
 	s.mux.HandleFunc("POST /v1/completions", s.complete(false))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.complete(true))
 	s.mux.HandleFunc("GET /v1/models", s.models)
@@ -113,6 +124,9 @@ func New(cfg Config) *Server {
 }
 
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+// PrefixCache returns the engine's prefix-cache queries and hits so far, in tokens.
+func (s *Server) PrefixCache() (queries, hits int64) { return s.cache.counts() }
 
 // Seen returns a copy of every completion request received so far.
 func (s *Server) Seen() []Received {
@@ -138,6 +152,13 @@ func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
 	fmt.Fprintf(w, "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running%s %d\n", labels, s.running.Load())
 	fmt.Fprintf(w, "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting%s %d\n", labels, s.waiting.Load())
 	fmt.Fprintf(w, "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc%s 0.0\n", labels)
+	if s.cache != nil {
+		q, h := s.cache.counts()
+		fmt.Fprintf(w, "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"%d\",engine=\"0\",num_gpu_blocks=\"%d\"} 1.0\n",
+			s.cfg.BlockSize, s.cfg.PrefixCacheBlocks)
+		fmt.Fprintf(w, "# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total%s %d\n", labels, q)
+		fmt.Fprintf(w, "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total%s %d\n", labels, h)
+	}
 }
 
 // apiError answers like vLLM's OpenAI server.
@@ -320,6 +341,8 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, rq *request, answ
 	ctx := r.Context()
 	var returned map[string]any
 	s.waiting.Add(1)
+	keys := s.cache.keys(rq.prompt)
+	cached := s.cache.lookup(keys, len(rq.prompt))
 	switch {
 	case flag(rq.params, protocol.DoRemoteDecode):
 		// Prefill leg: compute, produce the KV for a remote decode, return one token and
@@ -328,7 +351,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, rq *request, answ
 		if tid := str(rq.params, protocol.TransferID); tid != "" {
 			key = tid // push: both legs share the transfer id
 		}
-		blocks, err := s.runPrefill(ctx, key, len(rq.prompt))
+		blocks, err := s.runPrefill(ctx, key, len(rq.prompt), cached)
 		if err != nil {
 			s.waiting.Add(-1)
 			s.failRequest(w, ctx, err)
@@ -353,20 +376,21 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, rq *request, answ
 			return
 		}
 		if s.cfg.KV != nil {
-			if err := s.cfg.KV.Receive(ctx, key, len(rq.prompt), src); err != nil {
+			if err := s.cfg.KV.Receive(ctx, key, len(rq.prompt), cached/s.cfg.BlockSize, src); err != nil {
 				s.waiting.Add(-1)
 				s.failRequest(w, ctx, err)
 				return
 			}
 		}
 	default:
-		if _, err := s.runPrefill(ctx, "", len(rq.prompt)); err != nil {
+		if _, err := s.runPrefill(ctx, "", len(rq.prompt), cached); err != nil {
 			s.waiting.Add(-1)
 			s.failRequest(w, ctx, err)
 			return
 		}
 	}
 	s.waiting.Add(-1)
+	s.cache.add(keys) // computed or received: the engine holds the prompt's blocks now
 	s.running.Add(1)
 	defer s.running.Add(-1)
 	s.respond(w, r, rq, Output(rq.prompt, rq.maxTokens), returned, answered)
@@ -380,13 +404,14 @@ func (s *Server) failRequest(w http.ResponseWriter, ctx context.Context, err err
 	apiError(w, http.StatusInternalServerError, "InternalServerError", err.Error())
 }
 
-// runPrefill waits for the engine, then takes the modelled time, producing the KV
-// meanwhile, and publishes the KV once the engine has moved on to the next prefill.
-func (s *Server) runPrefill(ctx context.Context, key string, tokens int) ([]uint32, error) {
+// runPrefill waits for the engine, then takes the modelled time of the tokens it does
+// not hold (cached of them it does), producing the KV meanwhile, and publishes the KV
+// once the engine has moved on to the next prefill.
+func (s *Server) runPrefill(ctx context.Context, key string, tokens, cached int) ([]uint32, error) {
 	s.prefill.Lock()
 	done := time.Now()
 	if s.cfg.PrefillTime != nil {
-		done = done.Add(s.cfg.PrefillTime(tokens))
+		done = done.Add(s.cfg.PrefillTime(tokens - cached))
 	}
 	if key == "" || s.cfg.KV == nil {
 		defer s.prefill.Unlock()
