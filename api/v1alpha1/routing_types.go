@@ -10,7 +10,9 @@ const (
 	DecodeChoiceLoadOnly DecodeChoice = "LoadOnly"
 	// DecodeChoicePrefixAware chooses by the share of the prompt an engine holds in its
 	// prefix cache against its load: the engine holding a conversation's earlier turns
-	// gets its next one, and only the blocks it lacks are moved.
+	// gets its next one, and only the blocks it lacks are moved. The prefill engine is then
+	// the one with the least work before the first token: its queued prompt tokens plus
+	// this prompt's tokens it does not hold.
 	DecodeChoicePrefixAware DecodeChoice = "PrefixAware"
 )
 

@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
@@ -24,7 +23,7 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 					"no ready prefill engine left with decode engine %s's compat-hash %q (%s)", rq.planned.EngineID, rq.planned.CompatHash, set.Source)}, false
 			}
 		}
-		p := s.choose.Take(balance.Prefill, prefills, rq.tokens)
+		p := s.choose.Prefill(rq.routing, prefills, rq.choice)
 		rq.prefill = p.EngineID
 		rq.added = time.Since(mark)
 		pr := s.prefillLeg(rq.r.Context(), rq, p, protocol.PrefillLeg(rq.body, "").Marshal(), true)

@@ -19,7 +19,7 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 		var p, d choice.Pick
 		if rq.planned != nil && rq.retries == 0 {
 			d = *rq.planned
-			p = s.choose.Prefill(d, prefills, rq.tokens)
+			p = s.choose.Prefill(rq.routing, choice.SameHash(prefills, d.CompatHash), rq.choice)
 		} else {
 			// A retry takes a prefill leg whatever its tail: the plan said it pays.
 			r := rq.routing

@@ -129,7 +129,9 @@ func New(cfg Config) *Server {
 		load:  load.NewRecorder(),
 	}
 	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	s.choose = choice.New(s.bal, ix, choice.NewMetrics(cfg.Registry, "kvhandoff_router", ix), s.m.inflight)
+	s.choose = choice.New(s.bal, ix, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_router_decode_choices_total",
+		DecodeOnly: "kvhandoff_router_decode_only_total", Tokens: "kvhandoff_router_prefix_tokens_total",
+		IndexBlocks: "kvhandoff_router_prefix_index_blocks"}, ix), s.m.inflight)
 	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.completions("/v1/chat/completions"))
 	s.mux.HandleFunc("GET /v1/models", s.models)

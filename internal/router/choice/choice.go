@@ -9,6 +9,7 @@ package choice
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -34,8 +35,8 @@ type Chooser struct {
 // legs into inflight (labels role and engine). The balancer's scrapes bound each engine's
 // index at its KV capacity.
 func New(bal *balance.Balancer, ix *prefix.Index, m *Metrics, inflight *prometheus.GaugeVec) *Chooser {
-	bal.OnLoad = func(r balance.Role, id string, l balance.Load) {
-		if r == balance.Decode && l.Blocks > 0 {
+	bal.OnLoad = func(_ balance.Role, id string, l balance.Load) {
+		if l.Blocks > 0 {
 			ix.SetCapacity(id, l.Blocks)
 		}
 	}
@@ -63,12 +64,7 @@ func (c *Chooser) Push(r Routing, prefills, decodes []discovery.Engine, req Requ
 	if plan.DecodeOnly != "" {
 		return Pick{Release: func() {}}, decode, plan
 	}
-	return c.Prefill(decode, prefills, req.Tokens), decode, plan
-}
-
-// Prefill picks a prefill engine of decode's compat-hash among prefills.
-func (c *Chooser) Prefill(decode Pick, prefills []discovery.Engine, tokens int) Pick {
-	return c.Take(balance.Prefill, SameHash(prefills, decode.CompatHash), tokens)
+	return c.Prefill(r, SameHash(prefills, decode.CompatHash), req), decode, plan
 }
 
 // PullDecode picks a pull request's decode engine once its prefill leg returned: one of
@@ -79,6 +75,7 @@ func (c *Chooser) PullDecode(set *discovery.Set, prefill discovery.Engine, token
 	if len(decodes) == 0 {
 		return Pick{}, fmt.Sprintf("no ready decode engine with prefill engine %s's compat-hash %q (%s)", prefill.EngineID, prefill.CompatHash, set.Source)
 	}
+	c.m.choices.WithLabelValues(BasisLoad).Inc()
 	return c.Take(balance.Decode, decodes, tokens), ""
 }
 
@@ -99,7 +96,7 @@ func (c *Chooser) Forget(set *discovery.Set) {
 	c.bal.Forget(set)
 	// An engine that restarted left the set while it was not ready: its cache is empty.
 	alive := map[string]bool{}
-	for _, e := range set.Decode {
+	for _, e := range append(slices.Clone(set.Prefill), set.Decode...) {
 		alive[e.EngineID] = true
 	}
 	c.ix.Keep(alive)

@@ -6,32 +6,35 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
-// Metrics are what the chooser counts of its decode choices, under a component's name
-// (kvhandoff_router, kvhandoff_epp).
+// Names are the chooser's metrics' names in one component (the router, the endpoint
+// picker), each spelled out where the component is, so a rule or dashboard can be checked
+// against them.
+type Names struct{ Choices, DecodeOnly, Tokens, IndexBlocks string }
+
+// Metrics are what the chooser counts of its choices.
 type Metrics struct {
 	choices    *prometheus.CounterVec // basis
 	decodeOnly *prometheus.CounterVec // reason
 	tokens     *prometheus.CounterVec // kind: prompt, cached
 }
 
-// NewMetrics registers the chooser's metrics as component_… with reg, and the size of
-// index.
-func NewMetrics(reg prometheus.Registerer, component string, index *prefix.Index) *Metrics {
+// NewMetrics registers the chooser's metrics under names with reg, and the size of index.
+func NewMetrics(reg prometheus.Registerer, names Names, index *prefix.Index) *Metrics {
 	m := &Metrics{
 		choices: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: component + "_decode_choices_total",
+			Name: names.Choices,
 			Help: "Decode engines chosen, by what the choice rested on: load (routing LoadOnly), prefix (the prefix each engine holds, and load), " +
 				"no_prefix (PrefixAware, but the prompt had no whole block to match, so load alone).",
 		}, []string{"basis"}),
 		decodeOnly: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: component + "_decode_only_total",
+			Name: names.DecodeOnly,
 			Help: "Requests served on their decode engine alone, with no prefill leg, by reason: short_prompt (shorter than routing.minPrefillTokens), " +
 				"prefix_cached (what the engine lacks of it is).",
 		}, []string{"reason"}),
 		tokens: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: component + "_prefix_tokens_total",
-			Help: "Prompt tokens of requests chosen by prefix (kind prompt) and of those the chosen decode engine held by the index (kind cached): " +
-				"their ratio is the index's hit rate.",
+			Name: names.Tokens,
+			Help: "Prompt tokens of requests chosen by prefix (kind prompt), of those the chosen decode engine held by the index (kind cached): " +
+				"their ratio is the index's hit rate; and of those their prefill engine held (kind prefill_cached).",
 		}, []string{"kind"}),
 	}
 	for _, b := range []string{BasisLoad, BasisPrefix, BasisNoPrefix} {
@@ -41,7 +44,7 @@ func NewMetrics(reg prometheus.Registerer, component string, index *prefix.Index
 		m.decodeOnly.WithLabelValues(r)
 	}
 	blocks := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name: component + "_prefix_index_blocks",
+		Name: names.IndexBlocks,
 		Help: "Blocks the prefix index holds, all decode engines together (its memory: about 40 bytes a block).",
 	}, func() float64 { return float64(index.Total()) })
 	reg.MustRegister(m.choices, m.decodeOnly, m.tokens, blocks)

@@ -134,3 +134,32 @@ func TestAConversationStaysOnItsDecodeEngine(t *testing.T) {
 	}
 	p.Release() // a no-op
 }
+
+// A prefill engine is chosen by the least work before the request's first token: the
+// tokens of legs queued there plus those of this prompt it does not hold.
+func TestPrefillWeighsWhatItHoldsAgainstItsQueue(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		r      Routing
+		queued int // prompt tokens of legs in flight on p1, which holds 320 of the 400
+		want   string
+	}{
+		{"holding 320 tokens beats an idle engine with 300 queued", prefixAware(0), 300, "p1"},
+		{"but not with 330 queued", prefixAware(0), 330, "p2"},
+		{"load only takes the idle engine", RoutingOf(&discovery.Set{}), 10, "p2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, _ := newChooser()
+			c.ix.Add("p1", prefix.Cut(ids(1, 80, 320), 16).Keys)
+			c.bal.Acquire(balance.Prefill, "p1", tc.queued)
+			body := ids(1, 80, 400)
+			p := c.Prefill(tc.r, []discovery.Engine{engine("p1", "a"), engine("p2", "a")}, NewRequest(tc.r, body, protocol.PromptTokens(body)))
+			if p.EngineID != tc.want {
+				t.Errorf("chose %s, want %s", p.EngineID, tc.want)
+			}
+			if tc.r.PrefixAware && c.ix.Match(tc.want, prefix.Cut(body, 16).Keys) != 25 {
+				t.Errorf("%s does not hold the prompt's 25 blocks after serving it", tc.want)
+			}
+		})
+	}
+}

@@ -64,10 +64,6 @@ const (
 	DecodeOnlyHeader = "x-kvhandoff-decode-only"
 )
 
-// routingHeaders are what a client may not set: the gateway routes by them and the leg
-// runner dials by them.
-var routingHeaders = []string{DestinationHeader, PrefillHeader, DecodeOnlyHeader}
-
 // Config is the picker's behaviour.
 type Config struct {
 	// LegRunnerPorts are the decode pods' leg-runner ports, the InferencePool's target
@@ -132,7 +128,8 @@ func New(cfg Config) *Server {
 		cfg.LegRunnerPorts = Defaults().LegRunnerPorts
 	}
 	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	s := &Server{cfg: cfg, bal: bal, choose: choice.New(bal, ix, choice.NewMetrics(cfg.Registry, "kvhandoff_epp", ix), m.inflight), health: health.NewServer(), m: m,
+	s := &Server{cfg: cfg, bal: bal, choose: choice.New(bal, ix, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_epp_decode_choices_total",
+		DecodeOnly: "kvhandoff_epp_decode_only_total", Tokens: "kvhandoff_epp_prefix_tokens_total", IndexBlocks: "kvhandoff_epp_prefix_index_blocks"}, ix), m.inflight), health: health.NewServer(), m: m,
 		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)), onEndpoint: map[string]int{}, turns: map[string]int{}}
 	s.health.SetServingStatus(Liveness, healthpb.HealthCheckResponse_SERVING)
 	for _, svc := range []string{Readiness, extprocv3.ExternalProcessor_ServiceDesc.ServiceName} {

@@ -36,7 +36,8 @@ func (ix *Index) engine(id string) *set {
 	return s
 }
 
-// Match is how many of keys' leading blocks engine holds; they count as used now.
+// Match is how many of keys' leading blocks engine holds. It changes nothing: a
+// candidate not chosen does not use its blocks (Add renews those of the one chosen).
 func (ix *Index) Match(engine string, keys []Key) int {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
@@ -51,15 +52,12 @@ func (ix *Index) Match(engine string, keys []Key) int {
 		}
 		n++
 	}
-	// The engine's cache touches what a request reuses: so does the index, leaf first,
-	// so that eviction takes a prompt's last blocks before its first, as vLLM's does.
-	for i := n - 1; i >= 0; i-- {
-		s.touch(keys[i])
-	}
 	return n
 }
 
-// Add records that engine holds keys (it computed or received those blocks).
+// Add records that engine holds keys (it computed, received or reused those blocks),
+// renewing those it held: leaf first, so that eviction takes a prompt's last blocks
+// before its first, as vLLM's does.
 func (ix *Index) Add(engine string, keys []Key) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()

@@ -125,10 +125,13 @@ func TestIndexInsertMatchEvict(t *testing.T) {
 	if ix.Len("d1") != 8 || ix.Total() != 8 {
 		t.Errorf("len %d, total %d, want 8", ix.Len("d1"), ix.Total())
 	}
-	// Matching renews: the 2 blocks matched just now outlive the newer prompt's blocks.
+	// Serving a prompt again renews its blocks, matching alone does not: the first
+	// prompt's 2 blocks, served again, outlive the second prompt's, only matched.
+	ix.Add("d1", keys(0, 2))
+	ix.Match("d1", keys(100, 6))
 	ix.Add("d1", keys(200, 6))
 	if got, other := ix.Match("d1", keys(0, 2)), ix.Match("d1", keys(100, 6)); got != 2 || other != 0 {
-		t.Errorf("after 6 more: the renewed prompt matches %d (want 2), the other %d (want 0: its root went)", got, other)
+		t.Errorf("after 6 more: the prompt served again matches %d (want 2), the one matched %d (want 0: its root went)", got, other)
 	}
 	ix.Remove("d1", []Key{201})
 	if got := ix.Match("d1", keys(200, 6)); got != 1 {
