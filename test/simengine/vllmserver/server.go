@@ -44,7 +44,7 @@ type Config struct {
 	// engine is generating for: a decode step's time grows with its batch.
 	TPOT, TPOTPerStream time.Duration
 	// KV moves the KV between engines; nil serves requests without P/D (no KV moves).
-	KV  KV
+	KV KV
 	// PrefixCacheBlocks, when not 0, gives the engine a prefix cache of that many blocks
 	// of BlockSize tokens (0: 16), as vLLM's: the leading whole blocks of a prompt the
 	// engine holds are not computed again (prefill time counts the rest), nor moved to it
