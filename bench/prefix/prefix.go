@@ -15,17 +15,16 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/bench/report"
+	"github.com/kvhandoff/kvhandoff/bench/routerproc"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
@@ -306,7 +305,7 @@ func (sc Scenario) send(c *http.Client, url string, t turn) (time.Duration, stri
 
 // decodeEngines reads the router's log: the decode engines that served each conversation.
 func (s *stack) decodeEngines() (map[string]map[string]bool, error) {
-	f, err := os.Open(s.log.Name())
+	f, err := os.Open(s.router.Log)
 	if err != nil {
 		return nil, err
 	}
@@ -334,9 +333,7 @@ func (s *stack) decodeEngines() (map[string]map[string]bool, error) {
 // stack is one configuration's engines and router.
 type stack struct {
 	url               string
-	router            *exec.Cmd
-	exited            chan struct{}
-	log               *os.File
+	router            *routerproc.Proc
 	servers           []*http.Server
 	kvs               []*vllmserver.AgentKV
 	prefills, decodes []*vllmserver.Server
@@ -398,61 +395,18 @@ func (sc Scenario) startStack(ctx context.Context, cfg Config, a, b *agentproc.P
 		s.stop()
 		return nil, err
 	}
-	if err := s.startRouter(sc.RouterBin, endpoints, filepath.Join(dir, "router.log")); err != nil {
+	var err error
+	if s.router, err = routerproc.Start(sc.RouterBin, endpoints, filepath.Join(dir, "router.log"), "--admin-listen", "127.0.0.1:0"); err != nil {
 		s.stop()
 		return nil, err
 	}
+	s.url = s.router.URL
 	return s, nil
 }
 
-func (s *stack) startRouter(bin, endpoints, logPath string) error {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return err
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
-	if s.log, err = os.Create(logPath); err != nil {
-		return err
-	}
-	s.url = "http://127.0.0.1:" + strconv.Itoa(port)
-	s.router = exec.Command(bin, "--endpoints", endpoints, "--listen", "127.0.0.1:"+strconv.Itoa(port), "--admin-listen", "127.0.0.1:0")
-	s.router.Stderr = s.log
-	if err := s.router.Start(); err != nil {
-		return err
-	}
-	s.exited = make(chan struct{})
-	go func() { _ = s.router.Wait(); close(s.exited) }()
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		select {
-		case <-s.exited:
-			return fmt.Errorf("the router exited at start; its log is %s", logPath)
-		default:
-		}
-		if resp, err := http.Get(s.url + "/readyz"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		time.Sleep(20 * time.Millisecond) // polling a starting process: nothing to wait on
-	}
-	return fmt.Errorf("the router did not become ready in 30 s; its log is %s", logPath)
-}
-
 func (s *stack) stop() {
-	if s.router != nil && s.router.Process != nil {
-		_ = s.router.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-s.exited:
-		case <-time.After(10 * time.Second):
-			_ = s.router.Process.Kill()
-			<-s.exited
-		}
-	}
-	if s.log != nil {
-		s.log.Close()
+	if s.router != nil {
+		s.router.Stop()
 	}
 	for _, hs := range s.servers {
 		_ = hs.Close()

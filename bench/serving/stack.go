@@ -7,19 +7,17 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"fmt"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/bench/routerproc"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
@@ -34,9 +32,7 @@ const Model = "Qwen/Qwen3-32B"
 // in front of them.
 type stack struct {
 	URL     string
-	router  *exec.Cmd
-	exited  chan struct{}
-	log     *os.File
+	router  *routerproc.Proc
 	servers []*http.Server
 	kvs     []*vllmserver.AgentKV
 }
@@ -115,62 +111,19 @@ func startStack(ctx context.Context, mode kvv1.TransferMode, l simengine.Layout,
 		s.stop()
 		return nil, err
 	}
-	if err := s.startRouter(routerBin, endpoints, filepath.Join(dir, "router-"+name+".log")); err != nil {
+	var err error
+	if s.router, err = routerproc.Start(routerBin, endpoints, filepath.Join(dir, "router-"+name+".log"), "--drain", "5s"); err != nil {
 		s.stop()
 		return nil, err
 	}
+	s.URL = s.router.URL
 	return s, nil
-}
-
-// startRouter runs the router binary and waits until it is ready to route.
-func (s *stack) startRouter(bin, endpoints, logPath string) error {
-	l, port, err := listen()
-	if err != nil {
-		return err
-	}
-	l.Close()
-	if s.log, err = os.Create(logPath); err != nil {
-		return err
-	}
-	s.URL = "http://127.0.0.1:" + strconv.Itoa(port)
-	s.router = exec.Command(bin, "--endpoints", endpoints, "--listen", "127.0.0.1:"+strconv.Itoa(port), "--drain", "5s")
-	s.router.Stderr = s.log
-	if err := s.router.Start(); err != nil {
-		return err
-	}
-	s.exited = make(chan struct{})
-	go func() { _ = s.router.Wait(); close(s.exited) }()
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		select {
-		case <-s.exited:
-			return fmt.Errorf("the router exited at start; its log is %s", logPath)
-		default:
-		}
-		if resp, err := http.Get(s.URL + "/readyz"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		time.Sleep(20 * time.Millisecond) // polling a starting process: nothing to wait on
-	}
-	return fmt.Errorf("the router did not become ready in 30 s; its log is %s", logPath)
 }
 
 // stop ends the router (SIGTERM: it drains), the engines' HTTP servers and their ranks.
 func (s *stack) stop() {
-	if s.router != nil && s.router.Process != nil {
-		_ = s.router.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-s.exited:
-		case <-time.After(10 * time.Second):
-			_ = s.router.Process.Kill()
-			<-s.exited
-		}
-	}
-	if s.log != nil {
-		s.log.Close()
+	if s.router != nil {
+		s.router.Stop()
 	}
 	var wg sync.WaitGroup
 	for _, hs := range s.servers {
@@ -199,7 +152,7 @@ type routerLine struct {
 
 // requests reads the router's log: one line per request, by the client's request id.
 func (s *stack) requests() (map[string]routerLine, error) {
-	f, err := os.Open(s.log.Name())
+	f, err := os.Open(s.router.Log)
 	if err != nil {
 		return nil, err
 	}

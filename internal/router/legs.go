@@ -33,22 +33,20 @@ func (s *Server) serveOnDecode(rq *request, set *discovery.Set, reason string, f
 	rq.w.Header().Set("X-Kvhandoff-Fallback", reason)
 	// A request id of its own, as for any new attempt (legID).
 	rq.retries++
-	d := s.choose.Take(balance.Decode, set.Decode, rq.tokens)
-	rq.decode = d.EngineID
-	ctx, cancel := context.WithCancel(rq.r.Context())
-	defer cancel()
-	sent := time.Now()
-	ds := s.decodeLeg(ctx, rq, d, rq.body.Marshal())
-	rq.decodeTime = time.Since(sent)
-	return s.finishDecode(rq, d.Engine, ds)
+	return s.alone(rq, s.choose.Take(balance.Decode, set.Decode, rq.tokens))
 }
 
 // decodeAlone serves a request its plan put on decode engine d alone (reason: prefill
 // does not pay): not a fallback, and counted apart from them.
 func (s *Server) decodeAlone(rq *request, d choice.Pick, reason string) result {
 	rq.decodeOnly = reason
-	rq.decode = d.EngineID
 	rq.w.Header().Set(epp.DecodeOnlyHeader, reason)
+	return s.alone(rq, d)
+}
+
+// alone sends the client's own body to decode engine d, which prefills it itself.
+func (s *Server) alone(rq *request, d choice.Pick) result {
+	rq.decode = d.EngineID
 	ctx, cancel := context.WithCancel(rq.r.Context())
 	defer cancel()
 	sent := time.Now()
