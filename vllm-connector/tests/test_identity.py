@@ -14,7 +14,7 @@ import time
 import pytest
 
 import tinymodel
-from stack import MAX_TOKENS, PROMPTS, Stack, block_size, complete, kv_moved, prompt_tokens, wait_idle
+from stack import MAX_TOKENS, PROMPTS, Stack, block_size, complete, engine_metric, kv_moved, prompt_tokens, wait_idle
 
 
 # The connector's reports and events go through doorbells, except in push-grpc, which
@@ -95,37 +95,36 @@ def test_cancelled_requests_leave_the_others_and_later_ones_correct(stack, refer
         assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r} after the cancels"
 
 
-def test_a_prompt_decode_has_cached_is_computed_there_and_its_push_declined(stack):
-    """Push: the decode engine caches the prompt's blocks from its first request, so the
-    second is computed on decode, and the push declined: the prefill agent frees the prefill
-    engine's blocks at once (they would otherwise wait out the 60 s blocks TTL and fail).
-    Pull reads the uncached tail and declines nothing. The decode side generates 200 tokens,
-    so the prefill leg (one cached block to compute) normally ends first. Were the client
-    answered before (a prefill engine stalled on 2 busy cores; seen twice), the router
-    cancels the prefill leg, and the prefill engine aborts the request, perhaps before it
-    reports a source: the decline then has no source to free. So the rule checked is exact:
-    once the prefill engine is idle, every push source it reported for the second request
-    was declined, and the blocks came back at once, failing nothing. After the cancels' test: a prefill engine's Cancel can reach its agent
-    before its own report of the same request (the RPC overtakes the doorbell record); the
-    agent refuses the late report rather than keep the source a blocks TTL and fail it,
-    which would be counted here."""
+def test_a_prompt_decode_has_cached_moves_only_its_tail(stack):
+    """The decode engine caches the prompt's blocks from its first request, so the second
+    brings only what it lacks: vLLM computes at least a prompt's last token, so the blocks
+    after what it holds move — registered from their position (push) or read (pull) — and
+    its cached blocks do not. Nothing is declined, nothing fails, the answer is the
+    first's. (Before, a push whose prompt decode held was computed there whole and
+    declined.) After the cancels' test: a prefill engine's Cancel can reach its agent before
+    its own report of the same request (the RPC overtakes the doorbell record); the agent
+    refuses the late report rather than keep the source a blocks TTL and fail it, which
+    would be counted here."""
     mode, s = stack
+    kind = mode.removesuffix("-grpc").removesuffix("-layered")
 
     def count(name: str) -> float:
-        return sum(v for k, v in s.a.metrics().items() if k.startswith(name))
+        return sum(v for a in s.agents for k, v in a.metrics().items() if k.startswith(name))
 
     def generate() -> list[int]:
         return complete(s.r.port, prompt, max_tokens=200, min_tokens=200)
 
     prompt = " ".join(f"cached {i} prefix" for i in range(120))  # 1719 tokens: 13 full blocks
     first = generate()
-    # The first request's source, and the earlier tests', count when they come.
     wait_idle(s.p)
     declines, failures = count("kvhandoff_agent_declines_total"), count("kvhandoff_agent_failures_total")
-    sources = count("kvhandoff_agent_source_parts_total")
+    moved, hits = kv_moved(s.agents, kind), engine_metric(s.d, "vllm:prefix_cache_hits_total")
     assert generate() == first, s.logs()
     wait_idle(s.p, timeout=20)  # the prefill engine's blocks came back, well inside the TTL
-    reported = count("kvhandoff_agent_source_parts_total") > sources
-    want = declines + (1 if mode.startswith("push") and reported else 0)
-    assert count("kvhandoff_agent_declines_total") == want, s.logs()
+    block, n = block_size(s.d), prompt_tokens(s.p, prompt)
+    cached = engine_metric(s.d, "vllm:prefix_cache_hits_total") - hits
+    assert cached == (n - 1) // block * block, f"decode held {cached} of {n} tokens\n{s.logs()}"
+    tail = (math.ceil(n / block) - cached // block) * block * tinymodel.kv_bytes_per_token("tiny", 4)
+    assert kv_moved(s.agents, kind) - moved == (2 if kind == "pull" else 1) * tail, s.logs()
+    assert count("kvhandoff_agent_declines_total") == declines, s.logs()
     assert count("kvhandoff_agent_failures_total") == failures, s.logs()

@@ -64,6 +64,16 @@ def complete(port: int, prompt: str):
         return choice["text"], list(choice["token_ids"]), r.headers
 
 
+def routed(s: Stack, request_id: str) -> dict | None:
+    """The router's log line of a request, once written."""
+    for line in s.r.log().splitlines():
+        if request_id in line:
+            rec = json.loads(line)
+            if rec.get("msg") == "request" and rec.get("request_id") == request_id:
+                return rec
+    return None
+
+
 def test_conversations_stay_on_their_decode_engine_and_move_only_what_it_lacks(stack, alone):
     mode, s = stack
     kind = mode.removesuffix("-layered")
@@ -94,11 +104,16 @@ def test_conversations_stay_on_their_decode_engine_and_move_only_what_it_lacks(s
             if turn in SHORT:
                 # The new part is under MIN_PREFILL: decode computes it, prefill never sees it.
                 assert headers.get("x-kvhandoff-decode-only") == "prefix_cached", where
+                until(f"the router's log of the request: {where}", lambda: routed(s, headers["X-Request-Id"]) is not None)
+                assert routed(s, headers["X-Request-Id"])["prefill"] == "", where
                 assert engine_metric(s.p, "vllm:request_success_total") == prefilled, where
                 assert kv_moved(s.agents, kind) == moved, where
             else:
+                # A prefill leg was sent (the router's log; the prefill engine's own counter
+                # misses a push leg the router cancelled once decode had answered).
                 assert "x-kvhandoff-decode-only" not in headers, where
-                until(f"the prefill engine to count the request: {where}", lambda: engine_metric(s.p, "vllm:request_success_total") == prefilled + 1)
+                until(f"the router's log of the request: {where}", lambda: routed(s, headers["X-Request-Id"]) is not None)
+                assert routed(s, headers["X-Request-Id"])["prefill"] == "prefill-0.default", where
                 # Exactly the blocks after what the decode engine held: none of the cached
                 # prefix moves (pull counts each block twice: read, and been read).
                 # The decode engine holds the last turn's prompt (all but a block at its end,
