@@ -15,7 +15,7 @@ type Names struct{ Choices, DecodeOnly, Tokens, IndexBlocks string }
 type Metrics struct {
 	choices    *prometheus.CounterVec // basis
 	decodeOnly *prometheus.CounterVec // reason
-	tokens     *prometheus.CounterVec // kind: prompt, cached
+	tokens     *prometheus.CounterVec // kind: prompt, cached, prefill_cached
 }
 
 // NewMetrics registers the chooser's metrics under names with reg, and the size of index.
@@ -45,7 +45,7 @@ func NewMetrics(reg prometheus.Registerer, names Names, index *prefix.Index) *Me
 	}
 	blocks := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: names.IndexBlocks,
-		Help: "Blocks the prefix index holds, all decode engines together (its memory: about 40 bytes a block).",
+		Help: "Blocks the prefix index holds, all engines together (its memory: about 40 bytes a block).",
 	}, func() float64 { return float64(index.Total()) })
 	reg.MustRegister(m.choices, m.decodeOnly, m.tokens, blocks)
 	return m

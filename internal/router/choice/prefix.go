@@ -1,6 +1,8 @@
 package choice
 
 import (
+	"slices"
+
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
@@ -97,15 +99,10 @@ func (c *Chooser) Decode(r Routing, decodes []discovery.Engine, req Request) (Pi
 	var cached []int
 	if r.PrefixAware {
 		plan.Basis = BasisNoPrefix
-		if len(req.Prompt.Keys) > 0 && req.Prompt.Tokens > 0 {
+		if len(req.Prompt.Keys) > 0 && req.Prompt.Tokens > 0 && len(decodes) > 0 {
 			plan.Basis = BasisPrefix
-			cached = make([]int, len(decodes))
-			common := req.Prompt.Tokens
-			for i, d := range decodes {
-				n := req.Prompt.Usable(c.ix.Match(d.EngineID, req.Prompt.Keys), r.BlockTokens)
-				cached[i] = min(n*r.BlockTokens, req.Prompt.Tokens)
-				common = min(common, cached[i])
-			}
+			cached = c.held(r, decodes, req)
+			common := slices.Min(cached)
 			adjust = func(i int, load float64) float64 {
 				if common == req.Prompt.Tokens { // every engine holds all of it
 					return r.LoadWeight * load
@@ -117,11 +114,7 @@ func (c *Chooser) Decode(r Routing, decodes []discovery.Engine, req Request) (Pi
 	e, release, _ := c.bal.TakeScored(balance.Decode, decodes, req.Tokens, adjust)
 	pick := Pick{Engine: e, Release: c.gauge(balance.Decode, e.EngineID, release)}
 	if cached != nil {
-		for i, d := range decodes {
-			if d.EngineID == e.EngineID {
-				plan.Cached = cached[i]
-			}
-		}
+		plan.Cached = cached[slices.IndexFunc(decodes, func(d discovery.Engine) bool { return d.EngineID == e.EngineID })]
 		c.ix.Add(e.EngineID, req.Prompt.Keys)
 	}
 	plan.DecodeOnly = decodeOnly(req.Tokens, plan.Cached, r.MinPrefillTokens)
@@ -136,22 +129,26 @@ func (c *Chooser) Decode(r Routing, decodes []discovery.Engine, req Request) (Pi
 // is the least work before this request's first token — no weight is needed, both are
 // tokens. The chosen engine counts as holding the prompt from then on.
 func (c *Chooser) Prefill(r Routing, prefills []discovery.Engine, req Request) Pick {
-	if !r.PrefixAware || len(req.Prompt.Keys) == 0 {
+	if !r.PrefixAware || len(req.Prompt.Keys) == 0 || len(prefills) == 0 {
 		return c.Take(balance.Prefill, prefills, req.Tokens)
 	}
-	cached := make([]int, len(prefills))
-	for i, p := range prefills {
-		n := req.Prompt.Usable(c.ix.Match(p.EngineID, req.Prompt.Keys), r.BlockTokens)
-		cached[i] = min(n*r.BlockTokens, req.Prompt.Tokens)
-	}
+	cached := c.held(r, prefills, req)
 	e, release, _ := c.bal.TakeScored(balance.Prefill, prefills, req.Tokens, func(i int, queued float64) float64 { return queued - float64(cached[i]) })
-	for i, p := range prefills {
-		if p.EngineID == e.EngineID {
-			c.m.tokens.WithLabelValues("prefill_cached").Add(float64(cached[i]))
-		}
-	}
+	i := slices.IndexFunc(prefills, func(p discovery.Engine) bool { return p.EngineID == e.EngineID })
+	c.m.tokens.WithLabelValues("prefill_cached").Add(float64(cached[i]))
 	c.ix.Add(e.EngineID, req.Prompt.Keys)
 	return Pick{Engine: e, Release: c.gauge(balance.Prefill, e.EngineID, release)}
+}
+
+// held is, per engine, how many of the request's prompt tokens it holds by the index
+// and could reuse (whole blocks, and not a prompt's last, as vLLM).
+func (c *Chooser) held(r Routing, engines []discovery.Engine, req Request) []int {
+	cached := make([]int, len(engines))
+	for i, e := range engines {
+		n := req.Prompt.Usable(c.ix.Match(e.EngineID, req.Prompt.Keys), r.BlockTokens)
+		cached[i] = min(n*r.BlockTokens, req.Prompt.Tokens)
+	}
+	return cached
 }
 
 // decodeOnly is why a request of tokens, cached of them on its decode engine, skips
