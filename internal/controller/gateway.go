@@ -87,6 +87,9 @@ func (r *PoolReconciler) applyGateway(ctx context.Context, p pool) (*gatewayStat
 		}
 		return nil, err
 	}
+	if err := r.inferencePools.start(); err != nil {
+		return nil, err
+	}
 	if live.UID == "" { // created just now: its status comes with the next reconcile
 		return &gatewayState{}, nil
 	}

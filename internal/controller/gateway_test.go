@@ -51,8 +51,8 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 
 	It("renders the InferencePool once the CRD is installed, and surfaces a gateway's report on it", func() {
 		Expect(env.InstallGatewayCRDs()).To(Succeed())
-		// The manager started without the CRD, so it does not watch InferencePools: a
-		// change of the pool reconciles it.
+		// The manager started without the CRD: a change of the pool reconciles it, and
+		// applying the InferencePool starts the watch on it.
 		update(d, func(d *kvv1.DecodePool) { d.Spec.Gateway.FailureMode = kvv1.GatewayFailOpen })
 		ip := &infv1.InferencePool{}
 		Eventually(func() error { return k8s.Get(ctx, key(ns, "d"), ip) }).Should(Succeed())
@@ -64,7 +64,7 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 		Eventually(func() metav1.Condition { return condition(d, kvv1.ConditionInferencePoolReady) }).Should(And(
 			HaveField("Status", metav1.ConditionUnknown), HaveField("Reason", kvv1.ReasonNoParentGateway)))
 
-		// A gateway reports it refused, then accepted.
+		// A gateway reports it refused, then accepted: the watch brings each report.
 		report := func(accepted metav1.ConditionStatus, reason string) {
 			Expect(k8s.Get(ctx, key(ns, "d"), ip)).To(Succeed())
 			ip.Status.Parents = []infv1.ParentStatus{{
@@ -75,7 +75,6 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 				},
 			}}
 			Expect(k8s.Status().Update(ctx, ip)).To(Succeed())
-			update(d, func(d *kvv1.DecodePool) { d.Annotations = map[string]string{"touch": reason} })
 		}
 		report(metav1.ConditionFalse, "NotSupportedByParent")
 		Eventually(func() metav1.Condition { return condition(d, kvv1.ConditionInferencePoolReady) }).Should(And(

@@ -10,8 +10,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -19,8 +17,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/source"
-
-	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/compat"
@@ -42,6 +38,8 @@ type PoolReconciler struct {
 	ConnectorImage string
 	// routers holds the routers' health reports (DecodePools).
 	routers *routerHealth
+	// inferencePools starts the watch on the DecodePools' InferencePools (DecodePools).
+	inferencePools *inferencePoolWatch
 }
 
 // +kubebuilder:rbac:groups=kvhandoff.io,resources=prefillpools;decodepools,verbs=get;list;watch
@@ -271,17 +269,15 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 			// A hand edit of the router's Deployment or Service is undone.
 			Owns(&appsv1.Deployment{}).
 			Owns(&corev1.Service{})
-		// A gateway's report on an InferencePool reaches the pool's InferencePoolReady at
-		// once where the CRD was installed before the manager started; elsewhere at the
-		// pool's next reconcile (a watch on a kind the API server does not serve would
-		// stop the manager).
-		if _, err := mgr.GetRESTMapper().RESTMapping(schema.GroupKind{Group: infv1.GroupVersion.Group, Kind: "InferencePool"}, infv1.GroupVersion.Version); err == nil {
-			b = b.Owns(&infv1.InferencePool{})
-		} else if !meta.IsNoMatchError(err) {
-			return err
-		}
 	}
-	return b.Complete(r)
+	c, err := b.Build(r)
+	if err != nil || r.Role != kvv1.RoleDecode {
+		return err
+	}
+	// The watch on InferencePools starts at the first one applied (applyGateway): its
+	// first list brings every pool a gateway reported on before.
+	r.inferencePools = &inferencePoolWatch{ctrl: c, mgr: mgr}
+	return nil
 }
 
 // Secure metrics check each caller with the API server.
