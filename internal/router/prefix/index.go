@@ -1,6 +1,7 @@
 package prefix
 
 import (
+	"sort"
 	"sync"
 )
 
@@ -38,6 +39,12 @@ func (ix *Index) engine(id string) *set {
 
 // Match is how many of keys' leading blocks engine holds. It changes nothing: a
 // candidate not chosen does not use its blocks (Add renews those of the one chosen).
+//
+// A set holds a block only with every block before it in its chain (Add renews a chain
+// leaf first, so a block is always more recently used than those after it, and the
+// least recently used go first), so a binary search finds where a prompt's held blocks
+// end: ten lookups for a 16k-token prompt rather than a thousand, on every candidate of
+// every request.
 func (ix *Index) Match(engine string, keys []Key) int {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
@@ -45,36 +52,18 @@ func (ix *Index) Match(engine string, keys []Key) int {
 	if s == nil {
 		return 0
 	}
-	n := 0
-	for _, k := range keys {
-		if !s.has(k) {
-			break
-		}
-		n++
-	}
-	return n
+	return sort.Search(len(keys), func(i int) bool { return !s.has(keys[i]) })
 }
 
-// Add records that engine holds keys (it computed, received or reused those blocks),
-// renewing those it held: leaf first, so that eviction takes a prompt's last blocks
-// before its first, as vLLM's does.
+// Add records that engine holds keys, a chain from its root (it computed, received or
+// reused those blocks), renewing those it held: leaf first, so that eviction takes a
+// prompt's last blocks before its first, as vLLM's does.
 func (ix *Index) Add(engine string, keys []Key) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	s := ix.engine(engine)
 	for i := len(keys) - 1; i >= 0; i-- {
 		s.touch(keys[i])
-	}
-}
-
-// Remove records that engine no longer holds keys.
-func (ix *Index) Remove(engine string, keys []Key) {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	if s := ix.engines[engine]; s != nil {
-		for _, k := range keys {
-			s.remove(k)
-		}
 	}
 }
 

@@ -15,7 +15,7 @@ package prefix
 import (
 	"bytes"
 	"encoding/binary"
-	"hash/fnv"
+	"hash/maphash"
 
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
@@ -55,103 +55,97 @@ func Cut(b protocol.Body, blockTokens int) Prompt {
 	if blockTokens <= 0 {
 		return Prompt{}
 	}
-	root := fnv.New64a()
+	var root maphash.Hash
+	root.SetSeed(seed)
 	root.Write(b["model"])
-	root.Write([]byte{0})
+	root.WriteByte(0)
 	root.Write(b["cache_salt"])
-	seed := Key(root.Sum64())
+	parent := Key(root.Sum64())
 	if raw := bytes.TrimSpace(b["prompt"]); len(raw) > 0 {
 		if ids, ok := tokenIDs(raw); ok {
-			return Prompt{Keys: chain(seed, len(ids)/blockTokens, func(i int) []byte { return idBytes(ids[i*blockTokens : (i+1)*blockTokens]) }),
-				Tokens: len(ids), Exact: true}
+			return Prompt{Keys: chain(parent, ids, blockTokens*4), Tokens: len(ids) / 4, Exact: true}
 		}
 		if raw[0] == '"' {
-			return text(seed, raw, blockTokens)
+			return text(parent, raw, blockTokens)
 		}
 		return Prompt{Tokens: protocol.PromptTokens(b)}
 	}
 	if raw := bytes.TrimSpace(b["messages"]); len(raw) > 0 && raw[0] == '[' {
 		// The messages array as sent, without its closing bracket: a conversation's next
 		// turn appends to it.
-		return text(seed, raw[:len(raw)-1], blockTokens)
+		return text(parent, raw[:len(raw)-1], blockTokens)
 	}
 	return Prompt{}
 }
 
-func text(seed Key, raw []byte, blockTokens int) Prompt {
-	chunk := blockTokens * bytesPerToken
-	return Prompt{Keys: chain(seed, len(raw)/chunk, func(i int) []byte { return raw[i*chunk : (i+1)*chunk] }),
-		Tokens: (len(raw) + bytesPerToken - 1) / bytesPerToken}
+func text(parent Key, raw []byte, blockTokens int) Prompt {
+	return Prompt{Keys: chain(parent, raw, blockTokens*bytesPerToken), Tokens: (len(raw) + bytesPerToken - 1) / bytesPerToken}
 }
 
-// chain keys n blocks: each key hashes its parent's key and the block's bytes.
-func chain(parent Key, n int, block func(i int) []byte) []Key {
-	keys := make([]Key, n)
+// seed keys this process's blocks: keys live in one router's memory only.
+var seed = maphash.MakeSeed()
+
+// chain keys the whole blocks of size bytes in raw: each key hashes its parent's key and
+// the block's bytes.
+func chain(parent Key, raw []byte, size int) []Key {
+	keys := make([]Key, len(raw)/size)
+	var h maphash.Hash
+	h.SetSeed(seed)
 	var buf [8]byte
 	for i := range keys {
-		h := fnv.New64a()
+		h.Reset()
 		binary.LittleEndian.PutUint64(buf[:], uint64(parent))
 		h.Write(buf[:])
-		h.Write(block(i))
+		h.Write(raw[i*size : (i+1)*size])
 		parent = Key(h.Sum64())
 		keys[i] = parent
 	}
 	return keys
 }
 
-// TokenKeys chains blocks of token ids from parent (vLLM's KV events name a block's
-// tokens and its parent): the keys Cut gives a token-id prompt with the same blocks.
-func TokenKeys(parent Key, ids []uint32, blockTokens int) []Key {
-	return chain(parent, len(ids)/blockTokens, func(i int) []byte { return idBytes(ids[i*blockTokens : (i+1)*blockTokens]) })
-}
-
-func idBytes(ids []uint32) []byte {
-	b := make([]byte, 4*len(ids))
-	for i, id := range ids {
-		binary.LittleEndian.PutUint32(b[4*i:], id)
-	}
-	return b
-}
-
-// tokenIDs reads a flat JSON array of token ids; ok is false for anything else. A scan,
-// not encoding/json: a 16k-token prompt is 100 KB of ids, read on every request.
-func tokenIDs(raw []byte) ([]uint32, bool) {
+// tokenIDs reads a flat JSON array of token ids into 4 little-endian bytes each; ok is
+// false for anything else. One pass, not encoding/json: a 16k-token prompt is 100 KB of
+// ids, read on every request.
+func tokenIDs(raw []byte) ([]byte, bool) {
 	if len(raw) < 2 || raw[0] != '[' || raw[len(raw)-1] != ']' {
 		return nil, false
 	}
-	ids := make([]uint32, 0, bytes.Count(raw, []byte{','})+1)
-	inner := raw[1 : len(raw)-1]
-	for i := 0; i < len(inner); {
-		for i < len(inner) && isSpace(inner[i]) {
-			i++
-		}
-		if i == len(inner) && len(ids) == 0 {
-			break // []
-		}
-		var v uint64
-		start := i
-		for i < len(inner) && inner[i] >= '0' && inner[i] <= '9' && v <= 1<<32 {
-			v = v*10 + uint64(inner[i]-'0')
-			i++
-		}
-		if i == start || v >= 1<<32 {
-			return nil, false
-		}
-		ids = append(ids, uint32(v))
-		for i < len(inner) && isSpace(inner[i]) {
-			i++
-		}
-		if i < len(inner) {
-			if inner[i] != ',' {
+	ids := make([]byte, 0, 4*(bytes.Count(raw, []byte{','})+1))
+	const (
+		before = iota // a value comes next (or, first, the end)
+		in            // in a value's digits
+		after         // a value ended: a comma or the end comes next
+	)
+	state, v, digits := before, uint64(0), 0
+	for _, c := range raw[1 : len(raw)-1] {
+		switch {
+		case c-'0' <= 9:
+			if state == after || digits == 10 {
 				return nil, false
 			}
-			i++
-			if i == len(inner) {
-				return nil, false // a trailing comma
+			state, v, digits = in, v*10+uint64(c-'0'), digits+1
+		case c == ',':
+			if state == before || v >= 1<<32 {
+				return nil, false
 			}
+			ids = binary.LittleEndian.AppendUint32(ids, uint32(v))
+			state, v, digits = before, 0, 0
+		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			if state == in {
+				state = after
+			}
+		default:
+			return nil, false
 		}
+	}
+	switch {
+	case state != before:
+		if v >= 1<<32 {
+			return nil, false
+		}
+		ids = binary.LittleEndian.AppendUint32(ids, uint32(v))
+	case len(ids) > 0:
+		return nil, false // a trailing comma
 	}
 	return ids, true
 }
-
-func isSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }

@@ -204,12 +204,19 @@ func PromptTokens(b Body) int {
 	}
 	n := 0
 	eachElement(b["messages"], func(msg []byte) {
-		var m struct {
-			Content json.RawMessage `json:"content"`
+		if msg[0] != '{' {
+			return
 		}
-		if json.Unmarshal(msg, &m) == nil {
-			n += valueTokens(m.Content) + 4 // role and separators
-		}
+		// The content member as encoding/json would read it (the last of that name, the
+		// name matched without case), in one pass over a message that may be the whole
+		// prompt.
+		var content []byte
+		members(msg, func(key, value []byte) {
+			if bytes.EqualFold(key, []byte(`"content"`)) {
+				content = value
+			}
+		})
+		n += valueTokens(content) + 4 // role and separators
 	})
 	return n
 }

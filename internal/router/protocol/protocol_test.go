@@ -151,6 +151,9 @@ func TestPromptTokens(t *testing.T) {
 		{`{"prompt":["abcdabcd","abcd"]}`, 3},
 		{`{"messages":[{"role":"user","content":"abcdabcd"}]}`, 6},
 		{`{"messages":[{"role":"user","content":[{"type":"text","text":"abcdabcd"}]}]}`, 6},
+		// As encoding/json reads a message: the name without case, the last one, a
+		// message with no content its separators, an element not an object nothing.
+		{`{"messages":[{"role":"user","Content":"abcdabcd"},{"content":"ab","content":"abcdabcdabcd"},{"role":"assistant"},"abcd"]}`, 6 + 7 + 4},
 		{`{"model":"x"}`, 0},
 		{`{"prompt":[[1,2],[3]]}`, 3},
 		{`{"prompt":[[[[[1,2,3]]]]]}`, 0}, // below any prompt form: not counted
