@@ -17,9 +17,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import tinymodel  # noqa: E402
-from stack import GPU, MAX_TOKENS, PROMPTS, TIMINGS, Engine, Stack, block_size, complete, go_binaries, kv_moved, prompt_tokens, wait_idle  # noqa: E402
+from stack import (GPU, MAX_TOKENS, PROMPTS, TIMINGS, Engine, Stack, block_size, complete, engine_metric, go_binaries, kv_moved,  # noqa: E402
+                   prompt_tokens, wait_idle)
 
 ON_GPU = GPU(share=0.2, kv_bytes=1 << 30, max_model_len=4096)
+
+# A conversation's two turns: the second prompt extends the first, so the decode engine
+# that served the first holds the head of the second.
+TURNS = [" ".join(f"turn one {i} says" for i in range(200)), " ".join(f"turn one {i} says" for i in range(200)) + " and then turn two asks more"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,7 @@ def reference(model, tmp_path_factory):
     e = Engine("alone", model, str(tmp_path_factory.mktemp("alone")), 0, gpu=ON_GPU)
     try:
         TIMINGS["GPU engine start (alone)"] = e.ready(600)
-        return {p: complete(e.port, p, MAX_TOKENS) for p in PROMPTS}
+        return {p: complete(e.port, p, MAX_TOKENS) for p in PROMPTS + TURNS}
     finally:
         e.stop()
 
@@ -61,3 +66,23 @@ def test_p_d_on_one_gpu_generates_what_one_engine_does_and_moves_every_prompt_bl
     # that has nothing left to compute; then the counters are final.
     wait_idle(s.p, 30)
     assert kv_moved(s.agents, kind) - before == (2 if kind == "pull" else 1) * want, s.logs()
+
+
+def test_a_turn_whose_head_decode_holds_moves_only_its_tail(stack, reference):
+    """The second turn's prompt extends the first's: the decode engine holds the first's
+    whole blocks in its prefix cache, registers (push) or reads (pull) only the blocks after
+    them, and answers as one engine alone does. The bytes the agent moves are the tail's,
+    counted from the decode engine's own prefix-cache hits."""
+    mode, s = stack
+    kind = mode.removesuffix("-layered")
+    first, second = TURNS
+    assert complete(s.r.port, first, MAX_TOKENS) == reference[first], s.logs()
+    wait_idle(s.p, 30)
+    moved, hits = kv_moved(s.agents, kind), engine_metric(s.d, "vllm:prefix_cache_hits_total")
+    assert complete(s.r.port, second, MAX_TOKENS) == reference[second], f"{mode}\n{s.logs()}"
+    wait_idle(s.p, 30)
+    block, n = block_size(s.d), prompt_tokens(s.p, second)
+    cached = engine_metric(s.d, "vllm:prefix_cache_hits_total") - hits
+    assert cached == prompt_tokens(s.p, first) // block * block, f"decode held {cached} of {n} tokens\n{s.logs()}"
+    tail = (math.ceil(n / block) - cached // block) * block * tinymodel.kv_bytes_per_token("tiny")
+    assert kv_moved(s.agents, kind) - moved == (2 if kind == "pull" else 1) * tail, s.logs()

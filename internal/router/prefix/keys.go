@@ -15,7 +15,8 @@ package prefix
 import (
 	"bytes"
 	"encoding/binary"
-	"hash/maphash"
+
+	"github.com/cespare/xxhash/v2"
 
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
@@ -55,10 +56,9 @@ func Cut(b protocol.Body, blockTokens int) Prompt {
 	if blockTokens <= 0 {
 		return Prompt{}
 	}
-	var root maphash.Hash
-	root.SetSeed(seed)
+	root := xxhash.New()
 	root.Write(b["model"])
-	root.WriteByte(0)
+	root.Write([]byte{0})
 	root.Write(b["cache_salt"])
 	parent := Key(root.Sum64())
 	if raw := bytes.TrimSpace(b["prompt"]); len(raw) > 0 {
@@ -82,15 +82,12 @@ func text(parent Key, raw []byte, blockTokens int) Prompt {
 	return Prompt{Keys: chain(parent, raw, blockTokens*bytesPerToken), Tokens: (len(raw) + bytesPerToken - 1) / bytesPerToken}
 }
 
-// seed keys this process's blocks: keys live in one router's memory only.
-var seed = maphash.MakeSeed()
-
 // chain keys the whole blocks of size bytes in raw: each key hashes its parent's key and
-// the block's bytes.
+// the block's bytes (xxHash64: a 16k-token prompt is 1,024 blocks hashed on every
+// request, and a key means the same in every process).
 func chain(parent Key, raw []byte, size int) []Key {
 	keys := make([]Key, len(raw)/size)
-	var h maphash.Hash
-	h.SetSeed(seed)
+	h := xxhash.New()
 	var buf [8]byte
 	for i := range keys {
 		h.Reset()
