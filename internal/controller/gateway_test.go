@@ -51,11 +51,16 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 
 	It("renders the InferencePool once the CRD is installed, and surfaces a gateway's report on it", func() {
 		Expect(env.InstallGatewayCRDs()).To(Succeed())
-		// The manager started without the CRD: a change of the pool reconciles it, and
-		// applying the InferencePool starts the watch on it.
-		update(d, func(d *kvv1.DecodePool) { d.Spec.Gateway.FailureMode = kvv1.GatewayFailOpen })
+		// The manager started without the CRD: the pool looks for it again on its own
+		// (every second here, a minute by default), and applying the InferencePool starts
+		// the watch on it.
 		ip := &infv1.InferencePool{}
 		Eventually(func() error { return k8s.Get(ctx, key(ns, "d"), ip) }).Should(Succeed())
+		update(d, func(d *kvv1.DecodePool) { d.Spec.Gateway.FailureMode = kvv1.GatewayFailOpen })
+		Eventually(func() infv1.EndpointPickerFailureMode {
+			Expect(k8s.Get(ctx, key(ns, "d"), ip)).To(Succeed())
+			return ip.Spec.EndpointPickerRef.FailureMode
+		}).Should(Equal(infv1.EndpointPickerFailOpen))
 		Expect(metav1.IsControlledBy(ip, d)).To(BeTrue())
 		Expect(ip.Spec.TargetPorts).To(ConsistOf(infv1.Port{Number: 8100}))
 		Expect(ip.Spec.Selector.MatchLabels).To(Equal(map[infv1.LabelKey]infv1.LabelValue{kvv1.LabelPool: "d", kvv1.LabelRole: "decode"}))

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -40,6 +41,9 @@ type PoolReconciler struct {
 	routers *routerHealth
 	// inferencePools starts the watch on the DecodePools' InferencePools (DecodePools).
 	inferencePools *inferencePoolWatch
+	// crdRecheck is how soon a DecodePool with a gateway looks again for the InferencePool
+	// CRD while the cluster has none: installing the CRD raises no event of the pool's.
+	crdRecheck time.Duration
 }
 
 // +kubebuilder:rbac:groups=kvhandoff.io,resources=prefillpools;decodepools,verbs=get;list;watch
@@ -94,6 +98,9 @@ func (r *PoolReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.
 		// The status was computed from a stale copy. The change that made it stale is a
 		// watch event of its own, which reconciles the pool again from the fresh one.
 		return ctrl.Result{}, nil
+	}
+	if err == nil && v.gateway != nil && v.gateway.crdMissing && r.crdRecheck > 0 {
+		return ctrl.Result{RequeueAfter: r.crdRecheck}, nil
 	}
 	return ctrl.Result{}, err
 }

@@ -60,6 +60,9 @@ type Options struct {
 	// AutoscaleInterval is how often the autoscaler reads the load reports of the
 	// routers of autoscaled DecodePools and decides their sizes.
 	AutoscaleInterval time.Duration
+	// InferencePoolCRDRecheck is how often a DecodePool with a gateway looks again for the
+	// InferencePool CRD while the cluster has none.
+	InferencePoolCRDRecheck time.Duration
 }
 
 // Setup registers the PrefillPool and DecodePool reconcilers with mgr, the poller of
@@ -77,7 +80,8 @@ func Setup(mgr ctrl.Manager, o Options) error {
 	}
 	for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
 		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role,
-			RouterImage: o.Images.Router, ConnectorImage: o.Images.Connector, routers: routers}
+			RouterImage: o.Images.Router, ConnectorImage: o.Images.Connector, routers: routers,
+			crdRecheck: cmp.Or(o.InferencePoolCRDRecheck, time.Minute)}
 		if err := r.SetupWithManager(mgr); err != nil {
 			return err
 		}

@@ -60,7 +60,8 @@ var _ = BeforeSuite(func() {
 		Cache:                  CacheOptions(),
 	})
 	Expect(err).NotTo(HaveOccurred())
-	Expect(Setup(mgr, Options{RouterHealthInterval: 200 * time.Millisecond, AutoscaleInterval: 250 * time.Millisecond})).To(Succeed())
+	Expect(Setup(mgr, Options{RouterHealthInterval: 200 * time.Millisecond, AutoscaleInterval: 250 * time.Millisecond,
+		InferencePoolCRDRecheck: time.Second})).To(Succeed())
 	go func() {
 		defer GinkgoRecover()
 		Expect(mgr.Start(ctx)).To(Succeed())
