@@ -28,6 +28,9 @@ type Key uint64
 // (protocol.PromptTokens counts text that way).
 const bytesPerToken = 4
 
+// idBytes is a token id's size in a block's hashed bytes: 4, little-endian.
+const idBytes = 4
+
 // Prompt is a request's prompt cut into blocks: Keys of its whole blocks, each
 // BlockTokens tokens (exactly, for token ids; estimated, for text).
 type Prompt struct {
@@ -63,7 +66,7 @@ func Cut(b protocol.Body, blockTokens int) Prompt {
 	parent := Key(root.Sum64())
 	if raw := bytes.TrimSpace(b["prompt"]); len(raw) > 0 {
 		if ids, ok := tokenIDs(raw); ok {
-			return Prompt{Keys: chain(parent, ids, blockTokens*4), Tokens: len(ids) / 4, Exact: true}
+			return Prompt{Keys: chain(parent, ids, blockTokens*idBytes), Tokens: len(ids) / idBytes, Exact: true}
 		}
 		if raw[0] == '"' {
 			return text(parent, raw, blockTokens)
@@ -100,14 +103,14 @@ func chain(parent Key, raw []byte, size int) []Key {
 	return keys
 }
 
-// tokenIDs reads a flat JSON array of token ids into 4 little-endian bytes each; ok is
+// tokenIDs reads a flat JSON array of token ids into idBytes little-endian bytes each; ok is
 // false for anything else. One pass, not encoding/json: a 16k-token prompt is 100 KB of
 // ids, read on every request.
 func tokenIDs(raw []byte) ([]byte, bool) {
 	if len(raw) < 2 || raw[0] != '[' || raw[len(raw)-1] != ']' {
 		return nil, false
 	}
-	ids := make([]byte, 0, 4*(bytes.Count(raw, []byte{','})+1))
+	ids := make([]byte, 0, idBytes*(bytes.Count(raw, []byte{','})+1))
 	const (
 		before = iota // a value comes next (or, first, the end)
 		in            // in a value's digits
