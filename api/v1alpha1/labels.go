@@ -44,6 +44,10 @@ const (
 	// picks for (gateway.inferencePool).
 	LabelEndpointPicker = "kvhandoff.io/endpoint-picker"
 
+	// LabelKVEventsPort on an engine pod is the port its kv-events sidecar serves the keys
+	// of the blocks its engine holds on (routing prefixSource KVEvents); routers follow it.
+	LabelKVEventsPort = "kvhandoff.io/kv-events-port"
+
 	// AnnotationPolicyHash on an engine pod template is the hash of the policy spec the pod
 	// was rendered from, so that any policy change rolls both pools.
 	AnnotationPolicyHash = "kvhandoff.io/policy-hash"

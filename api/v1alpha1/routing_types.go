@@ -16,6 +16,19 @@ const (
 	DecodeChoicePrefixAware DecodeChoice = "PrefixAware"
 )
 
+// PrefixSource says where the routers learn which prompt blocks each engine holds.
+// +kubebuilder:validation:Enum=KVEvents;RoutingHistory
+type PrefixSource string
+
+const (
+	// PrefixSourceKVEvents: from vLLM's own KV cache events (blocks stored and evicted),
+	// which a kv-events sidecar in each engine pod relays, for prompts of token ids; text
+	// and chat prompts, and engines whose stream is down, fall back to RoutingHistory.
+	PrefixSourceKVEvents PrefixSource = "KVEvents"
+	// PrefixSourceRoutingHistory: from the prompts the routers sent each engine alone.
+	PrefixSourceRoutingHistory PrefixSource = "RoutingHistory"
+)
+
 // RoutingSpec is how a request's engines are chosen, and when it skips prefill.
 type RoutingSpec struct {
 	// decodeChoice is LoadOnly, the default, or PrefixAware: by the share of the prompt
@@ -25,6 +38,17 @@ type RoutingSpec struct {
 	// +kubebuilder:default=LoadOnly
 	// +optional
 	DecodeChoice DecodeChoice `json:"decodeChoice,omitempty"`
+
+	// prefixSource is where the routers learn what each engine holds, under PrefixAware.
+	// KVEvents, the default, runs a kv-events sidecar in every engine pod that relays
+	// vLLM's own KV cache events (blocks stored and evicted, whoever sent the request) as
+	// keys of the blocks, never their tokens: exact for prompts of token ids (the routers
+	// do not tokenize, so text and chat prompts match by routing history). An engine whose
+	// stream is down falls back to RoutingHistory: what the routers sent it. Turning
+	// PrefixAware with KVEvents on or off rolls the engines (the sidecar comes or goes).
+	// +kubebuilder:default=KVEvents
+	// +optional
+	PrefixSource PrefixSource `json:"prefixSource,omitempty"`
 
 	// overlapWeight is what a decode engine holding a whole prompt is worth, in units of
 	// loadWeight per request in flight on it: with 4 and 1, an engine holding the prompt
@@ -56,4 +80,10 @@ type RoutingSpec struct {
 	// +kubebuilder:default=0
 	// +optional
 	MinPrefillTokens int32 `json:"minPrefillTokens,omitempty"`
+}
+
+// KVEvents reports whether engines under this routing publish their KV cache events to
+// the routers (PrefixAware with prefixSource KVEvents, its default).
+func (r *RoutingSpec) KVEvents() bool {
+	return r != nil && r.DecodeChoice == DecodeChoicePrefixAware && r.PrefixSource != PrefixSourceRoutingHistory
 }

@@ -37,6 +37,18 @@ func (r *PoolReconciler) routerImage(d *kvv1.DecodePool) string {
 	return render.DefaultRouterImage
 }
 
+// kvEventsImage is the image of a pool's kv-events sidecar: its DecodePool's router
+// image, and for a PrefillPool the manager's version's.
+func (r *PoolReconciler) kvEventsImage(p pool) string {
+	if d, ok := p.object().(*kvv1.DecodePool); ok {
+		return r.routerImage(d)
+	}
+	if r.RouterImage != "" {
+		return r.RouterImage
+	}
+	return render.DefaultRouterImage
+}
+
 // gatewayState is what the status says of a DecodePool's InferencePool.
 type gatewayState struct {
 	crdMissing bool

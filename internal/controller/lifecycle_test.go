@@ -216,7 +216,8 @@ var _ = Describe("Lifecycle", func() {
 		ns, pol, _, d := readyPair()
 		sts := func(name string) *appsv1.StatefulSet { return statefulSet(ns, name) }
 		before := map[string]string{"p": sts("p").ResourceVersion, "d": sts("d").ResourceVersion}
-		routing := kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, OverlapWeight: 8, LoadWeight: 2, MinPrefillTokens: 256}
+		routing := kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, OverlapWeight: 8, LoadWeight: 2, MinPrefillTokens: 256,
+			PrefixSource: kvv1.PrefixSourceRoutingHistory}
 		update(pol, func(p *kvv1.KVTransferPolicy) {
 			p.Spec.HandoffFailurePolicy = kvv1.HandoffFailureServeOnDecode
 			p.Spec.Routing = &routing
@@ -228,6 +229,34 @@ var _ = Describe("Lifecycle", func() {
 		}).Should(Succeed())
 		for name, rv := range before {
 			Expect(sts(name).ResourceVersion).To(Equal(rv), "the %s StatefulSet was rewritten for a router-only setting", name)
+		}
+	})
+
+	It("runs the kv-events sidecar in both pools' engines while routing follows KV events, and takes it out when routing stops", func() {
+		ns, pol, _, _ := readyPair()
+		sidecar := func(name string) func(g Gomega) []string {
+			return func(g Gomega) []string {
+				var names []string
+				for _, c := range statefulSet(ns, name).Spec.Template.Spec.InitContainers {
+					names = append(names, c.Name)
+				}
+				return names
+			}
+		}
+		// PrefixAware alone: prefixSource defaults to KVEvents.
+		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.Routing = &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware} })
+		for _, name := range []string{"p", "d"} {
+			Eventually(sidecar(name)).Should(ContainElement("kv-events"), "pool %s", name)
+			tpl := statefulSet(ns, name).Spec.Template
+			Expect(tpl.Labels).To(HaveKeyWithValue(kvv1.LabelKVEventsPort, "8102"))
+			Expect(strings.Join(tpl.Spec.Containers[0].Args, " ")).To(ContainSubstring(`--kv-events-config {"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:5557"`))
+		}
+		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.Routing.PrefixSource = kvv1.PrefixSourceRoutingHistory })
+		for _, name := range []string{"p", "d"} {
+			Eventually(sidecar(name)).ShouldNot(ContainElement("kv-events"), "pool %s", name)
+			tpl := statefulSet(ns, name).Spec.Template
+			Expect(tpl.Labels).NotTo(HaveKey(kvv1.LabelKVEventsPort))
+			Expect(strings.Join(tpl.Spec.Containers[0].Args, " ")).NotTo(ContainSubstring("--kv-events-config"))
 		}
 	})
 

@@ -228,6 +228,9 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 		}
 		in.LegRunnerImage = r.routerImage(p.object().(*kvv1.DecodePool))
 	}
+	if v.policy.Spec.Routing.KVEvents() {
+		in.KVEventsImage = r.kvEventsImage(p)
+	}
 	w, err := render.Engines(in)
 	if err != nil {
 		return err

@@ -142,6 +142,10 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 		initContainers = append(initContainers, legRunner(in))
 		volumes = append(volumes, legRunnerToken())
 	}
+	if in.KVEventsImage != "" {
+		initContainers = append(initContainers, kvEventsSidecar(in))
+		labels[kvv1.LabelKVEventsPort] = strconv.Itoa(KVEventsPort)
+	}
 
 	pod := &corev1.PodTemplateSpec{
 		ObjectMeta: metav1.ObjectMeta{
@@ -182,6 +186,9 @@ func args(in Input) []string {
 		"--block-size", strconv.Itoa(int(in.Spec.BlockSize)),
 		"--port", strconv.Itoa(HTTPPort),
 		"--kv-transfer-config", KVTransferConfig(in.Role, in.Spec, in.Policy),
+	}
+	if in.KVEventsImage != "" {
+		a = append(a, "--kv-events-config", kvEventsConfig())
 	}
 	return append(a, in.Spec.EngineArgs...)
 }

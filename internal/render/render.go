@@ -52,6 +52,10 @@ type Input struct {
 	// LegRunnerImage, on a decode pool behind a gateway (gateway.inferencePool), is the
 	// router image its pods run the leg-runner sidecar from; "" renders none.
 	LegRunnerImage string
+	// KVEventsImage, for pools whose policy's routing follows KV events
+	// (RoutingSpec.KVEvents), is the router image its pods run the kv-events sidecar
+	// from; "" renders none.
+	KVEventsImage string
 }
 
 // Workload is what a pool renders to.

@@ -26,14 +26,22 @@ var update = flag.Bool("update", false, "rewrite the golden files in testdata/ f
 func pair(t *testing.T, prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode *builder.PoolBuilder[*kvv1.DecodePool],
 	policy *builder.PolicyBuilder) (*Workload, *Workload) {
 	t.Helper()
+	return pairWith(t, prefill, decode, policy, "")
+}
+
+// pairWith is pair with both pools' kv-events sidecar run from kvEventsImage ("": none).
+func pairWith(t *testing.T, prefill *builder.PoolBuilder[*kvv1.PrefillPool], decode *builder.PoolBuilder[*kvv1.DecodePool],
+	policy *builder.PolicyBuilder, kvEventsImage string) (*Workload, *Workload) {
+	t.Helper()
 	pol := policy.Obj()
 	p, d := prefill.Obj(), decode.Obj()
-	pw, err := Engines(Input{Role: kvv1.RolePrefill, Name: p.Name, Namespace: p.Namespace, Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+	pw, err := Engines(Input{Role: kvv1.RolePrefill, Name: p.Name, Namespace: p.Namespace, Spec: &p.Spec.EngineSpec, Policy: &pol.Spec,
+		KVEventsImage: kvEventsImage})
 	if err != nil {
 		t.Fatal(err)
 	}
 	dw, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec,
-		PrefillPool: d.Spec.PrefillPoolRef.Name})
+		PrefillPool: d.Spec.PrefillPoolRef.Name, KVEventsImage: kvEventsImage})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,6 +54,9 @@ func TestGolden(t *testing.T) {
 		prefill *builder.PoolBuilder[*kvv1.PrefillPool]
 		decode  *builder.PoolBuilder[*kvv1.DecodePool]
 		policy  *builder.PolicyBuilder
+		// kvEvents renders the kv-events sidecar (the controller does under routing
+		// PrefixAware with prefixSource KVEvents).
+		kvEvents bool
 	}{
 		{
 			name:    "p5en-push-tp8-1p1d",
@@ -80,10 +91,21 @@ func TestGolden(t *testing.T) {
 			decode:  builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").TP(4).Policy("nvlink"),
 			policy:  builder.Policy("nvlink").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodePrefer),
 		},
+		{
+			name:     "kv-events",
+			prefill:  builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").Policy("prefix"),
+			decode:   builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").Policy("prefix").EngineArgs("--served-model-name", "chat", "qwen"),
+			policy:   builder.Policy("prefix").Executor(kvv1.ExecutorAgent),
+			kvEvents: true,
+		},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			pw, dw := pair(t, c.prefill, c.decode, c.policy)
+			image := ""
+			if c.kvEvents {
+				image = DefaultRouterImage
+			}
+			pw, dw := pairWith(t, c.prefill, c.decode, c.policy, image)
 			var out bytes.Buffer
 			for _, obj := range []any{pw.StatefulSet, pw.Service, dw.StatefulSet, dw.Service} {
 				data, err := yaml.Marshal(obj)

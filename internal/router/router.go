@@ -28,6 +28,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/kvevents"
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
@@ -86,6 +87,7 @@ type Server struct {
 	set    atomic.Pointer[discovery.Set]
 	bal    *balance.Balancer
 	choose *choice.Chooser
+	events *kvevents.Follower
 	client *http.Client
 	m      *metrics
 	mux    *http.ServeMux // clients'
@@ -129,9 +131,11 @@ func New(cfg Config) *Server {
 		load:  load.NewRecorder(),
 	}
 	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	s.choose = choice.New(s.bal, ix, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_router_decode_choices_total",
+	s.events = kvevents.NewFollower(cfg.PrefixIndexBlocks, ix, cfg.Registry, kvevents.Names{Live: "kvhandoff_router_kv_events_live_engines", Blocks: "kvhandoff_router_kv_events_blocks",
+		Resets: "kvhandoff_router_kv_events_resets_total"}, cfg.Log)
+	s.choose = choice.New(s.bal, ix, s.events, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_router_decode_choices_total",
 		DecodeOnly: "kvhandoff_router_decode_only_total", Tokens: "kvhandoff_router_prefix_tokens_total",
-		IndexBlocks: "kvhandoff_router_prefix_index_blocks"}, ix), s.m.inflight)
+		IndexBlocks: "kvhandoff_router_prefix_index_blocks", Lookups: "kvhandoff_router_prefix_lookups_total"}, ix), s.m.inflight)
 	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.completions("/v1/chat/completions"))
 	s.mux.HandleFunc("GET /v1/models", s.models)
@@ -198,6 +202,7 @@ func (s *Server) Run(ctx context.Context, src discovery.Source) error {
 	if s.cfg.Gatherer != nil && s.cfg.HealthInterval > 0 {
 		go s.watchHealth(ctx)
 	}
+	defer s.events.Stop()
 	return discovery.Follow(ctx, src, s.Update)
 }
 

@@ -253,9 +253,46 @@ class Router(Proc):
             if routing:
                 s.update(routing=routing, blockSize=block_size)
             json.dump(s, f)
-        super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}",
+        self.admin = free_port()
+        super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}", "--admin-listen", f"127.0.0.1:{self.admin}",
                                     "--endpoints", endpoints, "--scrape-interval", "0"], log_dir)
         self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
+
+    def metric(self, name: str) -> float:
+        return metric_at(f"http://127.0.0.1:{self.admin}/metrics", name)
+
+
+def metric_at(url: str, name: str) -> float:
+    """The value of the series name (with its labels, as exposed) at url; 0 when absent."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            k, _, v = line.rpartition(" ")
+            if k == name:
+                return float(v)
+    return 0.0
+
+
+def kv_events_args(port: int) -> list[str]:
+    """vLLM's flag that publishes its KV cache events to a kv-events sidecar listening on
+    loopback port, as the manager renders it."""
+    return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                              "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"})]
+
+
+class EventsSidecar(Proc):
+    """An engine's kv-events sidecar (the router binary, --mode=kv-events), listening on
+    zmq_port for the publisher that engine's kv_events_args names."""
+
+    def __init__(self, bins: str, e: Engine, zmq_port: int, log_dir: str):
+        self.port = free_port()
+        super().__init__(e.name + "-kv-events", [os.path.join(bins, "router"), "--mode=kv-events", "--served-model=m",
+                                                 f"--kv-events-endpoint=tcp://127.0.0.1:{zmq_port}", f"--local=127.0.0.1:{e.port}",
+                                                 "--listen", f"127.0.0.1:{self.port}"], log_dir)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.wait_until("/healthz", lambda: http_ok(self.url + "/healthz"), 30)
+
+    def metric(self, name: str) -> float:
+        return metric_at(self.url + "/metrics", name)
 
 
 def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120, min_tokens: int = 0) -> list[int]:
@@ -272,26 +309,33 @@ class Stack(Procs):
     node), which moves their KV with CUDA copies. agents lists the distinct agents."""
 
     def __init__(self, bins, model, d, mode, decode_extra=None, doorbell=True, gpu: GPU | None = None, decodes: int = 1,
-                 routing: dict | None = None, engine_args: list[str] | None = None):
+                 routing: dict | None = None, engine_args: list[str] | None = None, kv_events: bool = False):
         self.procs = []
         try:
             self.a = self._add(Agent(bins, "agent-prefill-node", os.path.join(d, "a")))
             self.b = self.a if gpu else self._add(Agent(bins, "agent-decode-node", os.path.join(d, "b")))
             self.agents = [self.a] if gpu else [self.a, self.b]
             same = gpu is not None
+            # kv_events: each engine publishes its KV cache events to a sidecar of its own.
+            zmq = {e: free_port() for e in ["prefill", *range(decodes)]} if kv_events else {}
+            events = lambda e: kv_events_args(zmq[e]) if kv_events else []
             self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket, doorbell, same),
-                                      engine_args, gpu=gpu))
+                                      (engine_args or []) + events("prefill"), gpu=gpu))
             # More decode engines share the decode node's agent and its core.
             self.ds = [self._add(Engine(f"decode-{i}" if i else "decode", model, d, 1,
                                         kv_config(mode, "decode", f"decode-{i}.default", self.b.socket, doorbell, same),
-                                        (engine_args or []) + (decode_extra or []), gpu=gpu))
+                                        (engine_args or []) + (decode_extra or []) + events(i), gpu=gpu))
                        for i in range(decodes)]
             self.d = self.ds[0]
+            self.sidecars = {e: self._add(EventsSidecar(bins, self.p if e == "prefill" else self.ds[e], port, d)) for e, port in zmq.items()}
             TIMINGS[f"{mode} prefill+{decodes} decode start (together)"] = max(e.ready() for e in [self.p, *self.ds])
             # For executor Agent a prefill engine's KV side channel is its agent.
             host, _, port = self.a.peer.rpartition(":")
-            self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", host, int(port)),
-                                      [endpoint(e, "decode", index=i) for i, e in enumerate(self.ds)], routing, block_size(self.d) if routing else 0))
+            p = endpoint(self.p, "prefill", host, int(port))
+            ds = [endpoint(e, "decode", index=i) for i, e in enumerate(self.ds)]
+            for ep, e in zip([p, *ds], zmq):
+                ep["kvEventsURL"] = self.sidecars[e].url
+            self.r = self._add(Router(bins, d, mode, p, ds, routing, block_size(self.d) if routing else 0))
         except BaseException:
             self.stop()  # nothing outlives a stack that failed to start
             raise

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/kvevents"
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
@@ -23,7 +24,8 @@ import (
 // (for the next choice) and in the inflight gauge (for operators).
 type Chooser struct {
 	bal      *balance.Balancer
-	ix       *prefix.Index
+	ix       *prefix.Index      // routing history
+	ev       *kvevents.Follower // the engines' own KV events; nil for none
 	m        *Metrics
 	inflight *prometheus.GaugeVec // labels: role, engine
 
@@ -31,16 +33,17 @@ type Chooser struct {
 	gauged map[[2]string]bool // inflight series in use, to delete when engines go
 }
 
-// New returns a Chooser over bal and the prefix index ix, counting its choices in m and
-// legs into inflight (labels role and engine). The balancer's scrapes bound each engine's
-// index at its KV capacity.
-func New(bal *balance.Balancer, ix *prefix.Index, m *Metrics, inflight *prometheus.GaugeVec) *Chooser {
+// New returns a Chooser over bal and the prefix indexes: ix from routing history, ev
+// from the engines' KV events where they publish them (nil: none), counting its choices
+// in m and legs into inflight (labels role and engine). The balancer's scrapes bound each
+// engine's history at its KV capacity.
+func New(bal *balance.Balancer, ix *prefix.Index, ev *kvevents.Follower, m *Metrics, inflight *prometheus.GaugeVec) *Chooser {
 	bal.OnLoad = func(_ balance.Role, id string, l balance.Load) {
 		if l.Blocks > 0 {
 			ix.SetCapacity(id, l.Blocks)
 		}
 	}
-	return &Chooser{bal: bal, ix: ix, m: m, inflight: inflight, gauged: map[[2]string]bool{}}
+	return &Chooser{bal: bal, ix: ix, ev: ev, m: m, inflight: inflight, gauged: map[[2]string]bool{}}
 }
 
 // Pick is a chosen engine, counted as one leg in flight until Release (idempotent).
@@ -100,6 +103,9 @@ func (c *Chooser) Forget(set *discovery.Set) {
 		alive[e.EngineID] = true
 	}
 	c.ix.Keep(alive)
+	if c.ev != nil {
+		c.ev.Sync(append(slices.Clone(set.Prefill), set.Decode...))
+	}
 	keep := map[[2]string]bool{}
 	for _, e := range set.Prefill {
 		keep[[2]string{string(balance.Prefill), e.EngineID}] = true

@@ -20,7 +20,7 @@ func engine(id, hash string) discovery.Engine {
 func newChooser() (*Chooser, *prometheus.GaugeVec) {
 	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "inflight"}, []string{"role", "engine"})
 	ix := prefix.NewIndex(0)
-	return New(balance.New(5*time.Second), ix, NewMetrics(prometheus.NewRegistry(), Names{"c", "d", "t", "b"}, ix), g), g
+	return New(balance.New(5*time.Second), ix, nil, NewMetrics(prometheus.NewRegistry(), Names{"c", "d", "t", "b", "l"}, ix), g), g
 }
 
 // Only engines whose compat-hash the other pool has too can be paired; the reason names

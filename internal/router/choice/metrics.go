@@ -9,13 +9,15 @@ import (
 // Names are the chooser's metrics' names in one component (the router, the endpoint
 // picker), each spelled out where the component is, so a rule or dashboard can be checked
 // against them.
-type Names struct{ Choices, DecodeOnly, Tokens, IndexBlocks string }
+type Names struct{ Choices, DecodeOnly, Tokens, IndexBlocks, Lookups string }
 
 // Metrics are what the chooser counts of its choices.
 type Metrics struct {
 	choices    *prometheus.CounterVec // basis
 	decodeOnly *prometheus.CounterVec // reason
 	tokens     *prometheus.CounterVec // kind: prompt, cached, prefill_cached
+
+	lookupEvents, lookupHistory prometheus.Counter
 }
 
 // NewMetrics registers the chooser's metrics under names with reg, and the size of index.
@@ -37,6 +39,12 @@ func NewMetrics(reg prometheus.Registerer, names Names, index *prefix.Index) *Me
 				"their ratio is the index's hit rate; and of those their prefill engine held (kind prefill_cached).",
 		}, []string{"kind"}),
 	}
+	lookups := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: names.Lookups,
+		Help: "Candidate engines matched against a prompt, by the source of what the engine holds: events (its own KV cache events, token-id " +
+			"prompts of engines whose stream is live) or history (the prompts routed to it).",
+	}, []string{"source"})
+	m.lookupEvents, m.lookupHistory = lookups.WithLabelValues("events"), lookups.WithLabelValues("history")
 	for _, b := range []string{BasisLoad, BasisPrefix, BasisNoPrefix} {
 		m.choices.WithLabelValues(b)
 	}
@@ -47,7 +55,7 @@ func NewMetrics(reg prometheus.Registerer, names Names, index *prefix.Index) *Me
 		Name: names.IndexBlocks,
 		Help: "Blocks the prefix index holds, all engines together (its memory: about 40 bytes a block).",
 	}, func() float64 { return float64(index.Total()) })
-	reg.MustRegister(m.choices, m.decodeOnly, m.tokens, blocks)
+	reg.MustRegister(m.choices, m.decodeOnly, m.tokens, lookups, blocks)
 	return m
 }
 

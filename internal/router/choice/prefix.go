@@ -141,11 +141,23 @@ func (c *Chooser) Prefill(r Routing, prefills []discovery.Engine, req Request) P
 }
 
 // held is, per engine, how many of the request's prompt tokens it holds by the index
-// and could reuse (whole blocks, and not a prompt's last, as vLLM).
+// and could reuse (whole blocks, and not a prompt's last, as vLLM). A token-id prompt is
+// matched against the engine's own KV events where they are followed live; anything
+// else against routing history (a text prompt's keys are not vLLM's blocks).
 func (c *Chooser) held(r Routing, engines []discovery.Engine, req Request) []int {
 	cached := make([]int, len(engines))
 	for i, e := range engines {
-		n := req.Prompt.Usable(c.ix.Match(e.EngineID, req.Prompt.Keys), r.BlockTokens)
+		matched, ok := 0, false
+		if req.Prompt.Exact && c.ev != nil {
+			matched, ok = c.ev.Match(e.EngineID, req.Prompt.Keys)
+		}
+		if ok {
+			c.m.lookupEvents.Inc()
+		} else {
+			matched = c.ix.Match(e.EngineID, req.Prompt.Keys)
+			c.m.lookupHistory.Inc()
+		}
+		n := req.Prompt.Usable(matched, r.BlockTokens)
 		cached[i] = min(n*r.BlockTokens, req.Prompt.Tokens)
 	}
 	return cached

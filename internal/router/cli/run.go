@@ -33,9 +33,12 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	fs.SetOutput(stderr)
 	cfg := router.Defaults()
 	mode := fs.String("mode", "router", "router: the OpenAI front end of a DecodePool; epp: the Gateway API Inference Extension endpoint picker "+
-		"(Envoy ext_proc over gRPC on --listen); leg-runner: a decode pod's sidecar running the legs the endpoint picker chose (needs --local)")
+		"(Envoy ext_proc over gRPC on --listen); leg-runner: a decode pod's sidecar running the legs the endpoint picker chose (needs --local); "+
+		"kv-events: an engine pod's sidecar serving the keys of the blocks its vLLM holds, from vLLM's KV cache events (--served-model, --kv-events-endpoint, --local)")
 	listen := fs.String("listen", ":8000", "address of the OpenAI API, /healthz and /readyz: the clients' side (epp: its gRPC ext_proc and health services)")
-	local := fs.String("local", "", "leg-runner: this pod's decode engine: its IP ($(POD_IP); the engine's API on its pod's port), or its URL")
+	local := fs.String("local", "", "leg-runner: this pod's decode engine: its IP ($(POD_IP); the engine's API on its pod's port), or its URL; "+
+		"kv-events: the engine's API address on the pod's loopback (127.0.0.1:8000), watched to learn when vLLM stops")
+	kv := kvEventsFlags(fs)
 	eppCfg := epp.Defaults()
 	fs.Func("leg-runner-port", fmt.Sprintf("epp: the decode pods' leg-runner port, where the gateway sends requests (default %d); a comma-separated "+
 		"list for data-parallel ranks, one endpoint each (the InferencePool's target ports)", eppCfg.LegRunnerPorts[0]), func(v string) error {
@@ -71,8 +74,10 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 		return 2
 	}
 	switch {
+	case *mode == "kv-events":
+		return kv.run(*listen, *local, stderr, ready)
 	case *mode != "router" && *mode != "epp" && *mode != "leg-runner":
-		fmt.Fprintf(stderr, "--mode %q: must be router, epp or leg-runner\n", *mode)
+		fmt.Fprintf(stderr, "--mode %q: must be router, epp, leg-runner or kv-events\n", *mode)
 		return 2
 	case (*mode == "leg-runner") != (*local != ""):
 		fmt.Fprintln(stderr, "--local is the leg runner's decode engine: required with --mode leg-runner, and only there")

@@ -177,8 +177,13 @@ func eligible(engines []kvv1.EngineStatus, pods map[string]*corev1.Pod, push boo
 		if push && (port <= 0 || e.TensorParallelSize <= 0) {
 			continue
 		}
+		var events string
+		if port, err := strconv.ParseUint(pod.Labels[kvv1.LabelKVEventsPort], 10, 16); err == nil && port > 0 {
+			// The pod runs the kv-events sidecar (this one: a rollout mixes pods with and without).
+			events = "http://" + net.JoinHostPort(pod.Status.PodIP, strconv.FormatUint(port, 10))
+		}
 		out = append(out, Engine{
-			URL:      EngineURL(pod.Status.PodIP),
+			URL: EngineURL(pod.Status.PodIP), KVEventsURL: events,
 			EngineID: e.EngineID, Host: host, SideChannelPort: port,
 			TensorParallelSize: e.TensorParallelSize, PipelineParallelSize: e.PipelineParallelSize,
 			// The pod's own label is what it runs; the status copy can lag a rollout.

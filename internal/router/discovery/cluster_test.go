@@ -183,4 +183,14 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 	next("the routing follows", churn, func(s *discovery.Set) bool {
 		return s.Routing != nil && s.Routing.DecodeChoice == kvv1.DecodeChoicePrefixAware && s.Routing.MinPrefillTokens == 128 && s.BlockSize == 16
 	})
+
+	// A pod labelled with its kv-events sidecar's port names it; one without does not
+	// (a rollout mixes both).
+	pods["d-1"].Labels[kvv1.LabelKVEventsPort] = "8102"
+	if err := c.Update(ctx, pods["d-1"]); err != nil {
+		t.Fatal(err)
+	}
+	next("d-1's kv-events sidecar", churn, func(s *discovery.Set) bool {
+		return len(s.Decode) == 1 && s.Decode[0].KVEventsURL == "http://198.18.0.3:8102"
+	})
 }

@@ -28,6 +28,9 @@ type Engine struct {
 	// CompatHash is the engine's kvhandoff.io/compat-hash. A prefill and a decode engine
 	// are paired only when theirs are equal (both empty counts as equal).
 	CompatHash string `json:"compatHash,omitempty"`
+	// KVEventsURL is the engine's KV events sidecar (http://198.18.0.1:8102), which
+	// serves the keys of the blocks its engine holds (package kvevents); "" for none.
+	KVEventsURL string `json:"kvEventsURL,omitempty"`
 }
 
 // Set is everything the router routes over at one moment. Only eligible engines are in
@@ -81,6 +84,11 @@ func (s *Set) Validate() error {
 			field := fmt.Sprintf("%s[%d]", role, i)
 			if u, err := url.Parse(e.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 				errs = append(errs, fmt.Errorf("%s.url %q: must be an http:// or https:// URL with a host", field, e.URL))
+			}
+			if e.KVEventsURL != "" {
+				if u, err := url.Parse(e.KVEventsURL); err != nil || u.Scheme != "http" || u.Host == "" || u.Path != "" {
+					errs = append(errs, fmt.Errorf("%s.kvEventsURL %q: must be an http:// URL of a host and port alone", field, e.KVEventsURL))
+				}
 			}
 			if e.EngineID == "" {
 				errs = append(errs, fmt.Errorf("%s.engineID: must be set (the engine's vLLM engine_id)", field))

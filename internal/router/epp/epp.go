@@ -37,6 +37,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/kvevents"
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
@@ -102,6 +103,7 @@ type Server struct {
 	set    atomic.Pointer[discovery.Set]
 	bal    *balance.Balancer
 	choose *choice.Chooser
+	events *kvevents.Follower
 	health *health.Server
 	m      *metrics
 	slots  chan struct{}
@@ -128,8 +130,11 @@ func New(cfg Config) *Server {
 		cfg.LegRunnerPorts = Defaults().LegRunnerPorts
 	}
 	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	s := &Server{cfg: cfg, bal: bal, choose: choice.New(bal, ix, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_epp_decode_choices_total",
-		DecodeOnly: "kvhandoff_epp_decode_only_total", Tokens: "kvhandoff_epp_prefix_tokens_total", IndexBlocks: "kvhandoff_epp_prefix_index_blocks"}, ix), m.inflight), health: health.NewServer(), m: m,
+	events := kvevents.NewFollower(cfg.PrefixIndexBlocks, ix, cfg.Registry, kvevents.Names{Live: "kvhandoff_epp_kv_events_live_engines", Blocks: "kvhandoff_epp_kv_events_blocks",
+		Resets: "kvhandoff_epp_kv_events_resets_total"}, cfg.Log)
+	s := &Server{cfg: cfg, bal: bal, events: events, choose: choice.New(bal, ix, events, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_epp_decode_choices_total",
+		DecodeOnly: "kvhandoff_epp_decode_only_total", Tokens: "kvhandoff_epp_prefix_tokens_total", IndexBlocks: "kvhandoff_epp_prefix_index_blocks",
+		Lookups: "kvhandoff_epp_prefix_lookups_total"}, ix), m.inflight), health: health.NewServer(), m: m,
 		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)), onEndpoint: map[string]int{}, turns: map[string]int{}}
 	s.health.SetServingStatus(Liveness, healthpb.HealthCheckResponse_SERVING)
 	for _, svc := range []string{Readiness, extprocv3.ExternalProcessor_ServiceDesc.ServiceName} {
@@ -181,6 +186,7 @@ func (s *Server) Run(ctx context.Context, src discovery.Source, client *http.Cli
 		go s.bal.Follow(ctx, client, s.cfg.ScrapeInterval, s.set.Load)
 	}
 	defer s.health.Shutdown() // NOT_SERVING from the moment the picker stops
+	defer s.events.Stop()
 	return discovery.Follow(ctx, src, s.Update)
 }
 

@@ -67,6 +67,19 @@ func (ix *Index) Add(engine string, keys []Key) {
 	}
 }
 
+// Remove records that engine no longer holds keys (it evicted them: package kvevents
+// relays vLLM's BlockRemoved, a chain's leaf first, so a set still holds a block only
+// with every block before it).
+func (ix *Index) Remove(engine string, keys []Key) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if s := ix.engines[engine]; s != nil {
+		for _, k := range keys {
+			s.remove(k)
+		}
+	}
+}
+
 // Clear forgets everything engine held (it restarted, or its source was lost).
 func (ix *Index) Clear(engine string) {
 	ix.mu.Lock()

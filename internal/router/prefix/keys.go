@@ -15,6 +15,7 @@ package prefix
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/json"
 
 	"github.com/cespare/xxhash/v2"
 
@@ -52,21 +53,17 @@ func (p Prompt) Usable(matched int, blockTokens int) int {
 }
 
 // Cut returns a request body's prompt as keys of blocks of blockTokens tokens. The chain
-// starts from the request's model and cache_salt: vLLM keys a LoRA adapter's and a
+// starts from the request's model and cache_salt (Root): vLLM keys a LoRA adapter's and a
 // salted request's blocks apart, and so does this. A prompt form with no prefix to
 // speak of (a batch of prompts, none at all) has no keys.
 func Cut(b protocol.Body, blockTokens int) Prompt {
 	if blockTokens <= 0 {
 		return Prompt{}
 	}
-	root := xxhash.New()
-	root.Write(b["model"])
-	root.Write([]byte{0})
-	root.Write(b["cache_salt"])
-	parent := Key(root.Sum64())
+	parent := Root(jsonString(b["model"]), jsonString(b["cache_salt"]))
 	if raw := bytes.TrimSpace(b["prompt"]); len(raw) > 0 {
 		if ids, ok := tokenIDs(raw); ok {
-			return Prompt{Keys: chain(parent, ids, blockTokens*idBytes), Tokens: len(ids) / idBytes, Exact: true}
+			return Prompt{Keys: Chain(parent, ids, blockTokens), Tokens: len(ids) / idBytes, Exact: true}
 		}
 		if raw[0] == '"' {
 			return text(parent, raw, blockTokens)
@@ -79,6 +76,43 @@ func Cut(b protocol.Body, blockTokens int) Prompt {
 		return text(parent, raw[:len(raw)-1], blockTokens)
 	}
 	return Prompt{}
+}
+
+// Root is the key a prompt's chain starts from: its model (a LoRA adapter's name, for
+// the adapter's blocks) and its cache_salt ("" for none).
+func Root(model, salt string) Key {
+	h := xxhash.New()
+	h.WriteString(model)
+	h.Write([]byte{0})
+	h.WriteString(salt)
+	return Key(h.Sum64())
+}
+
+// Chain keys the whole blocks of blockTokens token ids after parent; ids are idBytes
+// little-endian bytes each, as the index keys token-id prompts (vLLM's KV events chain
+// their blocks with it: package kvevents).
+func Chain(parent Key, ids []byte, blockTokens int) []Key {
+	return chain(parent, ids, blockTokens*idBytes)
+}
+
+// AppendID appends a token id to ids as Chain reads it.
+func AppendID(ids []byte, id uint32) []byte { return binary.LittleEndian.AppendUint32(ids, id) }
+
+// jsonString is a JSON string's value (a model name, a salt: short), or raw as it is
+// when it is not a string.
+func jsonString(raw []byte) string {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) < 2 || raw[0] != '"' || raw[len(raw)-1] != '"' {
+		return string(raw)
+	}
+	if bytes.IndexByte(raw, '\\') < 0 {
+		return string(raw[1 : len(raw)-1])
+	}
+	var s string
+	if json.Unmarshal(raw, &s) != nil {
+		return string(raw)
+	}
+	return s
 }
 
 func text(parent Key, raw []byte, blockTokens int) Prompt {
@@ -128,7 +162,7 @@ func tokenIDs(raw []byte) ([]byte, bool) {
 			if state == before || v >= 1<<32 {
 				return nil, false
 			}
-			ids = binary.LittleEndian.AppendUint32(ids, uint32(v))
+			ids = AppendID(ids, uint32(v))
 			state, v, digits = before, 0, 0
 		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
 			if state == in {
@@ -143,7 +177,7 @@ func tokenIDs(raw []byte) ([]byte, bool) {
 		if v >= 1<<32 {
 			return nil, false
 		}
-		ids = binary.LittleEndian.AppendUint32(ids, uint32(v))
+		ids = AppendID(ids, uint32(v))
 	case len(ids) > 0:
 		return nil, false // a trailing comma
 	}

@@ -1,0 +1,67 @@
+package render
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/utils/ptr"
+
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+)
+
+const (
+	// KVEventsPort is where an engine pod's kv-events sidecar serves the keys of the
+	// blocks its engine holds (routing prefixSource KVEvents), to routers and pickers.
+	KVEventsPort = 8102
+	// KVEventsEndpoint is where vLLM's KV events publisher connects: the sidecar's
+	// listener on the pod's own loopback. The events carry every prompt's token ids, so
+	// they never leave the pod; only keys of blocks do.
+	KVEventsEndpoint = "tcp://127.0.0.1:5557"
+	kvEventsTopic    = "kv"
+)
+
+// kvEventsConfig is vLLM's --kv-events-config: publish over ZeroMQ to the sidecar.
+func kvEventsConfig() string {
+	b, _ := json.Marshal(map[string]any{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": KVEventsEndpoint, "topic": kvEventsTopic})
+	return string(b)
+}
+
+// kvEventsSidecar is the native sidecar that follows the engine's KV events and serves
+// the keys of the blocks it holds (the router binary, --mode=kv-events). It starts before
+// the engine, so no event is published before it listens.
+func kvEventsSidecar(in Input) corev1.Container {
+	return corev1.Container{
+		Name:          "kv-events",
+		Image:         in.KVEventsImage,
+		RestartPolicy: ptr.To(corev1.ContainerRestartPolicyAlways),
+		Args: []string{"--mode=kv-events", "--served-model=" + servedModel(in.Spec), "--kv-events-endpoint=" + KVEventsEndpoint,
+			"--kv-events-topic=" + kvEventsTopic, fmt.Sprintf("--local=127.0.0.1:%d", HTTPPort), fmt.Sprintf("--listen=:%d", KVEventsPort)},
+		Ports:          []corev1.ContainerPort{{Name: "kv-events", ContainerPort: KVEventsPort, Protocol: corev1.ProtocolTCP}},
+		ReadinessProbe: namedPortProbe("/healthz", "kv-events", 5, 2),
+		LivenessProbe:  namedPortProbe("/healthz", "kv-events", 10, 3),
+		Resources: corev1.ResourceRequirements{
+			// About 60 bytes a block held: 4M blocks (a large H200 cache at block 16) is 256 MB.
+			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("50m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
+			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
+		},
+		SecurityContext: restrictedContainer(),
+	}
+}
+
+// servedModel is the model name requests give the engine: the first of
+// --served-model-name in its engine args, else the model.
+func servedModel(spec *kvv1.EngineSpec) string {
+	args := spec.EngineArgs
+	for i, a := range args {
+		if v, ok := strings.CutPrefix(a, "--served-model-name="); ok {
+			return strings.Fields(v)[0]
+		}
+		if a == "--served-model-name" && i+1 < len(args) && !strings.HasPrefix(args[i+1], "--") {
+			return args[i+1]
+		}
+	}
+	return spec.Model
+}
