@@ -73,12 +73,13 @@ func (r *PoolReconciler) applyLegRunnerAccount(ctx context.Context, p pool) erro
 // applyGateway applies a DecodePool's endpoint picker and InferencePool, or removes them
 // (and the leg runners' account) when the pool has no gateway. A cluster without the
 // InferencePool CRD gets the picker still, and a state that says the CRD is missing.
-func (r *PoolReconciler) applyGateway(ctx context.Context, p pool) (*gatewayState, error) {
+func (r *PoolReconciler) applyGateway(ctx context.Context, p pool, v *validation) (*gatewayState, error) {
 	d := p.object().(*kvv1.DecodePool)
 	if !gatewayEnabled(p) {
 		return nil, r.deleteGateway(ctx, p)
 	}
-	in := render.GatewayInput{Pool: d.Name, Namespace: d.Namespace, Spec: &d.Spec.Gateway, Image: r.routerImage(d), Resources: d.Spec.Router.Resources}
+	in := render.GatewayInput{Pool: d.Name, Namespace: d.Namespace, Spec: &d.Spec.Gateway, Image: r.routerImage(d), Resources: d.Spec.Router.Resources,
+		KVEventsSecret: kvEventsSecret(d, &v.policy.Spec)}
 	w, err := render.EndpointPicker(in)
 	if err != nil {
 		return nil, err

@@ -233,7 +233,7 @@ var _ = Describe("Lifecycle", func() {
 	})
 
 	It("runs the kv-events sidecar in both pools' engines while routing follows KV events, and takes it out when routing stops", func() {
-		ns, pol, _, _ := readyPair()
+		ns, pol, p, _ := readyPair()
 		sidecar := func(name string) func(g Gomega) []string {
 			return func(g Gomega) []string {
 				var names []string
@@ -244,13 +244,30 @@ var _ = Describe("Lifecycle", func() {
 			}
 		}
 		// PrefixAware alone: prefixSource defaults to KVEvents.
-		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.Routing = &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware} })
+		update(pol, func(p *kvv1.KVTransferPolicy) {
+			p.Spec.Routing = &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware}
+		})
 		for _, name := range []string{"p", "d"} {
 			Eventually(sidecar(name)).Should(ContainElement("kv-events"), "pool %s", name)
 			tpl := statefulSet(ns, name).Spec.Template
 			Expect(tpl.Labels).To(HaveKeyWithValue(kvv1.LabelKVEventsPort, "8102"))
 			Expect(strings.Join(tpl.Spec.Containers[0].Args, " ")).To(ContainSubstring(`--kv-events-config {"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:5557"`))
+			Expect(tpl.Spec.Volumes).To(ContainElement(HaveField("VolumeSource.Secret.SecretName", "p-kv-events")), "pool %s", name)
 		}
+		// The token the sidecars ask for: made once, random, immutable, the PrefillPool's;
+		// the routers hold it, and nothing else of the pool does.
+		secret := &corev1.Secret{}
+		Eventually(func() error { return k8s.Get(ctx, key(ns, "p-kv-events"), secret) }).Should(Succeed())
+		Expect(secret.Data["token"]).To(MatchRegexp(`^[0-9a-f]{64}$`))
+		Expect(*secret.Immutable).To(BeTrue())
+		Expect(secret.OwnerReferences).To(ConsistOf(HaveField("UID", p.UID)))
+		Eventually(func(g Gomega) {
+			dep := &appsv1.Deployment{}
+			g.Expect(k8s.Get(ctx, key(ns, "d-router"), dep)).To(Succeed())
+			g.Expect(dep.Spec.Template.Spec.Volumes).To(ContainElement(HaveField("VolumeSource.Secret.SecretName", "p-kv-events")))
+			g.Expect(dep.Spec.Template.Spec.Containers[0].Args).To(ContainElement("--kv-events-token-file=/var/run/kvhandoff/kv-events/token"))
+		}).Should(Succeed())
+		token := string(secret.Data["token"])
 		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.Routing.PrefixSource = kvv1.PrefixSourceRoutingHistory })
 		for _, name := range []string{"p", "d"} {
 			Eventually(sidecar(name)).ShouldNot(ContainElement("kv-events"), "pool %s", name)
@@ -258,6 +275,13 @@ var _ = Describe("Lifecycle", func() {
 			Expect(tpl.Labels).NotTo(HaveKey(kvv1.LabelKVEventsPort))
 			Expect(strings.Join(tpl.Spec.Containers[0].Args, " ")).NotTo(ContainSubstring("--kv-events-config"))
 		}
+		Eventually(func(g Gomega) {
+			dep := &appsv1.Deployment{}
+			g.Expect(k8s.Get(ctx, key(ns, "d-router"), dep)).To(Succeed())
+			g.Expect(dep.Spec.Template.Spec.Volumes).To(BeEmpty())
+		}).Should(Succeed())
+		Expect(k8s.Get(ctx, key(ns, "p-kv-events"), secret)).To(Succeed())
+		Expect(string(secret.Data["token"])).To(Equal(token), "the token changed")
 	})
 
 	It("undoes a hand edit of a field it owns", func() {

@@ -30,8 +30,11 @@ const FieldOwner = "kvhandoff"
 // PoolReconciler reconciles the pools of one role: PrefillPools or DecodePools.
 type PoolReconciler struct {
 	client.Client
-	Recorder events.EventRecorder
-	Role     kvv1.Role
+	// APIReader reads what the manager does not cache (its kv-events token Secrets);
+	// nil reads through Client.
+	APIReader client.Reader
+	Recorder  events.EventRecorder
+	Role      kvv1.Role
 	// RouterImage is the router image of the manager's version, for DecodePools that
 	// name none.
 	RouterImage string
@@ -44,6 +47,8 @@ type PoolReconciler struct {
 	// crdRecheck is how soon a DecodePool with a gateway looks again for the InferencePool
 	// CRD while the cluster has none: installing the CRD raises no event of the pool's.
 	crdRecheck time.Duration
+	// kvTokens remembers the kv-events token Secrets seen.
+	kvTokens kvEventsTokens
 }
 
 // +kubebuilder:rbac:groups=kvhandoff.io,resources=prefillpools;decodepools,verbs=get;list;watch
@@ -229,6 +234,13 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 		in.LegRunnerImage = r.routerImage(p.object().(*kvv1.DecodePool))
 	}
 	if v.policy.Spec.Routing.KVEvents() {
+		prefill, ok := p.object().(*kvv1.PrefillPool)
+		if !ok {
+			prefill = v.prefill
+		}
+		if err := r.ensureKVEventsToken(ctx, prefill); err != nil {
+			return err
+		}
 		in.KVEventsImage = r.kvEventsImage(p)
 	}
 	w, err := render.Engines(in)
@@ -242,10 +254,10 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 		return err
 	}
 	if p.role() == kvv1.RoleDecode {
-		if err := r.applyRouter(ctx, p); err != nil {
+		if err := r.applyRouter(ctx, p, v); err != nil {
 			return err
 		}
-		v.gateway, err = r.applyGateway(ctx, p)
+		v.gateway, err = r.applyGateway(ctx, p, v)
 		return err
 	}
 	return nil

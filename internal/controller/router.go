@@ -21,12 +21,13 @@ func routerEnabled(p pool) bool {
 }
 
 // applyRouter applies a DecodePool's router, or removes it when the pool disables it.
-func (r *PoolReconciler) applyRouter(ctx context.Context, p pool) error {
+func (r *PoolReconciler) applyRouter(ctx context.Context, p pool, v *validation) error {
 	d := p.object().(*kvv1.DecodePool)
 	if !routerEnabled(p) {
 		return r.deleteRouter(ctx, p)
 	}
-	w, err := render.Router(render.RouterInput{Pool: d.Name, Namespace: d.Namespace, Spec: &d.Spec.Router, DefaultImage: r.routerImage(d)})
+	w, err := render.Router(render.RouterInput{Pool: d.Name, Namespace: d.Namespace, Spec: &d.Spec.Router, DefaultImage: r.routerImage(d),
+		KVEventsSecret: kvEventsSecret(d, &v.policy.Spec)})
 	if err != nil {
 		return err
 	}

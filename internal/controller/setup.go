@@ -79,7 +79,7 @@ func Setup(mgr ctrl.Manager, o Options) error {
 		return err
 	}
 	for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
-		r := &PoolReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role,
+		r := &PoolReconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role,
 			RouterImage: o.Images.Router, ConnectorImage: o.Images.Connector, routers: routers,
 			crdRecheck: cmp.Or(o.InferencePoolCRDRecheck, time.Minute)}
 		if err := r.SetupWithManager(mgr); err != nil {

@@ -31,6 +31,8 @@ type GatewayInput struct {
 	Image string
 	// Resources are the router's, which the picker's pods take too.
 	Resources *corev1.ResourceRequirements
+	// KVEventsSecret is as RouterInput's.
+	KVEventsSecret string
 }
 
 // EndpointPickerName is the name of a DecodePool's endpoint picker objects and Service.
@@ -50,7 +52,7 @@ func EndpointPicker(in GatewayInput) (*ServiceWorkload, error) {
 	return serviceWorkload(serviceInput{
 		pool: in.Pool, namespace: in.Namespace, name: EndpointPickerName(in.Pool), component: "endpoint-picker",
 		selector: map[string]string{kvv1.LabelEndpointPicker: in.Pool},
-		image:    in.Image, replicas: ptr.Deref(in.Spec.EndpointPickerReplicas, 2), resources: in.Resources,
+		image:    in.Image, replicas: ptr.Deref(in.Spec.EndpointPickerReplicas, 2), resources: in.Resources, kvEventsSecret: in.KVEventsSecret,
 		args: []string{"--mode=epp", fmt.Sprintf("--listen=:%d", EPPPort), fmt.Sprintf("--admin-listen=:%d", EPPAdminPort),
 			fmt.Sprintf("--leg-runner-port=%d", LegRunnerPort)},
 		ports: []corev1.ContainerPort{

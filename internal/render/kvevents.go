@@ -21,7 +21,25 @@ const (
 	// they never leave the pod; only keys of blocks do.
 	KVEventsEndpoint = "tcp://127.0.0.1:5557"
 	kvEventsTopic    = "kv"
+	// KVEventsTokenKey is the key of the token in a KVEventsSecret.
+	KVEventsTokenKey = "token"
+	// kvEventsTokenDir is where the token is mounted in the sidecars, routers and pickers.
+	kvEventsTokenDir  = "/var/run/kvhandoff/kv-events"
+	kvEventsTokenFile = kvEventsTokenDir + "/" + KVEventsTokenKey
 )
+
+// KVEventsSecret is the Secret of the token that the kv-events sidecars of a PrefillPool's
+// engines, and of the DecodePools' engines that pair with it, ask of every follower: the
+// routers and endpoint pickers of those DecodePools hold it, nothing else does. The keys
+// say which prompts an engine holds, to whoever can guess a prompt (and its salt).
+func KVEventsSecret(prefillPool string) string { return prefillPool + "-kv-events" }
+
+// kvEventsTokenVolume mounts a KVEventsSecret's token alone.
+func kvEventsTokenVolume(secret string) (corev1.Volume, corev1.VolumeMount) {
+	return corev1.Volume{Name: "kv-events-token", VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+			SecretName: secret, Items: []corev1.KeyToPath{{Key: KVEventsTokenKey, Path: KVEventsTokenKey}}, DefaultMode: ptr.To[int32](0o440)}}},
+		corev1.VolumeMount{Name: "kv-events-token", MountPath: kvEventsTokenDir, ReadOnly: true}
+}
 
 // kvEventsConfig is vLLM's --kv-events-config: publish over ZeroMQ to the sidecar.
 func kvEventsConfig() string {
@@ -33,12 +51,14 @@ func kvEventsConfig() string {
 // the keys of the blocks it holds (the router binary, --mode=kv-events). It starts before
 // the engine, so no event is published before it listens.
 func kvEventsSidecar(in Input) corev1.Container {
+	_, mount := kvEventsTokenVolume("")
 	return corev1.Container{
 		Name:          "kv-events",
 		Image:         in.KVEventsImage,
 		RestartPolicy: ptr.To(corev1.ContainerRestartPolicyAlways),
 		Args: []string{"--mode=kv-events", "--served-model=" + servedModel(in.Spec), "--kv-events-endpoint=" + KVEventsEndpoint,
-			"--kv-events-topic=" + kvEventsTopic, fmt.Sprintf("--local=127.0.0.1:%d", HTTPPort), fmt.Sprintf("--listen=:%d", KVEventsPort)},
+			"--kv-events-topic=" + kvEventsTopic, fmt.Sprintf("--local=127.0.0.1:%d", HTTPPort), fmt.Sprintf("--listen=:%d", KVEventsPort),
+			"--kv-events-token-file=" + kvEventsTokenFile},
 		Ports:          []corev1.ContainerPort{{Name: "kv-events", ContainerPort: KVEventsPort, Protocol: corev1.ProtocolTCP}},
 		ReadinessProbe: namedPortProbe("/healthz", "kv-events", 5, 2),
 		LivenessProbe:  namedPortProbe("/healthz", "kv-events", 10, 3),
@@ -48,6 +68,7 @@ func kvEventsSidecar(in Input) corev1.Container {
 			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
 		},
 		SecurityContext: restrictedContainer(),
+		VolumeMounts:    []corev1.VolumeMount{mount},
 	}
 }
 

@@ -144,6 +144,12 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 	}
 	if in.KVEventsImage != "" {
 		initContainers = append(initContainers, kvEventsSidecar(in))
+		prefill := in.PrefillPool
+		if in.Role == kvv1.RolePrefill {
+			prefill = in.Name
+		}
+		v, _ := kvEventsTokenVolume(KVEventsSecret(prefill))
+		volumes = append(volumes, v)
 		labels[kvv1.LabelKVEventsPort] = strconv.Itoa(KVEventsPort)
 	}
 

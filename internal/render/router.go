@@ -38,6 +38,9 @@ type RouterInput struct {
 	// DefaultImage is the router image of the manager's version, used when the spec
 	// names none.
 	DefaultImage string
+	// KVEventsSecret, when the engines serve their KV events (RoutingSpec.KVEvents), is
+	// the Secret of the token their sidecars ask for (KVEventsSecret); "" for none.
+	KVEventsSecret string
 }
 
 // ServiceWorkload is what a DecodePool's router or endpoint picker renders to.
@@ -84,7 +87,7 @@ func Router(in RouterInput) (*ServiceWorkload, error) {
 	return serviceWorkload(serviceInput{
 		pool: in.Pool, namespace: in.Namespace, name: RouterName(in.Pool), component: "router",
 		selector: RouterSelectorLabels(in.Pool), podLabels: map[string]string{kvv1.LabelPool: in.Pool},
-		image: image, replicas: ptr.Deref(in.Spec.Replicas, 2), resources: in.Spec.Resources,
+		image: image, replicas: ptr.Deref(in.Spec.Replicas, 2), resources: in.Spec.Resources, kvEventsSecret: in.KVEventsSecret,
 		args: []string{fmt.Sprintf("--listen=:%d", RouterPort), fmt.Sprintf("--admin-listen=:%d", RouterAdminPort)},
 		ports: []corev1.ContainerPort{
 			{Name: "http", ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP},
@@ -108,6 +111,7 @@ type serviceInput struct {
 	ports                            []corev1.ContainerPort
 	readiness, liveness              *corev1.Probe
 	service                          corev1.ServicePort
+	kvEventsSecret                   string // mounted, and its token file named, when set
 }
 
 func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
@@ -157,6 +161,12 @@ func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
 		// deleted under traffic through Envoy, one request in 11 answered an empty 500).
 		Lifecycle: &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: endpointsPropagationSeconds}}},
 	}
+	var volumes []corev1.Volume
+	if in.kvEventsSecret != "" {
+		v, m := kvEventsTokenVolume(in.kvEventsSecret)
+		volumes, container.VolumeMounts = []corev1.Volume{v}, []corev1.VolumeMount{m}
+		container.Args = append(container.Args, "--kv-events-token-file="+kvEventsTokenFile)
+	}
 	podLabels := maps.Clone(labels)
 	maps.Copy(podLabels, in.podLabels)
 	pod := corev1.PodTemplateSpec{
@@ -164,6 +174,7 @@ func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
 		Spec: corev1.PodSpec{
 			ServiceAccountName: in.name,
 			Containers:         []corev1.Container{container},
+			Volumes:            volumes,
 			Affinity:           routerAffinity(in.selector),
 			// In-flight requests get this long to finish after it stops taking new ones.
 			TerminationGracePeriodSeconds: ptr.To[int64](60 + endpointsPropagationSeconds),

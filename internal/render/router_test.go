@@ -2,6 +2,7 @@ package render
 
 import (
 	"bytes"
+	"slices"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -11,6 +12,7 @@ import (
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/instancetype"
+	"github.com/kvhandoff/kvhandoff/test/builder"
 )
 
 func TestRouterGolden(t *testing.T) {
@@ -74,5 +76,39 @@ func TestTheRouterKeepsOffEveryAcceleratorNode(t *testing.T) {
 	// role label, which alone marks engines.
 	if l := w.Deployment.Spec.Template.Labels; l[kvv1.LabelPool] != "d" || l[kvv1.LabelRole] != "" {
 		t.Errorf("router pods carry labels %v: the manager would not see them, or would take them for engines", l)
+	}
+}
+
+// Routers and endpoint pickers of engines that serve their KV events hold the token the
+// sidecars ask for, read-only, and name it; the engines' sidecars mount the same Secret.
+func TestFollowersAndSidecarsShareTheKVEventsToken(t *testing.T) {
+	hasToken := func(what string, spec corev1.PodSpec, c corev1.Container) {
+		t.Helper()
+		if len(spec.Volumes) == 0 || spec.Volumes[len(spec.Volumes)-1].Secret == nil || spec.Volumes[len(spec.Volumes)-1].Secret.SecretName != "prefill-kv-events" {
+			t.Errorf("%s: volumes %+v", what, spec.Volumes)
+		}
+		found := false
+		for _, m := range c.VolumeMounts {
+			found = found || (m.Name == "kv-events-token" && m.ReadOnly && m.MountPath == kvEventsTokenDir)
+		}
+		if !found || !slices.Contains(c.Args, "--kv-events-token-file="+kvEventsTokenFile) {
+			t.Errorf("%s: mounts %+v, args %v", what, c.VolumeMounts, c.Args)
+		}
+	}
+	r, err := Router(RouterInput{Pool: "decode", Namespace: "ns", Spec: &kvv1.RouterSpec{}, DefaultImage: "router", KVEventsSecret: KVEventsSecret("prefill")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hasToken("router", r.Deployment.Spec.Template.Spec, r.Deployment.Spec.Template.Spec.Containers[0])
+	e, err := EndpointPicker(GatewayInput{Pool: "decode", Namespace: "ns", Spec: &kvv1.GatewaySpec{}, Image: "router", KVEventsSecret: KVEventsSecret("prefill")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hasToken("endpoint picker", e.Deployment.Spec.Template.Spec, e.Deployment.Spec.Template.Spec.Containers[0])
+	_, dw := pairWith(t, builder.PrefillPool("prefill").Policy("p"), builder.DecodePool("decode", "prefill").Policy("p"), builder.Policy("p"), "router")
+	spec := dw.StatefulSet.Spec.Template.Spec
+	hasToken("decode engine's sidecar", spec, spec.InitContainers[len(spec.InitContainers)-1])
+	if r, _ := Router(RouterInput{Pool: "decode", Namespace: "ns", Spec: &kvv1.RouterSpec{}, DefaultImage: "router"}); len(r.Deployment.Spec.Template.Spec.Volumes) != 0 {
+		t.Error("a router of engines without sidecars mounts a token")
 	}
 }

@@ -51,6 +51,9 @@ type Config struct {
 	// PrefixIndexBlocks bounds the prefix index of each decode engine (routing
 	// PrefixAware), in blocks; each engine's own KV capacity bounds it too.
 	PrefixIndexBlocks int
+	// KVEventsTokenFile holds the token the engines' kv-events sidecars ask for; set, the
+	// prefix index follows the events of every engine that serves them.
+	KVEventsTokenFile string
 	// HealthWindow is how far back the health report (GET /health/transfer) looks, and
 	// HealthInterval how often it is computed.
 	HealthWindow, HealthInterval time.Duration
@@ -131,8 +134,10 @@ func New(cfg Config) *Server {
 		load:  load.NewRecorder(),
 	}
 	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	s.events = kvevents.NewFollower(cfg.PrefixIndexBlocks, ix, cfg.Registry, kvevents.Names{Live: "kvhandoff_router_kv_events_live_engines", Blocks: "kvhandoff_router_kv_events_blocks",
-		Resets: "kvhandoff_router_kv_events_resets_total"}, cfg.Log)
+	if cfg.KVEventsTokenFile != "" {
+		s.events = kvevents.NewFollower(cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile, ix, cfg.Registry, kvevents.Names{Live: "kvhandoff_router_kv_events_live_engines",
+			Blocks: "kvhandoff_router_kv_events_blocks", Resets: "kvhandoff_router_kv_events_resets_total"}, cfg.Log)
+	}
 	s.choose = choice.New(s.bal, ix, s.events, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_router_decode_choices_total",
 		DecodeOnly: "kvhandoff_router_decode_only_total", Tokens: "kvhandoff_router_prefix_tokens_total",
 		IndexBlocks: "kvhandoff_router_prefix_index_blocks", Lookups: "kvhandoff_router_prefix_lookups_total"}, ix), s.m.inflight)

@@ -247,6 +247,8 @@ class Router(Proc):
 
     def __init__(self, bins: str, log_dir: str, mode: str, prefill: dict, decodes: list[dict], routing: dict | None = None, block_size: int = 0):
         self.port = free_port()
+        # Engines with a kv-events sidecar: follow them with the pool's token.
+        follow = ["--kv-events-token-file", kv_events_token(log_dir)] if any("kvEventsURL" in e for e in [prefill, *decodes]) else []
         endpoints = os.path.join(log_dir, "endpoints.json")
         with open(endpoints, "w") as f:
             s = {"mode": mode.removesuffix("-layered").capitalize(), "prefill": [prefill], "decode": decodes}
@@ -255,7 +257,7 @@ class Router(Proc):
             json.dump(s, f)
         self.admin = free_port()
         super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}", "--admin-listen", f"127.0.0.1:{self.admin}",
-                                    "--endpoints", endpoints, "--scrape-interval", "0"], log_dir)
+                                    "--endpoints", endpoints, "--scrape-interval", "0", *follow], log_dir)
         self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
 
     def metric(self, name: str) -> float:
@@ -279,6 +281,14 @@ def kv_events_args(port: int) -> list[str]:
                                               "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"})]
 
 
+def kv_events_token(d: str) -> str:
+    """The pool's kv-events token file (the manager's Secret), shared by sidecars and router."""
+    path = os.path.join(d, "kv-events-token")
+    with open(path, "w") as f:
+        f.write(TOKEN)
+    return path
+
+
 class EventsSidecar(Proc):
     """An engine's kv-events sidecar (the router binary, --mode=kv-events), listening on
     zmq_port for the publisher that engine's kv_events_args names."""
@@ -287,7 +297,7 @@ class EventsSidecar(Proc):
         self.port = free_port()
         super().__init__(e.name + "-kv-events", [os.path.join(bins, "router"), "--mode=kv-events", "--served-model=m",
                                                  f"--kv-events-endpoint=tcp://127.0.0.1:{zmq_port}", f"--local=127.0.0.1:{e.port}",
-                                                 "--listen", f"127.0.0.1:{self.port}"], log_dir)
+                                                 "--listen", f"127.0.0.1:{self.port}", "--kv-events-token-file", kv_events_token(log_dir)], log_dir)
         self.url = f"http://127.0.0.1:{self.port}"
         self.wait_until("/healthz", lambda: http_ok(self.url + "/healthz"), 30)
 

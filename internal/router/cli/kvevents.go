@@ -36,9 +36,9 @@ func kvEventsFlags(fs *flag.FlagSet) *kvEventsConfig {
 	return c
 }
 
-// run serves the keys of the blocks the pod's engine holds on listen (GET
-// /v1/kv-keys, /metrics, /healthz) until SIGINT or SIGTERM.
-func (c *kvEventsConfig) run(listen, engine string, stderr io.Writer, ready chan<- string) int {
+// run serves the keys of the blocks the pod's engine holds on listen (GET /v1/kv-keys to
+// followers bearing the token in tokenFile; /metrics, /healthz) until SIGINT or SIGTERM.
+func (c *kvEventsConfig) run(listen, engine, tokenFile string, stderr io.Writer, ready chan<- string) int {
 	log := slog.New(slog.NewJSONHandler(stderr, nil))
 	fail := func(err error) int { log.Error("kv-events", "err", err); return 1 }
 	switch {
@@ -48,6 +48,11 @@ func (c *kvEventsConfig) run(listen, engine string, stderr io.Writer, ready chan
 		return fail(errors.New("--local is required with --mode kv-events: the engine's API address on the pod's loopback"))
 	case c.maxBlocks <= 0:
 		return fail(fmt.Errorf("--max-blocks is %d: must be positive", c.maxBlocks))
+	case tokenFile == "":
+		return fail(errors.New("--kv-events-token-file is required with --mode kv-events: the token every follower must present"))
+	}
+	if _, err := kvevents.ReadToken(tokenFile); err != nil {
+		return fail(fmt.Errorf("--kv-events-token-file: %w", err))
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -56,7 +61,7 @@ func (c *kvEventsConfig) run(listen, engine string, stderr io.Writer, ready chan
 	defer stop()
 
 	mux := http.NewServeMux()
-	mux.Handle("GET "+kvevents.StreamPath, hub)
+	mux.Handle("GET "+kvevents.StreamPath, kvevents.Authorized(tokenFile, hub))
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	l, err := net.Listen("tcp", listen)

@@ -64,6 +64,8 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", cfg.ScrapeInterval, "how often engines' /metrics are read for their load; 0 never")
 	fs.IntVar(&cfg.PrefixIndexBlocks, "prefix-index-blocks", cfg.PrefixIndexBlocks, "the most KV blocks the prefix index (routing PrefixAware) keeps of one decode engine, "+
 		"about 40 bytes each; each engine's own KV capacity bounds it too")
+	fs.StringVar(&cfg.KVEventsTokenFile, "kv-events-token-file", "", "the token of the engines' kv-events sidecars (a mounted Secret's key): "+
+		"router and epp present it and follow the events of every engine that serves them; kv-events asks every follower for it (required)")
 	fs.Int64Var(&cfg.MaxBodyBytes, "max-body-bytes", cfg.MaxBodyBytes, "largest request body accepted")
 	fs.DurationVar(&cfg.BodyTimeout, "body-timeout", cfg.BodyTimeout, "limit of receiving a request's body, from its headers to its last byte (then 408)")
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "requests served at once; past it a request is answered 429 at once")
@@ -75,7 +77,7 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	}
 	switch {
 	case *mode == "kv-events":
-		return kv.run(*listen, *local, stderr, ready)
+		return kv.run(*listen, *local, cfg.KVEventsTokenFile, stderr, ready)
 	case *mode != "router" && *mode != "epp" && *mode != "leg-runner":
 		fmt.Fprintf(stderr, "--mode %q: must be router, epp, leg-runner or kv-events\n", *mode)
 		return 2
@@ -112,7 +114,7 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	if *mode == "epp" {
 		eppCfg.MaxBodyBytes, eppCfg.MaxInFlight, eppCfg.ScrapeInterval = cfg.MaxBodyBytes, cfg.MaxInFlight, cfg.ScrapeInterval
-		eppCfg.PrefixIndexBlocks = cfg.PrefixIndexBlocks
+		eppCfg.PrefixIndexBlocks, eppCfg.KVEventsTokenFile = cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile
 		eppCfg.Log, eppCfg.Registry = log, reg
 		return runEPP(epp.New(eppCfg), src, *listen, *adminListen, *drain, reg, log, ready)
 	}

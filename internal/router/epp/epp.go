@@ -85,6 +85,9 @@ type Config struct {
 	// PrefixIndexBlocks bounds the prefix index of each decode engine (routing
 	// PrefixAware), in blocks; each engine's own KV capacity bounds it too.
 	PrefixIndexBlocks int
+	// KVEventsTokenFile holds the token the engines' kv-events sidecars ask for; set, the
+	// prefix index follows the events of every engine that serves them.
+	KVEventsTokenFile string
 	Log               *slog.Logger
 	Registry          prometheus.Registerer
 }
@@ -130,8 +133,11 @@ func New(cfg Config) *Server {
 		cfg.LegRunnerPorts = Defaults().LegRunnerPorts
 	}
 	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	events := kvevents.NewFollower(cfg.PrefixIndexBlocks, ix, cfg.Registry, kvevents.Names{Live: "kvhandoff_epp_kv_events_live_engines", Blocks: "kvhandoff_epp_kv_events_blocks",
-		Resets: "kvhandoff_epp_kv_events_resets_total"}, cfg.Log)
+	var events *kvevents.Follower
+	if cfg.KVEventsTokenFile != "" {
+		events = kvevents.NewFollower(cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile, ix, cfg.Registry, kvevents.Names{Live: "kvhandoff_epp_kv_events_live_engines",
+			Blocks: "kvhandoff_epp_kv_events_blocks", Resets: "kvhandoff_epp_kv_events_resets_total"}, cfg.Log)
+	}
 	s := &Server{cfg: cfg, bal: bal, events: events, choose: choice.New(bal, ix, events, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_epp_decode_choices_total",
 		DecodeOnly: "kvhandoff_epp_decode_only_total", Tokens: "kvhandoff_epp_prefix_tokens_total", IndexBlocks: "kvhandoff_epp_prefix_index_blocks",
 		Lookups: "kvhandoff_epp_prefix_lookups_total"}, ix), m.inflight), health: health.NewServer(), m: m,

@@ -22,11 +22,12 @@ type Names struct{ Live, Blocks, Resets string }
 // holds by its own events (Match); an engine whose stream is not live is not in it, and
 // its choice falls back to the routing history.
 type Follower struct {
-	ix      *prefix.Index
-	history *prefix.Index
-	client  *http.Client
-	log     *slog.Logger
-	resets  *prometheus.CounterVec // reason
+	ix        *prefix.Index
+	history   *prefix.Index
+	tokenFile string
+	client    *http.Client
+	log       *slog.Logger
+	resets    *prometheus.CounterVec // reason
 
 	mu      sync.Mutex
 	engines map[string]*followed
@@ -38,12 +39,13 @@ type followed struct {
 	live bool
 }
 
-// NewFollower returns a follower keeping at most maxBlocks keys an engine. An engine that
+// NewFollower returns a follower keeping at most maxBlocks keys an engine, presenting
+// the token in tokenFile to the sidecars (read at each connection). An engine that
 // empties its cache (it restarted) is cleared from history too, which learned its
 // blocks from routing.
-func NewFollower(maxBlocks int, history *prefix.Index, reg prometheus.Registerer, names Names, log *slog.Logger) *Follower {
+func NewFollower(maxBlocks int, tokenFile string, history *prefix.Index, reg prometheus.Registerer, names Names, log *slog.Logger) *Follower {
 	f := &Follower{
-		ix: prefix.NewIndex(maxBlocks), history: history, log: log, engines: map[string]*followed{},
+		ix: prefix.NewIndex(maxBlocks), history: history, tokenFile: tokenFile, log: log, engines: map[string]*followed{},
 		// No timeout: a stream lasts as long as the engine; silence is caught by heartbeats.
 		client: &http.Client{Transport: &http.Transport{ResponseHeaderTimeout: 10 * time.Second, DisableCompression: true}},
 		resets: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -122,8 +124,12 @@ func (f *Follower) Sync(engines []discovery.Engine) {
 	}
 }
 
-// Stop stops following every engine.
-func (f *Follower) Stop() { f.Sync(nil) }
+// Stop stops following every engine (none for a nil follower).
+func (f *Follower) Stop() {
+	if f != nil {
+		f.Sync(nil)
+	}
+}
 
 // follow keeps engine's stream open until ctx ends, reconnecting after a break.
 func (f *Follower) follow(ctx context.Context, engine, url string) {
@@ -150,10 +156,15 @@ func (f *Follower) follow(ctx context.Context, engine, url string) {
 func (f *Follower) stream(ctx context.Context, engine, url string) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	token, err := ReadToken(f.tokenFile)
+	if err != nil {
+		return err
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+StreamPath, nil)
 	if err != nil {
 		return err
 	}
+	req.Header.Set("Authorization", "Bearer "+token)
 	resp, err := f.client.Do(req)
 	if err != nil {
 		return err

@@ -34,6 +34,9 @@ const (
 	Heartbeat = 10 * time.Second
 	// maxFrameKeys bounds a frame: a follower refuses larger ones, a snapshot is split.
 	maxFrameKeys = 1 << 16
+	// maxFollowers bounds the streams a sidecar serves at once: a router or picker
+	// replica each.
+	maxFollowers = 256
 	// subscriberFrames is how many frames a slow follower may fall behind before it is
 	// cut off (it reconnects and starts from a snapshot).
 	subscriberFrames = 1024
@@ -174,6 +177,11 @@ func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	flush := http.NewResponseController(w)
 	ch := make(chan []byte, subscriberFrames)
 	h.mu.Lock()
+	if len(h.subs) >= maxFollowers {
+		h.mu.Unlock()
+		http.Error(w, fmt.Sprintf("%d followers already: at most %d", maxFollowers, maxFollowers), http.StatusServiceUnavailable)
+		return
+	}
 	// The snapshot is taken with the follower registered, under the lock Apply holds:
 	// no change falls between them.
 	all := h.keys.All()

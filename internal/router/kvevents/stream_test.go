@@ -11,6 +11,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -39,17 +41,28 @@ type sidecar struct {
 	srv *httptest.Server
 }
 
+// token writes a token file.
+func token(t *testing.T, value string) string {
+	path := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(path, []byte(value), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+var poolToken = strings.Repeat("ab", 32)
+
 func newSidecar(t *testing.T) *sidecar {
 	reg := prometheus.NewRegistry()
 	hub := NewHub(NewKeys("m", 1000), reg)
-	srv := httptest.NewServer(hub)
+	srv := httptest.NewServer(Authorized(token(t, poolToken), hub))
 	t.Cleanup(srv.Close)
 	return &sidecar{hub: hub, reg: reg, srv: srv}
 }
 
-func newFollower(t *testing.T, history *prefix.Index) (*Follower, *prometheus.Registry) {
+func newFollower(t *testing.T, history *prefix.Index, tokenValue string) (*Follower, *prometheus.Registry) {
 	reg := prometheus.NewRegistry()
-	f := NewFollower(1000, history, reg, Names{Live: "live", Blocks: "blocks", Resets: "resets"}, slog.New(slog.DiscardHandler))
+	f := NewFollower(1000, token(t, tokenValue), history, reg, Names{Live: "live", Blocks: "blocks", Resets: "resets"}, slog.New(slog.DiscardHandler))
 	t.Cleanup(f.Stop)
 	return f, reg
 }
@@ -62,7 +75,7 @@ func TestAFollowerMatchesWhatTheEngineHolds(t *testing.T) {
 	h := hashes(1, 4)
 	s.hub.Apply(Batch{Seq: 0, Events: []Event{stored(h[:2], "", seq(0, 8))}}) // before the router follows: in the snapshot
 	history := prefix.NewIndex(100)
-	f, reg := newFollower(t, history)
+	f, reg := newFollower(t, history, poolToken)
 	if _, ok := f.Match("e", nil); ok {
 		t.Fatal("an engine not followed matched")
 	}
@@ -126,6 +139,18 @@ func counter(t *testing.T, reg *prometheus.Registry, name, label string) prometh
 	return nil
 }
 
+// A follower without the pool's token gets nothing: the engine stays history's.
+func TestAFollowerWithoutTheTokenGetsNoKeys(t *testing.T) {
+	s := newSidecar(t)
+	s.hub.Apply(Batch{Seq: 0, Events: []Event{stored(hashes(1, 2), "", seq(0, 8))}})
+	f, reg := newFollower(t, prefix.NewIndex(100), strings.Repeat("cd", 32))
+	f.Sync([]discovery.Engine{{EngineID: "e", KVEventsURL: s.srv.URL}})
+	eventually(t, "the refusal counted", func() bool { return testutil.ToFloat64(counter(t, reg, "resets", "down")) >= 1 })
+	if _, ok := f.Match("e", nil); ok || f.Blocks() != 0 {
+		t.Errorf("a refused follower is live, or holds %d blocks", f.Blocks())
+	}
+}
+
 // A follower refuses a stream that is not the protocol, and a sidecar cuts off one that
 // does not read, without holding up the engine's events.
 func TestStreamsRefuseWhatIsNotTheProtocol(t *testing.T) {
@@ -146,7 +171,7 @@ func TestStreamsRefuseWhatIsNotTheProtocol(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	if _, err := io.WriteString(c, "GET "+StreamPath+" HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+	if _, err := io.WriteString(c, "GET "+StreamPath+" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "+poolToken+"\r\n\r\n"); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "the follower registered", func() bool { return testutil.ToFloat64(gauge(t, s.reg, "kvhandoff_kv_events_followers")) == 1 })
