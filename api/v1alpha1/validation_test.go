@@ -79,6 +79,8 @@ var _ = Describe("KVTransferPolicy validation", func() {
 		Entry("accepts prefix-aware routing", builder.Policy("p").PrefixAware(256), ""),
 		Entry("rejects an unknown decode choice", builder.Policy("p").Routing(kvv1.RoutingSpec{DecodeChoice: "Random", LoadWeight: 1}),
 			`spec.routing.decodeChoice: Unsupported value: "Random": supported values: "LoadOnly", "PrefixAware"`),
+		Entry("rejects an unknown prefix source", builder.Policy("p").Routing(kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, LoadWeight: 1, PrefixSource: "Tokenizer"}),
+			`spec.routing.prefixSource: Unsupported value: "Tokenizer": supported values: "KVEvents", "RoutingHistory"`),
 		Entry("rejects a load weight below 1", builder.Policy("p").Routing(kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, LoadWeight: -1}),
 			"spec.routing.loadWeight in body should be greater than or equal to 1"),
 		Entry("rejects an overlap weight over 1000", builder.Policy("p").Routing(kvv1.RoutingSpec{OverlapWeight: 1001, LoadWeight: 1}),

@@ -42,8 +42,8 @@ func Policy(name string) *PolicyBuilder {
 			LoadFailurePolicy:          kvv1.LoadFailureFail,
 			HandoffFailurePolicy:       kvv1.HandoffFailureFail,
 			HandoffFailureLimitPercent: ptr.To[int32](kvv1.DefaultHandoffFailureLimitPercent),
-			Routing: &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoiceLoadOnly, OverlapWeight: kvv1.DefaultOverlapWeight,
-				LoadWeight: kvv1.DefaultLoadWeight},
+			Routing: &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoiceLoadOnly, PrefixSource: kvv1.PrefixSourceKVEvents,
+				OverlapWeight: kvv1.DefaultOverlapWeight, LoadWeight: kvv1.DefaultLoadWeight},
 			SameNode: kvv1.SameNodeForbid,
 		},
 	}}
