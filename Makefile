@@ -172,6 +172,12 @@ bench-prefix-vllm: deps ## Prefix-aware routing with real vLLM CPU engines: mult
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && \
 		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" vllm-connector/bench/bench_prefix.py --out bench/results/prefix
 
+.PHONY: bench-kv-events
+bench-kv-events: deps ## Where the prefix index comes from, with two router replicas and real vLLM CPU engines: routing history against the engines' KV cache events, on the same token-id conversations (about 5 minutes); bench/results/prefix/vllm-cpu-kv-events.md.
+	go build -o bin/ ./cmd/transfer-agent ./cmd/router
+	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && \
+		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" vllm-connector/bench/bench_kv_events.py --out bench/results/prefix
+
 .PHONY: bench-autoscale
 bench-autoscale: deps ## Autoscaling report: the stepped load on a real node, autoscaled against each static split of its budget (about 25 minutes); bench/results/autoscale/.
 	mkdir -p bench/results/autoscale

@@ -41,6 +41,41 @@ def conversations(seed: int, n: int, turns: int, system_words: int, user_words: 
             for c in range(n)]
 
 
+def play(convs: list, rate: float, think: float, seed: int, ask, answer: str) -> list[tuple[int, dict]]:
+    """Plays conversations: each arrives at a Poisson rate, then sends its turns one after
+    another with think time between, each turn's prompt the last one's, its answer (the
+    answer's key: "text" or "ids") and the new user turn. ask(conversation, turn, prompt)
+    sends a turn and returns its stream result. Returns (turn, result) as they finished."""
+    results, lock = [], threading.Lock()
+    rng = random.Random(seed)
+    starts, t = [], 0.0
+    for _ in convs:
+        t += rng.expovariate(rate)
+        starts.append(t)
+    begin = time.monotonic()
+
+    def converse(c: int):
+        time.sleep(max(0.0, begin + starts[c] - time.monotonic()))  # the conversation's arrival
+        prompt = type(convs[c][0])()
+        for n, user in enumerate(convs[c]):
+            if n:
+                time.sleep(think)  # the user's think time, not a synchronisation
+            prompt += user
+            out = ask(c, n, prompt)
+            with lock:
+                results.append((n, out))
+            if out["error"]:
+                return
+            prompt += out[answer]
+
+    threads = [threading.Thread(target=converse, args=(c,)) for c in range(len(convs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results
+
+
 def run(mode: str, routing: dict, bins: str, model: str, convs: list[list[str]], max_tokens: int, think: float, rate: float, seed: int) -> dict:
     d = tempfile.mkdtemp(prefix=f"kvhandoff-prefix-{mode}-")
     s = Stack(bins, model, d, mode, decodes=2, engine_args=ENGINE_ARGS, routing=routing)
@@ -49,34 +84,7 @@ def run(mode: str, routing: dict, bins: str, model: str, convs: list[list[str]],
         moved = kv_moved(s.agents, kind)
         hits = sum(engine_metric(e, "vllm:prefix_cache_hits_total") for e in s.ds)
         queries = sum(engine_metric(e, "vllm:prefix_cache_queries_total") for e in s.ds)
-        results, lock = [], threading.Lock()
-        rng = random.Random(seed)
-        starts = []
-        t = 0.0
-        for _ in convs:
-            t += rng.expovariate(rate)
-            starts.append(t)
-        begin = time.monotonic()
-
-        def converse(c: int):
-            time.sleep(max(0.0, begin + starts[c] - time.monotonic()))  # the conversation's arrival
-            prompt = ""
-            for n, user in enumerate(convs[c]):
-                if n:
-                    time.sleep(think)  # the user's think time, not a synchronisation
-                prompt += user
-                out = stream(s.r.port, prompt, max_tokens)
-                with lock:
-                    results.append((n, out))
-                if out["error"]:
-                    return
-                prompt += out["text"]
-
-        threads = [threading.Thread(target=converse, args=(c,)) for c in range(len(convs))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        results = play(convs, rate, think, seed, lambda c, n, prompt: stream(s.r.port, prompt, max_tokens), "text")
         wait_idle(s.p)
         ok = [(n, o) for n, o in results if not o["error"]]
         ttft = [o["ttft"] for _, o in ok]

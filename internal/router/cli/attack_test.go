@@ -41,7 +41,16 @@ func routerProcTo(t *testing.T, decode string, flags ...string) proc {
 	file := filepath.Join(dir, "endpoints.json")
 	_ = os.WriteFile(file,
 		[]byte(`{"mode":"Pull","prefill":[{"url":"http://127.0.0.1:1","engineID":"p"}],"decode":[{"url":"`+decode+`","engineID":"d"}]}`), 0o644)
-	cmd := exec.Command(bin, append([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain", "1s"}, flags...)...)
+	m := start(t, bin, `"listen":"([^"]+)","admin":"([^"]+)"`,
+		append([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain", "1s"}, flags...)...)
+	return proc{addr: m[1], admin: m[2]}
+}
+
+// start runs bin with args until the test ends, and returns the submatches of the first
+// line of its log that matches serving (where it says it serves).
+func start(t *testing.T, bin, serving string, args ...string) []string {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -50,16 +59,15 @@ func routerProcTo(t *testing.T, decode string, flags ...string) proc {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	listen := regexp.MustCompile(`"listen":"([^"]+)","admin":"([^"]+)"`)
-	lines := bufio.NewScanner(stderr)
-	for lines.Scan() {
-		if m := listen.FindStringSubmatch(lines.Text()); m != nil {
+	re := regexp.MustCompile(serving)
+	for lines := bufio.NewScanner(stderr); lines.Scan(); {
+		if m := re.FindStringSubmatch(lines.Text()); m != nil {
 			go func() { _, _ = io.Copy(io.Discard, stderr) }()
-			return proc{addr: m[1], admin: m[2]}
+			return m
 		}
 	}
-	t.Fatal("the router exited before it served")
-	return proc{}
+	t.Fatalf("%s exited before it served", filepath.Base(bin))
+	return nil
 }
 
 // metric reads one series from the router's /metrics.
@@ -220,27 +228,8 @@ func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
 	token := filepath.Join(dir, "token")
 	_ = os.WriteFile(token, []byte(strings.Repeat("7f", 32)+"\n"), 0o600)
 	zmqPort := freePort(t)
-	cmd := exec.Command(bin, "--mode=kv-events", "--served-model=m", "--local=127.0.0.1:1", "--listen=127.0.0.1:0",
-		"--kv-events-endpoint=tcp://127.0.0.1:"+strconv.Itoa(zmqPort), "--kv-events-token-file="+token)
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	listen := regexp.MustCompile(`"msg":"kv-events serving","listen":"([^"]+)"`)
-	var addr string
-	for lines := bufio.NewScanner(stderr); addr == "" && lines.Scan(); {
-		if m := listen.FindStringSubmatch(lines.Text()); m != nil {
-			addr = m[1]
-		}
-	}
-	if addr == "" {
-		t.Fatal("the sidecar exited before it served")
-	}
-	go func() { _, _ = io.Copy(io.Discard, stderr) }()
+	addr := start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, "--mode=kv-events", "--served-model=m", "--local=127.0.0.1:1",
+		"--listen=127.0.0.1:0", "--kv-events-endpoint=tcp://127.0.0.1:"+strconv.Itoa(zmqPort), "--kv-events-token-file="+token)[1]
 	get := func(auth string) *http.Response {
 		req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/v1/kv-keys", nil)
 		if auth != "" {
