@@ -77,7 +77,7 @@ func kvEventsSidecar(in Input) corev1.Container {
 func servedModel(spec *kvv1.EngineSpec) string {
 	args := spec.EngineArgs
 	for i, a := range args {
-		if v, ok := strings.CutPrefix(a, "--served-model-name="); ok {
+		if v, ok := strings.CutPrefix(a, "--served-model-name="); ok && strings.TrimSpace(v) != "" {
 			return strings.Fields(v)[0]
 		}
 		if a == "--served-model-name" && i+1 < len(args) && !strings.HasPrefix(args[i+1], "--") {

@@ -112,3 +112,22 @@ func TestFollowersAndSidecarsShareTheKVEventsToken(t *testing.T) {
 		t.Error("a router of engines without sidecars mounts a token")
 	}
 }
+
+// The sidecar keys blocks by the model name requests give: the first served name.
+func TestTheSidecarKeysByTheServedModelName(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "Qwen/Qwen3-32B"},
+		{[]string{"--served-model-name", "chat", "qwen"}, "chat"},
+		{[]string{"--served-model-name=chat"}, "chat"},
+		{[]string{"--served-model-name="}, "Qwen/Qwen3-32B"},
+		{[]string{"--served-model-name", "--max-model-len", "8"}, "Qwen/Qwen3-32B"},
+	} {
+		spec := builder.DecodePool("d", "p").EngineArgs(c.args...).Obj().Spec.EngineSpec
+		if got := servedModel(&spec); got != c.want {
+			t.Errorf("%v: %q, want %q", c.args, got, c.want)
+		}
+	}
+}

@@ -118,8 +118,9 @@ func (f *Follower) Sync(engines []discovery.Engine) {
 	for id, url := range want {
 		if f.engines[id] == nil {
 			ctx, stop := context.WithCancel(context.Background())
-			f.engines[id] = &followed{url: url, stop: stop}
-			go f.follow(ctx, id, url)
+			e := &followed{url: url, stop: stop}
+			f.engines[id] = e
+			go f.follow(ctx, id, e)
 		}
 	}
 }
@@ -131,19 +132,22 @@ func (f *Follower) Stop() {
 	}
 }
 
-// follow keeps engine's stream open until ctx ends, reconnecting after a break.
-func (f *Follower) follow(ctx context.Context, engine, url string) {
+// follow keeps the stream of e, engine's entry, open until ctx ends, reconnecting after a
+// break.
+func (f *Follower) follow(ctx context.Context, engine string, e *followed) {
 	backoff := time.Second
 	for ctx.Err() == nil {
 		start := time.Now()
-		err := f.stream(ctx, engine, url)
+		err := f.stream(ctx, engine, e)
 		if ctx.Err() != nil {
 			return
 		}
-		f.setLive(engine, false)
-		f.ix.Clear(engine)
+		f.apply(engine, e, func() {
+			e.live = false
+			f.ix.Clear(engine)
+		})
 		f.resets.WithLabelValues("down").Inc()
-		f.log.Info("an engine's KV events stream broke; its prefix index falls back to routing history", "engine", engine, "url", url, "err", err)
+		f.log.Info("an engine's KV events stream broke; its prefix index falls back to routing history", "engine", engine, "url", e.url, "err", err)
 		if time.Since(start) > time.Minute {
 			backoff = time.Second
 		}
@@ -153,7 +157,8 @@ func (f *Follower) follow(ctx context.Context, engine, url string) {
 }
 
 // stream reads one stream of engine's keys into the index until it breaks.
-func (f *Follower) stream(ctx context.Context, engine, url string) error {
+func (f *Follower) stream(ctx context.Context, engine string, e *followed) error {
+	url := e.url
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	token, err := ReadToken(f.tokenFile)
@@ -185,27 +190,31 @@ func (f *Follower) stream(ctx context.Context, engine, url string) error {
 		}
 		keys = k
 		silent.Reset(3 * Heartbeat)
-		switch op {
-		case OpSnapshot:
-			f.ix.Clear(engine)
-			f.setLive(engine, true)
-		case OpAdd:
-			f.ix.Add(engine, keys)
-		case OpRemove:
-			f.ix.Remove(engine, keys)
-		case OpEmptied:
-			f.ix.Clear(engine)
-			f.history.Clear(engine)
-			f.resets.WithLabelValues("emptied").Inc()
-		}
+		f.apply(engine, e, func() {
+			switch op {
+			case OpSnapshot:
+				f.ix.Clear(engine)
+				e.live = true
+			case OpAdd:
+				f.ix.Add(engine, keys)
+			case OpRemove:
+				f.ix.Remove(engine, keys)
+			case OpEmptied:
+				f.ix.Clear(engine)
+				f.history.Clear(engine)
+				f.resets.WithLabelValues("emptied").Inc()
+			}
+		})
 	}
 }
 
-func (f *Follower) setLive(engine string, live bool) {
+// apply runs change while e is still engine's entry: a stream that Sync has replaced (the
+// engine's pod came back at another address) or dropped changes nothing any more.
+func (f *Follower) apply(engine string, e *followed, change func()) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if e := f.engines[engine]; e != nil {
-		e.live = live
+	if f.engines[engine] == e {
+		change()
 	}
 }
 
