@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import tinymodel  # noqa: E402
-from bench_prefix import play  # noqa: E402
+from bench_prefix import play, workload_args  # noqa: E402
 from bench_vllm import pct, stream  # noqa: E402
 from stack import Router, Stack, endpoint, engine_metric, go_binaries, kv_moved, wait_idle  # noqa: E402
 
@@ -81,13 +81,7 @@ def run(source: str, bins: str, model: str, convs, max_tokens: int, think: float
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--rate", type=float, default=0.5, help="conversations starting a second (Poisson)")
-    ap.add_argument("--think", type=float, default=0.5)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--min-prefill", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=7)
+    workload_args(ap)
     a = ap.parse_args()
     bins = os.environ.get("KVHANDOFF_BIN_DIR") or go_binaries(tempfile.mkdtemp(prefix="kvhandoff-bins-"))
     model = tinymodel.make(tempfile.mkdtemp(prefix="kvhandoff-tiny-"))

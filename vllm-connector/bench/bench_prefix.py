@@ -106,9 +106,8 @@ def run(mode: str, routing: dict, bins: str, model: str, convs: list[list[str]],
         s.stop()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    """The conversations' shape and pace, as both prefix reports take them."""
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--rate", type=float, default=0.5, help="conversations starting a second (Poisson)")
@@ -116,6 +115,12 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--min-prefill", type=int, default=64)
     ap.add_argument("--seed", type=int, default=7)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    workload_args(ap)
     a = ap.parse_args()
     bins = os.environ.get("KVHANDOFF_BIN_DIR") or go_binaries(tempfile.mkdtemp(prefix="kvhandoff-bins-"))
     model = tinymodel.make(tempfile.mkdtemp(prefix="kvhandoff-tiny-"))
