@@ -40,13 +40,11 @@ func (r *PoolReconciler) routerImage(d *kvv1.DecodePool) string {
 // kvEventsImage is the image of a pool's kv-events sidecar: its DecodePool's router
 // image, and for a PrefillPool the manager's version's.
 func (r *PoolReconciler) kvEventsImage(p pool) string {
-	if d, ok := p.object().(*kvv1.DecodePool); ok {
-		return r.routerImage(d)
+	d, ok := p.object().(*kvv1.DecodePool)
+	if !ok {
+		d = &kvv1.DecodePool{} // names no image of its own
 	}
-	if r.RouterImage != "" {
-		return r.RouterImage
-	}
-	return render.DefaultRouterImage
+	return r.routerImage(d)
 }
 
 // gatewayState is what the status says of a DecodePool's InferencePool.

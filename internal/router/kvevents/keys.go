@@ -66,7 +66,7 @@ func (k *Keys) Apply(e Event) Change {
 	var c Change
 	switch e.Kind {
 	case KindCleared:
-		clear(k.blocks)
+		k.Reset()
 		c.Cleared = true
 	case KindRemoved:
 		if !k.followed(e, false) {
@@ -118,32 +118,39 @@ func (k *Keys) store(e Event) ([]prefix.Key, map[string]int) {
 			return skip(SkipNoParent)
 		}
 		parent = p
+	} else {
+		salt, ok := saltOf(first(e.ExtraKeys), e.LoRA, true)
+		if !ok {
+			return skip(SkipUnkeyed)
+		}
+		parent = prefix.Root(model, salt)
 	}
 	ids := make([]byte, 0, len(e.TokenIDs)*4)
 	for _, id := range e.TokenIDs {
 		ids = prefix.AppendID(ids, id)
 	}
-	var added []prefix.Key
+	// Every block keyed in one pass; those from the first left out on are dropped.
+	keys := prefix.Chain(parent, ids, e.BlockSize)
 	for i, h := range e.Hashes {
-		var extra []any
-		if e.ExtraKeys != nil {
-			extra = e.ExtraKeys[i]
-		}
-		salt, ok := saltOf(extra, e.LoRA, e.Parent == "" && i == 0)
-		if !ok {
-			return added, map[string]int{SkipUnkeyed: len(e.Hashes) - i}
-		}
-		if e.Parent == "" && i == 0 {
-			parent = prefix.Root(model, salt)
+		if i > 0 && e.ExtraKeys != nil {
+			if _, ok := saltOf(e.ExtraKeys[i], e.LoRA, false); !ok {
+				return keys[:i], map[string]int{SkipUnkeyed: len(e.Hashes) - i}
+			}
 		}
 		if _, held := k.blocks[h]; !held && len(k.blocks) >= k.MaxBlocks {
-			return added, map[string]int{SkipFull: len(e.Hashes) - i}
+			return keys[:i], map[string]int{SkipFull: len(e.Hashes) - i}
 		}
-		parent = prefix.Chain(parent, ids[i*e.BlockSize*4:(i+1)*e.BlockSize*4], e.BlockSize)[0]
-		k.blocks[h] = parent
-		added = append(added, parent)
+		k.blocks[h] = keys[i]
 	}
-	return added, nil
+	return keys, nil
+}
+
+// first is a store's first block's extra keys (none when the store has none).
+func first(extra [][]any) []any {
+	if len(extra) == 0 {
+		return nil
+	}
+	return extra[0]
 }
 
 // saltOf reads a block's extra keys, in vLLM's order: the LoRA name (when the blocks are

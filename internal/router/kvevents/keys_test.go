@@ -94,6 +94,11 @@ func TestDecodeRefusesMalformedMessages(t *testing.T) {
 		"an event not a map":   {[]byte("kv"), seq, {0x92, 0x01, 0x91, 0x01}},
 		"an event with no tag": {[]byte("kv"), seq, {0x92, 0x01, 0x91, 0x80}},
 		"a huge array claimed": {[]byte("kv"), seq, {0x92, 0x01, 0xdd, 0xff, 0xff, 0xff, 0xff}},
+		// {"type": "BlockStored", "token_ids": [-1]} and [2^32]: not token ids.
+		"a negative token id": {[]byte("kv"), seq, append([]byte{0x92, 0x01, 0x91, 0x82, 0xa4, 't', 'y', 'p', 'e', 0xab}, append([]byte("BlockStored"),
+			append([]byte{0xa9}, append([]byte("token_ids"), 0x91, 0xff)...)...)...)},
+		"a token id of 2^32": {[]byte("kv"), seq, append([]byte{0x92, 0x01, 0x91, 0x82, 0xa4, 't', 'y', 'p', 'e', 0xab}, append([]byte("BlockStored"),
+			append([]byte{0xa9}, append([]byte("token_ids"), 0x91, 0xcf, 0, 0, 0, 1, 0, 0, 0, 0)...)...)...)},
 	} {
 		if _, err := DecodeMessage(frames); err == nil {
 			t.Errorf("%s: decoded", name)

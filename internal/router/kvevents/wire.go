@@ -173,18 +173,7 @@ func decodeEvent(d *msgpack.Decoder) (Event, error) {
 				e.Parent, err = hashString(h)
 			}
 		case "token_ids":
-			var ids []any
-			if ids, err = d.DecodeSlice(); err == nil {
-				e.TokenIDs = make([]uint32, len(ids))
-				for i, id := range ids {
-					v, ok := unsigned(id)
-					if !ok || v >= 1<<32 {
-						err = fmt.Errorf("token_ids[%d] is %v: must be a token id", i, id)
-						break
-					}
-					e.TokenIDs[i] = uint32(v)
-				}
-			}
+			e.TokenIDs, err = decodeTokenIDs(d)
 		case "block_size":
 			e.BlockSize, err = d.DecodeInt()
 		case "lora_name":
@@ -227,6 +216,36 @@ func decodeEvent(d *msgpack.Decoder) (Event, error) {
 		return Event{}, errors.New("no type")
 	}
 	return e, nil
+}
+
+// decodeTokenIDs reads an array of token ids as they are, not as values in interfaces: a
+// 16k-token prompt's store holds 16k of them.
+func decodeTokenIDs(d *msgpack.Decoder) ([]uint32, error) {
+	n, err := d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	ids := make([]uint32, 0, min(n, 1<<16)) // a claimed length is not trusted
+	for i := range n {
+		c, err := d.PeekCode()
+		if err != nil {
+			return nil, err
+		}
+		if msgpcode.IsFixedNum(c) && int8(c) < 0 || c == msgpcode.Int8 || c == msgpcode.Int16 || c == msgpcode.Int32 || c == msgpcode.Int64 {
+			v, err := d.DecodeInt64()
+			if err != nil || v < 0 || v >= 1<<32 {
+				return nil, fmt.Errorf("token_ids[%d] is %d: must be a token id", i, v)
+			}
+			ids = append(ids, uint32(v))
+			continue
+		}
+		v, err := d.DecodeUint64()
+		if err != nil || v >= 1<<32 {
+			return nil, fmt.Errorf("token_ids[%d]: must be a token id (%v)", i, err)
+		}
+		ids = append(ids, uint32(v))
+	}
+	return ids, nil
 }
 
 func optionalString(d *msgpack.Decoder) (string, error) {
