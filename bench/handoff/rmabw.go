@@ -3,7 +3,6 @@ package handoff
 import (
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
@@ -96,19 +96,19 @@ func MeasureThroughput(ctx context.Context, sc Scenario, fabtests string, l sime
 	return th, nil
 }
 
-// fiRmaBw runs fi_rma_bw's server and client on loopback (unidirectional writedata,
+// fiRmaBw runs fi_rma_bw's server and client on a loopback host of their own (unidirectional writedata,
 // like a push) for iters writes, with extra options, and returns the client's GB/s and the
 // machine's busy CPU time over the client's run.
 func fiRmaBw(ctx context.Context, fabtests, lib string, sc Scenario, size, window, iters int, extra ...string) (gbps float64, busy time.Duration, err error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	// The server's address exchange listens on the host's fabtests port (9228, its default).
+	host, err := loopback.Claim()
 	if err != nil {
 		return 0, 0, err
 	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
+	defer host.Release()
 	bin := filepath.Join(fabtests, "bin", "fi_rma_bw")
 	args := []string{"-p", sc.Provider, "-e", "rdm", "-o", "writedata", "-S", strconv.Itoa(size),
-		"-W", strconv.Itoa(window), "-I", strconv.Itoa(iters), "-E=" + strconv.Itoa(port)}
+		"-W", strconv.Itoa(window), "-I", strconv.Itoa(iters), "-E=9228"}
 	args = append(args, extra...)
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
@@ -118,7 +118,7 @@ func fiRmaBw(ctx context.Context, fabtests, lib string, sc Scenario, size, windo
 		}
 		return exec.CommandContext(ctx, bin, args...)
 	}
-	server := command(args...)
+	server := command(append(args, "-s", host.IP)...)
 	server.Env = append(server.Environ(), lib)
 	var serverOut strings.Builder
 	server.Stdout, server.Stderr = &serverOut, &serverOut
@@ -129,7 +129,7 @@ func fiRmaBw(ctx context.Context, fabtests, lib string, sc Scenario, size, windo
 	// The client fails at once while the server is not yet listening: try again.
 	var out []byte
 	for attempt := 0; ; attempt++ {
-		client := command(append(args, "127.0.0.1")...)
+		client := command(append(args, host.IP)...)
 		client.Env = append(client.Environ(), lib)
 		before := cpuBusy()
 		if out, err = client.CombinedOutput(); err == nil {

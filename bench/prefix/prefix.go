@@ -396,7 +396,7 @@ func (sc Scenario) startStack(ctx context.Context, cfg Config, a, b *agentproc.P
 		return nil, err
 	}
 	var err error
-	if s.router, err = routerproc.Start(sc.RouterBin, endpoints, filepath.Join(dir, "router.log"), "--admin-listen", "127.0.0.1:0"); err != nil {
+	if s.router, err = routerproc.Start(sc.RouterBin, endpoints, filepath.Join(dir, "router.log")); err != nil {
 		s.stop()
 		return nil, err
 	}

@@ -4,13 +4,13 @@ package routerproc
 
 import (
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
-	"strconv"
 	"syscall"
 	"time"
+
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 // Proc is a running router.
@@ -21,6 +21,7 @@ type Proc struct {
 	Log string
 
 	cmd    *exec.Cmd
+	host   *loopback.Host
 	exited chan struct{}
 	log    *os.File
 }
@@ -28,20 +29,21 @@ type Proc struct {
 // Start runs bin on endpoints, logging to logPath, with args added, and waits until it is
 // ready to route.
 func Start(bin, endpoints, logPath string, args ...string) (*Proc, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	host, err := loopback.Claim()
 	if err != nil {
 		return nil, err
 	}
-	port := strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
-	l.Close()
-	p := &Proc{URL: "http://127.0.0.1:" + port, Log: logPath, exited: make(chan struct{})}
+	p := &Proc{URL: "http://" + host.Addr(8000), Log: logPath, exited: make(chan struct{}), host: host}
 	if p.log, err = os.Create(logPath); err != nil {
+		host.Release()
 		return nil, err
 	}
-	p.cmd = exec.Command(bin, append([]string{"--endpoints", endpoints, "--listen", "127.0.0.1:" + port}, args...)...)
+	// On a host of its own, with the ports it has in a pod (args may name others).
+	p.cmd = exec.Command(bin, append([]string{"--endpoints", endpoints, "--listen", host.Addr(8000), "--admin-listen", host.Addr(8001)}, args...)...)
 	p.cmd.Stderr = p.log
 	if err := p.cmd.Start(); err != nil {
 		p.log.Close()
+		host.Release()
 		return nil, err
 	}
 	go func() { _ = p.cmd.Wait(); close(p.exited) }()
@@ -50,6 +52,7 @@ func Start(bin, endpoints, logPath string, args ...string) (*Proc, error) {
 		select {
 		case <-p.exited:
 			p.log.Close()
+			host.Release()
 			return nil, fmt.Errorf("the router exited at start; its log is %s", logPath)
 		default:
 		}
@@ -75,4 +78,5 @@ func (p *Proc) Stop() {
 		<-p.exited
 	}
 	p.log.Close()
+	p.host.Release()
 }

@@ -19,14 +19,12 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/kvhandoff/kvhandoff/test/envtest"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 var _ = Describe("Metrics", func() {
 	It("serves /metrics only to callers the API server authenticates and authorizes", func() {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		Expect(err).NotTo(HaveOccurred())
-		addr := l.Addr().String()
-		Expect(l.Close()).To(Succeed())
+		addr := net.JoinHostPort(loopback.New(GinkgoT()), "8443")
 		mgr, err := ctrl.NewManager(env.Config, ctrl.Options{Scheme: env.Scheme, Metrics: MetricsOptions(addr, true), HealthProbeBindAddress: "0"})
 		Expect(err).NotTo(HaveOccurred())
 		mctx, stop := context.WithCancel(ctx)

@@ -2,7 +2,6 @@ package controller
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -21,6 +20,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/render"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 var _ = Describe("Router health", func() {
@@ -111,11 +111,7 @@ func routerPod(ns, pool, name string, owner *appsv1.ReplicaSet, url string) {
 }
 
 func closedURL() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	Expect(err).NotTo(HaveOccurred())
-	addr := l.Addr().String()
-	Expect(l.Close()).To(Succeed())
-	return fmt.Sprintf("http://%s", addr)
+	return "http://" + loopback.Refusing(GinkgoT())
 }
 
 func get(url string) int {

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -19,6 +18,7 @@ import (
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -49,13 +49,7 @@ func startEngine(t *testing.T, id string, kv vllmserver.KV, prefill time.Duratio
 // deadEngine is an engine whose port refuses connections.
 func deadEngine(t *testing.T, id string) discovery.Engine {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	return discovery.Engine{URL: "http://" + addr, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}
+	return discovery.Engine{URL: "http://" + loopback.Refusing(t), EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}
 }
 
 // requestLogs keeps the router's request log lines (JSON) for a test to read.

@@ -7,12 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
 
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
@@ -24,6 +26,7 @@ import (
 // Env is a running control plane with kvhandoff's CRDs installed.
 type Env struct {
 	*envtest.Environment
+	host   *loopback.Host
 	Config *rest.Config
 	Scheme *k8sruntime.Scheme
 	// Client writes with strict field validation, so a typo in a test object fails loudly
@@ -44,21 +47,40 @@ func Start(s *k8sruntime.Scheme) (*Env, error) {
 	if err != nil {
 		return nil, err
 	}
+	// On a loopback host of their own with their usual ports: envtest would otherwise
+	// give them ports it found free and released, which another process can take first.
+	host, err := loopback.Claim()
+	if err != nil {
+		return nil, err
+	}
+	etcd := &envtest.Etcd{URL: &url.URL{Scheme: "http", Host: host.Addr(2379)}}
+	etcd.Configure().Set("listen-peer-urls", "http://"+host.Addr(2380))
+	apiserver := &envtest.APIServer{}
+	apiserver.SecureServing.ListenAddr = envtest.ListenAddr{Address: host.IP, Port: "6443"}
 	env := &envtest.Environment{
+		ControlPlane:          envtest.ControlPlane{Etcd: etcd, APIServer: apiserver},
 		CRDDirectoryPaths:     []string{filepath.Join(RepoRoot(), "config", "crd", "bases")},
 		ErrorIfCRDPathMissing: true,
 		BinaryAssetsDirectory: assets,
 	}
-	cfg, err := env.Start()
-	if err != nil {
+	e := &Env{Environment: env, host: host, Scheme: s}
+	if e.Config, err = env.Start(); err != nil {
+		_ = e.Stop()
 		return nil, fmt.Errorf("starting kube-apiserver and etcd from %s: %w", assets, err)
 	}
-	c, err := client.New(cfg, client.Options{Scheme: s})
+	c, err := client.New(e.Config, client.Options{Scheme: s})
 	if err != nil {
-		_ = env.Stop()
+		_ = e.Stop()
 		return nil, err
 	}
-	return &Env{Environment: env, Config: cfg, Scheme: s, Client: client.WithFieldValidation(c, "Strict")}, nil
+	e.Client = client.WithFieldValidation(c, "Strict")
+	return e, nil
+}
+
+// Stop stops kube-apiserver and etcd and gives their loopback host back.
+func (e *Env) Stop() error {
+	err := e.Environment.Stop()
+	return errors.Join(err, e.host.Release())
 }
 
 // Binaries returns the folder that holds the named control-plane binaries:

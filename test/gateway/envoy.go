@@ -8,7 +8,6 @@ package gateway
 import (
 	"bytes"
 	"cmp"
-	"fmt"
 	"net"
 	"net/http"
 	"os"
@@ -21,6 +20,7 @@ import (
 	"time"
 
 	"github.com/kvhandoff/kvhandoff/test/envtest"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 // envoyConfig is a static gateway: the EPP's pick routes to the ORIGINAL_DST cluster
@@ -30,7 +30,7 @@ import (
 // gateway's own subsetting would set it.
 var envoyConfig = template.Must(template.New("envoy").Parse(`
 admin:
-  address: {socket_address: {address: 127.0.0.1, port_value: {{.Admin}}}}
+  address: {socket_address: {address: {{.AdminAddress}}, port_value: {{.Admin}}}}
 static_resources:
   listeners:
   - name: gateway
@@ -127,9 +127,9 @@ type HostPort struct {
 
 // EnvoyParams are a static gateway's addresses and modes.
 type EnvoyParams struct {
-	Admin, Listen, EPP        int
-	ListenAddress, EPPAddress string // default 127.0.0.1
-	FailOpen                  bool
+	Admin, Listen, EPP                      int
+	AdminAddress, ListenAddress, EPPAddress string // default 127.0.0.1
+	FailOpen                                bool
 	// BodyMode is ext_proc's request body mode: FULL_DUPLEX_STREAMED (GIE's and llm-d's),
 	// or BUFFERED, the one in which Envoy can still fail open once the body was read.
 	BodyMode string
@@ -139,6 +139,7 @@ type EnvoyParams struct {
 
 // EnvoyConfig is Envoy's static configuration for p.
 func EnvoyConfig(p EnvoyParams) (string, error) {
+	p.AdminAddress = cmp.Or(p.AdminAddress, "127.0.0.1")
 	p.ListenAddress = cmp.Or(p.ListenAddress, "127.0.0.1")
 	p.EPPAddress = cmp.Or(p.EPPAddress, "127.0.0.1")
 	p.BodyMode = cmp.Or(p.BodyMode, "FULL_DUPLEX_STREAMED")
@@ -157,11 +158,13 @@ func envoyBinary(t testing.TB) string {
 	return strings.TrimSpace(string(out))
 }
 
-// startEnvoy runs Envoy with p (its ports chosen here) until the test ends, and returns
-// its listener's URL once it is ready.
+// startEnvoy runs Envoy with p until the test ends, on a loopback host of its own (its
+// admin and listener addresses chosen here), and returns its listener's URL once it is
+// ready.
 func startEnvoy(t testing.TB, bin string, p EnvoyParams) string {
 	t.Helper()
-	p.Admin, p.Listen = freePort(t, "127.0.0.1"), freePort(t, "127.0.0.1")
+	host := loopback.New(t)
+	p.AdminAddress, p.Admin, p.ListenAddress, p.Listen = host, 19000, host, 8081
 	cfg, err := EnvoyConfig(p)
 	if err != nil {
 		t.Fatal(err)
@@ -190,7 +193,7 @@ func startEnvoy(t testing.TB, bin string, p EnvoyParams) string {
 			t.Logf("envoy's log:\n%s", tail(b, 4000))
 		}
 	})
-	ready := fmt.Sprintf("http://127.0.0.1:%d/ready", p.Admin)
+	ready := "http://" + net.JoinHostPort(host, itoa(p.Admin)) + "/ready"
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		select {
@@ -202,7 +205,7 @@ func startEnvoy(t testing.TB, bin string, p EnvoyParams) string {
 		if resp, err := http.Get(ready); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
-				return fmt.Sprintf("http://127.0.0.1:%d", p.Listen)
+				return "http://" + net.JoinHostPort(host, itoa(p.Listen))
 			}
 		}
 		if time.Now().After(deadline) {
@@ -217,17 +220,6 @@ func tail(b []byte, n int) string {
 		b = b[len(b)-n:]
 	}
 	return string(b)
-}
-
-// freePort is a port nothing listens on at host now.
-func freePort(t testing.TB, host string) int {
-	t.Helper()
-	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }

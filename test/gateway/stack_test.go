@@ -19,6 +19,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/epp"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -82,8 +83,8 @@ func startStack(t testing.TB, o options) *stack {
 	kv := vllmserver.NewLocalKV()
 	st := &stack{}
 	for i := range 2 {
-		st.prefill = append(st.prefill, startEngine(t, fmt.Sprintf("prefill-%d", i), fmt.Sprintf("127.0.0.%d", 21+i), kv, 0))
-		st.decode = append(st.decode, startEngine(t, fmt.Sprintf("decode-%d", i), fmt.Sprintf("127.0.0.%d", 11+i), kv, o.tpot))
+		st.prefill = append(st.prefill, startEngine(t, fmt.Sprintf("prefill-%d", i), loopback.New(t), kv, 0))
+		st.decode = append(st.decode, startEngine(t, fmt.Sprintf("decode-%d", i), loopback.New(t), kv, o.tpot))
 	}
 	st.set = &discovery.Set{Mode: o.mode, HandoffFailurePolicy: o.policy, Source: "test"}
 	for i := range 2 {
@@ -93,9 +94,9 @@ func startStack(t testing.TB, o options) *stack {
 
 	// The same leg-runner ports on every decode pod, as the InferencePool's target ports:
 	// one per data-parallel rank, each its own leg runner (here in front of the pod's one
-	// engine).
-	for range max(o.ranks, 1) {
-		st.legPorts = append(st.legPorts, freePort(t, st.decode[0].host))
+	// engine). The pods' hosts are the test's own, so are their ports.
+	for i := range max(o.ranks, 1) {
+		st.legPorts = append(st.legPorts, 8200+i)
 	}
 	st.legPort = st.legPorts[0]
 	var pool []HostPort

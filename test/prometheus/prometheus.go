@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/kvhandoff/kvhandoff/test/envtest"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 // Target is one scraped endpoint and the target labels a PodMonitor would give it.
@@ -72,12 +73,7 @@ func Start(t testing.TB, rules string, targets ...Target) *Server {
 	if err := os.WriteFile(filepath.Join(dir, "prometheus.yml"), []byte(cfg.String()), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
+	addr := net.JoinHostPort(loopback.New(t), "9090")
 	cmd := exec.Command(strings.TrimSpace(string(bin)), "--config.file="+filepath.Join(dir, "prometheus.yml"),
 		"--storage.tsdb.path="+filepath.Join(dir, "data"), "--web.listen-address="+addr, "--log.level=warn")
 	var log syncBuffer

@@ -58,7 +58,7 @@ def run(source: str, bins: str, model: str, convs, max_tokens: int, think: float
         hits = sum(engine_metric(e, "vllm:prefix_cache_hits_total") for e in s.ds)
         queries = sum(engine_metric(e, "vllm:prefix_cache_queries_total") for e in s.ds)
         # A conversation's turns alternate between the two routers.
-        results = play(convs, rate, think, seed, lambda c, n, prompt: stream(routers[(c + n) % 2].port, prompt, max_tokens), "ids")
+        results = play(convs, rate, think, seed, lambda c, n, prompt: stream(routers[(c + n) % 2].addr, prompt, max_tokens), "ids")
         wait_idle(s.p)
         ok = [(n, o) for n, o in results if not o["error"]]
         ttft = [o["ttft"] for _, o in ok]

@@ -84,7 +84,7 @@ def run(mode: str, routing: dict, bins: str, model: str, convs: list[list[str]],
         moved = kv_moved(s.agents, kind)
         hits = sum(engine_metric(e, "vllm:prefix_cache_hits_total") for e in s.ds)
         queries = sum(engine_metric(e, "vllm:prefix_cache_queries_total") for e in s.ds)
-        results = play(convs, rate, think, seed, lambda c, n, prompt: stream(s.r.port, prompt, max_tokens), "text")
+        results = play(convs, rate, think, seed, lambda c, n, prompt: stream(s.r.addr, prompt, max_tokens), "text")
         wait_idle(s.p)
         ok = [(n, o) for n, o in results if not o["error"]]
         ttft = [o["ttft"] for _, o in ok]

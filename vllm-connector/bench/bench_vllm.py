@@ -52,10 +52,10 @@ def prompts(rng: random.Random, model: str, n: int, lo: int, hi: int) -> list[st
 
 
 class Config:
-    """One configuration: its processes and the port clients send to."""
+    """One configuration: its processes and the address (host:port) clients send to."""
 
-    def __init__(self, name, procs, port, agents=(), router_log=None, timeline=None):
-        self.name, self.procs, self.port, self.agents = name, procs, port, list(agents)
+    def __init__(self, name, procs, addr, agents=(), router_log=None, timeline=None):
+        self.name, self.procs, self.addr, self.agents = name, procs, addr, list(agents)
         self.router_log, self.timeline = router_log, timeline
 
     def agent_counters(self) -> tuple[float, float, dict[str, list[float]]]:
@@ -96,7 +96,7 @@ def start(name, bins, model, d, gpu: GPU | None) -> Config:
     if name == "one engine":
         e = Engine("alone", model, d, 0, gpu=gpu)
         e.ready(900)
-        return Config(name, [e], e.port)
+        return Config(name, [e], e.addr)
     if name.startswith("kvhandoff"):
         timeline = os.path.join(d, "timeline")
         os.environ["KVHANDOFF_TIMELINE"] = timeline  # the engines' connectors write there
@@ -105,17 +105,17 @@ def start(name, bins, model, d, gpu: GPU | None) -> Config:
             s = Stack(bins, model, d, name.split()[1], doorbell="(gRPC)" not in name, gpu=gpu)
         finally:
             del os.environ["KVHANDOFF_TIMELINE"]
-        return Config(name, s.procs, s.r.port, agents=s.agents, router_log=s.r.log_path, timeline=timeline)
+        return Config(name, s.procs, s.r.addr, agents=s.agents, router_log=s.r.log_path, timeline=timeline)
     s = NixlStack(bins, model, d, "push" if "push" in name else "pull", keep_affinity="placement undone" in name)
-    return Config(name, s.procs, s.r.port)
+    return Config(name, s.procs, s.r.addr)
 
 
-def stream(port: int, prompt: str, max_tokens: int) -> dict:
+def stream(addr: str, prompt: str, max_tokens: int) -> dict:
     """One streamed completion: time to first token, the gaps between tokens, token ids, text,
     and (routers with routing.minPrefillTokens) why it was served on decode alone."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
             "stream": True, "return_token_ids": True}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+    req = urllib.request.Request(f"http://{addr}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     sent, t0 = time.time(), time.monotonic()
     out = {"ttft": None, "itl": [], "ids": [], "text": "", "error": None, "sent": sent, "id": None, "decode_only": None}
@@ -158,7 +158,7 @@ def run_load(cfg: Config, load) -> dict:
         delay = t0 + at - time.monotonic()
         if delay > 0:
             time.sleep(delay)  # the arrival schedule, not synchronisation
-        th = threading.Thread(target=lambda i=i, p=prompt, n=n: results.__setitem__(i, stream(cfg.port, p, n)))
+        th = threading.Thread(target=lambda i=i, p=prompt, n=n: results.__setitem__(i, stream(cfg.addr, p, n)))
         th.start()
         threads.append(th)
     for th in threads:
@@ -338,14 +338,14 @@ def main():
             continue
         try:
             # Identity first: each prompt alone, greedy, against the engine alone.
-            ids = [stream(cfg.port, p, n)["ids"] for p, n in checks]
+            ids = [stream(cfg.addr, p, n)["ids"] for p, n in checks]
             if reference is None:
                 reference = ids
             if name == "one engine":
                 # The control for P/D's identity: the engine alone answering each prompt
                 # again from its own prefix cache computes the last prompt token over
                 # cached KV, as a decode engine does, with no transfer at all.
-                cached = [stream(cfg.port, p, n)["ids"] for p, n in checks]
+                cached = [stream(cfg.addr, p, n)["ids"] for p, n in checks]
             elif first_pd is None:
                 first_pd = (name, ids)
             same = sum(x == y for x, y in zip(ids, reference))

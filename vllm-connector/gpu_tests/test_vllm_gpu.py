@@ -42,7 +42,7 @@ def reference(model, tmp_path_factory):
     e = Engine("alone", model, str(tmp_path_factory.mktemp("alone")), 0, gpu=ON_GPU)
     try:
         TIMINGS["GPU engine start (alone)"] = e.ready(600)
-        return {p: complete(e.port, p, MAX_TOKENS) for p in PROMPTS + TURNS}
+        return {p: complete(e.addr, p, MAX_TOKENS) for p in PROMPTS + TURNS}
     finally:
         e.stop()
 
@@ -59,7 +59,7 @@ def test_p_d_on_one_gpu_generates_what_one_engine_does_and_moves_every_prompt_bl
     kind = mode.removesuffix("-layered")
     before, want, block = kv_moved(s.agents, kind), 0, block_size(s.d)
     for p in PROMPTS:
-        assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r}\n{s.logs()}"
+        assert complete(s.r.addr, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r}\n{s.logs()}"
         # Decode loads every prompt token's KV: each block the prompt fills, whole.
         want += math.ceil(prompt_tokens(s.p, p) / block) * block * tinymodel.kv_bytes_per_token("tiny")
     # Every prefill's blocks come back once the agent is done with them, even on an engine
@@ -76,10 +76,10 @@ def test_a_turn_whose_head_decode_holds_moves_only_its_tail(stack, reference):
     mode, s = stack
     kind = mode.removesuffix("-layered")
     first, second = TURNS
-    assert complete(s.r.port, first, MAX_TOKENS) == reference[first], s.logs()
+    assert complete(s.r.addr, first, MAX_TOKENS) == reference[first], s.logs()
     wait_idle(s.p, 30)
     moved, hits = kv_moved(s.agents, kind), engine_metric(s.d, "vllm:prefix_cache_hits_total")
-    assert complete(s.r.port, second, MAX_TOKENS) == reference[second], f"{mode}\n{s.logs()}"
+    assert complete(s.r.addr, second, MAX_TOKENS) == reference[second], f"{mode}\n{s.logs()}"
     wait_idle(s.p, 30)
     block, n = block_size(s.d), prompt_tokens(s.p, second)
     cached = engine_metric(s.d, "vllm:prefix_cache_hits_total") - hits

@@ -22,7 +22,7 @@ def reference(tiny_model, tmp_path_factory):
     e = Engine("reference", tiny_model, str(tmp_path_factory.mktemp("reference")), cpu=0)
     try:
         TIMINGS["engine start (alone)"] = e.ready()
-        return {p: complete(e.port, p, MAX_TOKENS) for p in PROMPTS}
+        return {p: complete(e.addr, p, MAX_TOKENS) for p in PROMPTS}
     finally:
         e.stop()
 

@@ -3,8 +3,10 @@ kvhandoff router, each on loopback, with its log kept for failures."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -31,10 +33,39 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOKEN = "kvhandoff-loopback-token-0123456789"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Each engine, router and sidecar runs on a loopback host of its own, with the ports it
+# has in a pod (a sidecar shares its engine's host, as it shares its pod's loopback). No
+# port is ever found free, released and handed to a process: another could take it
+# meanwhile (that race failed a cold make test). A host is claimed as the Go tests'
+# test/loopback claims it: a UDP socket bound to CLAIM_PORT on an address of
+# 127.128.0.0/9, held for the session; while it is held no other claimant gets that host,
+# and its TCP ports below the kernel's ephemeral range (32768 and up) are taken by no
+# other process's bind to port 0 or outgoing connection.
+CLAIM_PORT = 1999
+_CLAIMS: list[socket.socket] = []
+
+# The ports of a pod, as the manager renders them.
+ENGINE_PORT, SIDE_CHANNEL_PORT, KV_EVENTS_PORT, KV_EVENTS_ZMQ_PORT = 8000, 5600, 8102, 5557
+ROUTER_PORT, ROUTER_ADMIN_PORT = 8000, 8001
+
+
+def loopback_host() -> str:
+    """A loopback address of this session's own (see CLAIM_PORT)."""
+    start = random.randrange(1 << 23)
+    for i in range(4096):
+        n = (127 << 24 | 128 << 16) + (start + i) % (1 << 23)
+        ip = socket.inet_ntoa(n.to_bytes(4, "big"))
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.bind((ip, CLAIM_PORT))
+        except OSError as e:
+            s.close()
+            if e.errno == errno.EADDRINUSE:
+                continue  # someone else's
+            raise
+        _CLAIMS.append(s)
+        return ip
+    raise RuntimeError("no free loopback host in 4096 tries of 127.128.0.0/9")
 
 
 def go_binaries(tmp: str) -> str:
@@ -152,10 +183,11 @@ class Engine(Proc):
     bf16 (its engine core in the server's process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
 
     def __init__(self, name: str, model: str, log_dir: str, cpu: int, kv: str | None = None, extra: list[str] | None = None,
-                 env: dict | None = None, gpu: GPU | None = None):
-        self.port = free_port()
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
-                "--host", "127.0.0.1", "--served-model-name", "m", "--enforce-eager", "--seed", "0"]
+                 env: dict | None = None, gpu: GPU | None = None, host: str | None = None):
+        self.host = host or loopback_host()
+        self.addr = f"{self.host}:{ENGINE_PORT}"
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(ENGINE_PORT),
+                "--host", self.host, "--served-model-name", "m", "--enforce-eager", "--seed", "0"]
         if gpu is None:
             args += ["--dtype", "float32", "--max-model-len", "2048"]
             env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu), **(env or {})}
@@ -174,24 +206,24 @@ class Engine(Proc):
         self.started = time.monotonic()
 
     def ready(self, timeout: float = 300) -> float:
-        self.wait_until("/health", lambda: http_ok(f"http://127.0.0.1:{self.port}/health"), timeout)
+        self.wait_until("/health", lambda: http_ok(f"http://{self.addr}/health"), timeout)
         return time.monotonic() - self.started
 
 
 class NixlEngine(Engine):
     """A stock vLLM engine with vLLM's own NIXL connector (kv_buffer_device cpu: vLLM's CPU
-    backend allows it), its side channel on a port of its own. keep_affinity puts
+    backend allows it), its side channel on its host's SIDE_CHANNEL_PORT. keep_affinity puts
     bench/sitecustomize.py on its path, which stops NIXL's worker from moving the engine's
     compute thread to the NUMA node's last core."""
 
     def __init__(self, name: str, model: str, log_dir: str, cpu: int, connector: str, keep_affinity: bool = False):
-        self.side = free_port()
+        host = loopback_host()
         kv = json.dumps({"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu", "engine_id": name + "-0.default"})
-        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_CHANNEL_PORT), "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
         if keep_affinity:
             env["KVH_BENCH_KEEP_AFFINITY"] = "1"
             env["PYTHONPATH"] = os.path.join(REPO, "vllm-connector", "bench")
-        super().__init__(name, model, log_dir, cpu, kv, env=env)
+        super().__init__(name, model, log_dir, cpu, kv, env=env, host=host)
 
 
 class Procs:
@@ -225,8 +257,8 @@ class NixlStack(Procs):
             self.d = self._add(NixlEngine("decode", model, d, 1, connector, keep_affinity))
             TIMINGS[f"nixl {mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
             # NIXL's side channels are the engines' own.
-            self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", "127.0.0.1", self.p.side),
-                                      [endpoint(self.d, "decode", "127.0.0.1", self.d.side)]))
+            self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", self.p.host, SIDE_CHANNEL_PORT),
+                                      [endpoint(self.d, "decode", self.d.host, SIDE_CHANNEL_PORT)]))
         except BaseException:
             self.stop()
             raise
@@ -235,7 +267,7 @@ class NixlStack(Procs):
 def endpoint(e: Engine, role: str, host: str = "", side: int = 0, index: int = 0) -> dict:
     """A router endpoint for engine e: its KV side channel (host, side) where the prefill
     side of its pair dials it."""
-    ep = {"url": f"http://127.0.0.1:{e.port}", "engineID": f"{role}-{index}.default", "tensorParallelSize": 1}
+    ep = {"url": f"http://{e.addr}", "engineID": f"{role}-{index}.default", "tensorParallelSize": 1}
     if host:
         ep.update(host=host, sideChannelPort=side)
     return ep
@@ -246,7 +278,8 @@ class Router(Proc):
     routing and block_size as a KVTransferPolicy's and a DecodePool's."""
 
     def __init__(self, bins: str, log_dir: str, mode: str, prefill: dict, decodes: list[dict], routing: dict | None = None, block_size: int = 0):
-        self.port = free_port()
+        host = loopback_host()
+        self.addr, admin = f"{host}:{ROUTER_PORT}", f"{host}:{ROUTER_ADMIN_PORT}"
         # Engines with a kv-events sidecar: follow them with the pool's token.
         follow = ["--kv-events-token-file", kv_events_token(log_dir)] if any("kvEventsURL" in e for e in [prefill, *decodes]) else []
         endpoints = os.path.join(log_dir, "endpoints.json")
@@ -255,13 +288,13 @@ class Router(Proc):
             if routing:
                 s.update(routing=routing, blockSize=block_size)
             json.dump(s, f)
-        self.admin = free_port()
-        super().__init__("router", [os.path.join(bins, "router"), "--listen", f"127.0.0.1:{self.port}", "--admin-listen", f"127.0.0.1:{self.admin}",
+        self.metrics_url = f"http://{admin}/metrics"
+        super().__init__("router", [os.path.join(bins, "router"), "--listen", self.addr, "--admin-listen", admin,
                                     "--endpoints", endpoints, "--scrape-interval", "0", *follow], log_dir)
-        self.wait_until("/readyz", lambda: http_ok(f"http://127.0.0.1:{self.port}/readyz"), 30)
+        self.wait_until("/readyz", lambda: http_ok(f"http://{self.addr}/readyz"), 30)
 
     def metric(self, name: str) -> float:
-        return metric_at(f"http://127.0.0.1:{self.admin}/metrics", name)
+        return metric_at(self.metrics_url, name)
 
 
 def metric_at(url: str, name: str) -> float:
@@ -274,11 +307,11 @@ def metric_at(url: str, name: str) -> float:
     return 0.0
 
 
-def kv_events_args(port: int) -> list[str]:
-    """vLLM's flag that publishes its KV cache events to a kv-events sidecar listening on
-    loopback port, as the manager renders it."""
+def kv_events_args(host: str) -> list[str]:
+    """vLLM's flag that publishes its KV cache events to the kv-events sidecar beside it
+    (on its host), as the manager renders it."""
     return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                              "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"})]
+                                              "endpoint": f"tcp://{host}:{KV_EVENTS_ZMQ_PORT}", "topic": "kv"})]
 
 
 def kv_events_token(d: str) -> str:
@@ -290,24 +323,24 @@ def kv_events_token(d: str) -> str:
 
 
 class EventsSidecar(Proc):
-    """An engine's kv-events sidecar (the router binary, --mode=kv-events), listening on
-    zmq_port for the publisher that engine's kv_events_args names."""
+    """An engine's kv-events sidecar (the router binary, --mode=kv-events) on the engine's
+    host, listening for the publisher that engine's kv_events_args names."""
 
-    def __init__(self, bins: str, e: Engine, zmq_port: int, log_dir: str):
-        self.port = free_port()
+    def __init__(self, bins: str, e: Engine, log_dir: str):
+        addr = f"{e.host}:{KV_EVENTS_PORT}"
         super().__init__(e.name + "-kv-events", [os.path.join(bins, "router"), "--mode=kv-events", "--served-model=m",
-                                                 f"--kv-events-endpoint=tcp://127.0.0.1:{zmq_port}", f"--local=127.0.0.1:{e.port}",
-                                                 "--listen", f"127.0.0.1:{self.port}", "--kv-events-token-file", kv_events_token(log_dir)], log_dir)
-        self.url = f"http://127.0.0.1:{self.port}"
+                                                 f"--kv-events-endpoint=tcp://{e.host}:{KV_EVENTS_ZMQ_PORT}", f"--local={e.addr}",
+                                                 "--listen", addr, "--kv-events-token-file", kv_events_token(log_dir)], log_dir)
+        self.url = f"http://{addr}"
         self.wait_until("/healthz", lambda: http_ok(self.url + "/healthz"), 30)
 
     def metric(self, name: str) -> float:
         return metric_at(self.url + "/metrics", name)
 
 
-def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120, min_tokens: int = 0) -> list[int]:
+def complete(addr: str, prompt: str, max_tokens: int = 16, timeout: float = 120, min_tokens: int = 0) -> list[int]:
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": min_tokens, "temperature": 0, "return_token_ids": True}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+    req = urllib.request.Request(f"http://{addr}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return list(json.load(r)["choices"][0]["token_ids"])
@@ -326,24 +359,24 @@ class Stack(Procs):
             self.b = self.a if gpu else self._add(Agent(bins, "agent-decode-node", os.path.join(d, "b")))
             self.agents = [self.a] if gpu else [self.a, self.b]
             same = gpu is not None
-            # kv_events: each engine publishes its KV cache events to a sidecar of its own.
-            zmq = {e: free_port() for e in ["prefill", *range(decodes)]} if kv_events else {}
-            events = lambda e: kv_events_args(zmq[e]) if kv_events else []
+            # kv_events: each engine publishes its KV cache events to a sidecar on its host.
+            hosts = {e: loopback_host() for e in ["prefill", *range(decodes)]}
+            events = lambda e: kv_events_args(hosts[e]) if kv_events else []
             self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket, doorbell, same),
-                                      (engine_args or []) + events("prefill"), gpu=gpu))
+                                      (engine_args or []) + events("prefill"), gpu=gpu, host=hosts["prefill"]))
             # More decode engines share the decode node's agent and its core.
             self.ds = [self._add(Engine(f"decode-{i}" if i else "decode", model, d, 1,
                                         kv_config(mode, "decode", f"decode-{i}.default", self.b.socket, doorbell, same),
-                                        (engine_args or []) + (decode_extra or []) + events(i), gpu=gpu))
+                                        (engine_args or []) + (decode_extra or []) + events(i), gpu=gpu, host=hosts[i]))
                        for i in range(decodes)]
             self.d = self.ds[0]
-            self.sidecars = {e: self._add(EventsSidecar(bins, self.p if e == "prefill" else self.ds[e], port, d)) for e, port in zmq.items()}
+            self.sidecars = {e: self._add(EventsSidecar(bins, self.p if e == "prefill" else self.ds[e], d)) for e in hosts} if kv_events else {}
             TIMINGS[f"{mode} prefill+{decodes} decode start (together)"] = max(e.ready() for e in [self.p, *self.ds])
             # For executor Agent a prefill engine's KV side channel is its agent.
             host, _, port = self.a.peer.rpartition(":")
             p = endpoint(self.p, "prefill", host, int(port))
             ds = [endpoint(e, "decode", index=i) for i, e in enumerate(self.ds)]
-            for ep, e in zip([p, *ds], zmq):
+            for ep, e in zip([p, *ds], self.sidecars):
                 ep["kvEventsURL"] = self.sidecars[e].url
             self.r = self._add(Router(bins, d, mode, p, ds, routing, block_size(self.d) if routing else 0))
         except BaseException:
@@ -353,7 +386,7 @@ class Stack(Procs):
 
 def prompt_tokens(e: Engine, prompt: str) -> int:
     """How many tokens the engine makes of prompt (its /tokenize)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{e.port}/tokenize", json.dumps({"model": "m", "prompt": prompt}).encode(),
+    req = urllib.request.Request(f"http://{e.addr}/tokenize", json.dumps({"model": "m", "prompt": prompt}).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.load(r)["count"]
@@ -369,7 +402,7 @@ def kv_moved(agents, mode: str) -> float:
 
 def block_size(e: Engine) -> int:
     """The engine's KV block size in tokens, from its vllm:cache_config_info series."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{e.port}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{e.addr}/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
             if line.startswith("vllm:cache_config_info{"):
                 return int(line.split('block_size="')[1].split('"')[0])
@@ -399,7 +432,7 @@ def engine_metric(e: Engine, name: str, label: str = "") -> float:
     """The sum of a vLLM metric's series (vllm:num_preemptions_total, ...), those with
     label (finished_reason="abort", ...) when one is named."""
     total = 0.0
-    with urllib.request.urlopen(f"http://127.0.0.1:{e.port}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{e.addr}/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
             if line.startswith(name) and label in line:
                 total += float(line.rpartition(" ")[2])

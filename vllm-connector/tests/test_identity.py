@@ -43,7 +43,7 @@ def test_p_d_through_the_agents_generates_what_one_engine_does(stack, reference)
     before, groups, records = kv_moved(s.agents, kind), layer_groups(s), bell_records(s)
     want, block = 0, block_size(s.d)
     for p in PROMPTS:
-        assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r}\n{s.logs()}"
+        assert complete(s.r.addr, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r}\n{s.logs()}"
         want += math.ceil(prompt_tokens(s.p, p) / block) * block * tinymodel.kv_bytes_per_token("tiny", 4)
     # The KV crossed through the agents, every block each prompt fills (once the prefill
     # engine holds no block, the counters are final); push-layered's layer by layer (the
@@ -65,15 +65,15 @@ def test_concurrent_requests_each_get_their_own_tokens(stack, reference):
     mode, s = stack
     work = PROMPTS * 3
     with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
-        got = list(pool.map(lambda p: complete(s.r.port, p, MAX_TOKENS), work))
+        got = list(pool.map(lambda p: complete(s.r.addr, p, MAX_TOKENS), work))
     for p, tokens in zip(work, got):
         assert tokens == reference[p], f"{mode}: prompt {p[:30]!r}"
 
 
-def send_then_drop(port: int, prompt: str, after: float) -> None:
+def send_then_drop(addr: str, prompt: str, after: float) -> None:
     """A client that goes away `after` seconds into its request: while its KV is on its
     way, during the transfer or while it decodes."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c = http.client.HTTPConnection(addr, timeout=60)
     body = {"model": "m", "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True}
     c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     time.sleep(after)  # the client's own timing, not a synchronisation
@@ -84,15 +84,15 @@ def test_cancelled_requests_leave_the_others_and_later_ones_correct(stack, refer
     mode, s = stack
     rng = random.Random(7)
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
-        drops = [pool.submit(send_then_drop, s.r.port, p, rng.uniform(0, 0.3)) for p in PROMPTS * 2]
-        kept = {p: pool.submit(complete, s.r.port, p, MAX_TOKENS) for p in PROMPTS}
+        drops = [pool.submit(send_then_drop, s.r.addr, p, rng.uniform(0, 0.3)) for p in PROMPTS * 2]
+        kept = {p: pool.submit(complete, s.r.addr, p, MAX_TOKENS) for p in PROMPTS}
         for f in drops:
             f.result()
         for p, f in kept.items():
             assert f.result() == reference[p], f"{mode}: prompt {p[:30]!r} beside cancelled requests"
     # After the cancels, the blocks that came back to both engines' pools are reused.
     for p in PROMPTS:
-        assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r} after the cancels"
+        assert complete(s.r.addr, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r} after the cancels"
 
 
 def test_a_prompt_decode_has_cached_moves_only_its_tail(stack):
@@ -112,7 +112,7 @@ def test_a_prompt_decode_has_cached_moves_only_its_tail(stack):
         return sum(v for a in s.agents for k, v in a.metrics().items() if k.startswith(name))
 
     def generate() -> list[int]:
-        return complete(s.r.port, prompt, max_tokens=200, min_tokens=200)
+        return complete(s.r.addr, prompt, max_tokens=200, min_tokens=200)
 
     prompt = " ".join(f"cached {i} prefix" for i in range(120))  # 1719 tokens: 13 full blocks
     first = generate()

@@ -38,12 +38,12 @@ def stack(bins, tiny_model, tmp_path_factory):
     s.stop()
 
 
-def complete(port: int, prompt: list[int]):
+def complete(addr: str, prompt: list[int]):
     import json
     import urllib.request
 
     body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(f"http://{addr}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)
 
@@ -56,7 +56,7 @@ def test_a_turn_goes_where_its_head_is_held_whoever_sent_the_head(stack):
     # saw it, so only the engine's events can tell it where the head is.
     for c in range(CONVERSATIONS):
         d = s.ds[home(c)]
-        complete(d.port, ids(c, head))
+        complete(d.addr, ids(c, head))
         wait_idle(d)
     held = lambda: sum(x.metric("kvhandoff_kv_events_blocks") for x in s.sidecars.values())
     until("the sidecars holding every head", lambda: held() >= CONVERSATIONS * HEAD_BLOCKS)
@@ -70,7 +70,7 @@ def test_a_turn_goes_where_its_head_is_held_whoever_sent_the_head(stack):
         served = [engine_metric(d, "vllm:request_success_total") for d in s.ds]
         hits = engine_metric(s.ds[want], "vllm:prefix_cache_hits_total")
         moved, before = kv_moved(s.agents, "push"), s.sidecars[want].metric("kvhandoff_kv_events_blocks")
-        complete(s.r.port, prompt)
+        complete(s.r.addr, prompt)
         done = lambda: [i for i, d in enumerate(s.ds) if engine_metric(d, "vllm:request_success_total") > served[i]]
         until("a decode engine to count the request", done)
         where = f"conversation {c}\n{s.logs()}"
@@ -93,7 +93,7 @@ def test_what_an_engine_evicts_leaves_the_router(stack):
     removed = side.metric('kvhandoff_kv_events_total{kind="BlockRemoved"}')
     # Three prompts of 14 blocks each through a 24-block cache: earlier blocks go.
     for c in range(10, 13):
-        complete(d.port, ids(c, 14 * BLOCK))
+        complete(d.addr, ids(c, 14 * BLOCK))
         wait_idle(d)
     until("the engine evicting", lambda: side.metric('kvhandoff_kv_events_total{kind="BlockRemoved"}') > removed)
     held = lambda: sum(x.metric("kvhandoff_kv_events_blocks") for x in s.sidecars.values())

@@ -20,4 +20,4 @@ def nixl_stack(request, bins, tiny_model, tmp_path_factory):
 def test_stock_nixl_engines_behind_the_router_generate_what_one_engine_does(nixl_stack, reference):
     mode, s = nixl_stack
     for p in PROMPTS:
-        assert complete(s.r.port, p, MAX_TOKENS) == reference[p], f"nixl {mode}: prompt {p[:30]!r}\n{s.logs()}"
+        assert complete(s.r.addr, p, MAX_TOKENS) == reference[p], f"nixl {mode}: prompt {p[:30]!r}\n{s.logs()}"

@@ -14,7 +14,7 @@ def test_preemption_on_the_decode_engine_returns_the_same_tokens(bins, tiny_mode
     try:
         work = [p for p in PROMPTS if len(p) > 400] * 4
         with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
-            got = list(pool.map(lambda p: complete(s.r.port, p, MAX_TOKENS), work))
+            got = list(pool.map(lambda p: complete(s.r.addr, p, MAX_TOKENS), work))
         preemptions = engine_metric(s.d, "vllm:num_preemptions_total")
         assert preemptions > 0, "the decode engine never preempted: the test does not test preemption"
         for p, tokens in zip(work, got):

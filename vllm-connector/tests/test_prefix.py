@@ -56,9 +56,9 @@ def alone(tiny_model, tmp_path_factory):
     e.stop()
 
 
-def complete(port: int, prompt: str):
+def complete(addr: str, prompt: str):
     body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(f"http://{addr}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         choice = json.load(r)["choices"][0]
         return choice["text"], list(choice["token_ids"]), r.headers
@@ -89,7 +89,7 @@ def test_conversations_stay_on_their_decode_engine_and_move_only_what_it_lacks(s
             hits = [engine_metric(d, "vllm:prefix_cache_hits_total") for d in s.ds]
             served = [engine_metric(d, "vllm:request_success_total") for d in s.ds]
             prefilled, moved = engine_metric(s.p, "vllm:request_success_total"), kv_moved(s.agents, kind)
-            text, tokens, headers = complete(s.r.port, prompt)
+            text, tokens, headers = complete(s.r.addr, prompt)
             # An engine counts a request a moment after its response: wait for one to.
             done = lambda: [i for i, e in enumerate(s.ds) if engine_metric(e, "vllm:request_success_total") > served[i]]
             until("a decode engine to count the request", done)
@@ -122,6 +122,6 @@ def test_conversations_stay_on_their_decode_engine_and_move_only_what_it_lacks(s
                 want = (math.ceil(n / block) - cached // block) * block * per_token
                 assert kv_moved(s.agents, kind) - moved == (2 if kind == "pull" else 1) * want, f"{n} tokens, {cached} cached: {where}"
             # The answer one engine alone gives to the same prompt.
-            assert tokens == complete(alone.port, prompt)[1], where
+            assert tokens == complete(alone.addr, prompt)[1], where
             prompts[c], before[c] = prompt + text, n
     assert len(set(home.values())) == 2, f"first turns all on one decode engine: {home}"

@@ -19,6 +19,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvhandoff/kvhandoff/test/gobin"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 // proc is a running router binary: its clients' and its operators' addresses.
@@ -227,9 +228,9 @@ func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
 	}
 	token := filepath.Join(dir, "token")
 	_ = os.WriteFile(token, []byte(strings.Repeat("7f", 32)+"\n"), 0o600)
-	zmqPort := freePort(t)
+	zmq := "tcp://" + loopback.New(t) + ":5557"
 	addr := start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, "--mode=kv-events", "--served-model=m", "--local=127.0.0.1:1",
-		"--listen=127.0.0.1:0", "--kv-events-endpoint=tcp://127.0.0.1:"+strconv.Itoa(zmqPort), "--kv-events-token-file="+token)[1]
+		"--listen=127.0.0.1:0", "--kv-events-endpoint="+zmq, "--kv-events-token-file="+token)[1]
 	get := func(auth string) *http.Response {
 		req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/v1/kv-keys", nil)
 		if auth != "" {
@@ -259,7 +260,7 @@ func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
 	// A publisher that is not vLLM: what it sends is refused, the sidecar serves on.
 	pub := zmq4.NewPub(t.Context(), zmq4.WithDialerRetry(50*time.Millisecond), zmq4.WithDialerMaxRetries(100))
 	defer pub.Close()
-	if err := pub.Dial("tcp://127.0.0.1:" + strconv.Itoa(zmqPort)); err != nil {
+	if err := pub.Dial(zmq); err != nil {
 		t.Fatal(err)
 	}
 	refused := func() string {
@@ -288,14 +289,4 @@ func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
 	} else {
 		resp.Body.Close()
 	}
-}
-
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }

@@ -22,6 +22,7 @@ import (
 
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 func eventually(t *testing.T, what string, ok func() bool) {
@@ -201,12 +202,7 @@ func gauge(t *testing.T, reg *prometheus.Registry, name string) prometheus.Colle
 // publishes reaches the hub, and a message that is not vLLM's resets what is held rather
 // than stopping the sidecar.
 func TestSubscribeRelaysAPublisher(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	endpoint := "tcp://" + l.Addr().String()
-	l.Close()
+	endpoint := "tcp://" + loopback.New(t) + ":5557"
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	reg := prometheus.NewRegistry()

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/wire"
 	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
@@ -307,12 +308,7 @@ func TestADecodeRegistrationWithoutAnOutcomeFailsOnItsOwn(t *testing.T) {
 // fails at once, not after a lease-long quarantine (nothing can land from an agent that
 // was never told of the blocks).
 func TestARegistrationWithAnUnreachableAgentFailsAtOnce(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close() // nothing listens there now: the dial is refused
+	addr := loopback.Refusing(t) // the dial is refused
 	// A lease far longer than wait's 30 s limit: a quarantine would fail the test.
 	b := startAgent(t, "decode-node", t.TempDir(), "--lease", "60s", "--registration-timeout", "120s")
 	d := engine(t, b, "decode-0.default", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, 0, testLayout(1, 64))

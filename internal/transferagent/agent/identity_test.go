@@ -22,6 +22,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/controller"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 	"github.com/kvhandoff/kvhandoff/test/gobin"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/client"
 )
@@ -321,11 +322,7 @@ func TestAgentsDialOnlyTheAddressesReadyAgentsPublish(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	closed, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	closed.Close()
+	closed := loopback.Refusing(t)
 	open, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -338,7 +335,7 @@ func TestAgentsDialOnlyTheAddressesReadyAgentsPublish(t *testing.T) {
 			c.Close()
 		}
 	}()
-	for req, addr := range map[string]string{"open-port": open.Addr().String(), "closed-port": closed.Addr().String()} {
+	for req, addr := range map[string]string{"open-port": open.Addr().String(), "closed-port": closed} {
 		dst := alloc(t, d, 4)
 		if err := d.RegisterDestination(bg, req, 1, dst, &agentv1.EngineRef{Agent: addr, EngineId: "prefill-0.default"}); err != nil {
 			t.Fatal(err)
