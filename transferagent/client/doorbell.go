@@ -60,8 +60,8 @@ func (e *Engine) UseDoorbell() error {
 	return nil
 }
 
-// passDoorbell passes the doorbell's memfd and returns the eventfds the agent answers
-// with: the one the engine rings, and the one the agent rings.
+// passDoorbell passes the doorbell's memfd and returns the bells the agent answers with
+// (its ends of two socket pairs): the one the engine rings, and the one the agent rings.
 func passDoorbell(socket, session string, memfd int) ([2]int, error) {
 	var efds [2]int
 	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: socket, Net: "unixpacket"})
@@ -90,7 +90,7 @@ func passDoorbell(socket, session string, memfd int) ([2]int, error) {
 	}
 	if len(fds) != len(efds) {
 		closeAll(fds)
-		return efds, fmt.Errorf("memory socket: the doorbell's answer carried %d fds, not the two eventfds", len(fds))
+		return efds, fmt.Errorf("memory socket: the doorbell's answer carried %d fds, not the two bells", len(fds))
 	}
 	for i, fd := range fds {
 		unix.CloseOnExec(fd)
@@ -110,7 +110,7 @@ func closeAll(fds []int) {
 // session's stream ends (stopBell).
 func (e *Engine) readBell(b *bell) {
 	defer close(b.done)
-	buf := make([]byte, 8)
+	buf := make([]byte, 4096) // every ring since the last read, taken in one
 	for {
 		_, rerr := b.wake.Read(buf)
 		var evs []*agentv1.Event

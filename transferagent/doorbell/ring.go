@@ -1,10 +1,14 @@
 // Package doorbell is the engine API's data path without RPCs: two single-producer,
 // single-consumer rings in a memfd that an engine rank and its agent both map, and two
-// eventfds the agent makes and hands over. The engine writes its SourceReady reports and
-// its Pulls into the submit ring and rings the first eventfd; the agent writes the
-// session's events (DELIVERED, SOURCE_DONE, ...) into the events ring, which the engine
-// reads at each of its steps, and rings the second (an engine may wait on it, or close it). gRPC stays for everything else:
-// registration, the other calls, and the event stream that is the engine's liveness.
+// bells: Unix stream socket pairs the agent makes, one a direction, whose other ends it
+// keeps. The engine writes its SourceReady reports and its Pulls into the submit ring and
+// rings the first bell (writes any bytes: 8 bytes of 1, as an eventfd write, is what
+// connectors write; a full bell need not be written, it will be read); the agent writes
+// the session's events (DELIVERED, SOURCE_DONE, ...) into the events ring, which the
+// engine reads at each of its steps, and rings the second (an engine may wait on it, or
+// close it; the agent's end is shut for reading). An engine that closes the first ends its
+// session. gRPC stays for everything else: registration, the other calls, and the event
+// stream that is the engine's liveness.
 //
 // # Layout
 //

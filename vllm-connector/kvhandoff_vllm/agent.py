@@ -85,7 +85,7 @@ class Session:
         if doorbell and supported():
             bell = Doorbell()
             try:
-                # The agent makes the eventfds and answers with them: the one to ring,
+                # The agent makes the bells and answers with them: the one to ring,
                 # and the one it rings, which this connector has no use for (it polls).
                 _, efds = self._pass_fds(DOORBELL_PREFIX + self.session, [bell.fd], want_fds=2)
             except AgentError as e:

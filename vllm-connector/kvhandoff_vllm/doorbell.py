@@ -2,9 +2,9 @@
 
 The layout and the rules are the agent's (transferagent/doorbell/ring.go): a sealed memfd
 holding two single-producer, single-consumer rings — SourceReady reports and Pulls to the
-agent, events back — and an eventfd the agent made and watches. The connector writes a
-record and rings; it reads its events at each step, where the gRPC stream would have had a thread hand
-them over.
+agent, events back — and a bell the agent made and watches (one end of a Unix socket pair
+whose other end the agent keeps). The connector writes a record and rings; it reads its
+events at each step, where the gRPC stream would have had a thread hand them over.
 
 Head and tail are stored and loaded as single aligned 8-byte words (memoryview "Q"), after
 the record's bytes and before reading them: on x86-64, whose stores are seen in order,
@@ -32,6 +32,8 @@ WRAP = 0xFFFFFFFF
 KIND_SOURCE_READY, KIND_PULL = 0, 1
 # Word indexes (offset / 8) of the header's fields.
 _MAGIC, _CAPACITY, _SUBMIT_HEAD, _SUBMIT_TAIL, _EVENTS_HEAD, _EVENTS_TAIL = 0, 1, 8, 16, 24, 32
+# What a ring writes to the bell (any bytes would do): 8 bytes of 1, as an eventfd write.
+RING = (1).to_bytes(8, "little")
 # How long a report waits for the agent to free room in a full ring.
 FULL_WAIT = 5.0
 
@@ -49,7 +51,7 @@ def _record_len(n: int) -> int:
 
 
 class Doorbell:
-    """The rings, and the eventfd the agent answers with."""
+    """The rings, and the bell the agent answers with."""
 
     def __init__(self):
         size = HEADER + 2 * CAPACITY
@@ -70,11 +72,12 @@ class Doorbell:
         self._tail = 0  # the submit ring's, ours
         self._head = 0  # the events ring's, ours
         self._lock = threading.Lock()  # reports come from the step and from the sender thread
-        self.ring = -1  # the eventfd the agent made, once attached
+        self.ring = -1  # the bell the agent made, once attached
 
     def attach(self, ring: int) -> None:
-        """Takes the eventfd the agent answered with, and drops the memfd: the mappings
-        keep the memory."""
+        """Takes the bell the agent answered with, and drops the memfd: the mappings
+        keep the memory. The bell is non-blocking: a ring never waits on the agent."""
+        os.set_blocking(ring, False)
         self.ring = ring
         os.close(self.fd)
         self.fd = -1
@@ -109,7 +112,10 @@ class Doorbell:
             self._submit[pos + 8:pos + 8 + n] = msg
             self._tail += pad + need
             self._words[_SUBMIT_TAIL] = self._tail  # after the record: publishes it
-        os.eventfd_write(self.ring, 1)
+        try:
+            os.write(self.ring, RING)
+        except BlockingIOError:
+            pass  # rings the agent has not read yet: it will, and drain this record too
         return True
 
     def poll(self) -> list:

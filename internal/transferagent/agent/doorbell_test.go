@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -193,7 +195,7 @@ func openBell(t *testing.T, a *agentProc, e *simengine.Engine, capacity uint64) 
 // FAILED event) into the submit ring, ringing after each batch that fits.
 func report(t *testing.T, mem []byte, capacity uint64, ring int, n int) {
 	t.Helper()
-	submit := doorbell.Submit(mem, capacity)
+	submit := doorbell.Submit(mem, capacity).AsProducer() // after what earlier calls wrote
 	for i := 0; i < n; {
 		msg, _ := proto.Marshal(&agentv1.SourceReadyRequest{RequestId: fmt.Sprintf("r-%d", i), BlockIds: []uint32{1 << 20}, Final: true})
 		switch err := submit.Put(doorbell.KindSourceReady, msg); {
@@ -215,8 +217,8 @@ func word(mem []byte, off int) uint64 {
 	return atomic.LoadUint64((*uint64)(unsafe.Pointer(&mem[off])))
 }
 
-// ringBell adds v to an eventfd. EAGAIN means the counter has no room for v: it is
-// already rung, which is all a ring says.
+// ringBell rings a bell with v. EAGAIN means the bell is full: it is already rung, which
+// is all a ring says.
 func ringBell(t *testing.T, fd int, v uint64) {
 	t.Helper()
 	if _, err := unix.Write(fd, binary.NativeEndian.AppendUint64(nil, v)); err != nil && err != unix.EAGAIN {
@@ -237,8 +239,8 @@ func bellMemory(t *testing.T, capacity uint64) (int, []byte) {
 	return fd, mem
 }
 
-// The attack: an engine leaves its doorbell unable to take events — its wake eventfd's
-// counter at the limit, or its events ring full and never read — and exits. Its session
+// The attack: an engine leaves its doorbell unable to take events — its wake bell
+// blocking and never read, or its events ring full and never read — and exits. Its session
 // ends with its event stream, as any engine's does (before, the agent blocked writing to
 // the eventfd, or waited for room forever, and the rank stayed taken until a restart).
 func TestADoorbellThatTakesNoEventsEndsWithItsEngine(t *testing.T) {
@@ -248,7 +250,11 @@ func TestADoorbellThatTakesNoEventsEndsWithItsEngine(t *testing.T) {
 		reports int
 		jam     func(t *testing.T, wake int)
 	}{
-		{"wake counter at its limit", 1, func(t *testing.T, wake int) { ringBell(t, wake, 1<<64-2) }},
+		{"wake bell blocking and never read", 1, func(t *testing.T, wake int) {
+			if err := unix.SetNonblock(wake, false); err != nil {
+				t.Fatal(err)
+			}
+		}},
 		// 64 KiB of events ring holds some hundreds of FAILED events.
 		{"events ring never read", 3000, func(*testing.T, int) {}},
 	} {
@@ -269,11 +275,11 @@ func TestADoorbellThatTakesNoEventsEndsWithItsEngine(t *testing.T) {
 	}
 }
 
-// The agent makes the doorbell's eventfds: one an engine passes is refused, so no engine
-// can hand it an EFD_SEMAPHORE eventfd, which answers each read with 1 (one write of
-// 2^64-2 then kept an agent core busy for as long as the session lived). A ring of the
-// agent's eventfd with that value is read at once, and the session goes on.
-func TestADoorbellsEventfdsAreTheAgents(t *testing.T) {
+// The agent makes the doorbell's bells: an eventfd an engine passes is refused, so no
+// engine can hand it an EFD_SEMAPHORE eventfd, which answers each read with 1 (one write
+// of 2^64-2 then kept an agent core busy for as long as the session lived). A ring of
+// that value on the agent's bell is one ring, and the session goes on.
+func TestADoorbellsBellsAreTheAgents(t *testing.T) {
 	a := startAgent(t, "prefill-node", t.TempDir())
 	e := engine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, testLayout(1, 64))
 	fd, _ := bellMemory(t, doorbell.MinCapacity)
@@ -390,4 +396,97 @@ func eventfd(t *testing.T) int {
 	}
 	t.Cleanup(func() { unix.Close(fd) })
 	return fd
+}
+
+// The attack: an engine makes its ends of the bells blocking (with eventfds, whose flags
+// every holder shares, that made the agent's copy blocking too). (a) It never reads its
+// wake bell while the agent rings it thousands of times: the agent keeps answering its
+// reports, and when the engine exits its session ends and the rank is free (before, the
+// agent blocked writing under the bell's lock, the session lived on and the rank was
+// taken). (b) It opens and closes sessions with doorbells, over and over: the agent's
+// threads and fds come back to where they were (before, each closed session left a thread
+// blocked in read, two fds and two goroutines behind). The engine cannot write into the
+// agent's wake end either.
+func TestAnEngineCannotMakeTheAgentsBellsBlock(t *testing.T) {
+	const capacity = doorbell.MinCapacity
+	a := startAgent(t, "prefill-node", t.TempDir())
+	l := testLayout(1, 64)
+	blocking := func(t *testing.T, fds ...int) {
+		for _, fd := range fds {
+			if err := unix.SetNonblock(fd, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+
+	t.Run("wake bell never read", func(t *testing.T) {
+		e := engine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, l)
+		mem, ring, wake := openBell(t, a, e, capacity)
+		blocking(t, ring, wake)
+		// Fill it, as an eventfd's counter could be filled: the agent's end takes nothing.
+		_, fill := unix.Write(wake, binary.NativeEndian.AppendUint64(nil, 1<<64-2))
+		// Each refused report is an event and a ring: read the events (so the ring never
+		// fills) and never the bell, 4,000 times, far past what a socket buffer holds.
+		events := doorbell.Events(mem, capacity)
+		read := 0
+		for sent := 0; sent < 4000; {
+			n := min(100, 4000-sent)
+			report(t, mem, capacity, ring, n)
+			sent += n
+			until(t, "the agent answers every report", func() bool {
+				got, err := events.Drain(func(doorbell.Kind, []byte) error { return nil })
+				if err != nil {
+					t.Fatal(err)
+				}
+				read += got
+				return read == sent
+			})
+		}
+		e.Stop()
+		until(t, "the session ends", func() bool { return a.Metric(t, "kvhandoff_agent_engine_sessions") == 0 })
+		engine(t, a, "prefill-0.default", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, l).Stop() // the rank is free
+		until(t, "the session ends", func() bool { return a.Metric(t, "kvhandoff_agent_engine_sessions") == 0 })
+		if !errors.Is(fill, unix.EPIPE) {
+			t.Errorf("filling the agent's wake end: %v, want EPIPE", fill)
+		}
+	})
+
+	t.Run("sessions opened and closed", func(t *testing.T) {
+		threads, fds := procCounts(t, a.Pid())
+		for i := range 200 {
+			e := engine(t, a, fmt.Sprintf("churn-%d.default", i%4), agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PULL, 0, l)
+			mem, ring, wake := openBell(t, a, e, capacity)
+			blocking(t, ring, wake)
+			report(t, mem, capacity, ring, 1)
+			e.Stop()
+			unix.Close(ring)
+			unix.Close(wake)
+			until(t, "the session ends", func() bool { return a.Metric(t, "kvhandoff_agent_engine_sessions") == 0 })
+		}
+		var nt, nf int
+		until(t, "the agent's threads and fds back where they were", func() bool {
+			nt, nf = procCounts(t, a.Pid())
+			return nt <= threads+8 && nf <= fds+8
+		})
+		t.Logf("after 200 sessions with blocking bells: %d threads (%d before), %d fds (%d before)", nt, threads, nf, fds)
+	})
+}
+
+// procCounts is a process's threads and open fds.
+func procCounts(t *testing.T, pid int) (threads, fds int) {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) == 2 && f[0] == "Threads:" {
+			threads, _ = strconv.Atoi(f[1])
+		}
+	}
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return threads, len(ents)
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -24,17 +25,25 @@ import (
 //
 // Who can reach it: only the process holding the memfd, which the memory socket took
 // from a caller that owns the session. What it can do: what its own SourceReady and Pull
-// calls could, nothing more; a ring that breaks the layout ends its own session. The
-// agent makes both eventfds and hands them to the engine, so their flags are the agent's:
-// an EFD_SEMAPHORE eventfd of the engine's would answer each read with 1, and one write
-// of 2^64-2 would then cost the agent a core for as long as the session lived.
+// calls could, nothing more; a ring that breaks the layout ends its own session.
+//
+// The bells themselves are two Unix socket pairs, one a direction, made by the agent: the
+// engine gets one end of each and the agent keeps the other, a file description of its
+// own. Nothing the engine does to its ends reaches the agent's: it cannot make them
+// blocking (an eventfd passed to the engine shared its O_NONBLOCK, and an engine that
+// cleared it wedged the agent in a write under the bell's lock, or left a thread, two fds
+// and two goroutines behind each closed session), nor make a read answer more than once.
+// The agent's ends are non-blocking and read in the Go runtime's poller, so a Close ends
+// a read at once; a wake the engine does not read fails at once (EAGAIN), and the agent's
+// wake end is shut for reading, so the engine cannot fill it either.
 type bell struct {
 	mem    []byte
 	submit *doorbell.Ring
-	ring   *os.File // the eventfd the engine rings after writing reports
-	wake   *os.File // the eventfd the agent rings after writing events
-	// efds are ring's and wake's descriptors, to pass: File.Fd would make them blocking.
-	efds [2]int
+	ring   *os.File // the agent's end of the pair the engine rings after writing reports
+	wake   *os.File // the agent's end of the pair it rings after writing events
+	// engine are the engine's ends, ring's then wake's, to pass; closed by sent.
+	engine     [2]int
+	engineOnce sync.Once
 
 	// live is set once the engine holds the eventfds (the memory socket's answer went
 	// out): events go into the ring from then on, on the stream before.
@@ -49,14 +58,15 @@ type bell struct {
 // before trying again; the engine reads the ring at each step.
 const eventsFullNap = 200 * time.Microsecond
 
-// attachDoorbell takes a doorbell packet's one fd, the memfd, and returns the eventfds
-// that go back in the answer: the one the engine rings, then the one the agent rings.
-// The bell goes live once the answer is out (golive(true)), or is dropped (golive(false)).
-// The fd passed is kept or closed.
+// attachDoorbell takes a doorbell packet's one fd, the memfd, and returns the engine's
+// ends of the bells that go back in the answer: the one the engine rings, then the one
+// the agent rings. The bell goes live once the answer is out (golive(true)), or is
+// dropped (golive(false)). The fd passed is kept or closed; the caller closes the engine's
+// ends once sent.
 func (srv *Server) attachDoorbell(owner, id string, fds []int) (answer []int, golive func(sent bool), err error) {
 	if len(fds) != 1 {
 		closeFDs(fds)
-		return nil, nil, fmt.Errorf("doorbell: pass the memfd alone, got %d fds (the agent makes the eventfds and "+
+		return nil, nil, fmt.Errorf("doorbell: pass the memfd alone, got %d fds (the agent makes the bells and "+
 			"answers with them; a connector that passes its own is older than this agent)", len(fds))
 	}
 	b, err := openBell(fds[0])
@@ -78,6 +88,7 @@ func (srv *Server) attachDoorbell(owner, id string, fds []int) (answer []int, go
 		return nil, nil, errors.New("doorbell: session ended")
 	}
 	golive = func(sent bool) {
+		b.sent()
 		if !sent {
 			srv.bells.Delete(s)
 			b.release()
@@ -93,7 +104,7 @@ func (srv *Server) attachDoorbell(owner, id string, fds []int) (answer []int, go
 		}()
 		go srv.serveBell(s, b)
 	}
-	return b.efds[:], golive, nil
+	return b.engine[:], golive, nil
 }
 
 func openBell(fd int) (*bell, error) {
@@ -115,26 +126,51 @@ func openBell(fd int) (*bell, error) {
 		unix.Munmap(mem)
 		return nil, err
 	}
-	var efd [2]int
-	for i := range efd {
-		// Non-blocking: reads wait in the Go runtime's poller, so a Close ends them, and a
-		// write to a counter at its limit fails at once instead of waiting for the engine.
-		if efd[i], err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
-			closeFDs(efd[:i])
-			unix.Munmap(mem)
-			return nil, fmt.Errorf("doorbell: eventfd: %w", err)
-		}
+	ring, wake, engine, err := bellPairs()
+	if err != nil {
+		unix.Munmap(mem)
+		return nil, err
 	}
-	return &bell{mem: mem, submit: doorbell.Submit(mem, capacity), events: doorbell.Events(mem, capacity), efds: efd,
-		ring: os.NewFile(uintptr(efd[0]), "doorbell"), wake: os.NewFile(uintptr(efd[1]), "doorbell-wake")}, nil
+	return &bell{mem: mem, submit: doorbell.Submit(mem, capacity), events: doorbell.Events(mem, capacity), engine: engine,
+		ring: os.NewFile(uintptr(ring), "doorbell"), wake: os.NewFile(uintptr(wake), "doorbell-wake")}, nil
 }
 
-// serveBell drains the submit ring each time the engine rings, until the session ends.
+// bellPairs makes the two socket pairs and returns the agent's ends (ring: read only;
+// wake: written only; both non-blocking) and the engine's (blocking, the engine's to set).
+func bellPairs() (ring, wake int, engine [2]int, err error) {
+	var fds [4]int
+	for i := 0; i < 4; i += 2 {
+		pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			closeFDs(fds[:i])
+			return 0, 0, engine, fmt.Errorf("doorbell: socketpair: %w", err)
+		}
+		fds[i], fds[i+1] = pair[0], pair[1]
+	}
+	ring, wake, engine = fds[0], fds[2], [2]int{fds[1], fds[3]}
+	for _, c := range []struct{ fd, how int }{{ring, unix.SHUT_WR}, {wake, unix.SHUT_RD}} {
+		if err = unix.SetNonblock(c.fd, true); err == nil {
+			err = unix.Shutdown(c.fd, c.how)
+		}
+		if err != nil {
+			closeFDs(fds[:])
+			return 0, 0, engine, fmt.Errorf("doorbell: %w", err)
+		}
+	}
+	return ring, wake, engine, nil
+}
+
+// serveBell drains the submit ring each time the engine rings, until the session ends
+// or the engine closes its end of the bell (which ends the session: its reports could no
+// longer reach the agent).
 func (srv *Server) serveBell(s *session.Session, b *bell) {
 	defer b.release()
-	buf := make([]byte, 8)
+	buf := make([]byte, 4096) // rings since the last read, taken in one
 	for {
-		if _, err := b.ring.Read(buf); err != nil {
+		if _, err := b.ring.Read(buf); errors.Is(err, io.EOF) {
+			s.Close("the engine closed its doorbell")
+			return
+		} else if err != nil {
 			return // closed: the session ended
 		}
 		if err := srv.drainBell(s, b); err != nil {
@@ -213,23 +249,30 @@ func (b *bell) putEvent(ev *agentv1.Event, stop, gone <-chan struct{}) error {
 	}
 }
 
-// ringWake adds one to the wake eventfd (b.mu held) without ever waiting: when the
-// engine let the counter reach its limit the write fails with EAGAIN, and the counter
-// still wakes the engine.
+// ringWake rings the engine (b.mu held) without ever waiting: when the engine has left
+// its end unread the send fails with EAGAIN, and what it left unread still wakes it; when
+// it closed its end, with EPIPE (and no SIGPIPE).
 func (b *bell) ringWake() {
 	rc, err := b.wake.SyscallConn()
 	if err != nil {
 		return
 	}
-	one := binary.NativeEndian.AppendUint64(nil, 1)
 	_ = rc.Write(func(fd uintptr) bool {
-		_, _ = unix.Write(int(fd), one)
-		return true // done, whatever the write said: no wait in the poller
+		_ = unix.Sendto(int(fd), wakeRing, unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL, nil)
+		return true // done, whatever the send said: no wait in the poller
 	})
 }
 
+// wakeRing is what a ring writes: 8 bytes of 1, as an eventfd write of 1, which is what
+// connectors before the socket pairs read.
+var wakeRing = binary.NativeEndian.AppendUint64(nil, 1)
+
+// sent closes the agent's copies of the engine's ends, once they went out (or will not).
+func (b *bell) sent() { b.engineOnce.Do(func() { closeFDs(b.engine[:]) }) }
+
 // release unmaps the rings once nothing can write them.
 func (b *bell) release() {
+	b.sent()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {

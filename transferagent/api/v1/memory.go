@@ -27,9 +27,10 @@ import (
 //
 // A doorbell (package transferagent/doorbell) is passed the same way: the packet's bytes
 // are DoorbellPrefix and the session id, with the doorbell memfd alone. The answer is
-// "error <reason>", or "ok 0" with two eventfds in SCM_RIGHTS that the agent made: the
-// one the engine rings after writing reports, then the one the agent rings after writing
-// events (an engine that polls its events ring may close it). A session has at most one
+// "error <reason>", or "ok 0" with two bells in SCM_RIGHTS (one end of each of two Unix
+// stream socket pairs the agent made): the one the engine rings after writing reports,
+// then the one the agent rings after writing events (an engine that polls its events ring
+// may close it). A session has at most one
 // doorbell.
 const MemorySocketName = "memory.sock"
 
