@@ -15,6 +15,8 @@ COPY vllm-connector/ vllm-connector/
 ARG VERSION=latest
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X github.com/kvhandoff/kvhandoff/internal/render.DefaultRouterImage=ghcr.io/kvhandoff/router:${VERSION} -X github.com/kvhandoff/kvhandoff/internal/render.DefaultConnectorImage=ghcr.io/kvhandoff/vllm-connector:${VERSION}" -o /out/manager ./cmd/manager
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/router ./cmd/router
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/endpoint-picker ./cmd/endpoint-picker
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/kv-events ./cmd/kv-events
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o /out/install ./cmd/connector-install
 # go-nvml needs cgo; it loads libnvidia-ml.so.1 from the host's driver at run time.
 RUN CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ldflags "-s -w" -o /out/device-plugin ./cmd/device-plugin
@@ -34,8 +36,12 @@ FROM gcr.io/distroless/base-debian12 AS device-plugin
 COPY --from=build /out/device-plugin /device-plugin
 ENTRYPOINT ["/device-plugin"]
 
+# The request path's programs: the router (and a decode pod's leg runner), the gateway's
+# endpoint picker and an engine's kv-events sidecar.
 FROM gcr.io/distroless/static-debian12:nonroot AS router
 COPY --from=build /out/router /router
+COPY --from=build /out/endpoint-picker /endpoint-picker
+COPY --from=build /out/kv-events /kv-events
 USER 65532:65532
 ENTRYPOINT ["/router"]
 

@@ -116,7 +116,7 @@ test-kubelet: ## The device plugin against the kubelet's own device manager (its
 
 .PHONY: test-vllm
 test-vllm: ## The vLLM connector: its hooks against every supported vLLM release's source, its scheduler side in vLLM 0.32's and 0.34's Scheduler, real vLLM engines through the agents (push and pull), and stock NIXL engines behind the router.
-	go build -o bin/ ./cmd/transfer-agent ./cmd/router
+	go build -o bin/ ./cmd/transfer-agent ./cmd/router ./cmd/kv-events
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && nixl="$$(hack/nixl.sh)" && cd vllm-connector && \
 		PYTHONPATH="$$nixl" KVHANDOFF_BIN_DIR=$(CURDIR)/bin KVHANDOFF_VLLM_REPORT=$(CURDIR)/bin/vllm-report.json \
 		"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests --ignore tests/test_vllm034.py
@@ -154,7 +154,7 @@ bench-handoff: deps ## Handoff benchmark (push, push-layered, pull; the agent ag
 
 .PHONY: bench-vllm
 bench-vllm: deps ## Real vLLM engines on one seeded load: one engine alone, stock NIXL pull and push, kvhandoff pull and push; bench/results/vllm/.
-	go build -o bin/ ./cmd/transfer-agent ./cmd/router
+	go build -o bin/ ./cmd/transfer-agent ./cmd/router ./cmd/kv-events
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && nixl="$$(hack/nixl.sh)" && \
 		PYTHONPATH="$$nixl" KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" vllm-connector/bench/bench_vllm.py --out bench/results/vllm
 
@@ -168,13 +168,13 @@ bench-prefix: deps ## Prefix-aware routing report: 200 conversations of 5 turns 
 
 .PHONY: bench-prefix-vllm
 bench-prefix-vllm: deps ## Prefix-aware routing with real vLLM CPU engines: multi-turn conversations, load-only against prefix-aware in push and pull (about 10 minutes); bench/results/prefix/vllm-cpu.md.
-	go build -o bin/ ./cmd/transfer-agent ./cmd/router
+	go build -o bin/ ./cmd/transfer-agent ./cmd/router ./cmd/kv-events
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && \
 		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" vllm-connector/bench/bench_prefix.py --out bench/results/prefix
 
 .PHONY: bench-kv-events
 bench-kv-events: deps ## Where the prefix index comes from, with two router replicas and real vLLM CPU engines: routing history against the engines' KV cache events, on the same token-id conversations (about 5 minutes); bench/results/prefix/vllm-cpu-kv-events.md.
-	go build -o bin/ ./cmd/transfer-agent ./cmd/router
+	go build -o bin/ ./cmd/transfer-agent ./cmd/router ./cmd/kv-events
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && \
 		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" vllm-connector/bench/bench_kv_events.py --out bench/results/prefix
 

@@ -60,7 +60,7 @@ for line in open(sys.argv[1]):
         name, version = line.strip().split("==")
         shutil.copy(os.path.join(sys.argv[2], have[(norm(name), version)]), sys.argv[3])
 PY
-  (cd "$root" && CGO_CFLAGS="-O2 -Wno-deprecated-declarations" go build -ldflags="-s -w" -o "$stage/bin/" ./cmd/transfer-agent ./cmd/router)
+  (cd "$root" && CGO_CFLAGS="-O2 -Wno-deprecated-declarations" go build -ldflags="-s -w" -o "$stage/bin/" ./cmd/transfer-agent ./cmd/router ./cmd/kv-events)
   # The agent's libfabric and what it links, from this machine (the GPU host has none).
   for lib in $(ldd "$stage/bin/transfer-agent" | awk '$3 ~ /^\// {print $3}' | grep -v -e '/libc\.so' -e '/ld-linux'); do
     cp -L "$lib" "$stage/lib/"

@@ -1,5 +1,6 @@
 // Command router is kvhandoff's request router: an OpenAI-compatible front end that
-// sends each request's prefill and decode legs to a DecodePool and its PrefillPool.
+// sends each request's prefill and decode legs to a DecodePool and its PrefillPool;
+// with --local, a decode pod's leg runner.
 package main
 
 import (

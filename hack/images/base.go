@@ -5,9 +5,11 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 )
@@ -118,12 +120,14 @@ func distrolessFiles() ([]byte, error) {
 	return buf.Bytes(), nil
 }
 
-// fileTar is a tarball of one executable at path.
-func fileTar(path string, body []byte) []byte {
+// filesTar is a tarball of executables, by their paths.
+func filesTar(files map[string][]byte) []byte {
 	var buf bytes.Buffer
 	w := tar.NewWriter(&buf)
-	_ = w.WriteHeader(&tar.Header{Name: path[1:], Typeflag: tar.TypeReg, Mode: 0o755, Size: int64(len(body)), ModTime: time.Unix(0, 0)})
-	_, _ = w.Write(body)
+	for _, path := range slices.Sorted(maps.Keys(files)) {
+		_ = w.WriteHeader(&tar.Header{Name: path[1:], Typeflag: tar.TypeReg, Mode: 0o755, Size: int64(len(files[path])), ModTime: time.Unix(0, 0)})
+		_, _ = w.Write(files[path])
+	}
 	_ = w.Close()
 	return buf.Bytes()
 }

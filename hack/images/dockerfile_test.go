@@ -34,18 +34,21 @@ func TestTheDockerfileBuildsTheImagesOfTheTable(t *testing.T) {
 			t.Errorf("%s: no Dockerfile target", img.Name)
 			continue
 		}
-		bin := img.Binary[1:]
 		cgo := map[bool]string{false: "CGO_ENABLED=0", true: "CGO_ENABLED=1"}[img.CGO]
-		build := regexp.MustCompile(`(?m)^RUN .*` + regexp.QuoteMeta(cgo) + `.* go build -trimpath -ldflags "` + regexp.QuoteMeta(img.LDFlags("${VERSION}")) +
-			`" -o /out/` + regexp.QuoteMeta(bin) + ` ` + regexp.QuoteMeta(img.Package) + `$`)
-		if !build.MatchString(df) {
-			t.Errorf("%s: no build line `%s go build -trimpath -ldflags %q -o /out/%s %s`", img.Name, cgo, img.LDFlags("${VERSION}"), bin, img.Package)
+		var want []string
+		for _, p := range append([]Program{{img.Package, img.Binary}}, img.Also...) {
+			bin := p.Binary[1:]
+			build := regexp.MustCompile(`(?m)^RUN .*` + regexp.QuoteMeta(cgo) + `.* go build -trimpath -ldflags "` + regexp.QuoteMeta(img.LDFlags("${VERSION}")) +
+				`" -o /out/` + regexp.QuoteMeta(bin) + ` ` + regexp.QuoteMeta(p.Package) + `$`)
+			if !build.MatchString(df) {
+				t.Errorf("%s: no build line `%s go build -trimpath -ldflags %q -o /out/%s %s`", img.Name, cgo, img.LDFlags("${VERSION}"), bin, p.Package)
+			}
+			want = append(want, fmt.Sprintf("COPY --from=build /out/%s %s\n", bin, p.Binary))
 		}
-		want := []string{
+		want = append(want,
 			fmt.Sprintf("FROM %s AS %s\n", img.Base, img.Name),
-			fmt.Sprintf("COPY --from=build /out/%s %s\n", bin, img.Binary),
 			fmt.Sprintf("ENTRYPOINT [%q]\n", img.Binary),
-		}
+		)
 		if img.User != "" {
 			want = append(want, "USER "+img.User+"\n")
 		} else if strings.Contains(stage, "\nUSER ") {

@@ -29,7 +29,13 @@ type Image struct {
 	// Prebuilt, when set, gives the path of a binary made elsewhere to put at Binary in
 	// place of building Package.
 	Prebuilt func() (string, error)
+	// Also are more programs in the image, built as Package is; a container runs one by
+	// naming it as its command.
+	Also []Program
 }
+
+// Program is a Go command and where it lies in an image.
+type Program struct{ Package, Binary string }
 
 // Base is an image's foundation: a distroless image, or Debian's slim one with packages.
 // Locally each is made from Debian's archive (base.go).
@@ -53,7 +59,11 @@ const Nonroot = "65532:65532"
 // Images are kvhandoff's images.
 var Images = []Image{
 	{Name: "manager", Package: "./cmd/manager", Binary: "/manager", Base: Static, User: Nonroot, StampsImages: true},
-	{Name: "router", Package: "./cmd/router", Binary: "/router", Base: Static, User: Nonroot},
+	// The request path's programs: the router (and a decode pod's leg runner), the
+	// gateway's endpoint picker and an engine's kv-events sidecar, one image for their one
+	// version.
+	{Name: "router", Package: "./cmd/router", Binary: "/router", Base: Static, User: Nonroot,
+		Also: []Program{{"./cmd/endpoint-picker", "/endpoint-picker"}, {"./cmd/kv-events", "/kv-events"}}},
 	// The init container of executor-Agent engines: /install DIR copies the connector's
 	// Python package (embedded in the binary) into DIR, an emptyDir on the engine's
 	// PYTHONPATH.

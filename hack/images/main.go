@@ -109,18 +109,23 @@ func (i Image) LDFlags(version string) string {
 }
 
 func build(img Image, version, out, cache, path string) error {
-	bin := filepath.Join(out, ".bin", img.Name)
+	files := map[string]string{} // path in the image: the binary's here
 	if img.Prebuilt != nil {
-		var err error
-		if bin, err = img.Prebuilt(); err != nil {
+		bin, err := img.Prebuilt()
+		if err != nil {
 			return err
 		}
+		files[img.Binary] = bin
 	} else {
-		cmd := exec.Command("go", "build", "-trimpath", "-ldflags", img.LDFlags(version), "-o", bin, img.Package)
-		cmd.Env = append(os.Environ(), "CGO_CFLAGS=-Wno-deprecated-declarations", fmt.Sprintf("CGO_ENABLED=%d", map[bool]int{false: 0, true: 1}[img.CGO]))
-		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("go build %s: %w", img.Package, err)
+		for _, p := range append([]Program{{img.Package, img.Binary}}, img.Also...) {
+			bin := filepath.Join(out, ".bin", img.Name+"-"+filepath.Base(p.Binary))
+			cmd := exec.Command("go", "build", "-trimpath", "-ldflags", img.LDFlags(version), "-o", bin, p.Package)
+			cmd.Env = append(os.Environ(), "CGO_CFLAGS=-Wno-deprecated-declarations", fmt.Sprintf("CGO_ENABLED=%d", map[bool]int{false: 0, true: 1}[img.CGO]))
+			cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+			if err := cmd.Run(); err != nil {
+				return fmt.Errorf("go build %s: %w", p.Package, err)
+			}
+			files[p.Binary] = bin
 		}
 	}
 	base, err := baseTar(filepath.Join(cache, "bases"), img.Base, img.Packages)
@@ -143,11 +148,13 @@ func build(img Image, version, out, cache, path string) error {
 		}
 		layers = append(layers, l)
 	}
-	binary, err := os.ReadFile(bin)
-	if err != nil {
-		return err
+	binaries := map[string][]byte{}
+	for at, bin := range files {
+		if binaries[at], err = os.ReadFile(bin); err != nil {
+			return err
+		}
 	}
-	if l, err = layerOf(fileTar(img.Binary, binary)); err != nil {
+	if l, err = layerOf(filesTar(binaries)); err != nil {
 		return err
 	}
 	layers = append(layers, l)

@@ -109,7 +109,7 @@ func buildVLLM(version, cache, venv string) (string, error) {
 		return "", err
 	}
 	layers = append(layers, l)
-	if l, err = layerOf(fileTar(VLLMCPU.Binary, []byte(vllmWrapper))); err != nil {
+	if l, err = layerOf(filesTar(map[string][]byte{VLLMCPU.Binary: []byte(vllmWrapper)})); err != nil {
 		return "", err
 	}
 	layers = append(layers, l)

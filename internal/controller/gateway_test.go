@@ -28,7 +28,7 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 		dep := &appsv1.Deployment{}
 		Eventually(func() error { return k8s.Get(ctx, key(ns, "d-epp"), dep) }).Should(Succeed())
 		Expect(metav1.IsControlledBy(dep, d)).To(BeTrue())
-		Expect(dep.Spec.Template.Spec.Containers[0].Args).To(ContainElements("--mode=epp", "--decode-pool=d", "--leg-runner-port=8100"))
+		Expect(dep.Spec.Template.Spec.Containers[0].Args).To(ContainElements("--decode-pool=d", "--leg-runner-port=8100"))
 		svc := &corev1.Service{}
 		// Applied after the Deployment.
 		Eventually(func() error { return k8s.Get(ctx, key(ns, "d-epp"), svc) }).Should(Succeed())

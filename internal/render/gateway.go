@@ -38,8 +38,8 @@ type GatewayInput struct {
 // EndpointPickerName is the name of a DecodePool's endpoint picker objects and Service.
 func EndpointPickerName(pool string) string { return pool + "-epp" }
 
-// EndpointPicker renders a DecodePool's endpoint picker: the router binary in its epp
-// mode, as a Deployment beside the routers, and its gRPC Service.
+// EndpointPicker renders a DecodePool's endpoint picker (the router image's
+// /endpoint-picker) as a Deployment beside the routers, and its gRPC Service.
 func EndpointPicker(in GatewayInput) (*ServiceWorkload, error) {
 	grpcProbe := func(service string, period, failures int32) *corev1.Probe {
 		return &corev1.Probe{
@@ -52,8 +52,8 @@ func EndpointPicker(in GatewayInput) (*ServiceWorkload, error) {
 	return serviceWorkload(serviceInput{
 		pool: in.Pool, namespace: in.Namespace, name: EndpointPickerName(in.Pool), component: "endpoint-picker",
 		selector: map[string]string{kvv1.LabelEndpointPicker: in.Pool},
-		image:    in.Image, replicas: ptr.Deref(in.Spec.EndpointPickerReplicas, 2), resources: in.Resources, kvEventsSecret: in.KVEventsSecret,
-		args: []string{"--mode=epp", fmt.Sprintf("--listen=:%d", EPPPort), fmt.Sprintf("--admin-listen=:%d", EPPAdminPort),
+		image:    in.Image, command: []string{"/endpoint-picker"}, replicas: ptr.Deref(in.Spec.EndpointPickerReplicas, 2), resources: in.Resources, kvEventsSecret: in.KVEventsSecret,
+		args: []string{fmt.Sprintf("--listen=:%d", EPPPort), fmt.Sprintf("--admin-listen=:%d", EPPAdminPort),
 			fmt.Sprintf("--leg-runner-port=%d", LegRunnerPort)},
 		ports: []corev1.ContainerPort{
 			{Name: "grpc", ContainerPort: EPPPort, Protocol: corev1.ProtocolTCP},
@@ -130,9 +130,9 @@ func legRunner(in Input) corev1.Container {
 		Name:          "leg-runner",
 		Image:         in.LegRunnerImage,
 		RestartPolicy: ptr.To(corev1.ContainerRestartPolicyAlways),
-		Args: []string{"--mode=leg-runner", "--decode-pool=" + in.Name, "--namespace=$(POD_NAMESPACE)", "--local=$(POD_IP)",
+		Args: []string{"--decode-pool=" + in.Name, "--namespace=$(POD_NAMESPACE)", "--local=$(POD_IP)",
 			fmt.Sprintf("--listen=:%d", LegRunnerPort), fmt.Sprintf("--admin-listen=:%d", LegRunnerAdminPort)},
-		Env: []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace"), fieldEnv("POD_IP", "status.podIP")},
+		Env: []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace"), fieldEnv("POD_IP", "status.podIP"), goMemLimit()},
 		Ports: []corev1.ContainerPort{
 			{Name: "leg-runner", ContainerPort: LegRunnerPort, Protocol: corev1.ProtocolTCP},
 			{Name: "leg-admin", ContainerPort: LegRunnerAdminPort, Protocol: corev1.ProtocolTCP},

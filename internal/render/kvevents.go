@@ -48,7 +48,7 @@ func kvEventsConfig() string {
 }
 
 // kvEventsSidecar is the native sidecar that follows the engine's KV events and serves
-// the keys of the blocks it holds (the router binary, --mode=kv-events). It starts before
+// the keys of the blocks it holds (the router image's /kv-events). It starts before
 // the engine, so no event is published before it listens.
 func kvEventsSidecar(in Input) corev1.Container {
 	_, mount := kvEventsTokenVolume("")
@@ -56,9 +56,11 @@ func kvEventsSidecar(in Input) corev1.Container {
 		Name:          "kv-events",
 		Image:         in.KVEventsImage,
 		RestartPolicy: ptr.To(corev1.ContainerRestartPolicyAlways),
-		Args: []string{"--mode=kv-events", "--served-model=" + servedModel(in.Spec), "--kv-events-endpoint=" + KVEventsEndpoint,
-			"--kv-events-topic=" + kvEventsTopic, fmt.Sprintf("--local=127.0.0.1:%d", HTTPPort), fmt.Sprintf("--listen=:%d", KVEventsPort),
-			"--kv-events-token-file=" + kvEventsTokenFile},
+		Command:       []string{"/kv-events"},
+		Args: []string{"--served-model=" + servedModel(in.Spec), "--kv-events-endpoint=" + KVEventsEndpoint,
+			"--kv-events-topic=" + kvEventsTopic, fmt.Sprintf("--engine=127.0.0.1:%d", HTTPPort), fmt.Sprintf("--listen=:%d", KVEventsPort),
+			"--token-file=" + kvEventsTokenFile},
+		Env:            []corev1.EnvVar{goMemLimit()},
 		Ports:          []corev1.ContainerPort{{Name: "kv-events", ContainerPort: KVEventsPort, Protocol: corev1.ProtocolTCP}},
 		ReadinessProbe: namedPortProbe("/healthz", "kv-events", 5, 2),
 		LivenessProbe:  namedPortProbe("/healthz", "kv-events", 10, 3),

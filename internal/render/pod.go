@@ -402,6 +402,14 @@ func fieldEnv(name, path string) corev1.EnvVar {
 	return corev1.EnvVar{Name: name, ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: path}}}
 }
 
+// goMemLimit is GOMEMLIMIT at the container's memory limit: a Go program's heap then
+// collects its garbage before the limit (the endpoint picker held 64 MiB of bodies in 190
+// MB of RSS without it, 126 MB with it), so the bounds it keeps on what it holds bound its
+// memory.
+func goMemLimit() corev1.EnvVar {
+	return corev1.EnvVar{Name: "GOMEMLIMIT", ValueFrom: &corev1.EnvVarSource{ResourceFieldRef: &corev1.ResourceFieldSelector{Resource: "limits.memory"}}}
+}
+
 func hostPathVolume(name, path string) corev1.Volume {
 	return corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: path,
 		Type: ptr.To(corev1.HostPathDirectory)}}}

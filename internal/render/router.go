@@ -105,6 +105,7 @@ type serviceInput struct {
 	pool, namespace, name, component string
 	selector, podLabels              map[string]string
 	image                            string
+	command                          []string // the image's entrypoint when empty
 	replicas                         int32
 	resources                        *corev1.ResourceRequirements
 	args                             []string // after --decode-pool and --namespace
@@ -147,8 +148,9 @@ func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
 	container := corev1.Container{
 		Name:            in.component,
 		Image:           in.image,
+		Command:         in.command,
 		Args:            append([]string{"--decode-pool=" + in.pool, "--namespace=$(POD_NAMESPACE)"}, in.args...),
-		Env:             []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace")},
+		Env:             []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace"), goMemLimit()},
 		Ports:           in.ports,
 		ReadinessProbe:  in.readiness,
 		LivenessProbe:   in.liveness,

@@ -82,7 +82,7 @@ func TestTheRouterKeepsOffEveryAcceleratorNode(t *testing.T) {
 // Routers and endpoint pickers of engines that serve their KV events hold the token the
 // sidecars ask for, read-only, and name it; the engines' sidecars mount the same Secret.
 func TestFollowersAndSidecarsShareTheKVEventsToken(t *testing.T) {
-	hasToken := func(what string, spec corev1.PodSpec, c corev1.Container) {
+	hasToken := func(what string, spec corev1.PodSpec, c corev1.Container, flag string) {
 		t.Helper()
 		if len(spec.Volumes) == 0 || spec.Volumes[len(spec.Volumes)-1].Secret == nil || spec.Volumes[len(spec.Volumes)-1].Secret.SecretName != "prefill-kv-events" {
 			t.Errorf("%s: volumes %+v", what, spec.Volumes)
@@ -91,7 +91,7 @@ func TestFollowersAndSidecarsShareTheKVEventsToken(t *testing.T) {
 		for _, m := range c.VolumeMounts {
 			found = found || (m.Name == "kv-events-token" && m.ReadOnly && m.MountPath == kvEventsTokenDir)
 		}
-		if !found || !slices.Contains(c.Args, "--kv-events-token-file="+kvEventsTokenFile) {
+		if !found || !slices.Contains(c.Args, flag+"="+kvEventsTokenFile) {
 			t.Errorf("%s: mounts %+v, args %v", what, c.VolumeMounts, c.Args)
 		}
 	}
@@ -99,15 +99,15 @@ func TestFollowersAndSidecarsShareTheKVEventsToken(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hasToken("router", r.Deployment.Spec.Template.Spec, r.Deployment.Spec.Template.Spec.Containers[0])
+	hasToken("router", r.Deployment.Spec.Template.Spec, r.Deployment.Spec.Template.Spec.Containers[0], "--kv-events-token-file")
 	e, err := EndpointPicker(GatewayInput{Pool: "decode", Namespace: "ns", Spec: &kvv1.GatewaySpec{}, Image: "router", KVEventsSecret: KVEventsSecret("prefill")})
 	if err != nil {
 		t.Fatal(err)
 	}
-	hasToken("endpoint picker", e.Deployment.Spec.Template.Spec, e.Deployment.Spec.Template.Spec.Containers[0])
+	hasToken("endpoint picker", e.Deployment.Spec.Template.Spec, e.Deployment.Spec.Template.Spec.Containers[0], "--kv-events-token-file")
 	_, dw := pairWith(t, builder.PrefillPool("prefill").Policy("p"), builder.DecodePool("decode", "prefill").Policy("p"), builder.Policy("p"), "router")
 	spec := dw.StatefulSet.Spec.Template.Spec
-	hasToken("decode engine's sidecar", spec, spec.InitContainers[len(spec.InitContainers)-1])
+	hasToken("decode engine's sidecar", spec, spec.InitContainers[len(spec.InitContainers)-1], "--token-file")
 	if r, _ := Router(RouterInput{Pool: "decode", Namespace: "ns", Spec: &kvv1.RouterSpec{}, DefaultImage: "router"}); len(r.Deployment.Spec.Template.Spec.Volumes) != 0 {
 		t.Error("a router of engines without sidecars mounts a token")
 	}

@@ -13,7 +13,6 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/internal/router/epp"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
 
@@ -40,7 +39,7 @@ func (s *Server) serveOnDecode(rq *request, set *discovery.Set, reason string, f
 // does not pay): not a fallback, and counted apart from them.
 func (s *Server) decodeAlone(rq *request, d choice.Pick, reason string) result {
 	rq.decodeOnly = reason
-	rq.w.Header().Set(epp.DecodeOnlyHeader, reason)
+	rq.w.Header().Set(protocol.DecodeOnlyHeader, reason)
 	return s.alone(rq, d)
 }
 
@@ -199,16 +198,16 @@ func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) 
 }
 
 // named reads, in a leg runner, the prefill engine the gateway's endpoint picker chose
-// (epp.PrefillHeader, which no leg forwards): rq.prefer when its host is a ready engine's
+// (protocol.PrefillHeader, which no leg forwards): rq.prefer when its host is a ready engine's
 // of the paired PrefillPool. An address that is not one is never dialled: the request is logged
-// and routed as the router would. In its place, epp.DecodeOnlyHeader serves the request on
+// and routed as the router would. In its place, protocol.DecodeOnlyHeader serves the request on
 // the decode engine alone. Without either (a gateway that failed open, or a client that
 // reached the pod directly) the request follows handoffFailurePolicy; ok is false when
 // res is its answer.
 func (s *Server) named(rq *request, set *discovery.Set) (res result, ok bool) {
-	addr := rq.r.Header.Get(epp.PrefillHeader)
-	rq.r.Header.Del(epp.PrefillHeader)
-	switch reason := rq.r.Header.Get(epp.DecodeOnlyHeader); {
+	addr := rq.r.Header.Get(protocol.PrefillHeader)
+	rq.r.Header.Del(protocol.PrefillHeader)
+	switch reason := rq.r.Header.Get(protocol.DecodeOnlyHeader); {
 	case addr != "" || reason == "":
 	case len(set.Decode) == 0:
 		return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: fmt.Sprintf("no ready decode engine (%s)", set.Source)}, false
@@ -219,7 +218,7 @@ func (s *Server) named(rq *request, set *discovery.Set) (res result, ok bool) {
 	}
 	if addr == "" {
 		why := result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable,
-			msg: "no " + epp.PrefillHeader + " header: the request came without the endpoint picker's prefill choice (a gateway that failed open?)"}
+			msg: "no " + protocol.PrefillHeader + " header: the request came without the endpoint picker's prefill choice (a gateway that failed open?)"}
 		if set.HandoffFailurePolicy == kvv1.HandoffFailureServeOnDecode {
 			return s.serveOnDecode(rq, set, FallbackNoPrefillHeader, why), false
 		}
@@ -232,7 +231,7 @@ func (s *Server) named(rq *request, set *discovery.Set) (res result, ok bool) {
 		host = addr
 	}
 	for _, p := range set.Prefill {
-		if h, _, _ := net.SplitHostPort(epp.PrefillAddress(p)); h == host {
+		if h, _, _ := net.SplitHostPort(protocol.PrefillAddress(p.URL)); h == host {
 			rq.prefer = p.EngineID
 			return result{}, true
 		}

@@ -9,7 +9,7 @@ import (
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/internal/router/epp"
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -51,7 +51,7 @@ func TestAConversationsTurnsFollowItsPrefix(t *testing.T) {
 					} else if on != home[c] {
 						t.Errorf("turn %d of conversation %d went to d-%d, its first to d-%d", turn, c, on, home[c])
 					}
-					only := resp.Header.Get(epp.DecodeOnlyHeader)
+					only := resp.Header.Get(protocol.DecodeOnlyHeader)
 					if short := turn == 1; short != (only == "prefix_cached") || short != (len(p.Seen()) == prefilled) {
 						t.Errorf("turn %d of conversation %d: decode only %q, prefill legs %d → %d", turn, c, only, prefilled, len(p.Seen()))
 					}
@@ -86,9 +86,9 @@ func TestShortPromptsAndThePickersMarkSkipPrefill(t *testing.T) {
 	r.Update(&discovery.Set{Mode: kvv1.TransferPush, Prefill: engines(p), Decode: engines(d), Source: "test",
 		Routing: &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoiceLoadOnly, LoadWeight: 1, MinPrefillTokens: 100}})
 	resp, body := post(t, r.URL, "/v1/completions", `{"model":"tiny","prompt":"the quick brown fox","max_tokens":3}`)
-	if resp.StatusCode != http.StatusOK || resp.Header.Get(epp.DecodeOnlyHeader) != "short_prompt" || len(p.Seen()) != 0 ||
+	if resp.StatusCode != http.StatusOK || resp.Header.Get(protocol.DecodeOnlyHeader) != "short_prompt" || len(p.Seen()) != 0 ||
 		completionText(t, body) != want("the quick brown fox", 3) {
-		t.Errorf("a short prompt: %s, decode only %q, %d prefill legs, %s", resp.Status, resp.Header.Get(epp.DecodeOnlyHeader), len(p.Seen()), body)
+		t.Errorf("a short prompt: %s, decode only %q, %d prefill legs, %s", resp.Status, resp.Header.Get(protocol.DecodeOnlyHeader), len(p.Seen()), body)
 	}
 
 	runner := startRouter(t, kvv1.TransferPush, engines(p), engines(d), func(c *router.Config) { c.Local = d.URL })
@@ -98,10 +98,10 @@ func TestShortPromptsAndThePickersMarkSkipPrefill(t *testing.T) {
 	}{{"prefix_cached", 0}, {"short_prompt", 0}, {"made-up", 1}} {
 		before := len(p.Seen())
 		req, _ := http.NewRequest(http.MethodPost, runner.URL+"/v1/completions", strings.NewReader(`{"model":"tiny","prompt":"a long prompt","max_tokens":3}`))
-		req.Header.Set(epp.DecodeOnlyHeader, tc.mark)
-		req.Header.Set(epp.PrefillHeader, "")
+		req.Header.Set(protocol.DecodeOnlyHeader, tc.mark)
+		req.Header.Set(protocol.PrefillHeader, "")
 		if tc.prefill > 0 {
-			req.Header.Set(epp.PrefillHeader, strings.TrimPrefix(p.URL, "http://"))
+			req.Header.Set(protocol.PrefillHeader, strings.TrimPrefix(p.URL, "http://"))
 		}
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {

@@ -28,7 +28,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/internal/router/kvevents"
+	"github.com/kvhandoff/kvhandoff/internal/router/kvfollow"
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
@@ -59,7 +59,7 @@ type Config struct {
 	HealthWindow, HealthInterval time.Duration
 	// Local, when set, makes the router a decode pod's leg runner: its decode engine is
 	// the one whose URL this is (as the DecodePool's status publishes it), and a request's
-	// prefill engine is the one the gateway's endpoint picker named (epp.PrefillHeader),
+	// prefill engine is the one the gateway's endpoint picker named (protocol.PrefillHeader),
 	// if it is a ready engine of the paired PrefillPool.
 	Local string
 	// Log gets one line per request and every change of endpoints.
@@ -90,7 +90,7 @@ type Server struct {
 	set    atomic.Pointer[discovery.Set]
 	bal    *balance.Balancer
 	choose *choice.Chooser
-	events *kvevents.Follower
+	events *kvfollow.Follower
 	client *http.Client
 	m      *metrics
 	mux    *http.ServeMux // clients'
@@ -135,7 +135,7 @@ func New(cfg Config) *Server {
 	}
 	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
 	if cfg.KVEventsTokenFile != "" {
-		s.events = kvevents.NewFollower(cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile, ix, cfg.Registry, kvevents.Names{Live: "kvhandoff_router_kv_events_live_engines",
+		s.events = kvfollow.NewFollower(cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile, ix, cfg.Registry, kvfollow.Names{Live: "kvhandoff_router_kv_events_live_engines",
 			Blocks: "kvhandoff_router_kv_events_blocks", Resets: "kvhandoff_router_kv_events_resets_total"}, cfg.Log)
 	}
 	s.choose = choice.New(s.bal, ix, s.events, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_router_decode_choices_total",

@@ -16,9 +16,9 @@ import (
 	"google.golang.org/grpc"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/epp"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/internal/router/epp"
 	"github.com/kvhandoff/kvhandoff/test/loopback"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )

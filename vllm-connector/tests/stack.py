@@ -69,11 +69,11 @@ def loopback_host() -> str:
 
 
 def go_binaries(tmp: str) -> str:
-    """The agent and router binaries: KVHANDOFF_BIN_DIR (make builds them), else built here."""
+    """The agent, router and kv-events binaries: KVHANDOFF_BIN_DIR (make builds them), else built here."""
     d = os.environ.get("KVHANDOFF_BIN_DIR")
     if d:
         return d
-    subprocess.run(["go", "build", "-o", tmp + "/", "./cmd/transfer-agent", "./cmd/router"], cwd=REPO, check=True)
+    subprocess.run(["go", "build", "-o", tmp + "/", "./cmd/transfer-agent", "./cmd/router", "./cmd/kv-events"], cwd=REPO, check=True)
     return tmp
 
 
@@ -323,14 +323,14 @@ def kv_events_token(d: str) -> str:
 
 
 class EventsSidecar(Proc):
-    """An engine's kv-events sidecar (the router binary, --mode=kv-events) on the engine's
+    """An engine's kv-events sidecar (the kv-events binary) on the engine's
     host, listening for the publisher that engine's kv_events_args names."""
 
     def __init__(self, bins: str, e: Engine, log_dir: str):
         addr = f"{e.host}:{KV_EVENTS_PORT}"
-        super().__init__(e.name + "-kv-events", [os.path.join(bins, "router"), "--mode=kv-events", "--served-model=m",
-                                                 f"--kv-events-endpoint=tcp://{e.host}:{KV_EVENTS_ZMQ_PORT}", f"--local={e.addr}",
-                                                 "--listen", addr, "--kv-events-token-file", kv_events_token(log_dir)], log_dir)
+        super().__init__(e.name + "-kv-events", [os.path.join(bins, "kv-events"), "--served-model=m",
+                                                 f"--kv-events-endpoint=tcp://{e.host}:{KV_EVENTS_ZMQ_PORT}", f"--engine={e.addr}",
+                                                 "--listen", addr, "--token-file", kv_events_token(log_dir)], log_dir)
         self.url = f"http://{addr}"
         self.wait_until("/healthz", lambda: http_ok(self.url + "/healthz"), 30)
 

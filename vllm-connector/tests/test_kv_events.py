@@ -1,5 +1,5 @@
 """The prefix index from vLLM's own KV cache events, with real vLLM engines: each engine
-publishes its events to a kv-events sidecar (the router binary, --mode=kv-events), which
+publishes its events to a kv-events sidecar (the kv-events binary), which
 the router follows. Conversations whose first turn reached a decode engine without the
 router (as through another router replica) must have their next turn sent to that engine,
 moving only the blocks it lacks; and what engines evict must leave the router's index."""

@@ -16,7 +16,7 @@ import (
 
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/internal/router/kvevents"
+	"github.com/kvhandoff/kvhandoff/internal/router/kvfollow"
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
@@ -25,7 +25,7 @@ import (
 type Chooser struct {
 	bal      *balance.Balancer
 	ix       *prefix.Index      // routing history
-	ev       *kvevents.Follower // the engines' own KV events; nil for none
+	ev       *kvfollow.Follower // the engines' own KV events; nil for none
 	m        *Metrics
 	inflight *prometheus.GaugeVec // labels: role, engine
 
@@ -37,7 +37,7 @@ type Chooser struct {
 // from the engines' KV events where they publish them (nil: none), counting its choices
 // in m and legs into inflight (labels role and engine). The balancer's scrapes bound each
 // engine's history at its KV capacity.
-func New(bal *balance.Balancer, ix *prefix.Index, ev *kvevents.Follower, m *Metrics, inflight *prometheus.GaugeVec) *Chooser {
+func New(bal *balance.Balancer, ix *prefix.Index, ev *kvfollow.Follower, m *Metrics, inflight *prometheus.GaugeVec) *Chooser {
 	bal.OnLoad = func(_ balance.Role, id string, l balance.Load) {
 		if l.Blocks > 0 {
 			ix.SetCapacity(id, l.Blocks)

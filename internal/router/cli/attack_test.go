@@ -8,18 +8,12 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
-
 	"github.com/kvhandoff/kvhandoff/test/gobin"
-	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 // proc is a running router binary: its clients' and its operators' addresses.
@@ -42,55 +36,9 @@ func routerProcTo(t *testing.T, decode string, flags ...string) proc {
 	file := filepath.Join(dir, "endpoints.json")
 	_ = os.WriteFile(file,
 		[]byte(`{"mode":"Pull","prefill":[{"url":"http://127.0.0.1:1","engineID":"p"}],"decode":[{"url":"`+decode+`","engineID":"d"}]}`), 0o644)
-	m := start(t, bin, `"listen":"([^"]+)","admin":"([^"]+)"`,
+	m := gobin.Start(t, bin, `"msg":"router serving","listen":"([^"]+)","admin-listen":"([^"]+)"`,
 		append([]string{"--endpoints", file, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--drain", "1s"}, flags...)...)
 	return proc{addr: m[1], admin: m[2]}
-}
-
-// start runs bin with args until the test ends, and returns the submatches of the first
-// line of its log that matches serving (where it says it serves).
-func start(t *testing.T, bin, serving string, args ...string) []string {
-	t.Helper()
-	cmd := exec.Command(bin, args...)
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	re := regexp.MustCompile(serving)
-	for lines := bufio.NewScanner(stderr); lines.Scan(); {
-		if m := re.FindStringSubmatch(lines.Text()); m != nil {
-			go func() { _, _ = io.Copy(io.Discard, stderr) }()
-			return m
-		}
-	}
-	t.Fatalf("%s exited before it served", filepath.Base(bin))
-	return nil
-}
-
-// metric reads one series from the router's /metrics.
-func metric(t *testing.T, addr, series string) float64 {
-	t.Helper()
-	resp, err := http.Get("http://" + addr + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	for _, line := range strings.Split(string(body), "\n") {
-		if v, ok := strings.CutPrefix(line, series+" "); ok {
-			f, err := strconv.ParseFloat(v, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return f
-		}
-	}
-	t.Fatalf("no series %s", series)
-	return 0
 }
 
 // Clients that announce large bodies and stall hold neither memory nor the router: the
@@ -100,7 +48,7 @@ func metric(t *testing.T, addr, series string) float64 {
 func TestStalledBodiesAreBoundedInTimeMemoryAndNumber(t *testing.T) {
 	r := routerProc(t, "--body-timeout", "3s", "--max-in-flight", "20")
 	addr := r.addr
-	heapBefore := metric(t, r.admin, "go_memstats_heap_alloc_bytes")
+	heapBefore := gobin.Metric(t, r.admin, "go_memstats_heap_alloc_bytes")
 	const clients = 30
 	type answer struct {
 		status int
@@ -133,7 +81,7 @@ func TestStalledBodiesAreBoundedInTimeMemoryAndNumber(t *testing.T) {
 		}
 	}()
 	// While they stall, the router holds what they sent, not what they announced.
-	if grew := metric(t, r.admin, "go_memstats_heap_alloc_bytes") - heapBefore; grew > 64<<20 {
+	if grew := gobin.Metric(t, r.admin, "go_memstats_heap_alloc_bytes") - heapBefore; grew > 64<<20 {
 		t.Errorf("the router's heap grew %.0f MB for %d stalled bodies of 1 KB each", grew/1e6, clients)
 	}
 	got := map[int]int{}
@@ -154,7 +102,7 @@ func TestStalledBodiesAreBoundedInTimeMemoryAndNumber(t *testing.T) {
 func TestADeeplyNestedPromptCostsOnePass(t *testing.T) {
 	r := routerProc(t)
 	addr := r.addr
-	cpuBefore := metric(t, r.admin, "process_cpu_seconds_total")
+	cpuBefore := gobin.Metric(t, r.admin, "process_cpu_seconds_total")
 	const depth = 9990
 	body := `{"prompt":` + strings.Repeat("[", depth) + `"` + strings.Repeat("x", 1<<20-2*depth) + `"` + strings.Repeat("]", depth) + `}`
 	resp, err := http.Post("http://"+addr+"/v1/completions", "application/json", strings.NewReader(body))
@@ -165,7 +113,7 @@ func TestADeeplyNestedPromptCostsOnePass(t *testing.T) {
 	if resp.StatusCode/100 != 5 { // the engines never answer
 		t.Errorf("status %d, want the engines' failure", resp.StatusCode)
 	}
-	if spent := metric(t, r.admin, "process_cpu_seconds_total") - cpuBefore; spent > 1 {
+	if spent := gobin.Metric(t, r.admin, "process_cpu_seconds_total") - cpuBefore; spent > 1 {
 		t.Errorf("the router spent %.1f s of CPU on one nested prompt", spent)
 	}
 }
@@ -215,78 +163,4 @@ func status(t *testing.T, url string) int {
 	}
 	resp.Body.Close()
 	return resp.StatusCode
-}
-
-// The kv-events sidecar, as built: only a follower bearing the pool's token gets the
-// keys (anyone on the pod network reaches the port); a publisher's malformed messages
-// are refused, counted, and leave it serving.
-func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
-	dir := t.TempDir()
-	bin, err := gobin.Build(dir, "router")
-	if err != nil {
-		t.Fatal(err)
-	}
-	token := filepath.Join(dir, "token")
-	_ = os.WriteFile(token, []byte(strings.Repeat("7f", 32)+"\n"), 0o600)
-	zmq := "tcp://" + loopback.New(t) + ":5557"
-	addr := start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, "--mode=kv-events", "--served-model=m", "--local=127.0.0.1:1",
-		"--listen=127.0.0.1:0", "--kv-events-endpoint="+zmq, "--kv-events-token-file="+token)[1]
-	get := func(auth string) *http.Response {
-		req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/v1/kv-keys", nil)
-		if auth != "" {
-			req.Header.Set("Authorization", auth)
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return resp
-	}
-	for _, auth := range []string{"", "Bearer ", "Bearer " + strings.Repeat("7f", 31), "Bearer " + strings.Repeat("7f", 32) + "x", strings.Repeat("7f", 32)} {
-		resp := get(auth)
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusUnauthorized {
-			t.Errorf("Authorization %q: %s, want 401", auth, resp.Status)
-		}
-	}
-	resp := get("Bearer " + strings.Repeat("7f", 32))
-	first := make([]byte, 5)
-	_, err = io.ReadFull(resp.Body, first)
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK || err != nil || first[0] != 'S' {
-		t.Fatalf("the token's holder: %s, %q, %v", resp.Status, first, err)
-	}
-
-	// A publisher that is not vLLM: what it sends is refused, the sidecar serves on.
-	pub := zmq4.NewPub(t.Context(), zmq4.WithDialerRetry(50*time.Millisecond), zmq4.WithDialerMaxRetries(100))
-	defer pub.Close()
-	if err := pub.Dial(zmq); err != nil {
-		t.Fatal(err)
-	}
-	refused := func() string {
-		resp, err := http.Get("http://" + addr + "/metrics")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return regexp.MustCompile(`kvhandoff_kv_events_resets_total\{reason="refused"\} (\d+)`).FindStringSubmatch(string(b))[1]
-	}
-	for i := 0; refused() == "0"; i++ {
-		if i > 2000 {
-			t.Fatal("no malformed message was refused")
-		}
-		for _, m := range []zmq4.Msg{zmq4.NewMsgFrom([]byte("kv")), zmq4.NewMsgFrom([]byte("kv"), []byte{1, 2}, []byte{0xc1}),
-			zmq4.NewMsgFrom([]byte("kv"), make([]byte, 8), []byte{0x92, 0x01, 0xdd, 0xff, 0xff, 0xff, 0xff})} {
-			if err := pub.Send(m); err != nil {
-				t.Fatal(err)
-			}
-		}
-		time.Sleep(5 * time.Millisecond) // a publisher's pace; the loop ends on what the sidecar counted
-	}
-	if resp := get("Bearer " + strings.Repeat("7f", 32)); resp.StatusCode != http.StatusOK {
-		t.Errorf("after malformed messages: %s", resp.Status)
-	} else {
-		resp.Body.Close()
-	}
 }

@@ -10,6 +10,8 @@ import (
 	extprocfilter "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
@@ -19,11 +21,22 @@ import (
 // takes at most 64 KiB per message in FULL_DUPLEX_STREAMED mode).
 const chunk = 62000
 
-// stream is one request's ext_proc exchange.
+// stream is one request's ext_proc exchange. Its request side is a protocol: headers
+// once, then the body (its last chunk marked, or trailers once), then the response's
+// messages. A stream routes at most once; a request message out of that order is a
+// protocol error that ends the stream (one stream once took a new --max-in-flight slot
+// per headers message and kept them all).
 type stream struct {
 	s     *Server
 	srv   extprocv3.ExternalProcessor_ProcessServer
 	start time.Time
+
+	headers, bodyDone, trailersSeen bool
+	// responded: a response message came; a stream that ends without one was closed by
+	// the gateway at routing, and the picker cannot tell when its request ended.
+	responded bool
+	// held is the bytes of body this stream holds of the picker's MaxBufferedBytes.
+	held int64
 
 	subset map[string]bool // the gateway's subset hint; nil: none
 	// modes are the body modes the gateway runs this filter in (its first message says):
@@ -50,7 +63,20 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 	}
 	switch v := req.Request.(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
+		if r.headers {
+			return false, protocolError("request headers a second time")
+		}
+		r.headers = true
+		// The slot first, before any body is buffered: a request the picker cannot take
+		// costs nothing more.
+		select {
+		case r.s.slots <- struct{}{}:
+			r.slot = true
+		default:
+			return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is serving its limit of requests (--max-in-flight); retry later"})
+		}
 		if v.RequestHeaders.GetEndOfStream() {
+			r.bodyDone = true
 			return r.route(nil, false) // no body (GET /v1/models): pick by load alone
 		}
 		if r.buffered() {
@@ -61,20 +87,31 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 		}
 		return false, nil // answered once the body is in: its prompt weighs the choice
 	case *extprocv3.ProcessingRequest_RequestBody:
+		if !r.headers || r.bodyDone || r.trailersSeen {
+			return false, protocolError("a request body chunk after the body ended, or before the headers")
+		}
 		b := v.RequestBody
 		if int64(len(r.body)+len(b.GetBody())) > r.s.cfg.MaxBodyBytes {
 			return r.refuse(&refusal{http.StatusRequestEntityTooLarge, OutcomeBadRequest, "the request body exceeds the endpoint picker's limit"})
+		}
+		if !r.hold(int64(len(b.GetBody()))) {
+			return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is buffering its limit of request bytes (--max-buffered-bytes); retry later"})
 		}
 		r.body = append(r.body, b.GetBody()...)
 		if !b.GetEndOfStream() {
 			return false, nil
 		}
+		r.bodyDone = true
 		parsed, err := protocol.Parse(r.body)
 		if err != nil {
 			return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
 		}
 		return r.route(parsed, true)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
+		if !r.headers || r.trailersSeen || (r.bodyDone && !r.buffered()) {
+			return false, protocolError("request trailers a second time, after a body that ended, or before the headers")
+		}
+		r.trailersSeen = true
 		if r.picked == nil && !r.buffered() {
 			// The body ended with trailers: route now, then answer them.
 			r.trailers = true
@@ -89,12 +126,14 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
 			RequestTrailers: &extprocv3.TrailersResponse{}}})
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		r.responded = true
 		r.served = served(req)
 		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{
 			ResponseHeaders: &extprocv3.HeadersResponse{}}})
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		// The response passes through as it came, chunk by chunk: streamed tokens are not
 		// held back.
+		r.responded = true
 		b := v.ResponseBody
 		resp := &extprocv3.CommonResponse{}
 		if r.modes.GetResponseBodyMode() == extprocfilter.ProcessingMode_FULL_DUPLEX_STREAMED || r.modes == nil {
@@ -103,6 +142,7 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
 			ResponseBody: &extprocv3.BodyResponse{Response: resp}}})
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		r.responded = true
 		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{
 			ResponseTrailers: &extprocv3.TrailersResponse{}}})
 	}
@@ -112,11 +152,8 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 // route picks the request's engines and answers its headers (routing headers set, the
 // client's own removed), then gives its body back to the gateway unchanged.
 func (r *stream) route(body protocol.Body, hasBody bool) (bool, error) {
-	select {
-	case r.s.slots <- struct{}{}:
-		r.slot = true
-	default:
-		return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is serving its limit of requests (--max-in-flight); retry later"})
+	if r.picked != nil {
+		return false, protocolError("a request routed a second time") // the states above never get here
 	}
 	p, err := r.s.pick(r.subset, body)
 	if err != nil {
@@ -131,11 +168,11 @@ func (r *stream) route(body protocol.Body, hasBody bool) (bool, error) {
 			AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD}
 	}
 	// The prefill engine, or that there is none: never what the client sent.
-	mutation := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{set(DestinationHeader, dest), set(PrefillHeader, p.prefill)},
-		RemoveHeaders: []string{DecodeOnlyHeader}}
+	mutation := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{set(protocol.DestinationHeader, dest), set(protocol.PrefillHeader, p.prefill)},
+		RemoveHeaders: []string{protocol.DecodeOnlyHeader}}
 	if p.decodeOnly != "" {
-		mutation = &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{set(DestinationHeader, dest), set(DecodeOnlyHeader, p.decodeOnly)},
-			RemoveHeaders: []string{PrefillHeader}}
+		mutation = &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{set(protocol.DestinationHeader, dest), set(protocol.DecodeOnlyHeader, p.decodeOnly)},
+			RemoveHeaders: []string{protocol.PrefillHeader}}
 	}
 	routing := &extprocv3.CommonResponse{
 		// The route is chosen again, by the headers set here.
@@ -143,13 +180,13 @@ func (r *stream) route(body protocol.Body, hasBody bool) (bool, error) {
 		HeaderMutation:  mutation,
 	}
 	md := &structpb.Struct{Fields: map[string]*structpb.Value{
-		MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-			DestinationHeader: structpb.NewStringValue(dest),
+		protocol.MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			protocol.DestinationHeader: structpb.NewStringValue(dest),
 		}}),
 	}}
 	if hasBody && r.buffered() {
 		// The headers were answered already; Envoy still holds them and the body.
-		r.body = nil
+		r.dropBody()
 		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
 			RequestBody: &extprocv3.BodyResponse{Response: routing}}, DynamicMetadata: md})
 	}
@@ -171,8 +208,32 @@ func (r *stream) route(body protocol.Body, hasBody bool) (bool, error) {
 			break
 		}
 	}
-	r.body = nil
+	r.dropBody()
 	return false, nil
+}
+
+// hold takes n more bytes of the picker's MaxBufferedBytes for this stream's body; false
+// when they are not there.
+func (r *stream) hold(n int64) bool {
+	if r.s.buffered.Add(n) > r.s.cfg.MaxBufferedBytes {
+		r.s.buffered.Add(-n)
+		return false
+	}
+	r.held += n
+	return true
+}
+
+// dropBody lets go of the body once it went back to the gateway, and of its bytes.
+func (r *stream) dropBody() {
+	r.body = nil
+	r.s.buffered.Add(-r.held)
+	r.held = 0
+}
+
+// protocolError is a message the ext_proc protocol does not allow where it came: it ends
+// the stream.
+func protocolError(what string) error {
+	return status.Errorf(codes.InvalidArgument, "ext_proc: %s", what)
 }
 
 // buffered: Envoy runs this filter's request body in BUFFERED mode.
@@ -201,8 +262,19 @@ func (r *stream) refuse(rf *refusal) (bool, error) {
 }
 
 // finish gives back what the request held once its stream ends, and counts a response
-// served by another endpoint than the first picked.
-func (r *stream) finish() {
+// served by another endpoint than the first picked, and a request whose stream the
+// gateway closed at routing (its response is not processed: the picker cannot know when
+// it ends, so --max-in-flight bounds picks, not requests, for such a gateway).
+func (r *stream) finish(err error) {
+	r.dropBody()
+	if r.picked != nil && !r.responded && err == nil {
+		r.s.m.unobserved.Inc()
+		r.s.warnUnobserved.Do(func() {
+			r.s.cfg.Log.Warn("the gateway closed an ext_proc stream once its request was routed, without its response: configure the " +
+				"ext_proc filter to send response headers and body (FULL_DUPLEX_STREAMED or STREAMED); until then --max-in-flight " +
+				"bounds picks, not requests, and the engines' in-flight counts drop at routing")
+		})
+	}
 	if r.picked != nil {
 		r.picked.release()
 		switch {
@@ -220,8 +292,8 @@ func (r *stream) finish() {
 // subsetHint reads the gateway's subset hint: nil when it sent none, else the set of
 // endpoints (empty when the list is).
 func subsetHint(md *corev3.Metadata) map[string]bool {
-	ns := md.GetFilterMetadata()[SubsetNamespace]
-	v, ok := ns.GetFields()[SubsetKey]
+	ns := md.GetFilterMetadata()[protocol.SubsetNamespace]
+	v, ok := ns.GetFields()[protocol.SubsetKey]
 	if !ok {
 		return nil
 	}
@@ -245,7 +317,7 @@ func subsetHint(md *corev3.Metadata) map[string]bool {
 // served is the endpoint the gateway reports as having served the request: the EPP
 // protocol's metadata, or Envoy's upstream.address attribute (response_attributes).
 func served(req *extprocv3.ProcessingRequest) string {
-	if v := req.GetMetadataContext().GetFilterMetadata()[MetadataNamespace].GetFields()[ServedKey].GetStringValue(); v != "" {
+	if v := req.GetMetadataContext().GetFilterMetadata()[protocol.MetadataNamespace].GetFields()[protocol.ServedKey].GetStringValue(); v != "" {
 		return v
 	}
 	return req.GetAttributes()["envoy.filters.http.ext_proc"].GetFields()["upstream.address"].GetStringValue()

@@ -15,8 +15,9 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/epp"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/internal/router/epp"
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 )
 
 func engine(id, host, hash string) discovery.Engine {
@@ -99,14 +100,14 @@ func TestFallbacksAreDecodeEnginesOfTheFirstsCompatHash(t *testing.T) {
 	for _, h := range resp.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
 		headers[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
 	}
-	dest := headers[epp.DestinationHeader]
+	dest := headers[protocol.DestinationHeader]
 	if dest != "198.18.0.2:8100,198.18.0.3:8100" && dest != "198.18.0.3:8100,198.18.0.2:8100" {
 		t.Fatalf("destination %q: want both engines of compat-hash a on the leg-runner port, and not the other", dest)
 	}
-	if headers[epp.PrefillHeader] != "198.18.0.1:8000" {
-		t.Fatalf("prefill %q", headers[epp.PrefillHeader])
+	if headers[protocol.PrefillHeader] != "198.18.0.1:8000" {
+		t.Fatalf("prefill %q", headers[protocol.PrefillHeader])
 	}
-	md := resp.GetDynamicMetadata().GetFields()[epp.MetadataNamespace].GetStructValue().GetFields()[epp.DestinationHeader].GetStringValue()
+	md := resp.GetDynamicMetadata().GetFields()[protocol.MetadataNamespace].GetStructValue().GetFields()[protocol.DestinationHeader].GetStringValue()
 	if md != dest {
 		t.Fatalf("metadata %q differs from the header %q", md, dest)
 	}
@@ -132,7 +133,7 @@ func TestThePickerRoutesByPrefixAndMarksDecodeOnlyTurns(t *testing.T) {
 		defer func() { _ = stream.CloseSend() }()
 		for _, req := range []*extprocv3.ProcessingRequest{
 			{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{
-				Headers: []*corev3.HeaderValue{{Key: epp.PrefillHeader, RawValue: []byte("198.18.0.99:8000")}}}}}},
+				Headers: []*corev3.HeaderValue{{Key: protocol.PrefillHeader, RawValue: []byte("198.18.0.99:8000")}}}}}},
 			{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{
 				Body: []byte(fmt.Sprintf(`{"model":"m","prompt":%q}`, prompt)), EndOfStream: true}}},
 		} {
@@ -155,8 +156,8 @@ func TestThePickerRoutesByPrefixAndMarksDecodeOnlyTurns(t *testing.T) {
 	first := map[int]string{}
 	for c, prompt := range opening {
 		h, removed := pick(prompt)
-		first[c] = h[epp.DestinationHeader]
-		if h[epp.PrefillHeader] != "198.18.0.1:8000" || h[epp.DecodeOnlyHeader] != "" || !slices.Equal(removed, []string{epp.DecodeOnlyHeader}) {
+		first[c] = h[protocol.DestinationHeader]
+		if h[protocol.PrefillHeader] != "198.18.0.1:8000" || h[protocol.DecodeOnlyHeader] != "" || !slices.Equal(removed, []string{protocol.DecodeOnlyHeader}) {
 			t.Errorf("first turn of %d: %v, removed %v: want prefill p and the decode-only mark removed", c, h, removed)
 		}
 	}
@@ -165,12 +166,12 @@ func TestThePickerRoutesByPrefixAndMarksDecodeOnlyTurns(t *testing.T) {
 	}
 	for c, prompt := range opening {
 		h, removed := pick(prompt + " thanks")
-		if h[epp.DestinationHeader] != first[c] || h[epp.DecodeOnlyHeader] != "prefix_cached" || h[epp.PrefillHeader] != "" ||
-			!slices.Equal(removed, []string{epp.PrefillHeader}) {
+		if h[protocol.DestinationHeader] != first[c] || h[protocol.DecodeOnlyHeader] != "prefix_cached" || h[protocol.PrefillHeader] != "" ||
+			!slices.Equal(removed, []string{protocol.PrefillHeader}) {
 			t.Errorf("a short second turn of %d: %v, removed %v: want %s alone, the client's prefill header removed", c, h, removed, first[c])
 		}
 		h, _ = pick(prompt + strings.Repeat(" and a long question", 30))
-		if h[epp.DestinationHeader] != first[c] || h[epp.PrefillHeader] != "198.18.0.1:8000" {
+		if h[protocol.DestinationHeader] != first[c] || h[protocol.PrefillHeader] != "198.18.0.1:8000" {
 			t.Errorf("a long turn of %d: %v: want %s with prefill p", c, h, first[c])
 		}
 	}

@@ -1,4 +1,8 @@
-package kvevents
+// Package kvfollow follows the kv-events sidecars of a pool's engines (package kvevents,
+// in the engine pods) for a router or endpoint picker: per engine, the keys of the blocks
+// it holds, from each sidecar's key stream (package keystream), matched against a
+// prompt's keys in place of routing history while the stream is live.
+package kvfollow
 
 import (
 	"bufio"
@@ -11,6 +15,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvhandoff/kvhandoff/internal/keystream"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
@@ -161,11 +166,11 @@ func (f *Follower) stream(ctx context.Context, engine string, e *followed) error
 	url := e.url
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	token, err := ReadToken(f.tokenFile)
+	token, err := keystream.ReadToken(f.tokenFile)
 	if err != nil {
 		return err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+StreamPath, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+keystream.StreamPath, nil)
 	if err != nil {
 		return err
 	}
@@ -176,30 +181,30 @@ func (f *Follower) stream(ctx context.Context, engine string, e *followed) error
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("%s: %s", url+StreamPath, resp.Status)
+		return fmt.Errorf("%s: %s", url+keystream.StreamPath, resp.Status)
 	}
 	// A stream silent for 3 heartbeats is dead, whatever TCP says.
-	silent := time.AfterFunc(3*Heartbeat, cancel)
+	silent := time.AfterFunc(3*keystream.Heartbeat, cancel)
 	defer silent.Stop()
 	r := bufio.NewReaderSize(resp.Body, 64<<10)
 	var keys []prefix.Key
 	for {
-		op, k, err := readFrame(r, keys)
+		op, k, err := keystream.ReadFrame(r, keys)
 		if err != nil {
 			return err
 		}
 		keys = k
-		silent.Reset(3 * Heartbeat)
+		silent.Reset(3 * keystream.Heartbeat)
 		f.apply(engine, e, func() {
 			switch op {
-			case OpSnapshot:
+			case keystream.OpSnapshot:
 				f.ix.Clear(engine)
 				e.live = true
-			case OpAdd:
+			case keystream.OpAdd:
 				f.ix.Add(engine, keys)
-			case OpRemove:
+			case keystream.OpRemove:
 				f.ix.Remove(engine, keys)
-			case OpEmptied:
+			case keystream.OpEmptied:
 				f.ix.Clear(engine)
 				f.history.Clear(engine)
 				f.resets.WithLabelValues("emptied").Inc()

@@ -1,39 +1,16 @@
 package kvevents
 
 import (
-	"bufio"
-	"encoding/binary"
 	"fmt"
-	"io"
 	"net/http"
 	"sync"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/internal/keystream"
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 )
 
-// The stream a sidecar serves at GET StreamPath is frames of one op byte, a 4-byte
-// big-endian count and that many 8-byte big-endian keys. It starts with OpSnapshot and
-// the keys held (OpAdd), then relays changes; an OpAdd of no key is a heartbeat.
 const (
-	StreamPath = "/v1/kv-keys"
-	// OpSnapshot: forget what this stream said; what is held follows.
-	OpSnapshot = 'S'
-	// OpAdd: the engine holds these keys, each chain's from its first block on.
-	OpAdd = 'A'
-	// OpRemove: the engine evicted these.
-	OpRemove = 'R'
-	// OpEmptied: the engine dropped everything (it restarted, or cleared its cache):
-	// what any source says it held is gone.
-	OpEmptied = 'E'
-
-	// Heartbeat is how often an idle stream says it is alive; a follower gives up on a
-	// stream silent for 3 of them.
-	Heartbeat = 10 * time.Second
-	// maxFrameKeys bounds a frame: a follower refuses larger ones, a snapshot is split.
-	maxFrameKeys = 1 << 16
 	// maxFollowers bounds the streams a sidecar serves at once: a router or picker
 	// replica each.
 	maxFollowers = 256
@@ -42,56 +19,21 @@ const (
 	subscriberFrames = 1024
 )
 
-func appendFrame(b []byte, op byte, keys []prefix.Key) []byte {
-	b = append(b, op)
-	b = binary.BigEndian.AppendUint32(b, uint32(len(keys)))
-	for _, k := range keys {
-		b = binary.BigEndian.AppendUint64(b, uint64(k))
-	}
-	return b
-}
-
-// readFrame reads one frame into keys (reused).
-func readFrame(r *bufio.Reader, keys []prefix.Key) (byte, []prefix.Key, error) {
-	var head [5]byte
-	if _, err := io.ReadFull(r, head[:]); err != nil {
-		return 0, nil, err
-	}
-	op, n := head[0], binary.BigEndian.Uint32(head[1:])
-	switch op {
-	case OpSnapshot, OpAdd, OpRemove, OpEmptied:
-	default:
-		return 0, nil, fmt.Errorf("a frame of op %q: must be S, A, R or E", op)
-	}
-	if n > maxFrameKeys {
-		return 0, nil, fmt.Errorf("a frame of %d keys: at most %d", n, maxFrameKeys)
-	}
-	keys = keys[:0]
-	var k [8]byte
-	for range n {
-		if _, err := io.ReadFull(r, k[:]); err != nil {
-			return 0, nil, err
-		}
-		keys = append(keys, prefix.Key(binary.BigEndian.Uint64(k[:])))
-	}
-	return op, keys, nil
-}
-
-// Hub is a sidecar's state: the keys its engine holds, kept from vLLM's batches (Apply),
+// Server is a sidecar's state: the keys its engine holds, kept from vLLM's batches (Apply),
 // and the followers it streams them to (ServeHTTP).
-type Hub struct {
+type Server struct {
 	mu      sync.Mutex
 	keys    *Keys
 	seq     uint64
 	started bool
 	subs    map[chan []byte]struct{}
-	m       *hubMetrics
+	m       *serverMetrics
 }
 
-// NewHub returns a hub over keys, counting into reg.
-func NewHub(keys *Keys, reg prometheus.Registerer) *Hub {
-	h := &Hub{keys: keys, subs: map[chan []byte]struct{}{}}
-	h.m = newHubMetrics(reg, h)
+// NewServer returns a hub over keys, counting into reg.
+func NewServer(keys *Keys, reg prometheus.Registerer) *Server {
+	h := &Server{keys: keys, subs: map[chan []byte]struct{}{}}
+	h.m = newServerMetrics(reg, h)
 	return h
 }
 
@@ -99,15 +41,15 @@ func NewHub(keys *Keys, reg prometheus.Registerer) *Hub {
 // batches from 0: a number that goes back means the engine restarted (its cache is
 // empty); one that skips means batches were lost (what they changed is not known, so
 // nothing held is trusted any more).
-func (h *Hub) Apply(b Batch) {
+func (h *Server) Apply(b Batch) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var out []byte
 	switch {
 	case h.started && b.Seq <= h.seq:
-		out = h.reset("restarted", OpEmptied)
+		out = h.reset("restarted", keystream.OpEmptied)
 	case h.started && b.Seq > h.seq+1:
-		out = h.reset("gap", OpSnapshot)
+		out = h.reset("gap", keystream.OpSnapshot)
 	}
 	h.started, h.seq = true, b.Seq
 	for _, e := range b.Events {
@@ -115,11 +57,11 @@ func (h *Hub) Apply(b Batch) {
 		c := h.keys.Apply(e)
 		switch {
 		case c.Cleared:
-			out = appendFrame(out, OpEmptied, nil)
+			out = keystream.AppendFrame(out, keystream.OpEmptied, nil)
 		case len(c.Added) > 0:
-			out = appendFrame(out, OpAdd, c.Added)
+			out = keystream.AppendFrame(out, keystream.OpAdd, c.Added)
 		case len(c.Removed) > 0:
-			out = appendFrame(out, OpRemove, c.Removed)
+			out = keystream.AppendFrame(out, keystream.OpRemove, c.Removed)
 		}
 		for reason, n := range c.Skipped {
 			h.m.skipped.WithLabelValues(reason).Add(float64(n))
@@ -130,34 +72,34 @@ func (h *Hub) Apply(b Batch) {
 
 // Lost says the engine stopped (WatchEngine), and its cache with it; the next batch
 // starts a new run of numbers.
-func (h *Hub) Lost() {
+func (h *Server) Lost() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if !h.started && h.keys.Len() == 0 {
 		return
 	}
 	h.started = false
-	h.broadcast(h.reset("stopped", OpEmptied))
+	h.broadcast(h.reset("stopped", keystream.OpEmptied))
 }
 
 // Refused says a message could not be read: as a lost batch, nothing held is trusted.
-func (h *Hub) Refused() {
+func (h *Server) Refused() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.broadcast(h.reset("refused", OpSnapshot))
+	h.broadcast(h.reset("refused", keystream.OpSnapshot))
 }
 
-// reset forgets the keys and returns the frame that tells the followers (op: OpEmptied
-// when the engine's cache is gone, OpSnapshot when only the hub's knowledge of it is).
-func (h *Hub) reset(reason string, op byte) []byte {
+// reset forgets the keys and returns the frame that tells the followers (op: keystream.OpEmptied
+// when the engine's cache is gone, keystream.OpSnapshot when only the hub's knowledge of it is).
+func (h *Server) reset(reason string, op byte) []byte {
 	h.keys.Reset()
 	h.m.resets.WithLabelValues(reason).Inc()
-	return appendFrame(nil, op, nil)
+	return keystream.AppendFrame(nil, op, nil)
 }
 
 // broadcast relays frames to every follower; one too far behind is cut off (it
 // reconnects and starts from a snapshot).
-func (h *Hub) broadcast(frames []byte) {
+func (h *Server) broadcast(frames []byte) {
 	if len(frames) == 0 {
 		return
 	}
@@ -173,7 +115,7 @@ func (h *Hub) broadcast(frames []byte) {
 }
 
 // ServeHTTP streams the keys: a snapshot, then every change, until the follower goes.
-func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+func (h *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	flush := http.NewResponseController(w)
 	ch := make(chan []byte, subscriberFrames)
 	h.mu.Lock()
@@ -196,16 +138,16 @@ func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.mu.Unlock()
 	}()
 	w.Header().Set("Content-Type", "application/octet-stream")
-	snapshot := appendFrame(nil, OpSnapshot, nil)
+	snapshot := keystream.AppendFrame(nil, keystream.OpSnapshot, nil)
 	for len(all) > 0 {
-		n := min(len(all), maxFrameKeys)
-		snapshot = appendFrame(snapshot, OpAdd, all[:n])
+		n := min(len(all), keystream.MaxFrameKeys)
+		snapshot = keystream.AppendFrame(snapshot, keystream.OpAdd, all[:n])
 		all = all[n:]
 	}
 	if _, err := w.Write(snapshot); err != nil || flush.Flush() != nil {
 		return
 	}
-	beat := time.NewTicker(Heartbeat)
+	beat := time.NewTicker(keystream.Heartbeat)
 	defer beat.Stop()
 	for {
 		var b []byte
@@ -213,7 +155,7 @@ func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		case <-r.Context().Done():
 			return
 		case <-beat.C:
-			b = appendFrame(nil, OpAdd, nil)
+			b = keystream.AppendFrame(nil, keystream.OpAdd, nil)
 		case frames, ok := <-ch:
 			if !ok {
 				return
@@ -226,15 +168,15 @@ func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-type hubMetrics struct {
+type serverMetrics struct {
 	events  *prometheus.CounterVec // kind
 	skipped *prometheus.CounterVec // reason
 	resets  *prometheus.CounterVec // reason
 	cutOff  prometheus.Counter
 }
 
-func newHubMetrics(reg prometheus.Registerer, h *Hub) *hubMetrics {
-	m := &hubMetrics{
+func newServerMetrics(reg prometheus.Registerer, h *Server) *serverMetrics {
+	m := &serverMetrics{
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_kv_events_total",
 			Help: "vLLM KV cache events received, by kind (BlockStored, BlockRemoved, AllBlocksCleared).",

@@ -12,6 +12,12 @@ const (
 	OutcomeShed = "shed"
 	// OutcomeBadRequest: the body was not a JSON object or too large (400, 413).
 	OutcomeBadRequest = "bad_request"
+	// OutcomeTimeout: the request did not arrive whole within the body timeout (408), or
+	// the stream outlived its longest duration.
+	OutcomeTimeout = "timeout"
+	// OutcomeProtocolError: the gateway's stream broke the ext_proc protocol (a second
+	// headers message, a body after its end, ...); it was ended.
+	OutcomeProtocolError = "protocol_error"
 )
 
 type metrics struct {
@@ -19,6 +25,9 @@ type metrics struct {
 	pick     prometheus.Histogram
 	served   *prometheus.CounterVec
 	inflight *prometheus.GaugeVec
+	// unobserved counts routed requests whose stream the gateway closed without their
+	// response (finish).
+	unobserved prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -36,7 +45,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvhandoff_epp_inflight", Help: "Requests picked for and not yet finished, by role and engine.",
 		}, []string{"role", "engine"}),
+		unobserved: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvhandoff_epp_unobserved_requests_total", Help: "Routed requests whose ext_proc stream the gateway closed without their response: the picker cannot count them past their pick (configure response processing).",
+		}),
 	}
-	reg.MustRegister(m.requests, m.pick, m.served, m.inflight)
+	reg.MustRegister(m.requests, m.pick, m.served, m.inflight, m.unobserved)
 	return m
 }

@@ -16,7 +16,7 @@ import (
 // other pod reaches) for vLLM's publisher, which connects to it, and relays its events
 // into hub until ctx ends. Listening here, rather than at a socket vLLM binds, needs no
 // file both containers may write, and vLLM reconnects by itself after a restart.
-func Subscribe(ctx context.Context, endpoint, topic string, hub *Hub, log *slog.Logger) error {
+func Subscribe(ctx context.Context, endpoint, topic string, hub *Server, log *slog.Logger) error {
 	sub := zmq4.NewSub(ctx)
 	defer sub.Close()
 	if err := sub.Listen(endpoint); err != nil {
@@ -51,7 +51,7 @@ func Subscribe(ctx context.Context, endpoint, topic string, hub *Hub, log *slog.
 // vLLM's batch numbers starting again say the same once it publishes, but a restarted
 // engine may be ready before its first batch, and routers must not trust the old keys
 // in between.
-func WatchEngine(ctx context.Context, addr string, every time.Duration, hub *Hub) {
+func WatchEngine(ctx context.Context, addr string, every time.Duration, hub *Server) {
 	d := net.Dialer{Timeout: every}
 	t := time.NewTicker(every)
 	defer t.Stop()

@@ -1,13 +1,14 @@
-// Package kvevents turns vLLM's KV cache events into the router's prefix index: what each
-// engine holds, as the engine itself reports it, rather than as the routers remember
-// sending it.
+// Package kvevents is the kv-events sidecar of an engine pod (cmd/kv-events): it turns
+// vLLM's KV cache events into the keys of the blocks the engine holds, as the engine itself
+// reports them, rather than as the routers remember sending them.
 //
-// vLLM publishes its events (--kv-events-config) on a ZeroMQ PUB socket; kvhandoff renders
-// it on a unix socket in an emptyDir of the engine pod, where a sidecar (the router binary,
-// --mode=kv-events) subscribes (subscribe.go). The sidecar keys each stored block as the
-// router keys a token-id prompt (keys.go, package prefix) and serves only those keys, never
-// the token ids, to routers and endpoint pickers as a stream (stream.go), which they fold
-// into the index they choose engines with (follow.go).
+// vLLM publishes its events (--kv-events-config) over ZeroMQ to the sidecar's listener on
+// the pod's own loopback (subscribe.go); the events carry every prompt's token ids and
+// never leave the pod. The sidecar decodes them (wire.go), keys each stored block as the
+// router keys a token-id prompt (keys.go, package prefix) and serves only those keys to
+// the routers and endpoint pickers that present the pool's token (server.go, auth.go), in
+// package keystream's frames; they fold them into the index they choose engines with
+// (package router/kvfollow).
 package kvevents
 
 import (

@@ -37,32 +37,9 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router/balance"
 	"github.com/kvhandoff/kvhandoff/internal/router/choice"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/internal/router/kvevents"
+	"github.com/kvhandoff/kvhandoff/internal/router/kvfollow"
 	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
-)
-
-// The EPP protocol's names (GIE docs/proposals/004-endpoint-picker-protocol) and llm-d's
-// prefill header (llm-d-router pkg/common/routing).
-const (
-	// DestinationHeader and the envoy.lb metadata key of the same name carry the picked
-	// decode endpoints, "ip:port[,ip:port…]", in order of preference.
-	DestinationHeader = "x-gateway-destination-endpoint"
-	// MetadataNamespace wraps the destination in the response's dynamic metadata and the
-	// served endpoint in the request's metadata context.
-	MetadataNamespace = "envoy.lb"
-	// ServedKey is the endpoint that served the request, reported back by the gateway.
-	ServedKey = "x-gateway-destination-endpoint-served"
-	// SubsetNamespace and SubsetKey carry the gateway's subset hint: the endpoints the
-	// EPP must pick from.
-	SubsetNamespace = "envoy.lb.subset_hint"
-	SubsetKey       = "x-gateway-destination-endpoint-subset"
-	// PrefillHeader is the prefill engine's "ip:port" (its OpenAI API), llm-d's header.
-	PrefillHeader = "x-prefiller-host-port"
-	// DecodeOnlyHeader, in place of PrefillHeader, tells the leg runner to serve the
-	// request on its decode engine alone, and why (routing.minPrefillTokens: a short
-	// prompt, or one the engine holds most of). Routers send it back to clients too.
-	DecodeOnlyHeader = "x-kvhandoff-decode-only"
 )
 
 // Config is the picker's behaviour.
@@ -77,9 +54,17 @@ type Config struct {
 	Fallbacks int
 	// MaxBodyBytes is the largest request body read; past it the request is refused 413.
 	MaxBodyBytes int64
-	// MaxInFlight is how many requests may be picked for and unfinished at once; past it
-	// a request is answered 429 (shed) at once.
+	// MaxInFlight is how many requests (ext_proc streams past their headers) may be
+	// unfinished at once; past it a request is answered 429 (shed) at once.
 	MaxInFlight int
+	// MaxBufferedBytes bounds the request bodies the picker holds at once, all streams
+	// together; past it a request is answered 429 (shed).
+	MaxBufferedBytes int64
+	// BodyTimeout bounds a stream's request side, from its start to its route: a stream
+	// that has not sent its whole request by then is answered 408 and ended.
+	BodyTimeout time.Duration
+	// MaxStreamDuration bounds a stream's whole life, its response included.
+	MaxStreamDuration time.Duration
 	// ScrapeInterval is how often engines' /metrics are read for their load; 0 never.
 	ScrapeInterval time.Duration
 	// PrefixIndexBlocks bounds the prefix index of each decode engine (routing
@@ -94,8 +79,8 @@ type Config struct {
 
 // Defaults are the picker's defaults.
 func Defaults() Config {
-	return Config{LegRunnerPorts: []int32{8100}, MaxBodyBytes: 32 << 20, MaxInFlight: 4096, ScrapeInterval: time.Second,
-		PrefixIndexBlocks: prefix.DefaultMaxBlocks}
+	return Config{LegRunnerPorts: []int32{8100}, MaxBodyBytes: 32 << 20, MaxInFlight: 4096, MaxBufferedBytes: 64 << 20,
+		BodyTimeout: 30 * time.Second, MaxStreamDuration: time.Hour, ScrapeInterval: time.Second, PrefixIndexBlocks: prefix.DefaultMaxBlocks}
 }
 
 // Server picks endpoints over the engines of the latest Set.
@@ -106,10 +91,13 @@ type Server struct {
 	set    atomic.Pointer[discovery.Set]
 	bal    *balance.Balancer
 	choose *choice.Chooser
-	events *kvevents.Follower
+	events *kvfollow.Follower
 	health *health.Server
 	m      *metrics
 	slots  chan struct{}
+	// buffered is the request body bytes all streams hold (MaxBufferedBytes).
+	buffered       atomic.Int64
+	warnUnobserved sync.Once
 
 	mu sync.Mutex
 	// onEndpoint counts the picks not yet finished per endpoint, to spread an engine's
@@ -133,9 +121,9 @@ func New(cfg Config) *Server {
 		cfg.LegRunnerPorts = Defaults().LegRunnerPorts
 	}
 	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	var events *kvevents.Follower
+	var events *kvfollow.Follower
 	if cfg.KVEventsTokenFile != "" {
-		events = kvevents.NewFollower(cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile, ix, cfg.Registry, kvevents.Names{Live: "kvhandoff_epp_kv_events_live_engines",
+		events = kvfollow.NewFollower(cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile, ix, cfg.Registry, kvfollow.Names{Live: "kvhandoff_epp_kv_events_live_engines",
 			Blocks: "kvhandoff_epp_kv_events_blocks", Resets: "kvhandoff_epp_kv_events_resets_total"}, cfg.Log)
 	}
 	s := &Server{cfg: cfg, bal: bal, events: events, choose: choice.New(bal, ix, events, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_epp_decode_choices_total",
@@ -191,10 +179,13 @@ func (s *Server) Run(ctx context.Context, src discovery.Source, client *http.Cli
 	if s.cfg.ScrapeInterval > 0 {
 		go s.bal.Follow(ctx, client, s.cfg.ScrapeInterval, s.set.Load)
 	}
-	defer s.health.Shutdown() // NOT_SERVING from the moment the picker stops
+	defer s.Stop()
 	defer s.events.Stop()
 	return discovery.Follow(ctx, src, s.Update)
 }
+
+// Stop says NOT_SERVING on every health service from now on: the picker is stopping.
+func (s *Server) Stop() { s.health.Shutdown() }
 
 // Endpoints are where the gateway may send a decode engine's requests: its pod address on
 // each leg-runner port.
@@ -235,15 +226,6 @@ func (s *Server) endpoint(e discovery.Engine, allowed map[string]bool) (string, 
 			}
 		})
 	}
-}
-
-// PrefillAddress is the prefill engine as the leg runner finds it: its API's host:port.
-func PrefillAddress(e discovery.Engine) string {
-	u, err := url.Parse(e.URL)
-	if err != nil {
-		return ""
-	}
-	return u.Host
 }
 
 func urlHost(raw string) string {
@@ -303,7 +285,7 @@ func (s *Server) pick(subset map[string]bool, body protocol.Body) (*picked, erro
 	out := &picked{destinations: []string{ep}, decodeOnly: plan.DecodeOnly,
 		release: func() { p.Release(); d.Release(); releaseEP() }}
 	if plan.DecodeOnly == "" {
-		out.prefill = PrefillAddress(p.Engine)
+		out.prefill = protocol.PrefillAddress(p.URL)
 	}
 	// Fallbacks: other decode engines of the same compat-hash, best first, so that the
 	// prefill engine named for the first pairs with each of them too.
@@ -323,19 +305,63 @@ func (s *Server) pick(subset map[string]bool, body protocol.Body) (*picked, erro
 // Process serves one request's ext_proc stream. Envoy sends the request's headers, its
 // body in chunks (FULL_DUPLEX_STREAMED), then the response's headers and body. The picker
 // answers the headers only once it has the whole body (the prompt's length weighs the
-// choice), then the body chunks; the response passes through unchanged.
-func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
+// choice), then the body chunks; the response passes through unchanged. The request side
+// must be in within BodyTimeout (else 408), the whole stream within MaxStreamDuration.
+func (s *Server) Process(srv extprocv3.ExternalProcessor_ProcessServer) (err error) {
 	r := &stream{s: s, srv: srv, start: time.Now()}
-	defer r.finish()
+	defer func() { r.finish(err) }()
+	type received struct {
+		req *extprocv3.ProcessingRequest
+		err error
+	}
+	// Recv has no deadline of its own: it runs beside the loop, which returns when time
+	// is up, and the stream's end then ends the Recv too.
+	recv := make(chan received)
+	go func() {
+		for {
+			req, err := srv.Recv()
+			select {
+			case recv <- received{req, err}:
+			case <-srv.Context().Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	requestPhase := time.NewTimer(s.cfg.BodyTimeout)
+	defer requestPhase.Stop()
+	whole := time.NewTimer(s.cfg.MaxStreamDuration)
+	defer whole.Stop()
 	for {
-		req, err := srv.Recv()
-		if errors.Is(err, io.EOF) || status.Code(err) == codes.Canceled {
+		var got received
+		select {
+		case got = <-recv:
+		case <-srv.Context().Done():
+			return nil // the gateway reset the stream
+		case <-requestPhase.C:
+			if r.picked != nil || r.bodyDone {
+				continue // routed (or refused) in time
+			}
+			_, _ = r.refuse(&refusal{http.StatusRequestTimeout, OutcomeTimeout, fmt.Sprintf("the request did not arrive whole within %s (--body-timeout)", s.cfg.BodyTimeout)})
+			return status.Errorf(codes.DeadlineExceeded, "ext_proc: the request did not arrive whole within %s", s.cfg.BodyTimeout)
+		case <-whole.C:
+			s.m.requests.WithLabelValues(OutcomeTimeout).Inc()
+			return status.Errorf(codes.DeadlineExceeded, "ext_proc: the stream lasted %s (--max-stream-duration)", s.cfg.MaxStreamDuration)
+		}
+		if errors.Is(got.err, io.EOF) || status.Code(got.err) == codes.Canceled {
 			return nil
 		}
-		if err != nil {
-			return status.Errorf(codes.Unknown, "receiving from the gateway: %v", err)
+		if got.err != nil {
+			return status.Errorf(codes.Unknown, "receiving from the gateway: %v", got.err)
 		}
-		done, err := r.handle(req)
+		done, err := r.handle(got.req)
+		if status.Code(err) == codes.InvalidArgument {
+			s.m.requests.WithLabelValues(OutcomeProtocolError).Inc()
+			s.cfg.Log.Warn("ending an ext_proc stream that broke the protocol", "err", err)
+			return err
+		}
 		if err != nil {
 			return status.Errorf(codes.Unknown, "answering the gateway: %v", err)
 		}

@@ -20,8 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/internal/router/prefix"
+	"github.com/kvhandoff/kvhandoff/internal/keystream"
 	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
@@ -37,9 +36,9 @@ func eventually(t *testing.T, what string, ok func() bool) {
 }
 
 type sidecar struct {
-	hub *Hub
-	reg *prometheus.Registry
-	srv *httptest.Server
+	srv  *Server
+	reg  *prometheus.Registry
+	http *httptest.Server
 }
 
 // token writes a token file.
@@ -55,69 +54,10 @@ var poolToken = strings.Repeat("ab", 32)
 
 func newSidecar(t *testing.T) *sidecar {
 	reg := prometheus.NewRegistry()
-	hub := NewHub(NewKeys("m", 1000), reg)
-	srv := httptest.NewServer(Authorized(token(t, poolToken), hub))
-	t.Cleanup(srv.Close)
-	return &sidecar{hub: hub, reg: reg, srv: srv}
-}
-
-func newFollower(t *testing.T, history *prefix.Index, tokenValue string) (*Follower, *prometheus.Registry) {
-	reg := prometheus.NewRegistry()
-	f := NewFollower(1000, token(t, tokenValue), history, reg, Names{Live: "live", Blocks: "blocks", Resets: "resets"}, slog.New(slog.DiscardHandler))
-	t.Cleanup(f.Stop)
-	return f, reg
-}
-
-// A router follows an engine's sidecar: what the engine stores and evicts is what the
-// router matches, from the snapshot on; an engine that empties its cache is forgotten by
-// history too; a sidecar that goes leaves the engine to history until it is back.
-func TestAFollowerMatchesWhatTheEngineHolds(t *testing.T) {
-	s := newSidecar(t)
-	h := hashes(1, 4)
-	s.hub.Apply(Batch{Seq: 0, Events: []Event{stored(h[:2], "", seq(0, 8))}}) // before the router follows: in the snapshot
-	history := prefix.NewIndex(100)
-	f, reg := newFollower(t, history, poolToken)
-	if _, ok := f.Match("e", nil); ok {
-		t.Fatal("an engine not followed matched")
-	}
-	f.Sync([]discovery.Engine{{EngineID: "e", KVEventsURL: s.srv.URL}})
-	prompt := cut(t, "m", "", seq(0, 17), 4) // 4 whole blocks
-	match := func() int { n, ok := f.Match("e", prompt); return map[bool]int{true: n, false: -1}[ok] }
-	eventually(t, "the snapshot's 2 blocks", func() bool { return match() == 2 })
-	if got := testutil.ToFloat64(gauge(t, reg, "live")); got != 1 {
-		t.Errorf("live = %v, want 1", got)
-	}
-	s.hub.Apply(Batch{Seq: 1, Events: []Event{stored(h[2:4], h[1], seq(8, 8))}})
-	eventually(t, "4 blocks after a store", func() bool { return match() == 4 })
-	s.hub.Apply(Batch{Seq: 2, Events: []Event{{Kind: KindRemoved, Hashes: h[3:], Medium: "GPU"}, {Kind: KindRemoved, Hashes: h[2:3], Medium: "GPU"}}})
-	eventually(t, "2 blocks after evictions", func() bool { return match() == 2 })
-
-	// The engine restarted: its sequence starts again. Routing history of it goes too.
-	history.Add("e", prompt)
-	s.hub.Apply(Batch{Seq: 0})
-	eventually(t, "nothing held after a restart", func() bool { return match() == 0 && history.Len("e") == 0 })
-	if got := testutil.ToFloat64(counter(t, reg, "resets", "emptied")); got != 1 {
-		t.Errorf("resets{emptied} = %v, want 1", got)
-	}
-
-	// Batches lost: the sidecar no longer knows what is held, and the follower drops it.
-	s.hub.Apply(Batch{Seq: 1, Events: []Event{stored(h[:2], "", seq(0, 8))}})
-	eventually(t, "2 blocks stored again", func() bool { return match() == 2 })
-	s.hub.Apply(Batch{Seq: 5})
-	eventually(t, "nothing held after a gap", func() bool { return match() == 0 })
-
-	// The sidecar goes: the engine is no longer followed live, its choice is history's.
-	s.srv.CloseClientConnections()
-	s.srv.Close()
-	eventually(t, "the engine not live", func() bool { return match() == -1 })
-	if got := testutil.ToFloat64(counter(t, reg, "resets", "down")); got < 1 {
-		t.Errorf("resets{down} = %v, want ≥ 1", got)
-	}
-	// An engine that leaves the set is no longer followed.
-	f.Sync(nil)
-	if f.Live() != 0 || f.Blocks() != 0 {
-		t.Errorf("after the engine left: %d live, %d blocks", f.Live(), f.Blocks())
-	}
+	s := NewServer(NewKeys("m", 1000), reg)
+	hs := httptest.NewServer(Authorized(token(t, poolToken), s))
+	t.Cleanup(hs.Close)
+	return &sidecar{srv: s, reg: reg, http: hs}
 }
 
 func counter(t *testing.T, reg *prometheus.Registry, name, label string) prometheus.Collector {
@@ -140,39 +80,27 @@ func counter(t *testing.T, reg *prometheus.Registry, name, label string) prometh
 	return nil
 }
 
-// A follower without the pool's token gets nothing: the engine stays history's.
-func TestAFollowerWithoutTheTokenGetsNoKeys(t *testing.T) {
-	s := newSidecar(t)
-	s.hub.Apply(Batch{Seq: 0, Events: []Event{stored(hashes(1, 2), "", seq(0, 8))}})
-	f, reg := newFollower(t, prefix.NewIndex(100), strings.Repeat("cd", 32))
-	f.Sync([]discovery.Engine{{EngineID: "e", KVEventsURL: s.srv.URL}})
-	eventually(t, "the refusal counted", func() bool { return testutil.ToFloat64(counter(t, reg, "resets", "down")) >= 1 })
-	if _, ok := f.Match("e", nil); ok || f.Blocks() != 0 {
-		t.Errorf("a refused follower is live, or holds %d blocks", f.Blocks())
-	}
-}
-
 // A follower refuses a stream that is not the protocol, and a sidecar cuts off one that
 // does not read, without holding up the engine's events.
 func TestStreamsRefuseWhatIsNotTheProtocol(t *testing.T) {
 	for name, frame := range map[string][]byte{
 		"an unknown op":  {'X', 0, 0, 0, 0},
-		"a huge frame":   binary.BigEndian.AppendUint32([]byte{OpAdd}, maxFrameKeys+1),
-		"a short frame":  {OpAdd, 0, 0, 0, 2, 1, 2, 3},
-		"a short header": {OpAdd, 0},
+		"a huge frame":   binary.BigEndian.AppendUint32([]byte{keystream.OpAdd}, keystream.MaxFrameKeys+1),
+		"a short frame":  {keystream.OpAdd, 0, 0, 0, 2, 1, 2, 3},
+		"a short header": {keystream.OpAdd, 0},
 	} {
-		if _, _, err := readFrame(bufio.NewReader(bytes.NewReader(frame)), nil); err == nil {
+		if _, _, err := keystream.ReadFrame(bufio.NewReader(bytes.NewReader(frame)), nil); err == nil {
 			t.Errorf("%s: read", name)
 		}
 	}
 	s := newSidecar(t)
 	// A follower that never reads: its connection's buffers fill, then its queue.
-	c, err := net.Dial("tcp", s.srv.Listener.Addr().String())
+	c, err := net.Dial("tcp", s.http.Listener.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	if _, err := io.WriteString(c, "GET "+StreamPath+" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "+poolToken+"\r\n\r\n"); err != nil {
+	if _, err := io.WriteString(c, "GET "+keystream.StreamPath+" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "+poolToken+"\r\n\r\n"); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "the follower registered", func() bool { return testutil.ToFloat64(gauge(t, s.reg, "kvhandoff_kv_events_followers")) == 1 })
@@ -181,7 +109,7 @@ func TestStreamsRefuseWhatIsNotTheProtocol(t *testing.T) {
 		if i > 100000 {
 			t.Fatal("a follower that never reads was never cut off")
 		}
-		s.hub.Apply(Batch{Seq: uint64(i), Events: []Event{big, {Kind: KindRemoved, Hashes: big.Hashes, Medium: "GPU"}}})
+		s.srv.Apply(Batch{Seq: uint64(i), Events: []Event{big, {Kind: KindRemoved, Hashes: big.Hashes, Medium: "GPU"}}})
 	}
 }
 
@@ -206,9 +134,9 @@ func TestSubscribeRelaysAPublisher(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	reg := prometheus.NewRegistry()
-	hub := NewHub(NewKeys("m", 1000), reg)
+	srv := NewServer(NewKeys("m", 1000), reg)
 	done := make(chan error, 1)
-	go func() { done <- Subscribe(ctx, endpoint, "kv", hub, slog.New(slog.DiscardHandler)) }()
+	go func() { done <- Subscribe(ctx, endpoint, "kv", srv, slog.New(slog.DiscardHandler)) }()
 
 	pub := zmq4.NewPub(ctx, zmq4.WithDialerRetry(50*time.Millisecond), zmq4.WithDialerMaxRetries(100))
 	defer pub.Close()
@@ -250,18 +178,18 @@ func TestSubscribeRelaysAPublisher(t *testing.T) {
 // told it emptied.
 func TestWatchEngineForgetsAStoppedEngine(t *testing.T) {
 	s := newSidecar(t)
-	s.hub.Apply(Batch{Seq: 0, Events: []Event{stored(hashes(1, 2), "", seq(0, 8))}})
+	s.srv.Apply(Batch{Seq: 0, Events: []Event{stored(hashes(1, 2), "", seq(0, 8))}})
 	engine := httptest.NewServer(http.NotFoundHandler())
 	addr := engine.Listener.Addr().String()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go WatchEngine(ctx, addr, 10*time.Millisecond, s.hub)
+	go WatchEngine(ctx, addr, 10*time.Millisecond, s.srv)
 	stopped := func() float64 {
 		return testutil.ToFloat64(counter(t, s.reg, "kvhandoff_kv_events_resets_total", "stopped"))
 	}
 	engine.Close()
 	eventually(t, "the stopped engine forgotten", func() bool { return stopped() == 1 })
-	if s.hub.keys.Len() != 0 {
-		t.Errorf("%d blocks held", s.hub.keys.Len())
+	if s.srv.keys.Len() != 0 {
+		t.Errorf("%d blocks held", s.srv.keys.Len())
 	}
 }

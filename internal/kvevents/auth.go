@@ -2,28 +2,11 @@ package kvevents
 
 import (
 	"crypto/subtle"
-	"fmt"
 	"net/http"
-	"os"
 	"strings"
+
+	"github.com/kvhandoff/kvhandoff/internal/keystream"
 )
-
-// minToken is the shortest token accepted: the manager makes 64 hex characters.
-const minToken = 32
-
-// ReadToken reads a token file (a mounted Secret's key), refusing one too short to be a
-// secret.
-func ReadToken(path string) (string, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return "", err
-	}
-	t := strings.TrimSpace(string(b))
-	if len(t) < minToken {
-		return "", fmt.Errorf("the token in %s is %d characters: at least %d", path, len(t), minToken)
-	}
-	return t, nil
-}
 
 // Authorized serves next to requests bearing the token in tokenFile (read on each
 // request, so a replaced Secret applies to the next follower), and 401 to any other.
@@ -31,7 +14,7 @@ func ReadToken(path string) (string, error) {
 // which prompts it holds to whoever can guess a prompt.
 func Authorized(tokenFile string, next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		want, err := ReadToken(tokenFile)
+		want, err := keystream.ReadToken(tokenFile)
 		if err != nil {
 			http.Error(w, "the sidecar has no token to check against", http.StatusInternalServerError)
 			return

@@ -34,7 +34,7 @@ func storeMessage(b *testing.B, seq uint64, first, blocks, blockSize int) [][]by
 // evicting them one event a block as vLLM does. Reported: bytes held a block.
 func BenchmarkStore16k(b *testing.B) {
 	const blocks, blockSize = 1024, 16
-	hub := NewHub(NewKeys("m", 1<<22), prometheus.NewRegistry())
+	hub := NewServer(NewKeys("m", 1<<22), prometheus.NewRegistry())
 	msgs := make([][][]byte, 64)
 	for i := range msgs {
 		msgs[i] = storeMessage(b, 0, i*blocks, blocks, blockSize)
