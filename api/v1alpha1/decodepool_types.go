@@ -2,6 +2,7 @@ package v1alpha1
 
 import (
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -64,6 +65,18 @@ type GatewaySpec struct {
 	// +kubebuilder:default=2
 	// +optional
 	EndpointPickerReplicas *int32 `json:"endpointPickerReplicas,omitempty"`
+
+	// pickerClients are the only peers a NetworkPolicy rendered with the endpoint picker
+	// admits to its gRPC port (9002): the gateway's ext_proc client. Unset, the pods of
+	// any namespace labelled as a Gateway API gateway's
+	// (gateway.networking.k8s.io/gateway-name, or Envoy Gateway's
+	// gateway.envoyproxy.io/owning-gateway-name). A gateway whose proxies are not pods of
+	// the cluster (a cloud load balancer) needs its source range here as an ipBlock. The
+	// picker's metrics port (9003) stays open.
+	// +kubebuilder:validation:MaxItems=16
+	// +listType=atomic
+	// +optional
+	PickerClients []networkingv1.NetworkPolicyPeer `json:"pickerClients,omitempty"`
 }
 
 // GatewayFailureMode is what a gateway does when the endpoint picker does not answer.

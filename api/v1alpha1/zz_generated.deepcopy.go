@@ -6,6 +6,7 @@ package v1alpha1
 
 import (
 	"k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 )
@@ -262,6 +263,13 @@ func (in *GatewaySpec) DeepCopyInto(out *GatewaySpec) {
 		in, out := &in.EndpointPickerReplicas, &out.EndpointPickerReplicas
 		*out = new(int32)
 		**out = **in
+	}
+	if in.PickerClients != nil {
+		in, out := &in.PickerClients, &out.PickerClients
+		*out = make([]networkingv1.NetworkPolicyPeer, len(*in))
+		for i := range *in {
+			(*in)[i].DeepCopyInto(&(*out)[i])
+		}
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	. "github.com/onsi/gomega"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -33,6 +34,17 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 		// Applied after the Deployment.
 		Eventually(func() error { return k8s.Get(ctx, key(ns, "d-epp"), svc) }).Should(Succeed())
 		Expect(svc.Spec.Ports).To(ConsistOf(And(HaveField("Name", "grpc"), HaveField("Port", BeEquivalentTo(9002)))))
+		// Only the gateway's pods reach the picker's gRPC port; pickerClients replaces them.
+		np := &networkingv1.NetworkPolicy{}
+		Expect(k8s.Get(ctx, key(ns, "d-epp"), np)).To(Succeed()) // applied before the Deployment
+		Expect(np.Spec.Ingress[0].From).To(HaveLen(2))
+		update(d, func(d *kvv1.DecodePool) {
+			d.Spec.Gateway.PickerClients = []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "198.18.0.0/24"}}}
+		})
+		Eventually(func(g Gomega) {
+			g.Expect(k8s.Get(ctx, key(ns, "d-epp"), np)).To(Succeed())
+			g.Expect(np.Spec.Ingress[0].From).To(ConsistOf(HaveField("IPBlock.CIDR", "198.18.0.0/24")))
+		}).Should(Succeed())
 
 		sts := statefulSet(ns, "d")
 		Eventually(func(g Gomega) {

@@ -8,6 +8,8 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	autoscalingv1 "k8s.io/api/autoscaling/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/ptr"
@@ -253,6 +255,13 @@ var _ = Describe("Lifecycle", func() {
 			Expect(tpl.Labels).To(HaveKeyWithValue(kvv1.LabelKVEventsPort, "8102"))
 			Expect(strings.Join(tpl.Spec.Containers[0].Args, " ")).To(ContainSubstring(`--kv-events-config {"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:5557"`))
 			Expect(tpl.Spec.Volumes).To(ContainElement(HaveField("VolumeSource.Secret.SecretName", "p-kv-events")), "pool %s", name)
+			// Only routers and pickers reach the sidecars' port; the engines' others stay open.
+			np := &networkingv1.NetworkPolicy{}
+			Expect(k8s.Get(ctx, key(ns, name+"-kv-events"), np)).To(Succeed(), "pool %s", name)
+			Expect(np.Spec.PodSelector.MatchLabels).To(HaveKeyWithValue(kvv1.LabelPool, name))
+			Expect(np.Spec.Ingress).To(HaveLen(2))
+			Expect(np.Spec.Ingress[1].From).To(HaveLen(2))
+			Expect(np.Spec.Ingress[1].Ports).To(ConsistOf(HaveField("Port.IntVal", BeEquivalentTo(8102))))
 		}
 		// The token the sidecars ask for: made once, random, immutable, the PrefillPool's;
 		// the routers hold it, and nothing else of the pool does.
@@ -274,6 +283,7 @@ var _ = Describe("Lifecycle", func() {
 			tpl := statefulSet(ns, name).Spec.Template
 			Expect(tpl.Labels).NotTo(HaveKey(kvv1.LabelKVEventsPort))
 			Expect(strings.Join(tpl.Spec.Containers[0].Args, " ")).NotTo(ContainSubstring("--kv-events-config"))
+			Expect(apierrors.IsNotFound(k8s.Get(ctx, key(ns, name+"-kv-events"), &networkingv1.NetworkPolicy{}))).To(BeTrue(), "pool %s", name)
 		}
 		Eventually(func(g Gomega) {
 			dep := &appsv1.Deployment{}

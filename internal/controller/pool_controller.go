@@ -10,6 +10,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
@@ -64,6 +65,7 @@ type PoolReconciler struct {
 // +kubebuilder:rbac:groups=apps,resources=replicasets,verbs=get;list;watch
 // +kubebuilder:rbac:groups="",resources=services;serviceaccounts,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
+// +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups=rbac.authorization.k8s.io,resources=roles;rolebindings,verbs=get;list;watch;create;patch;delete
 // Owned objects are applied server-side (create and patch, never update) and removed by
 // the garbage collector through their owner references. The manager deletes only a
@@ -248,6 +250,14 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 		return err
 	}
 	if err := r.apply(ctx, p, w.Service, &corev1.Service{}); err != nil {
+		return err
+	}
+	// The sidecars' port is closed to all but routers and pickers before they listen.
+	if w.KVEventsNetworkPolicy != nil {
+		if err := r.apply(ctx, p, w.KVEventsNetworkPolicy, &networkingv1.NetworkPolicy{}); err != nil {
+			return err
+		}
+	} else if err := r.deleteControlled(ctx, p, render.KVEventsNetworkPolicyName(p.GetName()), &networkingv1.NetworkPolicy{}); err != nil {
 		return err
 	}
 	if err := r.apply(ctx, p, w.StatefulSet, &appsv1.StatefulSet{}); err != nil {

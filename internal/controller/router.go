@@ -5,6 +5,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -54,6 +55,8 @@ func emptyLike(obj metav1.Object) client.Object {
 		return &corev1.Service{}
 	case *policyv1.PodDisruptionBudget:
 		return &policyv1.PodDisruptionBudget{}
+	case *networkingv1.NetworkPolicy:
+		return &networkingv1.NetworkPolicy{}
 	}
 	panic("controllers: no empty object for a rendered object") // every rendered kind is listed above
 }
@@ -66,5 +69,5 @@ func (r *PoolReconciler) deleteRouter(ctx context.Context, p pool) error {
 // serviceKinds are the kinds of a render.ServiceWorkload, in the order they are deleted.
 func serviceKinds() []client.Object {
 	return []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{},
-		&rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}}
+		&networkingv1.NetworkPolicy{}, &rbacv1.RoleBinding{}, &rbacv1.Role{}, &corev1.ServiceAccount{}}
 }

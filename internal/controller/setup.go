@@ -7,6 +7,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -94,8 +95,8 @@ func Setup(mgr ctrl.Manager, o Options) error {
 // metadata (the agents' labels and health reports). StatefulSets and Services are cached whole,
 // so that a foreign object with a pool's name is seen and reported, never taken over.
 //
-// Of Deployments, ReplicaSets, PodDisruptionBudgets, ServiceAccounts, Roles and
-// RoleBindings it caches only its own (labelled app.kubernetes.io/managed-by=kvhandoff:
+// Of Deployments, ReplicaSets, PodDisruptionBudgets, NetworkPolicies, ServiceAccounts,
+// Roles and RoleBindings it caches only its own (labelled app.kubernetes.io/managed-by=kvhandoff:
 // routers, endpoint pickers, leg runners' accounts): those kinds are numerous in a
 // cluster and the manager owns no others.
 func CacheOptions() cache.Options {
@@ -115,6 +116,7 @@ func CacheOptions() cache.Options {
 		&corev1.ServiceAccount{}:        router,
 		&rbacv1.Role{}:                  router,
 		&rbacv1.RoleBinding{}:           router,
+		&networkingv1.NetworkPolicy{}:   router,
 	}}
 }
 

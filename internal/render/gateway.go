@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -52,7 +53,9 @@ func EndpointPicker(in GatewayInput) (*ServiceWorkload, error) {
 	return serviceWorkload(serviceInput{
 		pool: in.Pool, namespace: in.Namespace, name: EndpointPickerName(in.Pool), component: "endpoint-picker",
 		selector: map[string]string{kvv1.LabelEndpointPicker: in.Pool},
-		image:    in.Image, command: []string{"/endpoint-picker"}, replicas: ptr.Deref(in.Spec.EndpointPickerReplicas, 2), resources: in.Resources, kvEventsSecret: in.KVEventsSecret,
+		image:    in.Image, command: []string{"/endpoint-picker"},
+		networkPolicy: func(selector map[string]string) *networkingv1.NetworkPolicy { return pickerNetworkPolicy(in, selector) },
+		replicas:      ptr.Deref(in.Spec.EndpointPickerReplicas, 2), resources: in.Resources, kvEventsSecret: in.KVEventsSecret,
 		args: []string{fmt.Sprintf("--listen=:%d", EPPPort), fmt.Sprintf("--admin-listen=:%d", EPPAdminPort),
 			fmt.Sprintf("--leg-runner-port=%d", LegRunnerPort)},
 		ports: []corev1.ContainerPort{

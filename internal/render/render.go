@@ -12,6 +12,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
@@ -62,6 +63,9 @@ type Input struct {
 type Workload struct {
 	StatefulSet *appsv1.StatefulSet
 	Service     *corev1.Service
+	// KVEventsNetworkPolicy, with kv-events sidecars, admits only routers and pickers to
+	// their port.
+	KVEventsNetworkPolicy *networkingv1.NetworkPolicy
 }
 
 // Engines renders a pool. The error is a *compat.Problem when the pool and policy
@@ -102,12 +106,18 @@ func Engines(in Input) (*Workload, error) {
 			},
 		},
 	}
-	for _, obj := range []metav1.Object{sts, svc} {
+	w := &Workload{StatefulSet: sts, Service: svc}
+	objs := []metav1.Object{sts, svc}
+	if in.KVEventsImage != "" {
+		w.KVEventsNetworkPolicy = kvEventsNetworkPolicy(in)
+		objs = append(objs, w.KVEventsNetworkPolicy)
+	}
+	for _, obj := range objs {
 		if err := stamp(obj); err != nil {
 			return nil, err
 		}
 	}
-	return &Workload{StatefulSet: sts, Service: svc}, nil
+	return w, nil
 }
 
 // SelectorLabels select the engine pods of one pool. They never change for the life of

@@ -107,7 +107,11 @@ func TestGolden(t *testing.T) {
 			}
 			pw, dw := pairWith(t, c.prefill, c.decode, c.policy, image)
 			var out bytes.Buffer
-			for _, obj := range []any{pw.StatefulSet, pw.Service, dw.StatefulSet, dw.Service} {
+			objs := []any{pw.StatefulSet, pw.Service, dw.StatefulSet, dw.Service}
+			if c.kvEvents {
+				objs = append(objs, pw.KVEventsNetworkPolicy, dw.KVEventsNetworkPolicy)
+			}
+			for _, obj := range objs {
 				data, err := yaml.Marshal(obj)
 				if err != nil {
 					t.Fatal(err)

@@ -6,6 +6,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -48,15 +49,21 @@ type ServiceWorkload struct {
 	ServiceAccount *corev1.ServiceAccount
 	Role           *rbacv1.Role
 	RoleBinding    *rbacv1.RoleBinding
-	Deployment     *appsv1.Deployment
-	Service        *corev1.Service
-	PDB            *policyv1.PodDisruptionBudget
+	// NetworkPolicy, when set, admits only the workload's clients (the endpoint picker's).
+	NetworkPolicy *networkingv1.NetworkPolicy
+	Deployment    *appsv1.Deployment
+	Service       *corev1.Service
+	PDB           *policyv1.PodDisruptionBudget
 }
 
-// Objects lists the workload's objects in the order they are applied: identity and
-// permissions before the pods that use them.
+// Objects lists the workload's objects in the order they are applied: identity,
+// permissions and the network policy before the pods they govern.
 func (w *ServiceWorkload) Objects() []metav1.Object {
-	return []metav1.Object{w.ServiceAccount, w.Role, w.RoleBinding, w.Deployment, w.Service, w.PDB}
+	objs := []metav1.Object{w.ServiceAccount, w.Role, w.RoleBinding}
+	if w.NetworkPolicy != nil {
+		objs = append(objs, w.NetworkPolicy)
+	}
+	return append(objs, w.Deployment, w.Service, w.PDB)
 }
 
 // LabelManagedBy is on every object the manager renders besides engines, ManagedBy its
@@ -105,14 +112,16 @@ type serviceInput struct {
 	pool, namespace, name, component string
 	selector, podLabels              map[string]string
 	image                            string
-	command                          []string // the image's entrypoint when empty
-	replicas                         int32
-	resources                        *corev1.ResourceRequirements
-	args                             []string // after --decode-pool and --namespace
-	ports                            []corev1.ContainerPort
-	readiness, liveness              *corev1.Probe
-	service                          corev1.ServicePort
-	kvEventsSecret                   string // mounted, and its token file named, when set
+	// networkPolicy, when set, renders the workload's NetworkPolicy for its pods' selector.
+	networkPolicy       func(selector map[string]string) *networkingv1.NetworkPolicy
+	command             []string // the image's entrypoint when empty
+	replicas            int32
+	resources           *corev1.ResourceRequirements
+	args                []string // after --decode-pool and --namespace
+	ports               []corev1.ContainerPort
+	readiness, liveness *corev1.Probe
+	service             corev1.ServicePort
+	kvEventsSecret      string // mounted, and its token file named, when set
 }
 
 func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
@@ -205,6 +214,10 @@ func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
 		Selector:       &metav1.LabelSelector{MatchLabels: in.selector},
 	}}
 	w.PDB.TypeMeta, w.PDB.ObjectMeta = meta("PodDisruptionBudget", "policy/v1")
+	if in.networkPolicy != nil {
+		w.NetworkPolicy = in.networkPolicy(in.selector)
+		w.NetworkPolicy.TypeMeta, w.NetworkPolicy.ObjectMeta = meta("NetworkPolicy", "networking.k8s.io/v1")
+	}
 
 	for _, obj := range w.Objects() {
 		if err := stamp(obj); err != nil {
