@@ -15,8 +15,10 @@ package drain
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"os"
 	"strconv"
@@ -73,6 +75,11 @@ func holds(ctx context.Context, client *http.Client, c Config) (bool, string) {
 		return true, err.Error()
 	}
 	running, waiting, err := requests(ctx, client, c.MetricsURL)
+	var bad badCount
+	if errors.As(err, &bad) {
+		// The engine answers, and what it says is not a count: not a count of zero.
+		return true, err.Error()
+	}
 	if err != nil {
 		// The engine no longer answers: it serves nothing, and there is nothing to wait for.
 		return held > 0, fmt.Sprintf("engine metrics unavailable (%v); %d request(s) hold blocks for a transfer", err, held)
@@ -109,13 +116,17 @@ func requests(ctx context.Context, client *http.Client, url string) (running, wa
 		}
 		f := strings.Fields(line)
 		v, err := strconv.ParseFloat(f[len(f)-1], 64)
-		if err != nil {
-			return 0, 0, fmt.Errorf("%s: %q: %w", url, line, err)
+		if err != nil || math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+			return 0, 0, badCount{fmt.Errorf("%s: %q: not a count of requests", url, line)}
 		}
 		*sum += int64(v)
 	}
 	return running, waiting, sc.Err()
 }
+
+// badCount is a request count the engine gave that is not a count (NaN, infinite,
+// negative, not a number).
+type badCount struct{ error }
 
 func readHeld(path string) (int64, error) {
 	if path == "" {
@@ -129,7 +140,7 @@ func readHeld(path string) (int64, error) {
 		return 0, fmt.Errorf("reading %s: %w", path, err)
 	}
 	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
-	if err != nil {
+	if err != nil || n < 0 {
 		return 0, fmt.Errorf("%s holds %q, not a count", path, b)
 	}
 	return n, nil

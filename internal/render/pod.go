@@ -51,6 +51,8 @@ const (
 	// EngineTerminationGraceSeconds bounds a terminating engine's drain: its longest
 	// answers (a decode leg may stream for minutes) finish within it.
 	EngineTerminationGraceSeconds = 600
+	// MaxTerminationGraceSeconds is the longest grace a pool's template may give.
+	MaxTerminationGraceSeconds = 3600
 	// engineHome is HOME for engines that do not run as root: a folder they can write,
 	// as the images' own home belongs to root.
 	engineHome = "/tmp/home"

