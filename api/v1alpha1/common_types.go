@@ -150,11 +150,14 @@ type EngineSpec struct {
 	// +optional
 	Env []corev1.EnvVar `json:"env,omitempty"`
 
-	// runAsRoot runs the engines of an executor-Agent pool as root, as stock vLLM images
-	// do on their own. By default they run as uid 1000 in the agent's socket group: they
-	// share the node's agent sockets with every other engine there, and a root process
-	// could replace a socket and intercept them all (and, with a policy's sameNode, signal
-	// any process on the host). Setting it is reported as the EngineRunsAsRoot warning.
+	// runAsRoot runs the pool's engines as root, as stock vLLM images do on their own. By
+	// default they run as a uid of the pool's own (and, with executor Agent, in the agent's
+	// socket group): executor-Agent engines share the node's agent sockets with every other
+	// engine there, and a root process could replace a socket and intercept them all (and,
+	// with a policy's sameNode, signal any process on the host); executor-Engine engines
+	// open the EFA devices themselves. Memory registration needs no root: IPC_LOCK, or the
+	// node's unlimited locked-memory limit (EKS's EFA AMIs). Setting it is reported as the
+	// EngineRunsAsRoot warning.
 	// +kubebuilder:default=false
 	// +optional
 	RunAsRoot bool `json:"runAsRoot,omitempty"`

@@ -95,8 +95,8 @@ type Warning struct{ Reason, Message string }
 const (
 	// WarningEngineVersionUnknown: the image tag names no vLLM version to check.
 	WarningEngineVersionUnknown = "EngineVersionUnknown"
-	// WarningEngineRunsAsRoot: an executor-Agent pool's engines run as root beside the
-	// node's shared agent sockets (runAsRoot).
+	// WarningEngineRunsAsRoot: a pool's engines run as root (runAsRoot): beside EFA
+	// devices, and with executor Agent beside the node's shared agent sockets.
 	WarningEngineRunsAsRoot = "EngineRunsAsRoot"
 	// WarningDeviceMemoryUnsupported: executor Agent where the agent cannot move the
 	// accelerators' KV, or not between every pair (device memory between nodes needs its
@@ -128,6 +128,9 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 		warnings = append(warnings, Warning{WarningEngineRunsAsRoot,
 			"runAsRoot: the engines run as root beside the node's agent sockets, which every engine of the node shares; a root engine " +
 				"can replace a socket and intercept the others' KV (and with sameNode Allow or Prefer, signal any process on the host)"})
+	} else if spec.RunAsRoot {
+		warnings = append(warnings, Warning{WarningEngineRunsAsRoot,
+			"runAsRoot: the engines run as root; a root process that escapes its container owns the node and its devices"})
 	}
 	if policy.Executor == kvv1.ExecutorAgent {
 		// Rendered anyway, so the pool reports its engines' own error rather than none.

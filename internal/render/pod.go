@@ -126,9 +126,6 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 		volumes = append(volumes, hostPathVolume("kvhandoff-agent", AgentSocketDir),
 			corev1.Volume{Name: "kvhandoff-connector", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}})
 		podSecurity = &corev1.PodSecurityContext{SupplementalGroups: []int64{AgentGroup}}
-		if !in.Spec.RunAsRoot {
-			podSecurity.RunAsNonRoot, podSecurity.RunAsUser = ptr.To(true), ptr.To(EngineUser(in.Namespace, in.Name, in.Role))
-		}
 		initContainers = []corev1.Container{connectorInit(in)}
 		// Deleted (scaled down, drained, rolled), the engine stops only once it has
 		// finished what it serves and the transfers its blocks are held for: routers stop
@@ -140,6 +137,14 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 			VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory, SizeLimit: ptr.To(resource.MustParse("1Mi"))}}})
 	}
 
+	// Either executor: stock vLLM images run as root, beside EFA devices and, with the
+	// agent, the node's shared sockets.
+	if !in.Spec.RunAsRoot {
+		if podSecurity == nil {
+			podSecurity = &corev1.PodSecurityContext{}
+		}
+		podSecurity.RunAsNonRoot, podSecurity.RunAsUser = ptr.To(true), ptr.To(EngineUser(in.Namespace, in.Name, in.Role))
+	}
 	if in.LegRunnerImage != "" {
 		initContainers = append(initContainers, legRunner(in))
 		volumes = append(volumes, legRunnerToken())
@@ -315,7 +320,7 @@ func resourcesFor(in Input) (corev1.ResourceRequirements, error) {
 // homeEnv gives engines that run as EngineUser a HOME they can write (vLLM and its
 // libraries cache there); a pool's env may set another.
 func homeEnv(in Input) []corev1.EnvVar {
-	if in.Policy.Executor != kvv1.ExecutorAgent || in.Spec.RunAsRoot {
+	if in.Spec.RunAsRoot {
 		return nil
 	}
 	return []corev1.EnvVar{{Name: "HOME", Value: engineHome}}

@@ -546,3 +546,24 @@ func TestEachPoolRunsAsAUserOfItsOwn(t *testing.T) {
 		}
 	}
 }
+
+// Engines of executor Engine (vLLM's own NIXL connector) run non-root too: stock vLLM
+// images run as root, and these open the EFA devices themselves. runAsRoot opts out.
+func TestEngineExecutorEnginesRunNonRoot(t *testing.T) {
+	pol := builder.Policy("nixl").Executor(kvv1.ExecutorEngine).Obj()
+	for _, root := range []bool{false, true} {
+		p := builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").RunAsRoot(root).Obj()
+		w, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sc := w.StatefulSet.Spec.Template.Spec.SecurityContext
+		nonRoot := sc != nil && sc.RunAsNonRoot != nil && *sc.RunAsNonRoot && sc.RunAsUser != nil && *sc.RunAsUser == EngineUser("ns", "p", kvv1.RolePrefill)
+		if nonRoot == root {
+			t.Errorf("runAsRoot %v: pod security context %+v", root, sc)
+		}
+		if home := slices.ContainsFunc(w.StatefulSet.Spec.Template.Spec.Containers[0].Env, func(e corev1.EnvVar) bool { return e.Name == "HOME" }); home == root {
+			t.Errorf("runAsRoot %v: HOME set %v", root, home)
+		}
+	}
+}
