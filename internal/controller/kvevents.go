@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -21,24 +22,29 @@ import (
 // Secrets: get and create only, never list, watch or update. The manager reads no
 // Secret but those it creates, one at a time, and changes none once made.
 
-// kvEventsTokens remembers the PrefillPools (by UID) whose kv-events token Secret this
-// manager has seen or made, so a reconcile reads the API for it once, not every time.
+// kvEventsTokens remembers when this manager last saw (or made) each PrefillPool's
+// kv-events token Secret, by the pool's UID, so a reconcile reads the API for it once a
+// recheck, not every time.
 type kvEventsTokens struct {
-	mu   sync.Mutex
-	seen map[types.UID]bool
+	mu      sync.Mutex
+	seen    map[types.UID]time.Time
+	recheck time.Duration
 }
 
 // ensureKVEventsToken makes prefill's kv-events token Secret (render.KVEventsSecret)
 // unless it exists: 32 random bytes, immutable, owned by the PrefillPool so it goes with
 // it. Routers and pickers of the DecodePools pairing with it, and the sidecars of both
-// pools' engines, mount it.
+// pools' engines, mount it. A Secret of that name that the pool does not control is a
+// NameConflict, never used: its author would hold every follower's token. It is looked
+// for again after kvTokens.recheck (the PrefillPool's reconcile comes back then), so a
+// deleted Secret is made again.
 func (r *PoolReconciler) ensureKVEventsToken(ctx context.Context, prefill *kvv1.PrefillPool) error {
 	r.kvTokens.mu.Lock()
 	defer r.kvTokens.mu.Unlock()
 	if r.kvTokens.seen == nil {
-		r.kvTokens.seen = map[types.UID]bool{}
+		r.kvTokens.seen = map[types.UID]time.Time{}
 	}
-	if r.kvTokens.seen[prefill.UID] {
+	if at, ok := r.kvTokens.seen[prefill.UID]; ok && time.Since(at) < r.kvTokens.recheck {
 		return nil
 	}
 	key := types.NamespacedName{Namespace: prefill.Namespace, Name: render.KVEventsSecret(prefill.Name)}
@@ -46,17 +52,24 @@ func (r *PoolReconciler) ensureKVEventsToken(ctx context.Context, prefill *kvv1.
 	if reader == nil {
 		reader = r.Client
 	}
-	err := reader.Get(ctx, key, &corev1.Secret{})
-	if apierrors.IsNotFound(err) {
+	live := &corev1.Secret{}
+	err := reader.Get(ctx, key, live)
+	switch {
+	case apierrors.IsNotFound(err):
 		err = r.Create(ctx, kvEventsTokenSecret(key, prefill))
 		if apierrors.IsAlreadyExists(err) { // the other pool's reconcile made it first
 			err = nil
+		}
+	case err == nil:
+		if ref := metav1.GetControllerOf(live); ref == nil || ref.UID != prefill.UID {
+			return &problem{Reason: kvv1.ReasonNameConflict, Message: fmt.Sprintf("Secret %s already exists and is not this PrefillPool's "+
+				"kv-events token; delete it or rename the pool (its author would hold the token every follower of the engines' KV events presents)", key.Name)}
 		}
 	}
 	if err != nil {
 		return fmt.Errorf("kv-events token Secret %s: %w", key.Name, err)
 	}
-	r.kvTokens.seen[prefill.UID] = true
+	r.kvTokens.seen[prefill.UID] = time.Now()
 	return nil
 }
 

@@ -294,6 +294,36 @@ var _ = Describe("Lifecycle", func() {
 		Expect(string(secret.Data["token"])).To(Equal(token), "the token changed")
 	})
 
+	It("makes a deleted kv-events token again, and never uses one the PrefillPool does not control", func() {
+		ns, pol, p, _ := readyPair()
+		// A token someone else made first: its author would hold every follower's token.
+		foreign := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "p-kv-events", Namespace: ns},
+			Data: map[string][]byte{"token": []byte(strings.Repeat("ab", 32))}}
+		Expect(k8s.Create(ctx, foreign)).To(Succeed())
+		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.Routing = &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware} })
+		Eventually(func() string { return condition(p, kvv1.ConditionReady).Reason }).Should(Equal(kvv1.ReasonNameConflict))
+		Expect(condition(p, kvv1.ConditionReady).Message).To(ContainSubstring("Secret p-kv-events already exists and is not this PrefillPool's kv-events token"))
+
+		By("deleting the foreign Secret: the pool makes its own")
+		Expect(k8s.Delete(ctx, foreign)).To(Succeed())
+		secret := &corev1.Secret{}
+		Eventually(func(g Gomega) {
+			g.Expect(k8s.Get(ctx, key(ns, "p-kv-events"), secret)).To(Succeed())
+			g.Expect(metav1.IsControlledBy(secret, p)).To(BeTrue())
+		}).Should(Succeed())
+		Eventually(func() string { return condition(p, kvv1.ConditionReady).Reason }).ShouldNot(Equal(kvv1.ReasonNameConflict))
+
+		By("deleting the pool's own Secret: it is made again, with a new token, without a restart")
+		token := string(secret.Data["token"])
+		Expect(k8s.Delete(ctx, secret)).To(Succeed())
+		Eventually(func(g Gomega) {
+			again := &corev1.Secret{}
+			g.Expect(k8s.Get(ctx, key(ns, "p-kv-events"), again)).To(Succeed())
+			g.Expect(metav1.IsControlledBy(again, p)).To(BeTrue())
+			g.Expect(string(again.Data["token"])).NotTo(Equal(token))
+		}).Should(Succeed())
+	})
+
 	It("undoes a hand edit of a field it owns", func() {
 		ns, _, _, _ := readyPair()
 		update(statefulSet(ns, "p"), func(s *appsv1.StatefulSet) { s.Spec.Replicas = ptr.To[int32](5) })

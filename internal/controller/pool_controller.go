@@ -109,6 +109,10 @@ func (r *PoolReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.
 	if err == nil && v.gateway != nil && v.gateway.crdMissing && r.crdRecheck > 0 {
 		return ctrl.Result{RequeueAfter: r.crdRecheck}, nil
 	}
+	if err == nil && r.Role == kvv1.RolePrefill && v.policy != nil && v.policy.Spec.Routing.KVEvents() && r.kvTokens.recheck > 0 {
+		// The token Secret raises no event here (the manager does not watch Secrets).
+		return ctrl.Result{RequeueAfter: r.kvTokens.recheck}, nil
+	}
 	return ctrl.Result{}, err
 }
 

@@ -64,6 +64,10 @@ type Options struct {
 	// InferencePoolCRDRecheck is how often a DecodePool with a gateway looks again for the
 	// InferencePool CRD while the cluster has none.
 	InferencePoolCRDRecheck time.Duration
+	// KVEventsTokenRecheck is how often a PrefillPool whose engines serve KV events looks
+	// again for its token Secret, which the manager does not watch: a deleted one is made
+	// again within it.
+	KVEventsTokenRecheck time.Duration
 }
 
 // Setup registers the PrefillPool and DecodePool reconcilers with mgr, the poller of
@@ -82,7 +86,7 @@ func Setup(mgr ctrl.Manager, o Options) error {
 	for _, role := range []kvv1.Role{kvv1.RolePrefill, kvv1.RoleDecode} {
 		r := &PoolReconciler{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("kvhandoff-" + string(role) + "pool"), Role: role,
 			RouterImage: o.Images.Router, ConnectorImage: o.Images.Connector, routers: routers,
-			crdRecheck: cmp.Or(o.InferencePoolCRDRecheck, time.Minute)}
+			crdRecheck: cmp.Or(o.InferencePoolCRDRecheck, time.Minute), kvTokens: kvEventsTokens{recheck: cmp.Or(o.KVEventsTokenRecheck, time.Minute)}}
 		if err := r.SetupWithManager(mgr); err != nil {
 			return err
 		}

@@ -61,7 +61,7 @@ var _ = BeforeSuite(func() {
 	})
 	Expect(err).NotTo(HaveOccurred())
 	Expect(Setup(mgr, Options{RouterHealthInterval: 200 * time.Millisecond, AutoscaleInterval: 250 * time.Millisecond,
-		InferencePoolCRDRecheck: time.Second})).To(Succeed())
+		InferencePoolCRDRecheck: time.Second, KVEventsTokenRecheck: time.Second})).To(Succeed())
 	go func() {
 		defer GinkgoRecover()
 		Expect(mgr.Start(ctx)).To(Succeed())
