@@ -271,7 +271,7 @@ func (a *autoscaler) sources(ctx context.Context, dp *kvv1.DecodePool) ([]loadSo
 		pod := &engines.Items[i]
 		sts := &appsv1.StatefulSet{}
 		if pod.Status.PodIP == "" || pod.DeletionTimestamp != nil || !controlledBy(ctx, a.client, pod, sts, "StatefulSet", dp.Name) ||
-			!controlledBy(ctx, a.client, sts, &kvv1.DecodePool{}, "DecodePool", dp.Name) {
+			!controlledBy(ctx, a.client, sts, &kvv1.DecodePool{}, "DecodePool", dp.Name) || !statefulSetPod(pod, sts) {
 			continue
 		}
 		url := fmt.Sprintf("http://%s/load", net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(render.LegRunnerAdminPort)))

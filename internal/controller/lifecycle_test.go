@@ -178,8 +178,9 @@ var _ = Describe("Lifecycle", func() {
 		sts := statefulSet(ns, "d")
 		Eventually(func() int32 { return ptr.Deref(statefulSet(ns, "d").Spec.Replicas, 0) }).Should(BeEquivalentTo(2))
 		pod := &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: "d-1", Namespace: ns, Labels: sts.Spec.Template.Labels},
-			Spec:       *sts.Spec.Template.Spec.DeepCopy(),
+			ObjectMeta: metav1.ObjectMeta{Name: "d-1", Namespace: ns, Labels: sts.Spec.Template.Labels,
+				OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(sts, appsv1.SchemeGroupVersion.WithKind("StatefulSet"))}},
+			Spec: *sts.Spec.Template.Spec.DeepCopy(),
 		}
 		Expect(k8s.Create(ctx, pod)).To(Succeed())
 		const says = "0/8 nodes are available: 2 Insufficient vpc.amazonaws.com/efa, 6 node(s) didn't match Pod's node affinity/selector."
@@ -300,7 +301,9 @@ var _ = Describe("Lifecycle", func() {
 		foreign := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "p-kv-events", Namespace: ns},
 			Data: map[string][]byte{"token": []byte(strings.Repeat("ab", 32))}}
 		Expect(k8s.Create(ctx, foreign)).To(Succeed())
-		update(pol, func(p *kvv1.KVTransferPolicy) { p.Spec.Routing = &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware} })
+		update(pol, func(p *kvv1.KVTransferPolicy) {
+			p.Spec.Routing = &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware}
+		})
 		Eventually(func() string { return condition(p, kvv1.ConditionReady).Reason }).Should(Equal(kvv1.ReasonNameConflict))
 		Expect(condition(p, kvv1.ConditionReady).Message).To(ContainSubstring("Secret p-kv-events already exists and is not this PrefillPool's kv-events token"))
 

@@ -78,7 +78,7 @@ var _ = Describe("Router", func() {
 		Expect(k8s.Get(ctx, client.ObjectKeyFromObject(p), p)).To(Succeed())
 		oldHash := p.Status.CompatHash
 		Expect(oldHash).NotTo(BeEmpty())
-		update(p, func(p *kvv1.PrefillPool) { p.Spec.TensorParallelSize = 4 })
+		update(p, func(p *kvv1.PrefillPool) { p.Spec.TensorParallelSize, p.Spec.Replicas = 4, ptr.To[int32](2) })
 		sts := statefulSet(ns, "p")
 		Eventually(func() string {
 			Expect(k8s.Get(ctx, client.ObjectKeyFromObject(sts), sts)).To(Succeed())
@@ -92,6 +92,35 @@ var _ = Describe("Router", func() {
 			g.Expect(p.Status.Engines[0]).To(And(HaveField("PodName", "p-0"), HaveField("TensorParallelSize", BeEquivalentTo(8)),
 				HaveField("CompatHash", oldHash)))
 			g.Expect(p.Status.Engines[1]).To(And(HaveField("PodName", "p-1"), HaveField("TensorParallelSize", BeEquivalentTo(4))))
+		}).Should(Succeed())
+	})
+
+	It("publishes only the StatefulSet's own pods as engines, not a pod that copied the pool's labels or owner", func() {
+		ns, _, p, _ := readyPair()
+		sts := statefulSet(ns, "p")
+		for _, foreign := range []*corev1.Pod{
+			{ObjectMeta: metav1.ObjectMeta{Name: "p-9", Namespace: ns, Labels: sts.Spec.Template.Labels}},
+			// The StatefulSet's owner reference, copied, on an ordinal above its replicas.
+			{ObjectMeta: metav1.ObjectMeta{Name: "p-5", Namespace: ns, Labels: sts.Spec.Template.Labels,
+				OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(sts, appsv1.SchemeGroupVersion.WithKind("StatefulSet"))}}},
+			{ObjectMeta: metav1.ObjectMeta{Name: "evil", Namespace: ns, Labels: sts.Spec.Template.Labels,
+				OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(sts, appsv1.SchemeGroupVersion.WithKind("StatefulSet"))}}},
+		} {
+			foreign.Spec = corev1.PodSpec{Containers: []corev1.Container{{Name: "c", Image: "attacker"}}}
+			Expect(k8s.Create(ctx, foreign)).To(Succeed())
+			foreign.Status.PodIP, foreign.Status.PodIPs = "198.18.9.9", []corev1.PodIP{{IP: "198.18.9.9"}}
+			foreign.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+			Expect(k8s.Status().Update(ctx, foreign)).To(Succeed())
+		}
+		// A change the status shows, made after the foreign pods: once it is there, they
+		// were seen.
+		pod := &corev1.Pod{}
+		Expect(k8s.Get(ctx, key(ns, "p-0"), pod)).To(Succeed())
+		pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionFalse}}
+		Expect(k8s.Status().Update(ctx, pod)).To(Succeed())
+		Eventually(func(g Gomega) {
+			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(p), p)).To(Succeed())
+			g.Expect(p.Status.Engines).To(ConsistOf(And(HaveField("PodName", "p-0"), HaveField("Ready", false))))
 		}).Should(Succeed())
 	})
 

@@ -83,6 +83,9 @@ func (r *PoolReconciler) observe(ctx context.Context, p pool) (observed, error) 
 	if err := r.List(ctx, pods, client.InNamespace(p.GetNamespace()), client.MatchingLabels(render.SelectorLabels(p.role(), p.GetName()))); err != nil {
 		return obs, err
 	}
+	// Anyone who may create pods in the namespace can give one the pool's labels: only
+	// the StatefulSet's own engines are published (routers send them prompts).
+	pods.Items = slices.DeleteFunc(pods.Items, func(pod corev1.Pod) bool { return !statefulSetPod(&pod, obs.statefulSet) })
 	obs.engines, obs.pending, obs.schedulerSays = engines(pods.Items)
 	obs.agents = map[string]agentView{}
 	for _, e := range obs.engines {
@@ -288,6 +291,23 @@ func paired(st *kvv1.PoolStatus, v *validation) metav1.Condition {
 		c.Message = fmt.Sprintf("engines of this pool and PrefillPool %s have compat-hash %s", v.prefill.Name, st.CompatHash)
 	}
 	return c
+}
+
+// statefulSetPod reports whether pod is one of sts's (nil: none is): controlled by it,
+// by UID, and named for an ordinal below its replicas. A pod that copied the
+// StatefulSet's owner reference and took an ordinal above them is not one (the
+// StatefulSet controller deletes it too, in its own time).
+func statefulSetPod(pod *corev1.Pod, sts *appsv1.StatefulSet) bool {
+	if sts == nil {
+		return false
+	}
+	ref := metav1.GetControllerOf(pod)
+	if ref == nil || ref.Kind != "StatefulSet" || ref.UID != sts.UID {
+		return false
+	}
+	ordinal, ok := strings.CutPrefix(pod.Name, sts.Name+"-")
+	n, err := strconv.ParseInt(ordinal, 10, 32)
+	return ok && err == nil && strconv.FormatInt(n, 10) == ordinal && n >= 0 && n < int64(ptr.Deref(sts.Spec.Replicas, 1))
 }
 
 // engines lists the identity of every engine pod that has an IP, in pod-name order, and

@@ -116,8 +116,9 @@ func markRolledOut(sts *appsv1.StatefulSet, ready int32) {
 // StatefulSet exists, with its template's labels, on node, with ip.
 func addEnginePod(sts *appsv1.StatefulSet, i int, node, ip string) {
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", sts.Name, i), Namespace: sts.Namespace, Labels: sts.Spec.Template.Labels},
-		Spec:       *sts.Spec.Template.Spec.DeepCopy(),
+		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", sts.Name, i), Namespace: sts.Namespace, Labels: sts.Spec.Template.Labels,
+			OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(sts, appsv1.SchemeGroupVersion.WithKind("StatefulSet"))}},
+		Spec: *sts.Spec.Template.Spec.DeepCopy(),
 	}
 	pod.Spec.NodeName = node
 	Expect(k8s.Create(ctx, pod)).To(Succeed())
