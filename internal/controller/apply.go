@@ -20,22 +20,54 @@ import (
 // every field desired sets has the desired value (so a hand edit of an owned field is
 // undone, and an unchanged pool costs no write). live is an empty object of desired's type.
 func (r *PoolReconciler) apply(ctx context.Context, p pool, desired, live client.Object) error {
-	owner := p.object()
-	err := r.Get(ctx, client.ObjectKeyFromObject(desired), live)
-	switch {
-	case apierrors.IsNotFound(err):
-	case err != nil:
+	exists, err := r.readOwned(ctx, p, desired, live)
+	if err != nil {
 		return err
-	default:
-		if ref := metav1.GetControllerOf(live); ref == nil || ref.UID != owner.GetUID() {
-			return &problem{Reason: kvv1.ReasonNameConflict, Message: fmt.Sprintf("%s %s already exists and is not managed by this pool; rename "+
-				"the pool or delete that object", desired.GetObjectKind().GroupVersionKind().Kind, desired.GetName())}
-		}
-		if unchanged(desired, live) {
-			return nil
+	}
+	if exists && unchanged(desired, live) {
+		return nil
+	}
+	return r.serverSideApply(ctx, p.object(), desired)
+}
+
+// applyAll applies a set of objects (a router's account, Role, binding, Deployment, ...)
+// once none of them belongs to something else: a conflict on one leaves all as they were.
+func (r *PoolReconciler) applyAll(ctx context.Context, p pool, objs []metav1.Object) error {
+	for _, obj := range objs {
+		if _, err := r.readOwned(ctx, p, obj.(client.Object), emptyLike(obj)); err != nil {
+			return err
 		}
 	}
-	return r.serverSideApply(ctx, owner, desired)
+	for _, obj := range objs {
+		if err := r.apply(ctx, p, obj.(client.Object), emptyLike(obj)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// readOwned reads the object of desired's kind and name into live: false when there is
+// none, a NameConflict problem when the pool does not control it. The cache holds only
+// kvhandoff's own objects of some kinds (CacheOptions), so an object it does not hold is
+// looked for in the API server too: a foreign ServiceAccount, Role or binding of the
+// name would otherwise read as absent and be taken over by the apply.
+func (r *PoolReconciler) readOwned(ctx context.Context, p pool, desired, live client.Object) (bool, error) {
+	key := client.ObjectKeyFromObject(desired)
+	err := r.Get(ctx, key, live)
+	if apierrors.IsNotFound(err) && r.APIReader != nil {
+		err = r.APIReader.Get(ctx, key, live)
+	}
+	switch {
+	case apierrors.IsNotFound(err):
+		return false, nil
+	case err != nil:
+		return false, err
+	}
+	if ref := metav1.GetControllerOf(live); ref == nil || ref.UID != p.object().GetUID() {
+		return true, &problem{Reason: kvv1.ReasonNameConflict, Message: fmt.Sprintf("%s %s already exists and is not managed by this pool; rename "+
+			"the pool or delete that object", desired.GetObjectKind().GroupVersionKind().Kind, desired.GetName())}
+	}
+	return true, nil
 }
 
 // serverSideApply applies desired, controlled by owner, as field manager kvhandoff.

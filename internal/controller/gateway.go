@@ -60,12 +60,7 @@ func (r *PoolReconciler) applyLegRunnerAccount(ctx context.Context, p pool) erro
 	if err != nil {
 		return err
 	}
-	for _, o := range []client.Object{sa, role, rb} {
-		if err := r.apply(ctx, p, o, emptyLike(o)); err != nil {
-			return err
-		}
-	}
-	return nil
+	return r.applyAll(ctx, p, []metav1.Object{sa, role, rb})
 }
 
 // applyGateway applies a DecodePool's endpoint picker and InferencePool, or removes them
@@ -82,10 +77,8 @@ func (r *PoolReconciler) applyGateway(ctx context.Context, p pool, v *validation
 	if err != nil {
 		return nil, err
 	}
-	for _, obj := range w.Objects() {
-		if err := r.apply(ctx, p, obj.(client.Object), emptyLike(obj)); err != nil {
-			return nil, err
-		}
+	if err := r.applyAll(ctx, p, w.Objects()); err != nil {
+		return nil, err
 	}
 	ip, err := render.InferencePool(in)
 	if err != nil {

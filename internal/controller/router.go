@@ -32,12 +32,7 @@ func (r *PoolReconciler) applyRouter(ctx context.Context, p pool, v *validation)
 	if err != nil {
 		return err
 	}
-	for _, obj := range w.Objects() {
-		if err := r.apply(ctx, p, obj.(client.Object), emptyLike(obj)); err != nil {
-			return err
-		}
-	}
-	return nil
+	return r.applyAll(ctx, p, w.Objects())
 }
 
 // emptyLike returns an empty object of obj's type, to read the live one into.

@@ -14,6 +14,7 @@ import (
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/render"
+	"github.com/kvhandoff/kvhandoff/test/builder"
 )
 
 var _ = Describe("Router", func() {
@@ -122,6 +123,24 @@ var _ = Describe("Router", func() {
 			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(p), p)).To(Succeed())
 			g.Expect(p.Status.Engines).To(ConsistOf(And(HaveField("PodName", "p-0"), HaveField("Ready", false))))
 		}).Should(Succeed())
+	})
+
+	It("takes over no foreign object of a router's names, labelled as kvhandoff's or not, and applies none of the set", func() {
+		ns := freshNamespace()
+		// Unlabelled, so not in the manager's cache: it once read as absent and was
+		// force-applied (its subjects replaced, its owner set to the pool).
+		foreign := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "d-router", Namespace: ns},
+			RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "view"},
+			Subjects: []rbacv1.Subject{{Kind: "User", Name: "alice", APIGroup: "rbac.authorization.k8s.io"}}}
+		Expect(k8s.Create(ctx, foreign)).To(Succeed())
+		d := builder.DecodePool("d", "p").Obj()
+		create(ns, builder.Policy("policy").Obj(), builder.PrefillPool("p").Obj(), d)
+		Eventually(func() string { return condition(d, kvv1.ConditionReady).Message }).Should(ContainSubstring("RoleBinding d-router already exists and is not managed by this pool"))
+		Expect(condition(d, kvv1.ConditionReady).Reason).To(Equal(kvv1.ReasonNameConflict))
+		Expect(k8s.Get(ctx, client.ObjectKeyFromObject(foreign), foreign)).To(Succeed())
+		Expect(foreign.Subjects).To(ConsistOf(HaveField("Name", "alice")))
+		Expect(foreign.OwnerReferences).To(BeEmpty())
+		Expect(apierrors.IsNotFound(k8s.Get(ctx, key(ns, "d-router"), &corev1.ServiceAccount{}))).To(BeTrue(), "the set's account was applied")
 	})
 
 	It("reports an engine whose pod is not Ready as not ready", func() {
