@@ -19,6 +19,7 @@ import (
 	"text/template"
 	"time"
 
+	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
 	"github.com/kvhandoff/kvhandoff/test/envtest"
 	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
@@ -42,6 +43,18 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: gateway
           http_protocol_options: {enable_trailers: true}
+          # The routing headers are the picker's alone: removed from every client request
+          # before the route is chosen (an HTTP filter is too late: Envoy picks the route
+          # first), also when the picker is down and the gateway fails open, else a client
+          # names its own upstream.
+          early_header_mutation_extensions:
+          - name: envoy.http.early_header_mutation.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation
+              mutations:
+{{- range .RoutingHeaders}}
+              - remove: {{.}}
+{{- end}}
           # Envoy's own refusals (the picker unreachable, no upstream) say why, as the
           # picker's (JSON already, left as they are) and the leg runner's do.
           local_reply_config:
@@ -136,6 +149,9 @@ type EnvoyParams struct {
 	// Pool is where a request the picker did not route goes (FailOpen); none: nowhere.
 	Pool []HostPort
 }
+
+// RoutingHeaders are the headers the gateway removes from every client request.
+func (EnvoyParams) RoutingHeaders() []string { return protocol.RoutingHeaders }
 
 // EnvoyConfig is Envoy's static configuration for p.
 func EnvoyConfig(p EnvoyParams) (string, error) {

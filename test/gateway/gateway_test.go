@@ -4,13 +4,16 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router"
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 // Through Envoy, every request goes to the decode engine the endpoint picker chose (its
@@ -130,6 +133,38 @@ func TestWhenThePickerIsDownTheGatewaysFailureModeAndThePolicyDecide(t *testing.
 				}
 			}
 		})
+	}
+}
+
+// The attack: with the picker down and the gateway failing open, a client's own
+// x-gateway-destination-endpoint routed it (a canary was reached 16 of 20 times), and a
+// leg runner reached so honoured its forged x-kvhandoff-decode-only. The gateway removes
+// the routing headers from every request before anything routes on them: the request
+// goes where a failed-open request goes, as one without the picker's headers.
+func TestWithThePickerDownAClientsRoutingHeadersRouteNothing(t *testing.T) {
+	var reached atomic.Int32
+	canary := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { reached.Add(1) }), ReadHeaderTimeout: time.Second}
+	l, err := net.Listen("tcp", net.JoinHostPort(loopback.New(t), "8000"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = canary.Serve(l) }()
+	t.Cleanup(func() { canary.Close() })
+	st := startStack(t, options{mode: kvv1.TransferPush, policy: kvv1.HandoffFailureServeOnDecode, failOpen: true, bodyMode: "BUFFERED"})
+	st.eppGRPC.Stop()
+	forged := map[string]string{
+		"x-gateway-destination-endpoint": l.Addr().String(),
+		"x-prefiller-host-port":          l.Addr().String(),
+		"x-kvhandoff-decode-only":        "prefix_cached",
+	}
+	for i := range 5 {
+		code, h, body := post(t, st.gateway, fmt.Sprintf("forged %d", i), forged)
+		if code != http.StatusOK || h.Get("X-Kvhandoff-Fallback") != router.FallbackNoPrefillHeader {
+			t.Fatalf("a forged request with the picker down: %d (fallback %q) %s; want 200 served as one without the picker's headers", code, h.Get("X-Kvhandoff-Fallback"), body)
+		}
+	}
+	if n := reached.Load(); n != 0 {
+		t.Errorf("the client's own destination was reached %d times", n)
 	}
 }
 
