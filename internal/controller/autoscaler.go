@@ -111,7 +111,7 @@ func (a *autoscaler) scale(ctx context.Context, dp *kvv1.DecodePool) error {
 	now := time.Now()
 
 	window := time.Duration(spec.WindowSeconds) * time.Second
-	growth, span, complete, err := a.measure(ctx, dp, st, now, window)
+	growth, span, complete, err := a.measure(ctx, dp, pp, st, now, window)
 	if err != nil {
 		return err
 	}
@@ -199,15 +199,24 @@ func (a *autoscaler) publish(ctx context.Context, dp *kvv1.DecodePool, st *kvv1.
 // measure polls the pair's load sources and returns each one's growth over the window.
 // complete is false when a source that should report (a ready router or leg runner)
 // did not, or has not reported for half the window yet.
-func (a *autoscaler) measure(ctx context.Context, dp *kvv1.DecodePool, st *pairState, now time.Time, window time.Duration) ([]load.Report, time.Duration, bool, error) {
+func (a *autoscaler) measure(ctx context.Context, dp *kvv1.DecodePool, pp *kvv1.PrefillPool, st *pairState, now time.Time, window time.Duration) ([]load.Report, time.Duration, bool, error) {
 	sources, err := a.sources(ctx, dp)
 	if err != nil {
 		return nil, 0, false, err
 	}
+	// What a report may name: the pair's engines now.
+	prefill, decode := engineIDs(pp.Status.Engines), engineIDs(dp.Status.Engines)
 	reports := make([]*load.Report, len(sources))
 	var wg sync.WaitGroup
+	// A few reports decoded at once: each may hold up to load.MaxReportBytes until it
+	// is restricted to the pair's engines.
+	sem := make(chan struct{}, 8)
 	for i, s := range sources {
-		wg.Go(func() { reports[i] = a.fetch(ctx, s.url) })
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			reports[i] = a.fetch(ctx, s.url, prefill, decode)
+		})
 	}
 	wg.Wait()
 	complete := true
@@ -280,7 +289,9 @@ func (a *autoscaler) sources(ctx context.Context, dp *kvv1.DecodePool) ([]loadSo
 	return out, nil
 }
 
-func (a *autoscaler) fetch(ctx context.Context, url string) *load.Report {
+// fetch reads one source's report, restricted to the pair's engines; nil when it has
+// none to give, or gives what a router does not (refused, and logged).
+func (a *autoscaler) fetch(ctx context.Context, url string, prefill, decode map[string]bool) *load.Report {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return nil
@@ -290,11 +301,32 @@ func (a *autoscaler) fetch(ctx context.Context, url string) *load.Report {
 		return nil
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil
+	}
 	var r load.Report
-	if resp.StatusCode != http.StatusOK || json.NewDecoder(io.LimitReader(resp.Body, 4<<20)).Decode(&r) != nil || r.Boot == "" {
+	body := &io.LimitedReader{R: resp.Body, N: load.MaxReportBytes + 1}
+	err = json.NewDecoder(body).Decode(&r)
+	if err == nil && body.N == 0 {
+		err = fmt.Errorf("larger than %d bytes", load.MaxReportBytes)
+	}
+	if err == nil {
+		_, err = r.Restrict(prefill, decode)
+	}
+	if err != nil {
+		log.FromContext(ctx).Info("refused a load report", "url", url, "err", err.Error())
 		return nil
 	}
 	return &r
+}
+
+// engineIDs are the engine ids of a pool's engines.
+func engineIDs(engines []kvv1.EngineStatus) map[string]bool {
+	ids := make(map[string]bool, len(engines))
+	for _, e := range engines {
+		ids[e.EngineID] = true
+	}
+	return ids
 }
 
 // engines returns which engines are past their warmup, by engine id (an id of no

@@ -7,8 +7,10 @@
 package load
 
 import (
+	"fmt"
 	"math"
 	"sort"
+	"strings"
 	"time"
 )
 
@@ -24,6 +26,66 @@ type Report struct {
 	Decode  map[string]Engine `json:"decode,omitempty"`
 	// TTFT is the time to first byte of served requests, by PairKey of their engines.
 	TTFT map[string]Histogram `json:"ttft,omitempty"`
+}
+
+// MaxReportBytes bounds a report the manager reads: a router reports per engine and per
+// pair of engines, about 330 bytes each, so this holds pools of about 50 × 50 engines.
+const MaxReportBytes = 1 << 20
+
+// Restrict checks that r is shaped as a router's report and keeps of it only the engines
+// of prefill and decode (by engine id) and their pairs: what a router of the pools can
+// report. Anyone who can run a pod that the manager polls (a pool author chooses the
+// router image) could otherwise make the manager hold a key per name it makes up. An
+// engine gone from the pools is dropped with the rest; it returns how many keys it
+// dropped.
+func (r *Report) Restrict(prefill, decode map[string]bool) (dropped int, err error) {
+	if r.Boot == "" || len(r.Boot) > 64 {
+		return 0, fmt.Errorf("boot %.64q: 1 to 64 characters", r.Boot)
+	}
+	engines := func(m map[string]Engine, known map[string]bool) error {
+		for id, e := range m {
+			if !known[id] {
+				delete(m, id)
+				dropped++
+				continue
+			}
+			if !finite(e.Busy) || !finite(e.InFlight) {
+				return fmt.Errorf("engine %s: busy %v, inFlight %v: must be finite and not negative", id, e.Busy, e.InFlight)
+			}
+			if err := e.ITL.valid(); err != nil {
+				return fmt.Errorf("engine %s itl: %w", id, err)
+			}
+		}
+		return nil
+	}
+	if err := engines(r.Prefill, prefill); err != nil {
+		return dropped, err
+	}
+	if err := engines(r.Decode, decode); err != nil {
+		return dropped, err
+	}
+	for k, h := range r.TTFT {
+		p, d, ok := strings.Cut(k, " ")
+		if !ok || (p != "" && !prefill[p]) || !decode[d] {
+			delete(r.TTFT, k)
+			dropped++
+			continue
+		}
+		if err := h.valid(); err != nil {
+			return dropped, fmt.Errorf("ttft %q: %w", k, err)
+		}
+	}
+	return dropped, nil
+}
+
+func finite(f float64) bool { return !math.IsNaN(f) && !math.IsInf(f, 0) && f >= 0 }
+
+// valid: no counts, or one per bucket and one above the last.
+func (h Histogram) valid() error {
+	if len(h) != 0 && len(h) != len(Buckets)+1 {
+		return fmt.Errorf("%d counts, want %d", len(h), len(Buckets)+1)
+	}
+	return nil
 }
 
 // Engine is one engine's legs as one router saw them.
