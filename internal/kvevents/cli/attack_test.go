@@ -1,11 +1,14 @@
 package cli
 
 import (
+	"errors"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -88,4 +91,64 @@ func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
 	} else {
 		resp.Body.Close()
 	}
+}
+
+// The attack: 3,000 keep-alive connections that sent nothing stayed open on the sidecar
+// for good (+56 MB; about 25k would take it past its limit). It takes --max-connections
+// at once (the rest wait in the kernel's queue, costing it nothing) and closes one that
+// has not sent its headers within serve.HeaderTimeout (10 s). A new connection still
+// waits behind the flood (here 3,000 / 64 × 10 s): that only routers and pickers reach
+// the port is the NetworkPolicy's part.
+func TestSilentConnectionsAreBoundedInNumberAndTime(t *testing.T) {
+	dir := t.TempDir()
+	bin, err := gobin.Build(dir, "kv-events")
+	if err != nil {
+		t.Fatal(err)
+	}
+	token := filepath.Join(dir, "token")
+	_ = os.WriteFile(token, []byte(strings.Repeat("7f", 32)+"\n"), 0o600)
+	addr := gobin.Start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, "--served-model=m", "--engine=127.0.0.1:1", "--listen=127.0.0.1:0",
+		"--kv-events-endpoint=tcp://"+loopback.New(t)+":5557", "--token-file="+token, "--max-connections=64")[1]
+	// An operator's connection, made before the flood and kept alive, reads the sidecar's
+	// memory through it.
+	operator := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}, Timeout: 10 * time.Second}
+	rss := func() float64 {
+		resp, err := operator.Get("http://" + addr + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		m := regexp.MustCompile(`(?m)^process_resident_memory_bytes (\S+)$`).FindStringSubmatch(string(body))
+		if m == nil {
+			t.Fatal("no process_resident_memory_bytes")
+		}
+		v, _ := strconv.ParseFloat(m[1], 64)
+		return v
+	}
+	before := rss()
+	var silent []net.Conn
+	for range 3000 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		silent = append(silent, c)
+	}
+	defer func() {
+		for _, c := range silent {
+			c.Close()
+		}
+	}()
+	after := rss()
+	t.Logf("RSS %.0f MB before, %.0f MB with 3,000 silent connections", before/1e6, after/1e6)
+	if after-before > 24<<20 {
+		t.Errorf("3,000 silent connections cost the sidecar %.0f MB", (after-before)/1e6)
+	}
+	start := time.Now()
+	_ = silent[0].SetReadDeadline(time.Now().Add(30 * time.Second))
+	if n, err := silent[0].Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+		t.Fatalf("a silent connection: read %d, %v; want it closed by the sidecar", n, err)
+	}
+	t.Logf("the first silent connection closed after %s", time.Since(start).Round(100*time.Millisecond))
 }
