@@ -6,10 +6,9 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"strings"
 	"syscall"
 	"time"
-
-	"github.com/go-zeromq/zmq4"
 )
 
 // Subscribe listens at endpoint (tcp://127.0.0.1:port: the pod's own loopback, which no
@@ -17,32 +16,39 @@ import (
 // into hub until ctx ends. Listening here, rather than at a socket vLLM binds, needs no
 // file both containers may write, and vLLM reconnects by itself after a restart.
 func Subscribe(ctx context.Context, endpoint, topic string, hub *Server, log *slog.Logger) error {
-	sub := zmq4.NewSub(ctx)
-	defer sub.Close()
-	if err := sub.Listen(endpoint); err != nil {
+	addr, ok := strings.CutPrefix(endpoint, "tcp://")
+	if !ok {
+		return fmt.Errorf("listening for vLLM's KV events at %s: must be tcp://host:port", endpoint)
+	}
+	// A message or a publisher that cannot be read changed what the engine holds in ways
+	// not known: as a lost batch.
+	refuse := func(err error) {
+		log.Error("refusing a KV events message", "err", err)
+		hub.Refused()
+	}
+	sub, err := listenZMTP(addr, topic, refuse)
+	if err != nil {
 		return fmt.Errorf("listening for vLLM's KV events at %s: %w", endpoint, err)
 	}
-	if err := sub.SetOption(zmq4.OptionSubscribe, topic); err != nil {
-		return err
-	}
 	log.Info("listening for vLLM's KV events", "endpoint", endpoint, "topic", topic)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	served := make(chan error, 1)
+	go func() { served <- sub.serve(ctx) }()
 	for {
-		m, err := sub.Recv()
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-served:
 			return fmt.Errorf("receiving vLLM's KV events: %w", err)
+		case m := <-sub.messages:
+			b, err := DecodeMessage(m)
+			if err != nil {
+				refuse(err)
+				continue
+			}
+			hub.Apply(b)
 		}
-		b, err := DecodeMessage(m.Frames)
-		if err != nil {
-			// A message that cannot be read changed what the engine holds in ways not
-			// known: as a lost batch.
-			log.Error("refusing a KV events message", "err", err)
-			hub.Refused()
-			continue
-		}
-		hub.Apply(b)
 	}
 }
 

@@ -62,8 +62,9 @@ type Batch struct {
 	Events []Event
 }
 
-// maxMessage bounds a message: a batch of a 128k-token prompt's stores is about 700 KB.
-const maxMessage = 64 << 20
+// maxMessage bounds a message: a batch of a 128k-token prompt's stores is about 700 KB,
+// and a step's batch holds at most its batched tokens' stores.
+const maxMessage = 16 << 20
 
 // DecodeMessage reads a publisher message's frames: topic, 8-byte big-endian sequence
 // number, msgpack batch.
@@ -76,6 +77,9 @@ func DecodeMessage(frames [][]byte) (Batch, error) {
 	}
 	if len(frames[2]) > maxMessage {
 		return Batch{}, fmt.Errorf("a payload of %d bytes: at most %d", len(frames[2]), maxMessage)
+	}
+	if err := checkDepth(frames[2]); err != nil {
+		return Batch{}, err
 	}
 	events, err := decodeBatch(frames[2])
 	if err != nil {

@@ -1,6 +1,8 @@
 package cli
 
 import (
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"io"
 	"net"
@@ -151,4 +153,118 @@ func TestSilentConnectionsAreBoundedInNumberAndTime(t *testing.T) {
 		t.Fatalf("a silent connection: read %d, %v; want it closed by the sidecar", n, err)
 	}
 	t.Logf("the first silent connection closed after %s", time.Since(start).Round(100*time.Millisecond))
+}
+
+// hostilePublisher is a peer that greets the sidecar's ZeroMQ listener as a PUB socket
+// does, then sends whatever the test writes.
+func hostilePublisher(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	g := make([]byte, 64)
+	g[0], g[9], g[10], g[11] = 0xff, 0x7f, 3, 1
+	copy(g[12:], "NULL")
+	props := append([]byte{11}, "Socket-Type"...)
+	props = append(binary.BigEndian.AppendUint32(props, 3), "PUB"...)
+	ready := append([]byte{5}, "READY"...)
+	ready = append(ready, props...)
+	if _, err := c.Write(append(append(g, 0x04, byte(len(ready))), ready...)); err != nil {
+		t.Fatal(err)
+	}
+	// Its greeting, READY and subscription.
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, make([]byte, 64)); err != nil {
+		t.Fatalf("the sidecar's greeting: %v", err)
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	return c
+}
+
+// The attacks on the sidecar's ZeroMQ listener (the pod's own loopback): 73 bytes
+// announcing a 2^62-byte frame panicked it; frames marked "more" grew its memory without
+// end (448 MB sent, 484 MB RSS); 6 MB of nested arrays overflowed its stack; one silent
+// connection locked the real publisher out. Each is refused now, the sidecar serves on,
+// and the real publisher's events arrive.
+func TestHostilePublishersNeitherCrashNorLockOutTheSidecar(t *testing.T) {
+	dir := t.TempDir()
+	bin, err := gobin.Build(dir, "kv-events")
+	if err != nil {
+		t.Fatal(err)
+	}
+	token := filepath.Join(dir, "token")
+	_ = os.WriteFile(token, []byte(strings.Repeat("7f", 32)+"\n"), 0o600)
+	zmqAddr := loopback.New(t) + ":5557"
+	addr := gobin.Start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, "--served-model=m", "--engine=127.0.0.1:1",
+		"--listen=127.0.0.1:0", "--kv-events-endpoint=tcp://"+zmqAddr, "--token-file="+token)[1]
+	refused := func() float64 { return gobin.Metric(t, addr, `kvhandoff_kv_events_resets_total{reason="refused"}`) }
+	waitRefused := func(what string, n float64) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); refused() < n; {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not refused", what)
+			}
+			time.Sleep(10 * time.Millisecond) // polling the sidecar's count
+		}
+	}
+
+	// One that connects and never greets: the real publisher still gets in (below).
+	silent, err := net.Dial("tcp", zmqAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+
+	// A frame announcing 2^62 bytes.
+	c := hostilePublisher(t, zmqAddr)
+	_, _ = c.Write(append([]byte{0x02}, binary.BigEndian.AppendUint64(nil, 1<<62)...))
+	waitRefused("a frame of 2^62 bytes", 1)
+
+	// Frames marked "more", 64 MB in all.
+	c = hostilePublisher(t, zmqAddr)
+	chunk := append(append([]byte{0x03}, binary.BigEndian.AppendUint64(nil, 4<<20)...), make([]byte, 4<<20)...)
+	for range 16 {
+		if _, err := c.Write(chunk); err != nil {
+			break // refused: the sidecar closed the connection
+		}
+	}
+	waitRefused("a message of 16 frames of 4 MB", 2)
+
+	// 6 MB of nested arrays, as a well-framed vLLM message.
+	c = hostilePublisher(t, zmqAddr)
+	nested := append(bytes.Repeat([]byte{0x91}, 6<<20), 0xc0)
+	msg := append([]byte{0x01, 2}, "kv"...)
+	msg = append(append(msg, 0x01, 8), make([]byte, 8)...)
+	msg = append(append(msg, 0x02), binary.BigEndian.AppendUint64(nil, uint64(len(nested)))...)
+	if _, err := c.Write(append(msg, nested...)); err != nil {
+		t.Fatal(err)
+	}
+	waitRefused("6 MB of nested arrays", 3)
+	rss := gobin.Metric(t, addr, "process_resident_memory_bytes")
+	t.Logf("RSS %.0f MB after the attacks", rss/1e6)
+	if rss > 128<<20 {
+		t.Errorf("the sidecar's RSS is %.0f MB after the attacks", rss/1e6)
+	}
+
+	// The real publisher, a ZeroMQ library's PUB socket, is heard.
+	pub := zmq4.NewPub(t.Context(), zmq4.WithDialerRetry(50*time.Millisecond), zmq4.WithDialerMaxRetries(100))
+	defer pub.Close()
+	if err := pub.Dial("tcp://" + zmqAddr); err != nil {
+		t.Fatal(err)
+	}
+	payload, err := os.ReadFile("../testdata/batch-array.msgpack")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := uint64(0); gobin.Metric(t, addr, `kvhandoff_kv_events_total{kind="BlockStored"}`) == 0; i++ {
+		if i > 2000 {
+			t.Fatal("the real publisher's events did not arrive")
+		}
+		if err := pub.Send(zmq4.NewMsgFrom([]byte("kv"), binary.BigEndian.AppendUint64(nil, i), payload)); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(5 * time.Millisecond) // a publisher's pace; the loop ends on what the sidecar counted
+	}
 }
