@@ -1,6 +1,8 @@
 package discovery
 
 import (
+	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+
 	"bytes"
 	"context"
 	"encoding/json"
@@ -33,11 +35,43 @@ func ReadFile(path string) (*Set, error) {
 	if err := dec.Decode(s); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
+	if err := defaultRouting(data, s.Routing); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
 	if err := s.Validate(); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	s.Source = path
 	return s, nil
+}
+
+// defaultRouting gives a file's routing what the API server gives a KVTransferPolicy's:
+// the CRD's default of each field the file leaves out (a field it sets, 0 included,
+// stays), so that routing read from a file is routing read from a cluster.
+func defaultRouting(data []byte, r *kvv1.RoutingSpec) error {
+	if r == nil {
+		return nil
+	}
+	var raw struct {
+		Routing map[string]json.RawMessage `json:"routing"`
+	}
+	if err := json.Unmarshal(data, &raw); err != nil {
+		return err
+	}
+	set := func(key string) bool { _, ok := raw.Routing[key]; return ok }
+	if !set("decodeChoice") {
+		r.DecodeChoice = kvv1.DecodeChoiceLoadOnly
+	}
+	if !set("prefixSource") {
+		r.PrefixSource = kvv1.PrefixSourceKVEvents
+	}
+	if !set("overlapWeight") {
+		r.OverlapWeight = kvv1.DefaultOverlapWeight
+	}
+	if !set("loadWeight") {
+		r.LoadWeight = kvv1.DefaultLoadWeight
+	}
+	return nil
 }
 
 // Run watches the file's folder (editors and ConfigMap mounts replace files rather than
