@@ -116,19 +116,12 @@ func New(cfg Config) *Server {
 		cfg.Registry = prometheus.NewRegistry()
 	}
 	m := newMetrics(cfg.Registry)
-	bal := balance.New(5 * max(cfg.ScrapeInterval, time.Second))
 	if len(cfg.LegRunnerPorts) == 0 {
 		cfg.LegRunnerPorts = Defaults().LegRunnerPorts
 	}
-	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	var events *kvfollow.Follower
-	if cfg.KVEventsTokenFile != "" {
-		events = kvfollow.NewFollower(cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile, ix, cfg.Registry, kvfollow.Names{Live: "kvhandoff_epp_kv_events_live_engines",
-			Blocks: "kvhandoff_epp_kv_events_blocks", Resets: "kvhandoff_epp_kv_events_resets_total"}, cfg.Log)
-	}
-	s := &Server{cfg: cfg, bal: bal, events: events, choose: choice.New(bal, ix, events, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_epp_decode_choices_total",
-		DecodeOnly: "kvhandoff_epp_decode_only_total", Tokens: "kvhandoff_epp_prefix_tokens_total", IndexBlocks: "kvhandoff_epp_prefix_index_blocks",
-		Lookups: "kvhandoff_epp_prefix_lookups_total"}, ix), m.inflight), health: health.NewServer(), m: m,
+	a := choice.Assemble(choice.Config{Metrics: "kvhandoff_epp", ScrapeInterval: cfg.ScrapeInterval, PrefixIndexBlocks: cfg.PrefixIndexBlocks,
+		KVEventsTokenFile: cfg.KVEventsTokenFile, Registry: cfg.Registry, InFlight: m.inflight, Log: cfg.Log})
+	s := &Server{cfg: cfg, bal: a.Balancer, events: a.Events, choose: a.Chooser, health: health.NewServer(), m: m,
 		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)), onEndpoint: map[string]int{}, turns: map[string]int{}}
 	s.health.SetServingStatus(Liveness, healthpb.HealthCheckResponse_SERVING)
 	for _, svc := range []string{Readiness, extprocv3.ExternalProcessor_ServiceDesc.ServiceName} {

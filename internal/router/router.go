@@ -114,7 +114,6 @@ func New(cfg Config) *Server {
 	}
 	s := &Server{
 		cfg: cfg,
-		bal: balance.New(5 * max(cfg.ScrapeInterval, time.Second)),
 		client: &http.Client{Transport: &http.Transport{
 			DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 			MaxIdleConns:        1024,
@@ -133,14 +132,9 @@ func New(cfg Config) *Server {
 		slots: make(chan struct{}, max(cfg.MaxInFlight, 1)),
 		load:  load.NewRecorder(),
 	}
-	ix := prefix.NewIndex(cfg.PrefixIndexBlocks)
-	if cfg.KVEventsTokenFile != "" {
-		s.events = kvfollow.NewFollower(cfg.PrefixIndexBlocks, cfg.KVEventsTokenFile, ix, cfg.Registry, kvfollow.Names{Live: "kvhandoff_router_kv_events_live_engines",
-			Blocks: "kvhandoff_router_kv_events_blocks", Resets: "kvhandoff_router_kv_events_resets_total"}, cfg.Log)
-	}
-	s.choose = choice.New(s.bal, ix, s.events, choice.NewMetrics(cfg.Registry, choice.Names{Choices: "kvhandoff_router_decode_choices_total",
-		DecodeOnly: "kvhandoff_router_decode_only_total", Tokens: "kvhandoff_router_prefix_tokens_total",
-		IndexBlocks: "kvhandoff_router_prefix_index_blocks", Lookups: "kvhandoff_router_prefix_lookups_total"}, ix), s.m.inflight)
+	a := choice.Assemble(choice.Config{Metrics: "kvhandoff_router", ScrapeInterval: cfg.ScrapeInterval, PrefixIndexBlocks: cfg.PrefixIndexBlocks,
+		KVEventsTokenFile: cfg.KVEventsTokenFile, Registry: cfg.Registry, InFlight: s.m.inflight, Log: cfg.Log})
+	s.bal, s.events, s.choose = a.Balancer, a.Events, a.Chooser
 	s.mux.HandleFunc("POST /v1/completions", s.completions("/v1/completions"))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.completions("/v1/chat/completions"))
 	s.mux.HandleFunc("GET /v1/models", s.models)
