@@ -17,4 +17,9 @@ const (
 	// DefaultOverlapWeight and DefaultLoadWeight are spec.routing's weights' defaults.
 	DefaultOverlapWeight = 4
 	DefaultLoadWeight    = 1
+	// DefaultStabilizationWindowSeconds, DefaultWarmupSeconds and DefaultLatencyPercentile
+	// are a DecodePool's spec.autoscaling defaults.
+	DefaultStabilizationWindowSeconds = 300
+	DefaultWarmupSeconds              = 60
+	DefaultLatencyPercentile          = 90
 )

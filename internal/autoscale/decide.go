@@ -34,8 +34,13 @@ type Targets struct {
 	Stabilization time.Duration
 }
 
+// Cost is the accelerators sizes s take: what Budget bounds.
+func (t Targets) Cost(s Sizes) int32 {
+	return s.Prefill*t.PrefillPerEngine + s.Decode*t.DecodePerEngine
+}
+
 // Window is what the routers measured over one window, latency from warm engines only
-// (package load drops samples of engines younger than the warmup).
+// (Measure drops samples of engines younger than the warmup).
 type Window struct {
 	// Span is the window's length; 0 means no measurement.
 	Span time.Duration
@@ -160,7 +165,7 @@ func Decide(in Input) Decision {
 	if fitted, cut := fitBudget(want, Sizes{prefill, decode}, t); cut {
 		reason = BudgetExhausted
 		notes = append(notes, fmt.Sprintf("prefill %d and decode %d need %d accelerators, the budget is %d",
-			want.Prefill, want.Decode, want.Prefill*t.PrefillPerEngine+want.Decode*t.DecodePerEngine, t.Budget))
+			want.Prefill, want.Decode, t.Cost(want), t.Budget))
 		want = fitted
 	}
 
@@ -318,7 +323,7 @@ func fitITL(points []ITLPoint) (a, b float64) {
 // fitBudget shrinks want until it fits the budget, taking each engine from the role that
 // stays better served (the larger share of its need), never below a minimum.
 func fitBudget(want, need Sizes, t Targets) (Sizes, bool) {
-	cost := func(s Sizes) int32 { return s.Prefill*t.PrefillPerEngine + s.Decode*t.DecodePerEngine }
+	cost := t.Cost
 	cut := false
 	for cost(want) > t.Budget {
 		pShare := float64(want.Prefill-1) / float64(max(need.Prefill, 1))

@@ -7,13 +7,12 @@ package autoscale
 // over-provisioned role shrinks first, and the other follows as its pods go.
 func Step(desired, applied, pods Sizes, t Targets) (next Sizes, waiting bool) {
 	next = Sizes{min(applied.Prefill, desired.Prefill), min(applied.Decode, desired.Decode)}
-	held := func(role, podsOf int32, per int32) int32 { return max(role, podsOf) * per }
 	if desired.Prefill > next.Prefill {
-		free := t.Budget - held(next.Decode, pods.Decode, t.DecodePerEngine)
+		free := t.Budget - t.Cost(Sizes{Decode: max(next.Decode, pods.Decode)})
 		next.Prefill = max(next.Prefill, min(desired.Prefill, free/max(t.PrefillPerEngine, 1)))
 	}
 	if desired.Decode > next.Decode {
-		free := t.Budget - held(next.Prefill, pods.Prefill, t.PrefillPerEngine)
+		free := t.Budget - t.Cost(Sizes{Prefill: max(next.Prefill, pods.Prefill)})
 		next.Decode = max(next.Decode, min(desired.Decode, free/max(t.DecodePerEngine, 1)))
 	}
 	return next, next != desired

@@ -50,7 +50,7 @@ type autoscaler struct {
 
 // pairState is what the autoscaler keeps of one DecodePool between ticks.
 type pairState struct {
-	series  map[string]*load.Series // by pod name
+	series  map[string]*autoscale.Series // by pod name
 	learned autoscale.State
 }
 
@@ -104,7 +104,7 @@ func (a *autoscaler) scale(ctx context.Context, dp *kvv1.DecodePool) error {
 	a.mu.Lock()
 	st, ok := a.pairs[key]
 	if !ok {
-		st = &pairState{series: map[string]*load.Series{}}
+		st = &pairState{series: map[string]*autoscale.Series{}}
 		a.pairs[key] = st
 	}
 	a.mu.Unlock()
@@ -115,18 +115,18 @@ func (a *autoscaler) scale(ctx context.Context, dp *kvv1.DecodePool) error {
 	if err != nil {
 		return err
 	}
-	warm, pods, err := a.engines(ctx, dp, pp, now, time.Duration(ptr.Deref(spec.WarmupSeconds, 60))*time.Second)
+	warm, pods, err := a.engines(ctx, dp, pp, now, time.Duration(ptr.Deref(spec.WarmupSeconds, kvv1.DefaultWarmupSeconds))*time.Second)
 	if err != nil {
 		return err
 	}
-	w := load.Measure(growth, span, complete, warm, percentile(spec.TTFT), percentile(spec.ITL))
+	w := autoscale.Measure(growth, span, complete, warm, percentile(spec.TTFT), percentile(spec.ITL))
 	t := targetsOf(dp, pp)
 	status := autoscalingStatus(dp, pp)
 	current := autoscale.Sizes{Prefill: status.DesiredPrefillReplicas, Decode: status.DesiredDecodeReplicas}
 	applied := autoscale.Sizes{Prefill: status.PrefillReplicas, Decode: status.DecodeReplicas}
 
 	cond := metav1.Condition{Type: kvv1.ConditionAutoscaling, ObservedGeneration: dp.Generation}
-	if need := t.Prefill.Min*t.PrefillPerEngine + t.Decode.Min*t.DecodePerEngine; need > t.Budget {
+	if need := t.Cost(autoscale.Sizes{Prefill: t.Prefill.Min, Decode: t.Decode.Min}); need > t.Budget {
 		cond.Status, cond.Reason = metav1.ConditionFalse, kvv1.ReasonAutoscalingBudgetTooSmall
 		cond.Message = fmt.Sprintf("spec.autoscaling.acceleratorBudget %d does not hold the minimums: %d prefill engines of %d accelerators and %d decode "+
 			"engines of %d need %d; sizes are held until it does", t.Budget, t.Prefill.Min, t.PrefillPerEngine, t.Decode.Min, t.DecodePerEngine, need)
@@ -227,7 +227,7 @@ func (a *autoscaler) measure(ctx context.Context, dp *kvv1.DecodePool, pp *kvv1.
 		live[s.pod] = true
 		series := st.series[s.pod]
 		if series == nil {
-			series = &load.Series{}
+			series = &autoscale.Series{}
 			st.series[s.pod] = series
 		}
 		if reports[i] != nil {
@@ -379,7 +379,7 @@ func targetsOf(dp *kvv1.DecodePool, pp *kvv1.PrefillPool) autoscale.Targets {
 		Prefill: autoscale.Range{Min: s.Prefill.MinReplicas, Max: s.Prefill.MaxReplicas},
 		Decode:  autoscale.Range{Min: s.Decode.MinReplicas, Max: s.Decode.MaxReplicas},
 		Budget:  s.AcceleratorBudget, PrefillPerEngine: acceleratorsPerEngine(&pp.Spec.EngineSpec), DecodePerEngine: acceleratorsPerEngine(&dp.Spec.EngineSpec),
-		Stabilization: time.Duration(ptr.Deref(s.StabilizationWindowSeconds, 300)) * time.Second,
+		Stabilization: time.Duration(ptr.Deref(s.StabilizationWindowSeconds, kvv1.DefaultStabilizationWindowSeconds)) * time.Second,
 	}
 }
 
@@ -395,7 +395,9 @@ func acceleratorsPerEngine(e *kvv1.EngineSpec) int32 {
 	return max(e.TensorParallelSize, 1) * max(e.PipelineParallelSize, 1)
 }
 
-func percentile(t kvv1.LatencyTarget) float64 { return float64(cmp.Or(t.Percentile, 90)) / 100 }
+func percentile(t kvv1.LatencyTarget) float64 {
+	return float64(cmp.Or(t.Percentile, kvv1.DefaultLatencyPercentile)) / 100
+}
 
 // autoscalingStatus is the DecodePool's status.autoscaling to update: a copy of the
 // last one, or for a pool that has none yet, sizes from each pool's spec.replicas

@@ -1,9 +1,9 @@
 // Package load is what a router measures of the load it routes, for the manager's
 // autoscaler: a Recorder in the router counts prompt tokens, legs in flight and
 // latencies per engine since the router started, and serves them as a Report (GET /load
-// on the admin port); the manager keeps each router's Reports in a Series and turns
-// their growth over a window into the autoscaler's input (Measure). Counts only grow, so
-// a missed poll loses nothing and a restarted router (a new Boot) is told apart.
+// on the admin port), whose format this package is. The manager's side, the reports
+// over a window, is package autoscale's (Series, Measure). Counts only grow, so a missed
+// poll loses nothing and a restarted router (a new Boot) is told apart.
 package load
 
 import (
@@ -133,7 +133,12 @@ func (h Histogram) Count() uint64 {
 	return n
 }
 
-// add adds o into h (o's counts subtracted when sign is -1; never below zero).
+// Add adds o's counts into h.
+func (h *Histogram) Add(o Histogram) { h.add(o, 1) }
+
+// Sub takes o's counts off h, never below zero.
+func (h *Histogram) Sub(o Histogram) { h.add(o, -1) }
+
 func (h *Histogram) add(o Histogram, sign int) {
 	if len(o) == 0 {
 		return

@@ -82,7 +82,8 @@ func TestEachRequestPathProgramLinksOnlyItsRole(t *testing.T) {
 		program string
 		not     []string
 	}{
-		{"router", []string{"github.com/go-zeromq/zmq4", "github.com/vmihailenco/msgpack", "github.com/envoyproxy/go-control-plane", "google.golang.org/grpc"}},
+		{"router", []string{"github.com/go-zeromq/zmq4", "github.com/vmihailenco/msgpack", "github.com/envoyproxy/go-control-plane", "google.golang.org/grpc",
+			module + "/internal/autoscale"}},
 		{"endpoint-picker", []string{"github.com/go-zeromq/zmq4", "github.com/vmihailenco/msgpack"}},
 		// The sidecar speaks ZeroMQ with its own bounded reader, not a library's.
 		{"kv-events", []string{"github.com/envoyproxy/go-control-plane", "google.golang.org/grpc", "sigs.k8s.io/controller-runtime", "k8s.io/client-go",
