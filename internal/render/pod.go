@@ -62,30 +62,84 @@ const (
 	labelHostname     = "kubernetes.io/hostname"
 )
 
+// podTemplate assembles an engine pod: the engine container and the pod around it,
+// then what the EFA fabric, the Agent executor, a gateway's leg runner and KV events add,
+// then the pool's own template over all of it.
 func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
+	hash, err := policyHash(in.Policy)
+	if err != nil {
+		return nil, err
+	}
+	engine, err := engineContainer(in)
+	if err != nil {
+		return nil, err
+	}
+	pod := &corev1.PodTemplateSpec{
+		ObjectMeta: metav1.ObjectMeta{Labels: podLabels(in), Annotations: map[string]string{kvv1.AnnotationPolicyHash: hash}},
+		Spec: corev1.PodSpec{
+			Volumes: []corev1.Volume{{
+				// NCCL and vLLM's workers exchange tensors through /dev/shm; the container
+				// runtime's 64 MiB default is far too small.
+				Name:         "shm",
+				VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}},
+			}},
+			SecurityContext:               podSecurity(in),
+			NodeSelector:                  nodeSelector(in),
+			Tolerations:                   tolerations(in.Spec.Accelerator.Type),
+			Affinity:                      affinity(in),
+			TerminationGracePeriodSeconds: ptr.To[int64](EngineTerminationGraceSeconds),
+			// A Service named like vLLM's own variables (a "vllm" Service sets VLLM_PORT)
+			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
+			EnableServiceLinks: ptr.To(false),
+		},
+	}
+	if in.Policy.Fabric.Provider == kvv1.ProviderEFA {
+		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "efa", MountPath: EFAHostDir, ReadOnly: true})
+		pod.Spec.Volumes = append(pod.Spec.Volumes, hostPathVolume("efa", EFAHostDir))
+	}
+	if in.Policy.Executor == kvv1.ExecutorAgent {
+		addAgentExecutor(in, pod, &engine)
+	}
+	if in.LegRunnerImage != "" {
+		addLegRunner(in, pod)
+	}
+	if in.KVEventsImage != "" {
+		addKVEvents(in, pod)
+	}
+	pod.Spec.Containers = []corev1.Container{engine}
+	return mergeTemplate(pod, in.Spec.Template)
+}
+
+// podLabels are the pool's, and what each engine runs: its compat-hash and sizes (a
+// rollout mixes pods of two).
+func podLabels(in Input) map[string]string {
 	labels := objectMeta(in).Labels
 	labels[kvv1.LabelCompatHash] = compat.Hash(in.Spec, in.Policy)
 	labels[kvv1.LabelTensorParallelSize] = strconv.Itoa(int(in.Spec.TensorParallelSize))
 	labels[kvv1.LabelPipelineParallelSize] = strconv.Itoa(int(in.Spec.PipelineParallelSize))
+	return labels
+}
+
+// policyHash is the hash of what of the policy engines run: a change rolls them.
+func policyHash(policy *kvv1.KVTransferPolicySpec) (string, error) {
 	// sameNode at its default is left out of the hash, so the release that added the field
 	// rolls no engine whose policy does not set it (omitempty does that for the others).
-	hashed := *in.Policy
+	hashed := *policy
 	if hashed.SameNode == kvv1.SameNodeForbid {
 		hashed.SameNode = ""
 	}
 	// The router carries out handoffFailurePolicy, its limit and routing; engines never
 	// see them.
 	hashed.HandoffFailurePolicy, hashed.HandoffFailureLimitPercent, hashed.Routing = "", nil, nil
-	policyHash, err := hashJSON(&hashed)
-	if err != nil {
-		return nil, err
-	}
+	return hashJSON(&hashed)
+}
+
+func engineContainer(in Input) (corev1.Container, error) {
 	resources, err := resourcesFor(in)
 	if err != nil {
-		return nil, err
+		return corev1.Container{}, err
 	}
-
-	engine := corev1.Container{
+	return corev1.Container{
 		Name:    EngineContainer,
 		Image:   in.Spec.Image,
 		Command: []string{"vllm", "serve"},
@@ -103,92 +157,71 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 		LivenessProbe:   httpProbe("/health", 15, 4),
 		SecurityContext: securityContext(in.Policy),
 		VolumeMounts:    []corev1.VolumeMount{{Name: "shm", MountPath: "/dev/shm"}},
-	}
-	volumes := []corev1.Volume{{
-		// NCCL and vLLM's workers exchange tensors through /dev/shm; the container
-		// runtime's 64 MiB default is far too small.
-		Name:         "shm",
-		VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory}},
-	}}
-	if in.Policy.Fabric.Provider == kvv1.ProviderEFA {
-		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "efa", MountPath: EFAHostDir, ReadOnly: true})
-		volumes = append(volumes, hostPathVolume("efa", EFAHostDir))
-	}
-	var podSecurity *corev1.PodSecurityContext
-	var initContainers []corev1.Container
+	}, nil
+}
+
+// podSecurity runs engines as a uid of their pool's own under either executor (stock
+// vLLM images run as root, beside EFA devices and, with the agent, the node's shared
+// sockets), and executor-Agent engines in the agent's socket group.
+func podSecurity(in Input) *corev1.PodSecurityContext {
+	var sc *corev1.PodSecurityContext
 	if in.Policy.Executor == kvv1.ExecutorAgent {
-		labels[kvv1.LabelExecutor] = string(kvv1.ExecutorAgent)
-		// Read-only: connecting to a socket needs no write access, and nothing an engine
-		// does can then replace or add anything where every engine of the node connects.
-		engine.VolumeMounts = append(engine.VolumeMounts,
-			corev1.VolumeMount{Name: "kvhandoff-agent", MountPath: AgentSocketDir, ReadOnly: true},
-			corev1.VolumeMount{Name: "kvhandoff-connector", MountPath: ConnectorDir, ReadOnly: true})
-		volumes = append(volumes, hostPathVolume("kvhandoff-agent", AgentSocketDir),
-			corev1.Volume{Name: "kvhandoff-connector", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}})
-		podSecurity = &corev1.PodSecurityContext{SupplementalGroups: []int64{AgentGroup}}
-		initContainers = []corev1.Container{connectorInit(in)}
-		// Deleted (scaled down, drained, rolled), the engine stops only once it has
-		// finished what it serves and the transfers its blocks are held for: routers stop
-		// choosing a terminating pod, so it empties.
-		engine.Lifecycle = &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{
-			Command: []string{DrainHook, fmt.Sprintf("--metrics=http://127.0.0.1:%d/metrics", HTTPPort), "--held=" + HeldFile}}}}
-		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "kvhandoff-run", MountPath: RunDir})
-		volumes = append(volumes, corev1.Volume{Name: "kvhandoff-run",
-			VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory, SizeLimit: ptr.To(resource.MustParse("1Mi"))}}})
+		sc = &corev1.PodSecurityContext{SupplementalGroups: []int64{AgentGroup}}
 	}
-
-	// Either executor: stock vLLM images run as root, beside EFA devices and, with the
-	// agent, the node's shared sockets.
 	if !in.Spec.RunAsRoot {
-		if podSecurity == nil {
-			podSecurity = &corev1.PodSecurityContext{}
+		if sc == nil {
+			sc = &corev1.PodSecurityContext{}
 		}
-		podSecurity.RunAsNonRoot, podSecurity.RunAsUser = ptr.To(true), ptr.To(EngineUser(in.Namespace, in.Name, in.Role))
+		sc.RunAsNonRoot, sc.RunAsUser = ptr.To(true), ptr.To(EngineUser(in.Namespace, in.Name, in.Role))
 	}
-	if in.LegRunnerImage != "" {
-		initContainers = append(initContainers, legRunner(in))
-		volumes = append(volumes, legRunnerToken())
-	}
-	if in.KVEventsImage != "" {
-		initContainers = append(initContainers, kvEventsSidecar(in))
-		prefill := in.PrefillPool
-		if in.Role == kvv1.RolePrefill {
-			prefill = in.Name
-		}
-		v, _ := kvEventsTokenVolume(KVEventsSecret(prefill))
-		volumes = append(volumes, v)
-		labels[kvv1.LabelKVEventsPort] = strconv.Itoa(KVEventsPort)
-	}
+	return sc
+}
 
-	pod := &corev1.PodTemplateSpec{
-		ObjectMeta: metav1.ObjectMeta{
-			Labels:      labels,
-			Annotations: map[string]string{kvv1.AnnotationPolicyHash: policyHash},
-		},
-		Spec: corev1.PodSpec{
-			InitContainers:                initContainers,
-			Containers:                    []corev1.Container{engine},
-			Volumes:                       volumes,
-			SecurityContext:               podSecurity,
-			NodeSelector:                  nodeSelector(in),
-			Tolerations:                   tolerations(in.Spec.Accelerator.Type),
-			Affinity:                      affinity(in),
-			TerminationGracePeriodSeconds: ptr.To[int64](EngineTerminationGraceSeconds),
-			// A Service named like vLLM's own variables (a "vllm" Service sets VLLM_PORT)
-			// breaks vLLM's configuration; engines find peers through kvhandoff, not links.
-			EnableServiceLinks: ptr.To(false),
-		},
+// addAgentExecutor gives an executor-Agent engine the node's agent sockets, the
+// connector (copied in by an init container) and the drain hook.
+func addAgentExecutor(in Input, pod *corev1.PodTemplateSpec, engine *corev1.Container) {
+	pod.Labels[kvv1.LabelExecutor] = string(kvv1.ExecutorAgent)
+	// Read-only: connecting to a socket needs no write access, and nothing an engine
+	// does can then replace or add anything where every engine of the node connects.
+	engine.VolumeMounts = append(engine.VolumeMounts,
+		corev1.VolumeMount{Name: "kvhandoff-agent", MountPath: AgentSocketDir, ReadOnly: true},
+		corev1.VolumeMount{Name: "kvhandoff-connector", MountPath: ConnectorDir, ReadOnly: true},
+		corev1.VolumeMount{Name: "kvhandoff-run", MountPath: RunDir})
+	pod.Spec.Volumes = append(pod.Spec.Volumes, hostPathVolume("kvhandoff-agent", AgentSocketDir),
+		corev1.Volume{Name: "kvhandoff-connector", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}},
+		corev1.Volume{Name: "kvhandoff-run",
+			VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{Medium: corev1.StorageMediumMemory, SizeLimit: ptr.To(resource.MustParse("1Mi"))}}})
+	pod.Spec.InitContainers = append(pod.Spec.InitContainers, connectorInit(in))
+	// Deleted (scaled down, drained, rolled), the engine stops only once it has
+	// finished what it serves and the transfers its blocks are held for: routers stop
+	// choosing a terminating pod, so it empties.
+	engine.Lifecycle = &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{
+		Command: []string{DrainHook, fmt.Sprintf("--metrics=http://127.0.0.1:%d/metrics", HTTPPort), "--held=" + HeldFile}}}}
+}
+
+// addLegRunner adds a gateway's leg runner, running as the leg runners' account.
+func addLegRunner(in Input, pod *corev1.PodTemplateSpec) {
+	pod.Spec.InitContainers = append(pod.Spec.InitContainers, legRunner(in))
+	pod.Spec.Volumes = append(pod.Spec.Volumes, legRunnerToken())
+	// The leg runner follows the pools through the API; the engine gets no token
+	// (legRunnerToken mounts one into the sidecar alone).
+	pod.Spec.ServiceAccountName = LegRunnerName(in.Name)
+	// Its deprecated alias too, or the API server would copy it back into
+	// serviceAccountName when the gateway goes and the apply drops the name.
+	pod.Spec.DeprecatedServiceAccount = pod.Spec.ServiceAccountName
+	pod.Spec.AutomountServiceAccountToken = ptr.To(false)
+}
+
+// addKVEvents adds the kv-events sidecar and the PrefillPool's token it checks.
+func addKVEvents(in Input, pod *corev1.PodTemplateSpec) {
+	pod.Spec.InitContainers = append(pod.Spec.InitContainers, kvEventsSidecar(in))
+	prefill := in.PrefillPool
+	if in.Role == kvv1.RolePrefill {
+		prefill = in.Name
 	}
-	if in.LegRunnerImage != "" {
-		// The leg runner follows the pools through the API; the engine gets no token
-		// (legRunnerToken mounts one into the sidecar alone).
-		pod.Spec.ServiceAccountName = LegRunnerName(in.Name)
-		// Its deprecated alias too, or the API server would copy it back into
-		// serviceAccountName when the gateway goes and the apply drops the name.
-		pod.Spec.DeprecatedServiceAccount = pod.Spec.ServiceAccountName
-		pod.Spec.AutomountServiceAccountToken = ptr.To(false)
-	}
-	return mergeTemplate(pod, in.Spec.Template)
+	v, _ := kvEventsTokenVolume(KVEventsSecret(prefill))
+	pod.Spec.Volumes = append(pod.Spec.Volumes, v)
+	pod.Labels[kvv1.LabelKVEventsPort] = strconv.Itoa(KVEventsPort)
 }
 
 func args(in Input) []string {
