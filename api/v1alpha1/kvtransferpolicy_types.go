@@ -187,8 +187,9 @@ type KVTransferPolicySpec struct {
 	// +optional
 	RegistrationTimeoutSeconds int32 `json:"registrationTimeoutSeconds,omitempty"`
 
-	// blocksTTLSeconds is how long decode keeps received KV blocks that no request has
-	// claimed (vLLM decoder_kv_blocks_ttl).
+	// blocksTTLSeconds is how long a prefill engine holds a finished request's KV blocks
+	// for its decode engine (a push registration to meet them, or a pull to read them)
+	// before it frees them; the connector's decoder_kv_blocks_ttl.
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=86400
 	// +kubebuilder:default=480

@@ -33,8 +33,9 @@ const (
 type RoutingSpec struct {
 	// decodeChoice is LoadOnly, the default, or PrefixAware: by the share of the prompt
 	// a decode engine holds in its prefix cache (overlapWeight) against its load
-	// (loadWeight). The routers learn what each engine holds from the prompts they sent
-	// it, within the engine's KV capacity (docs/router.md says how exact that is).
+	// (loadWeight). The routers learn what each engine holds from its own KV cache events
+	// or from the prompts they sent it (prefixSource; docs/router.md says how exact each
+	// is).
 	// +kubebuilder:default=LoadOnly
 	// +optional
 	DecodeChoice DecodeChoice `json:"decodeChoice,omitempty"`
