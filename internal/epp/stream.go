@@ -63,68 +63,11 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 	}
 	switch v := req.Request.(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
-		if r.headers {
-			return false, protocolError("request headers a second time")
-		}
-		r.headers = true
-		// The slot first, before any body is buffered: a request the picker cannot take
-		// costs nothing more.
-		select {
-		case r.s.slots <- struct{}{}:
-			r.slot = true
-		default:
-			return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is serving its limit of requests (--max-in-flight); retry later"})
-		}
-		if v.RequestHeaders.GetEndOfStream() {
-			r.bodyDone = true
-			return r.route(nil, false) // no body (GET /v1/models): pick by load alone
-		}
-		if r.buffered() {
-			// Envoy sends the body only once the headers are answered: route then, by
-			// mutating the headers in the body's answer.
-			return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
-				RequestHeaders: &extprocv3.HeadersResponse{}}})
-		}
-		return false, nil // answered once the body is in: its prompt weighs the choice
+		return r.requestHeaders(v.RequestHeaders)
 	case *extprocv3.ProcessingRequest_RequestBody:
-		if !r.headers || r.bodyDone || r.trailersSeen {
-			return false, protocolError("a request body chunk after the body ended, or before the headers")
-		}
-		b := v.RequestBody
-		if int64(len(r.body)+len(b.GetBody())) > r.s.cfg.MaxBodyBytes {
-			return r.refuse(&refusal{http.StatusRequestEntityTooLarge, OutcomeBadRequest, "the request body exceeds the endpoint picker's limit"})
-		}
-		if !r.hold(int64(len(b.GetBody()))) {
-			return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is buffering its limit of request bytes (--max-buffered-bytes); retry later"})
-		}
-		r.body = append(r.body, b.GetBody()...)
-		if !b.GetEndOfStream() {
-			return false, nil
-		}
-		r.bodyDone = true
-		parsed, err := protocol.Parse(r.body)
-		if err != nil {
-			return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
-		}
-		return r.route(parsed, true)
+		return r.requestBody(v.RequestBody)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
-		if !r.headers || r.trailersSeen || (r.bodyDone && !r.buffered()) {
-			return false, protocolError("request trailers a second time, after a body that ended, or before the headers")
-		}
-		r.trailersSeen = true
-		if r.picked == nil && !r.buffered() {
-			// The body ended with trailers: route now, then answer them.
-			r.trailers = true
-			parsed, err := protocol.Parse(r.body)
-			if err != nil {
-				return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
-			}
-			if done, err := r.route(parsed, true); done || err != nil {
-				return done, err
-			}
-		}
-		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
-			RequestTrailers: &extprocv3.TrailersResponse{}}})
+		return r.requestTrailers()
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
 		r.responded = true
 		r.served = served(req)
@@ -147,6 +90,78 @@ func (r *stream) handle(req *extprocv3.ProcessingRequest) (done bool, err error)
 			ResponseTrailers: &extprocv3.TrailersResponse{}}})
 	}
 	return false, nil
+}
+
+// requestHeaders takes the request's slot, before any body is held, and routes a
+// request without a body at once.
+func (r *stream) requestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
+	if r.headers {
+		return false, protocolError("request headers a second time")
+	}
+	r.headers = true
+	// The slot first, before any body is buffered: a request the picker cannot take
+	// costs nothing more.
+	select {
+	case r.s.slots <- struct{}{}:
+		r.slot = true
+	default:
+		return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is serving its limit of requests (--max-in-flight); retry later"})
+	}
+	if h.GetEndOfStream() {
+		r.bodyDone = true
+		return r.route(nil, false) // no body (GET /v1/models): pick by load alone
+	}
+	if r.buffered() {
+		// Envoy sends the body only once the headers are answered: route then, by
+		// mutating the headers in the body's answer.
+		return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+			RequestHeaders: &extprocv3.HeadersResponse{}}})
+	}
+	return false, nil // answered once the body is in: its prompt weighs the choice
+}
+
+// requestBody holds the body's chunks, within the picker's bounds, and routes on the
+// last.
+func (r *stream) requestBody(b *extprocv3.HttpBody) (bool, error) {
+	if !r.headers || r.bodyDone || r.trailersSeen {
+		return false, protocolError("a request body chunk after the body ended, or before the headers")
+	}
+	if int64(len(r.body)+len(b.GetBody())) > r.s.cfg.MaxBodyBytes {
+		return r.refuse(&refusal{http.StatusRequestEntityTooLarge, OutcomeBadRequest, "the request body exceeds the endpoint picker's limit"})
+	}
+	if !r.hold(int64(len(b.GetBody()))) {
+		return r.refuse(&refusal{http.StatusTooManyRequests, OutcomeShed, "the endpoint picker is buffering its limit of request bytes (--max-buffered-bytes); retry later"})
+	}
+	r.body = append(r.body, b.GetBody()...)
+	if !b.GetEndOfStream() {
+		return false, nil
+	}
+	r.bodyDone = true
+	parsed, err := protocol.Parse(r.body)
+	if err != nil {
+		return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
+	}
+	return r.route(parsed, true)
+}
+
+// requestTrailers routes a body that ended with trailers, then answers them.
+func (r *stream) requestTrailers() (bool, error) {
+	if !r.headers || r.trailersSeen || (r.bodyDone && !r.buffered()) {
+		return false, protocolError("request trailers a second time, after a body that ended, or before the headers")
+	}
+	r.trailersSeen = true
+	if r.picked == nil && !r.buffered() {
+		r.trailers = true
+		parsed, err := protocol.Parse(r.body)
+		if err != nil {
+			return r.refuse(&refusal{http.StatusBadRequest, OutcomeBadRequest, err.Error()})
+		}
+		if done, err := r.route(parsed, true); done || err != nil {
+			return done, err
+		}
+	}
+	return false, r.srv.Send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
+		RequestTrailers: &extprocv3.TrailersResponse{}}})
 }
 
 // route picks the request's engines and answers its headers (routing headers set, the

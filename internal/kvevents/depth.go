@@ -26,64 +26,9 @@ func checkDepth(b []byte) error {
 		}
 		c := b[0]
 		b = b[1:]
-		var skip, items uint64 // bytes to skip; items of a container opened here
-		container := false
-		switch {
-		case c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3: // fixint, nil, bool
-		case c >= 0x80 && c <= 0x8f:
-			container, items = true, 2*uint64(c&0x0f)
-		case c >= 0x90 && c <= 0x9f:
-			container, items = true, uint64(c&0x0f)
-		case c >= 0xa0 && c <= 0xbf:
-			skip = uint64(c & 0x1f)
-		case c == 0xc4 || c == 0xd9: // bin8, str8
-			n, err := length(&b, 1)
-			if err != nil {
-				return err
-			}
-			skip = n
-		case c == 0xc5 || c == 0xda:
-			n, err := length(&b, 2)
-			if err != nil {
-				return err
-			}
-			skip = n
-		case c == 0xc6 || c == 0xdb:
-			n, err := length(&b, 4)
-			if err != nil {
-				return err
-			}
-			skip = n
-		case c == 0xc7 || c == 0xc8 || c == 0xc9: // ext8/16/32: length, type, data
-			n, err := length(&b, 1<<(c-0xc7))
-			if err != nil {
-				return err
-			}
-			skip = n + 1
-		case c == 0xca, c == 0xce, c == 0xd2:
-			skip = 4
-		case c == 0xcb, c == 0xcf, c == 0xd3:
-			skip = 8
-		case c == 0xcc, c == 0xd0:
-			skip = 1
-		case c == 0xcd, c == 0xd1:
-			skip = 2
-		case c >= 0xd4 && c <= 0xd8: // fixext 1, 2, 4, 8, 16: type and data
-			skip = 1 + 1<<(c-0xd4)
-		case c == 0xdc || c == 0xdd:
-			n, err := length(&b, 2<<(c-0xdc))
-			if err != nil {
-				return err
-			}
-			container, items = true, n
-		case c == 0xde || c == 0xdf:
-			n, err := length(&b, 2<<(c-0xde))
-			if err != nil {
-				return err
-			}
-			container, items = true, 2*n
-		default:
-			return fmt.Errorf("msgpack type code %#x", c)
+		skip, items, container, err := item(c, &b)
+		if err != nil {
+			return err
 		}
 		if skip > uint64(len(b)) {
 			return fmt.Errorf("a msgpack value cut short")
@@ -104,6 +49,49 @@ func checkDepth(b []byte) error {
 		return fmt.Errorf("%d bytes after the msgpack value", len(b))
 	}
 	return nil
+}
+
+// item reads what follows msgpack type code c off *b: how many bytes of the value to
+// skip, or the items of a container it opens.
+func item(c byte, b *[]byte) (skip, items uint64, container bool, err error) {
+	var n uint64
+	switch {
+	case c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3: // fixint, nil, bool
+	case c >= 0x80 && c <= 0x8f:
+		return 0, 2 * uint64(c&0x0f), true, nil
+	case c >= 0x90 && c <= 0x9f:
+		return 0, uint64(c & 0x0f), true, nil
+	case c >= 0xa0 && c <= 0xbf:
+		skip = uint64(c & 0x1f)
+	case c == 0xc4 || c == 0xd9: // bin8, str8
+		skip, err = length(b, 1)
+	case c == 0xc5 || c == 0xda:
+		skip, err = length(b, 2)
+	case c == 0xc6 || c == 0xdb:
+		skip, err = length(b, 4)
+	case c == 0xc7 || c == 0xc8 || c == 0xc9: // ext8/16/32: length, type, data
+		n, err = length(b, 1<<(c-0xc7))
+		skip = n + 1
+	case c == 0xca, c == 0xce, c == 0xd2:
+		skip = 4
+	case c == 0xcb, c == 0xcf, c == 0xd3:
+		skip = 8
+	case c == 0xcc, c == 0xd0:
+		skip = 1
+	case c == 0xcd, c == 0xd1:
+		skip = 2
+	case c >= 0xd4 && c <= 0xd8: // fixext 1, 2, 4, 8, 16: type and data
+		skip = 1 + 1<<(c-0xd4)
+	case c == 0xdc || c == 0xdd:
+		n, err = length(b, 2<<(c-0xdc))
+		return 0, n, true, err
+	case c == 0xde || c == 0xdf:
+		n, err = length(b, 2<<(c-0xde))
+		return 0, 2 * n, true, err
+	default:
+		return 0, 0, false, fmt.Errorf("msgpack type code %#x", c)
+	}
+	return skip, 0, false, err
 }
 
 // length reads a big-endian length of n bytes off *b.

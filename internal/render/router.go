@@ -135,14 +135,6 @@ func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
 	meta := func(kind, apiVersion string) (metav1.TypeMeta, metav1.ObjectMeta) {
 		return metav1.TypeMeta{Kind: kind, APIVersion: apiVersion}, metav1.ObjectMeta{Name: in.name, Namespace: in.namespace, Labels: maps.Clone(labels)}
 	}
-	resources := corev1.ResourceRequirements{
-		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("128Mi")},
-		Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
-	}
-	if in.resources != nil {
-		resources = *in.resources
-	}
-
 	w := &ServiceWorkload{}
 	w.ServiceAccount = &corev1.ServiceAccount{}
 	w.ServiceAccount.TypeMeta, w.ServiceAccount.ObjectMeta = meta("ServiceAccount", "v1")
@@ -154,24 +146,7 @@ func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
 	}
 	w.RoleBinding.TypeMeta, w.RoleBinding.ObjectMeta = meta("RoleBinding", "rbac.authorization.k8s.io/v1")
 
-	container := corev1.Container{
-		Name:            in.component,
-		Image:           in.image,
-		Command:         in.command,
-		Args:            append([]string{"--decode-pool=" + in.pool, "--namespace=$(POD_NAMESPACE)"}, in.args...),
-		Env:             []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace"), goMemLimit()},
-		Ports:           in.ports,
-		ReadinessProbe:  in.readiness,
-		LivenessProbe:   in.liveness,
-		Resources:       resources,
-		SecurityContext: restrictedContainer(),
-		// A deleted pod stays in its Service's endpoints until kube-proxy (or a
-		// gateway) hears of it; it keeps taking connections that long, and stops only
-		// then (SIGTERM: finish what is in flight, take nothing new). Stopping at once
-		// refused connections meant for it (measured on the real node: an endpoint picker
-		// deleted under traffic through Envoy, one request in 11 answered an empty 500).
-		Lifecycle: &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: endpointsPropagationSeconds}}},
-	}
+	container := serviceContainer(in)
 	var volumes []corev1.Volume
 	if in.kvEventsSecret != "" {
 		v, m := kvEventsTokenVolume(in.kvEventsSecret)
@@ -225,6 +200,37 @@ func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
 		}
 	}
 	return w, nil
+}
+
+// serviceContainer is the workload's one container: its program with the pool's flags,
+// restricted, bounded in memory, and draining only once no new connection can come.
+func serviceContainer(in serviceInput) corev1.Container {
+	resources := corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("128Mi")},
+		Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("512Mi")},
+	}
+	if in.resources != nil {
+		resources = *in.resources
+	}
+
+	return corev1.Container{
+		Name:            in.component,
+		Image:           in.image,
+		Command:         in.command,
+		Args:            append([]string{"--decode-pool=" + in.pool, "--namespace=$(POD_NAMESPACE)"}, in.args...),
+		Env:             []corev1.EnvVar{fieldEnv("POD_NAMESPACE", "metadata.namespace"), goMemLimit()},
+		Ports:           in.ports,
+		ReadinessProbe:  in.readiness,
+		LivenessProbe:   in.liveness,
+		Resources:       resources,
+		SecurityContext: restrictedContainer(),
+		// A deleted pod stays in its Service's endpoints until kube-proxy (or a
+		// gateway) hears of it; it keeps taking connections that long, and stops only
+		// then (SIGTERM: finish what is in flight, take nothing new). Stopping at once
+		// refused connections meant for it (measured on the real node: an endpoint picker
+		// deleted under traffic through Envoy, one request in 11 answered an empty 500).
+		Lifecycle: &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Sleep: &corev1.SleepAction{Seconds: endpointsPropagationSeconds}}},
+	}
 }
 
 // poolReaderRules let the router binary follow a DecodePool: read the namespace's pools
