@@ -136,7 +136,11 @@ func TestSubscribeRelaysAPublisher(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	srv := NewServer(NewKeys("m", 1000), reg)
 	done := make(chan error, 1)
-	go func() { done <- Subscribe(ctx, endpoint, "kv", srv, slog.New(slog.DiscardHandler)) }()
+	sub, err := Listen(endpoint, "kv", srv, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { done <- sub.Relay(ctx) }()
 
 	pub := zmq4.NewPub(ctx, zmq4.WithDialerRetry(50*time.Millisecond), zmq4.WithDialerMaxRetries(100))
 	defer pub.Close()

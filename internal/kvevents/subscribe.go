@@ -11,43 +11,58 @@ import (
 	"time"
 )
 
-// Subscribe listens at endpoint (tcp://127.0.0.1:port: the pod's own loopback, which no
-// other pod reaches) for vLLM's publisher, which connects to it, and relays its events
-// into hub until ctx ends. Listening here, rather than at a socket vLLM binds, needs no
-// file both containers may write, and vLLM reconnects by itself after a restart.
-func Subscribe(ctx context.Context, endpoint, topic string, hub *Server, log *slog.Logger) error {
+// Subscription is a listener for vLLM's publisher, whose events go into a Server.
+type Subscription struct {
+	sub *zmtpSubscriber
+	hub *Server
+	log *slog.Logger
+}
+
+// Listen listens at endpoint (tcp://127.0.0.1:port: the pod's own loopback, which no
+// other pod reaches) for vLLM's publisher, which connects to it, and whose events Relay
+// puts into hub. Listening here, rather than at a socket vLLM binds, needs no file both
+// containers may write, and vLLM reconnects by itself after a restart.
+func Listen(endpoint, topic string, hub *Server, log *slog.Logger) (*Subscription, error) {
 	addr, ok := strings.CutPrefix(endpoint, "tcp://")
 	if !ok {
-		return fmt.Errorf("listening for vLLM's KV events at %s: must be tcp://host:port", endpoint)
+		return nil, fmt.Errorf("listening for vLLM's KV events at %s: must be tcp://host:port", endpoint)
 	}
-	// A message or a publisher that cannot be read changed what the engine holds in ways
-	// not known: as a lost batch.
-	refuse := func(err error) {
-		log.Error("refusing a KV events message", "err", err)
-		hub.Refused()
-	}
-	sub, err := listenZMTP(addr, topic, refuse)
+	s := &Subscription{hub: hub, log: log}
+	sub, err := listenZMTP(addr, topic, s.refuse)
 	if err != nil {
-		return fmt.Errorf("listening for vLLM's KV events at %s: %w", endpoint, err)
+		return nil, fmt.Errorf("listening for vLLM's KV events at %s: %w", endpoint, err)
 	}
+	s.sub = sub
 	log.Info("listening for vLLM's KV events", "endpoint", endpoint, "topic", topic)
+	return s, nil
+}
+
+// refuse counts a message or a publisher that cannot be read: it changed what the engine
+// holds in ways not known, as a lost batch.
+func (s *Subscription) refuse(err error) {
+	s.log.Error("refusing a KV events message", "err", err)
+	s.hub.Refused()
+}
+
+// Relay puts the publishers' events into the hub until ctx ends.
+func (s *Subscription) Relay(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	served := make(chan error, 1)
-	go func() { served <- sub.serve(ctx) }()
+	go func() { served <- s.sub.serve(ctx) }()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
 		case err := <-served:
 			return fmt.Errorf("receiving vLLM's KV events: %w", err)
-		case m := <-sub.messages:
+		case m := <-s.sub.messages:
 			b, err := DecodeMessage(m)
 			if err != nil {
-				refuse(err)
+				s.refuse(err)
 				continue
 			}
-			hub.Apply(b)
+			s.hub.Apply(b)
 		}
 	}
 }

@@ -21,10 +21,11 @@ import (
 	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
-// The kv-events sidecar, as built: only a follower bearing the pool's token gets the
-// keys (anyone on the pod network reaches the port); a publisher's malformed messages
-// are refused, counted, and leave it serving.
-func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
+// sidecarProc runs the kv-events binary with the token 7f…7f until the test ends, its
+// ZeroMQ listener on a loopback host of the test's own, and returns its address and
+// that listener's (host:port).
+func sidecarProc(t *testing.T, flags ...string) (addr, zmq string) {
+	t.Helper()
 	dir := t.TempDir()
 	bin, err := gobin.Build(dir, "kv-events")
 	if err != nil {
@@ -32,9 +33,18 @@ func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
 	}
 	token := filepath.Join(dir, "token")
 	_ = os.WriteFile(token, []byte(strings.Repeat("7f", 32)+"\n"), 0o600)
-	zmq := "tcp://" + loopback.New(t) + ":5557"
-	addr := gobin.Start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, "--served-model=m", "--engine=127.0.0.1:1",
-		"--listen=127.0.0.1:0", "--kv-events-endpoint="+zmq, "--token-file="+token)[1]
+	zmq = loopback.New(t) + ":5557"
+	addr = gobin.Start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, append([]string{"--served-model=m", "--engine=127.0.0.1:1",
+		"--listen=127.0.0.1:0", "--kv-events-endpoint=tcp://" + zmq, "--token-file=" + token}, flags...)...)[1]
+	return addr, zmq
+}
+
+// The kv-events sidecar, as built: only a follower bearing the pool's token gets the
+// keys (anyone on the pod network reaches the port); a publisher's malformed messages
+// are refused, counted, and leave it serving.
+func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
+	addr, zmqAddr := sidecarProc(t)
+	zmq := "tcp://" + zmqAddr
 	get := func(auth string) *http.Response {
 		req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/v1/kv-keys", nil)
 		if auth != "" {
@@ -55,7 +65,7 @@ func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
 	}
 	resp := get("Bearer " + strings.Repeat("7f", 32))
 	first := make([]byte, 5)
-	_, err = io.ReadFull(resp.Body, first)
+	_, err := io.ReadFull(resp.Body, first)
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK || err != nil || first[0] != 'S' {
 		t.Fatalf("the token's holder: %s, %q, %v", resp.Status, first, err)
@@ -102,15 +112,7 @@ func TestTheKVEventsSidecarServesOnlyTheTokensHolder(t *testing.T) {
 // waits behind the flood (here 3,000 / 64 × 10 s): that only routers and pickers reach
 // the port is the NetworkPolicy's part.
 func TestSilentConnectionsAreBoundedInNumberAndTime(t *testing.T) {
-	dir := t.TempDir()
-	bin, err := gobin.Build(dir, "kv-events")
-	if err != nil {
-		t.Fatal(err)
-	}
-	token := filepath.Join(dir, "token")
-	_ = os.WriteFile(token, []byte(strings.Repeat("7f", 32)+"\n"), 0o600)
-	addr := gobin.Start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, "--served-model=m", "--engine=127.0.0.1:1", "--listen=127.0.0.1:0",
-		"--kv-events-endpoint=tcp://"+loopback.New(t)+":5557", "--token-file="+token, "--max-connections=64")[1]
+	addr, _ := sidecarProc(t, "--max-connections=64")
 	// An operator's connection, made before the flood and kept alive, reads the sidecar's
 	// memory through it.
 	operator := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}, Timeout: 10 * time.Second}
@@ -189,16 +191,7 @@ func hostilePublisher(t *testing.T, addr string) net.Conn {
 // connection locked the real publisher out. Each is refused now, the sidecar serves on,
 // and the real publisher's events arrive.
 func TestHostilePublishersNeitherCrashNorLockOutTheSidecar(t *testing.T) {
-	dir := t.TempDir()
-	bin, err := gobin.Build(dir, "kv-events")
-	if err != nil {
-		t.Fatal(err)
-	}
-	token := filepath.Join(dir, "token")
-	_ = os.WriteFile(token, []byte(strings.Repeat("7f", 32)+"\n"), 0o600)
-	zmqAddr := loopback.New(t) + ":5557"
-	addr := gobin.Start(t, bin, `"msg":"kv-events serving","listen":"([^"]+)"`, "--served-model=m", "--engine=127.0.0.1:1",
-		"--listen=127.0.0.1:0", "--kv-events-endpoint=tcp://"+zmqAddr, "--token-file="+token)[1]
+	addr, zmqAddr := sidecarProc(t)
 	refused := func() float64 { return gobin.Metric(t, addr, `kvhandoff_kv_events_resets_total{reason="refused"}`) }
 	waitRefused := func(what string, n float64) {
 		t.Helper()

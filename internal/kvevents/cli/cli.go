@@ -55,16 +55,21 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv := kvevents.NewServer(kvevents.NewKeys(*model, *maxBlocks), reg)
+	// Listening before it says it serves: a publisher may connect from then on.
+	sub, err := kvevents.Listen(*endpoint, *topic, srv, log)
+	if err != nil {
+		return fail(fmt.Errorf("--kv-events-endpoint: %w", err))
+	}
 	mux := http.NewServeMux()
 	mux.Handle("GET "+keystream.StreamPath, kvevents.Authorized(*tokenFile, srv))
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-	err := serve.Run(serve.Program{
+	err = serve.Run(serve.Program{
 		Name: "kv-events", Log: log, Ready: ready,
 		Listeners: []serve.Listener{{Flag: "listen", Addr: *listen, MaxConns: *maxConns, HTTP: mux}},
 		Run: func(ctx context.Context) error {
 			go kvevents.WatchEngine(ctx, *engine, time.Second, srv)
-			return kvevents.Subscribe(ctx, *endpoint, *topic, srv, log)
+			return sub.Relay(ctx)
 		},
 	})
 	if err != nil {
