@@ -129,7 +129,8 @@ func TestHealthReportsCostNoWritesInASteadyState(t *testing.T) {
 		waitFor(t, "StatefulSet "+pool, func() bool { return c.Get(ctx, client.ObjectKey{Namespace: "default", Name: pool}, sts) == nil })
 		for i := range nodes * enginesPerNode {
 			node := fmt.Sprintf("node-%03d", i%nodes)
-			pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", pool, i), Namespace: "default", Labels: sts.Spec.Template.Labels},
+			pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", pool, i), Namespace: "default", Labels: sts.Spec.Template.Labels,
+				OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(sts, appsv1.SchemeGroupVersion.WithKind("StatefulSet"))}},
 				Spec: *sts.Spec.Template.Spec.DeepCopy()}
 			pod.Spec.NodeName = node
 			if err := c.Create(ctx, pod); err != nil {

@@ -296,8 +296,9 @@ func (k *cluster) enginePod(pool, node string) string {
 		time.Sleep(50 * time.Millisecond) // polling the API server for the manager's work
 	}
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: pool + "-0", Namespace: "default", Labels: sts.Spec.Template.Labels},
-		Spec:       *sts.Spec.Template.Spec.DeepCopy(),
+		ObjectMeta: metav1.ObjectMeta{Name: pool + "-0", Namespace: "default", Labels: sts.Spec.Template.Labels,
+			OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(sts, appsv1.SchemeGroupVersion.WithKind("StatefulSet"))}},
+		Spec: *sts.Spec.Template.Spec.DeepCopy(),
 	}
 	pod.Spec.NodeName = node
 	if err := k.env.Client.Create(bg, pod); err != nil {
