@@ -2,7 +2,6 @@ package v1alpha1
 
 import (
 	corev1 "k8s.io/api/core/v1"
-	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -76,7 +75,35 @@ type GatewaySpec struct {
 	// +kubebuilder:validation:MaxItems=16
 	// +listType=atomic
 	// +optional
-	PickerClients []networkingv1.NetworkPolicyPeer `json:"pickerClients,omitempty"`
+	PickerClients []PickerClient `json:"pickerClients,omitempty"`
+}
+
+// PickerClient is a peer admitted to the endpoint picker: pods by their labels (in
+// namespaces by theirs), or an address range.
+// +kubebuilder:validation:XValidation:rule="has(self.ipBlock) != (has(self.podSelector) || has(self.namespaceSelector))",message="set ipBlock, or podSelector and/or namespaceSelector"
+type PickerClient struct {
+	// podSelector selects the client pods (in the namespaces namespaceSelector selects, or
+	// the pool's own without it).
+	// +optional
+	PodSelector *metav1.LabelSelector `json:"podSelector,omitempty"`
+	// namespaceSelector selects the namespaces of the client pods; {} is every namespace.
+	// +optional
+	NamespaceSelector *metav1.LabelSelector `json:"namespaceSelector,omitempty"`
+	// ipBlock admits an address range, for clients that are not pods of the cluster.
+	// +optional
+	IPBlock *PickerIPBlock `json:"ipBlock,omitempty"`
+}
+
+// PickerIPBlock is a CIDR range, less the ranges in except.
+type PickerIPBlock struct {
+	// cidr is the range, as 198.18.0.0/24 or 2001:db8::/64.
+	// +kubebuilder:validation:MinLength=1
+	CIDR string `json:"cidr"`
+	// except are ranges within cidr that are not admitted.
+	// +kubebuilder:validation:MaxItems=16
+	// +listType=atomic
+	// +optional
+	Except []string `json:"except,omitempty"`
 }
 
 // GatewayFailureMode is what a gateway does when the endpoint picker does not answer.

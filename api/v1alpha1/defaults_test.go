@@ -120,6 +120,22 @@ spec:
 		Expect(err).To(MatchError(ContainSubstring("spec.gateway.failureMode")))
 	})
 
+	It("refuses a picker client that is both an address range and pods, naming the rule", func() {
+		_, err := createYAML(`
+apiVersion: kvhandoff.io/v1alpha1
+kind: DecodePool
+metadata: {name: bad-picker-client}
+spec:
+  model: m
+  image: i
+  accelerator: {type: NvidiaGPU}
+  transferPolicyRef: {name: policy}
+  prefillPoolRef: {name: prefill}
+  gateway: {inferencePool: true, pickerClients: [{ipBlock: {cidr: 198.18.0.0/24}, podSelector: {}}]}
+`)
+		Expect(err).To(MatchError(And(ContainSubstring("spec.gateway.pickerClients[0]"), ContainSubstring("set ipBlock, or podSelector and/or namespaceSelector"))))
+	})
+
 	It("keeps replicas: 0 instead of defaulting it to 1", func() {
 		var p kvv1.PrefillPool
 		readBack(`

@@ -39,7 +39,7 @@ var _ = Describe("A DecodePool behind a gateway", Ordered, func() {
 		Expect(k8s.Get(ctx, key(ns, "d-epp"), np)).To(Succeed()) // applied before the Deployment
 		Expect(np.Spec.Ingress[0].From).To(HaveLen(2))
 		update(d, func(d *kvv1.DecodePool) {
-			d.Spec.Gateway.PickerClients = []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "198.18.0.0/24"}}}
+			d.Spec.Gateway.PickerClients = []kvv1.PickerClient{{IPBlock: &kvv1.PickerIPBlock{CIDR: "198.18.0.0/24"}}}
 		})
 		Eventually(func(g Gomega) {
 			g.Expect(k8s.Get(ctx, key(ns, "d-epp"), np)).To(Succeed())

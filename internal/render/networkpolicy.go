@@ -22,7 +22,14 @@ const (
 // open (Prometheus). The kubelet's probes come from the node, which NetworkPolicy never
 // blocks.
 func pickerNetworkPolicy(in GatewayInput, selector map[string]string) *networkingv1.NetworkPolicy {
-	clients := in.Spec.PickerClients
+	var clients []networkingv1.NetworkPolicyPeer
+	for _, c := range in.Spec.PickerClients {
+		peer := networkingv1.NetworkPolicyPeer{PodSelector: c.PodSelector, NamespaceSelector: c.NamespaceSelector}
+		if c.IPBlock != nil {
+			peer.IPBlock = &networkingv1.IPBlock{CIDR: c.IPBlock.CIDR, Except: c.IPBlock.Except}
+		}
+		clients = append(clients, peer)
+	}
 	if len(clients) == 0 {
 		anyNamespace := &metav1.LabelSelector{}
 		clients = []networkingv1.NetworkPolicyPeer{

@@ -63,7 +63,7 @@ func TestThePickersPolicyAdmitsItsClients(t *testing.T) {
 	if !admits(np.Spec.Ingress[0], EPPPort) || admits(np.Spec.Ingress[0], EPPAdminPort) || len(np.Spec.Ingress[1].From) != 0 || !admits(np.Spec.Ingress[1], EPPAdminPort) {
 		t.Errorf("rules %+v", np.Spec.Ingress)
 	}
-	lb := []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "198.18.0.0/24"}}}
+	lb := []kvv1.PickerClient{{IPBlock: &kvv1.PickerIPBlock{CIDR: "198.18.0.0/24"}}}
 	np = pickerNetworkPolicy(GatewayInput{Pool: "d", Spec: &kvv1.GatewaySpec{PickerClients: lb}}, nil)
 	if from := np.Spec.Ingress[0].From; len(from) != 1 || from[0].IPBlock.CIDR != "198.18.0.0/24" {
 		t.Errorf("pickerClients not followed: %+v", from)

@@ -126,7 +126,7 @@ func TestClientsSeeNeitherMetricsNorEngineHeaders(t *testing.T) {
 	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Server", "uvicorn")
 		w.Header().Set("Set-Cookie", "engine-session=secret")
-		w.Header().Set("X-Engine-Internal", "10.0.0.7")
+		w.Header().Set("X-Engine-Internal", "198.18.0.7")
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write([]byte(`{"object":"list","data":[]}`))
 	}))
