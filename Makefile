@@ -52,7 +52,7 @@ fmt: ## go fmt the module.
 vet: ## gofmt-clean, and go vet the module, the GPU tests included (they compile everywhere, run with test-gpu).
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	go vet ./...
-	go vet -tags gpu ./internal/transferagent/cuda/ ./internal/transferagent/agent/
+	go vet -tags gpu ./internal/transferagent/cuda/ ./test/agent/
 
 .PHONY: verify-generated
 verify-generated: controller-gen protoc-gen-go ## Fail when committed generated files differ from a fresh generation.
@@ -81,7 +81,7 @@ unit: ## The loop to run while editing: every Go test that needs no API server, 
 test-gpu: ## GPU tests on an NVIDIA host; results in bench/results/gpu/.
 	mkdir -p bench/results/gpu
 	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v ./internal/transferagent/cuda/
-	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./internal/transferagent/agent/
+	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./test/agent/
 	go build -o bin/ ./cmd/transfer-agent
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && cd vllm-connector && \
 		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" -m pytest -q -p no:cacheprovider gpu_tests
@@ -108,7 +108,7 @@ bench-vllm-gpu: ## After test-gpu-vllm: one engine alone against kvhandoff push,
 # Push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes.
 bench-handoff-gpu: ## GPU handoffs against raw copies on two NVIDIA GPUs; bench/results/gpu/handoff.json.
 	mkdir -p bench/results/gpu
-	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v -run '^TestGPUHandoffAgainstARawCopy$$' ./internal/transferagent/agent/
+	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v -run '^TestGPUHandoffAgainstARawCopy$$' ./test/agent/
 
 .PHONY: test-kubelet
 test-kubelet: ## The device plugin against the kubelet's own device manager (its own module; needs root for a private mount namespace).

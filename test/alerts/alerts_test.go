@@ -37,7 +37,7 @@ func TestTheAlertRulesParseAndFireAsDescribed(t *testing.T) {
 // A rule on a metric nobody exports never fires, and a dashboard panel on one stays
 // empty: each kvhandoff_* name in the rules and the dashboard must be registered by the
 // code (a metric renamed alone fails here). The dashboard's queries run on a real
-// Prometheus in internal/transferagent/agent's fault test.
+// Prometheus in test/agent's fault test.
 func TestTheAlertRulesAndDashboardNameOnlyExportedMetrics(t *testing.T) {
 	b, err := os.ReadFile(rules())
 	if err != nil {

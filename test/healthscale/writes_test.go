@@ -2,7 +2,7 @@
 // the scale of a large P/D fleet: 100 nodes, each with 8 engine ranks (4 prefill and 4
 // decode engines of TP 1), a real API server and the real manager. The agents' side is
 // their real publisher (package health) with the report each node's agent would make;
-// the end-to-end path from a real agent is tested in internal/transferagent/agent.
+// the end-to-end path from a real agent is tested in test/agent.
 package healthscale
 
 import (
