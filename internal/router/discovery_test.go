@@ -16,6 +16,7 @@ import (
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
+	"github.com/kvhandoff/kvhandoff/internal/router/routertest"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -37,9 +38,9 @@ func writeEndpoints(t *testing.T, path string, s discovery.Set) {
 
 func TestTheRouterFollowsItsEndpointsFile(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p, d1, d2 := startEngine(t, "p-0", kv, 0), startEngine(t, "d-1", kv, 0), startEngine(t, "d-2", kv, 0)
+	p, d1, d2 := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-1", kv, 0), routertest.StartEngine(t, "d-2", kv, 0)
 	path := filepath.Join(t.TempDir(), "endpoints.json")
-	writeEndpoints(t, path, discovery.Set{Mode: kvv1.TransferPush, Prefill: engines(p), Decode: engines(d1)})
+	writeEndpoints(t, path, discovery.Set{Mode: kvv1.TransferPush, Prefill: routertest.Engines(p), Decode: routertest.Engines(d1)})
 
 	cfg := router.Defaults()
 	cfg.ScrapeInterval = 0
@@ -48,22 +49,22 @@ func TestTheRouterFollowsItsEndpointsFile(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = s.Run(ctx, &discovery.File{Path: path}) }()
-	hs := startHTTP(t, s)
+	hs := routertest.StartHTTP(t, s)
 
-	eventually(t, "the router reads the file", 2*time.Second, func() bool { return get(hs+"/readyz") == http.StatusOK })
-	if resp, body := post(t, hs, "/v1/completions", small); resp.StatusCode != http.StatusOK || len(d1.Seen()) != 1 {
+	routertest.Eventually(t, "the router reads the file", 2*time.Second, func() bool { return routertest.Get(hs+"/readyz") == http.StatusOK })
+	if resp, body := routertest.Post(t, hs, "/v1/completions", small); resp.StatusCode != http.StatusOK || len(d1.Seen()) != 1 {
 		t.Fatalf("%s %s; d-1 saw %d legs", resp.Status, body, len(d1.Seen()))
 	}
 
 	// The pool changes: d-1 leaves, d-2 joins, and the mode becomes Pull.
-	writeEndpoints(t, path, discovery.Set{Mode: kvv1.TransferPull, Prefill: engines(p), Decode: engines(d2)})
-	eventually(t, "requests reach the new decode engine", 2*time.Second, func() bool {
-		resp, _ := post(t, hs, "/v1/completions", small)
+	writeEndpoints(t, path, discovery.Set{Mode: kvv1.TransferPull, Prefill: routertest.Engines(p), Decode: routertest.Engines(d2)})
+	routertest.Eventually(t, "requests reach the new decode engine", 2*time.Second, func() bool {
+		resp, _ := routertest.Post(t, hs, "/v1/completions", small)
 		return resp.StatusCode == http.StatusOK && len(d2.Seen()) > 0
 	})
 	n := len(d1.Seen())
 	for range 3 {
-		post(t, hs, "/v1/completions", small)
+		routertest.Post(t, hs, "/v1/completions", small)
 	}
 	if len(d1.Seen()) != n {
 		t.Error("a request went to a decode engine that left the file")
@@ -76,7 +77,7 @@ func TestTheRouterFollowsItsEndpointsFile(t *testing.T) {
 	if err := os.WriteFile(path, []byte(`{"mode":"Sideways","prefill":[],"decode":[]}`), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	resp, _ := post(t, hs, "/v1/completions", small)
+	resp, _ := routertest.Post(t, hs, "/v1/completions", small)
 	if resp.StatusCode != http.StatusOK {
 		t.Errorf("after an invalid file: %s; the last good endpoints must stay", resp.Status)
 	}
@@ -113,21 +114,21 @@ func TestLoadSpreadsOverEngines(t *testing.T) {
 		t.Run(string(mode), func(t *testing.T) {
 			kv := vllmserver.NewLocalKV()
 			// Prefill takes long enough that all requests are outstanding at once.
-			p1, p2 := startEngine(t, "p-1", kv, 300*time.Millisecond), startEngine(t, "p-2", kv, 300*time.Millisecond)
-			d1, d2 := startEngine(t, "d-1", kv, 0), startEngine(t, "d-2", kv, 0)
-			r := startRouter(t, mode, engines(p1, p2), engines(d1, d2))
+			p1, p2 := routertest.StartEngine(t, "p-1", kv, 300*time.Millisecond), routertest.StartEngine(t, "p-2", kv, 300*time.Millisecond)
+			d1, d2 := routertest.StartEngine(t, "d-1", kv, 0), routertest.StartEngine(t, "d-2", kv, 0)
+			r := routertest.StartRouter(t, mode, routertest.Engines(p1, p2), routertest.Engines(d1, d2))
 			var wg sync.WaitGroup
 			for range 8 {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					if resp, body := post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK {
+					if resp, body := routertest.Post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK {
 						t.Errorf("%s: %s", resp.Status, body)
 					}
 				}()
 			}
 			wg.Wait()
-			for _, e := range []*engine{p1, p2, d1, d2} {
+			for _, e := range []*routertest.Engine{p1, p2, d1, d2} {
 				if n := len(e.Seen()); n < 3 || n > 5 {
 					t.Errorf("%s got %d of 8 requests; equal engines must share the load", e.EngineID, n)
 				}
@@ -138,11 +139,11 @@ func TestLoadSpreadsOverEngines(t *testing.T) {
 
 func TestDecodeSelectionAvoidsAnEngineItsMetricsSayIsBusy(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p := startEngine(t, "p-0", kv, 0)
-	busy, idle := startEngine(t, "d-busy", kv, 0), startEngine(t, "d-idle", kv, 0)
+	p := routertest.StartEngine(t, "p-0", kv, 0)
+	busy, idle := routertest.StartEngine(t, "d-busy", kv, 0), routertest.StartEngine(t, "d-idle", kv, 0)
 	// d-busy exports a long queue (requests from other routers, say).
 	var scrapes atomic.Int32
-	busyMetrics := startHTTP(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	busyMetrics := routertest.StartHTTP(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/metrics" {
 			scrapes.Add(1)
 			_, _ = w.Write([]byte("vllm:num_requests_running{engine=\"0\"} 40\nvllm:num_requests_waiting{engine=\"0\"} 12\nvllm:kv_cache_usage_perc 0.5\n"))
@@ -152,18 +153,18 @@ func TestDecodeSelectionAvoidsAnEngineItsMetricsSayIsBusy(t *testing.T) {
 	}))
 	be := busy.Engine
 	be.URL = busyMetrics
-	r := startRouter(t, kvv1.TransferPull, engines(p), []discovery.Engine{be, idle.Engine}, func(c *router.Config) { c.ScrapeInterval = 20 * time.Millisecond })
+	r := routertest.StartRouter(t, kvv1.TransferPull, routertest.Engines(p), []discovery.Engine{be, idle.Engine}, func(c *router.Config) { c.ScrapeInterval = 20 * time.Millisecond })
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() {
-		_ = r.Run(ctx, staticSource{&discovery.Set{Mode: kvv1.TransferPull, Prefill: engines(p), Decode: []discovery.Engine{be, idle.Engine}, Source: "test"}})
+		_ = r.Run(ctx, staticSource{&discovery.Set{Mode: kvv1.TransferPull, Prefill: routertest.Engines(p), Decode: []discovery.Engine{be, idle.Engine}, Source: "test"}})
 	}()
 	// A second scrape of d-busy has begun only after the first one's numbers were taken in
 	// (the scraper reads engines in turn); before that the two engines look alike.
-	eventually(t, "the router scraped d-busy twice", 5*time.Second, func() bool { return scrapes.Load() >= 2 })
+	routertest.Eventually(t, "the router scraped d-busy twice", 5*time.Second, func() bool { return scrapes.Load() >= 2 })
 	before := len(busy.Seen())
 	for range 5 {
-		post(t, r.URL, "/v1/completions", small)
+		routertest.Post(t, r.URL, "/v1/completions", small)
 	}
 	if len(busy.Seen()) != before {
 		t.Errorf("the router sent %d requests to an engine exporting 52 queued while another was idle", len(busy.Seen())-before)

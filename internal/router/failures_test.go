@@ -17,6 +17,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
+	"github.com/kvhandoff/kvhandoff/internal/router/routertest"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -24,23 +25,23 @@ const small = `{"model":"tiny","prompt":"one two three","max_tokens":3}`
 
 func TestNoEligibleEngineAnswers503NamingWhatIsMissing(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	d := startEngine(t, "d-0", kv, 0)
+	d := routertest.StartEngine(t, "d-0", kv, 0)
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
-		r := startRouter(t, mode, nil, engines(d))
-		resp, body := post(t, r.URL, "/v1/completions", small)
+		r := routertest.StartRouter(t, mode, nil, routertest.Engines(d))
+		resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
 		if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "no ready prefill engine") {
 			t.Errorf("%s: %s %s, want 503 naming the missing prefill engine", mode, resp.Status, body)
 		}
-		if got := r.metric(t, "kvhandoff_router_requests_total", map[string]string{"outcome": router.OutcomeNoEngine}); got != 1 {
+		if got := r.Metric(t, "kvhandoff_router_requests_total", map[string]string{"outcome": router.OutcomeNoEngine}); got != 1 {
 			t.Errorf("%s: no_engine counted %v times", mode, got)
 		}
 	}
 	// Engines of different configurations are never paired.
-	p := startEngine(t, "p-0", kv, 0)
+	p := routertest.StartEngine(t, "p-0", kv, 0)
 	pe, de := p.Engine, d.Engine
 	pe.CompatHash, de.CompatHash = "aaa", "bbb"
-	r := startRouter(t, kvv1.TransferPush, []discovery.Engine{pe}, []discovery.Engine{de})
-	resp, body := post(t, r.URL, "/v1/completions", small)
+	r := routertest.StartRouter(t, kvv1.TransferPush, []discovery.Engine{pe}, []discovery.Engine{de})
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
 	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "compat-hash") {
 		t.Errorf("mismatched hashes: %s %s, want 503 naming the compat-hash", resp.Status, body)
 	}
@@ -51,17 +52,17 @@ func TestNoEligibleEngineAnswers503NamingWhatIsMissing(t *testing.T) {
 
 func TestPullRetriesARefusedPrefillOnAnotherEngine(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	good, d := startEngine(t, "p-good", kv, 0), startEngine(t, "d-0", kv, 0)
+	good, d := routertest.StartEngine(t, "p-good", kv, 0), routertest.StartEngine(t, "d-0", kv, 0)
 	// The dead engine is first: with equal load the router tries it first.
-	r := startRouter(t, kvv1.TransferPull, []discovery.Engine{deadEngine(t, "p-dead"), good.Engine}, engines(d))
-	resp, body := post(t, r.URL, "/v1/completions", small)
-	if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+	r := routertest.StartRouter(t, kvv1.TransferPull, []discovery.Engine{routertest.DeadEngine(t, "p-dead"), good.Engine}, routertest.Engines(d))
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
+	if resp.StatusCode != http.StatusOK || routertest.CompletionText(t, body) != routertest.Want("one two three", 3) {
 		t.Fatalf("%s: %s", resp.Status, body)
 	}
-	if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": "prefill", "engine": "p-dead", "reason": "refused"}); got != 1 {
+	if got := r.Metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": "prefill", "engine": "p-dead", "reason": "refused"}); got != 1 {
 		t.Errorf("refused prefill leg counted %v times", got)
 	}
-	if got := r.metric(t, "kvhandoff_router_retries_total", map[string]string{"mode": "pull"}); got != 1 {
+	if got := r.Metric(t, "kvhandoff_router_retries_total", map[string]string{"mode": "pull"}); got != 1 {
 		t.Errorf("retries = %v, want 1", got)
 	}
 }
@@ -69,13 +70,13 @@ func TestPullRetriesARefusedPrefillOnAnotherEngine(t *testing.T) {
 func TestPushAbortsTheDecodeLegAndRetriesThePairWhenPrefillFails(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
 	// p-bad fails after 100 ms, when the decode leg is surely waiting for its KV.
-	bad, good := startEngine(t, "p-bad", kv, 100*time.Millisecond), startEngine(t, "p-good", kv, 0)
+	bad, good := routertest.StartEngine(t, "p-bad", kv, 100*time.Millisecond), routertest.StartEngine(t, "p-good", kv, 0)
 	bad.Fail.Store(http.StatusInternalServerError)
-	d := startEngine(t, "d-0", kv, 0)
-	r := startRouter(t, kvv1.TransferPush, engines(bad, good), engines(d))
+	d := routertest.StartEngine(t, "d-0", kv, 0)
+	r := routertest.StartRouter(t, kvv1.TransferPush, routertest.Engines(bad, good), routertest.Engines(d))
 
-	resp, body := post(t, r.URL, "/v1/completions", small)
-	if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
+	if resp.StatusCode != http.StatusOK || routertest.CompletionText(t, body) != routertest.Want("one two three", 3) {
 		t.Fatalf("%s: %s", resp.Status, body)
 	}
 	ds := d.Seen()
@@ -83,7 +84,7 @@ func TestPushAbortsTheDecodeLegAndRetriesThePairWhenPrefillFails(t *testing.T) {
 		t.Fatalf("decode saw %d legs, want 2 (the aborted one and the retry)", len(ds))
 	}
 	// The first decode leg waited for KV that never came: the router closed it.
-	eventually(t, "the first decode leg is aborted", 5*time.Second, func() bool { return d.Seen()[0].Cancelled })
+	routertest.Eventually(t, "the first decode leg is aborted", 5*time.Second, func() bool { return d.Seen()[0].Cancelled })
 	if params(t, ds[0].Body)["remote_engine_id"] != "p-bad" || params(t, ds[1].Body)["remote_engine_id"] != "p-good" {
 		t.Errorf("decode legs named %v then %v", params(t, ds[0].Body)["remote_engine_id"], params(t, ds[1].Body)["remote_engine_id"])
 	}
@@ -99,35 +100,35 @@ func TestPushAbortsTheDecodeLegAndRetriesThePairWhenPrefillFails(t *testing.T) {
 	if params(t, ds[0].Body)["remote_request_id"] != first || params(t, ds[1].Body)["remote_request_id"] != retry {
 		t.Errorf("decode legs named prefill requests %v and %v, want %q and %q", params(t, ds[0].Body)["remote_request_id"], params(t, ds[1].Body)["remote_request_id"], first, retry)
 	}
-	if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"engine": "p-bad", "reason": "status_5xx"}); got != 1 {
+	if got := r.Metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"engine": "p-bad", "reason": "status_5xx"}); got != 1 {
 		t.Errorf("5xx prefill leg counted %v times", got)
 	}
 }
 
 func TestAPrefillLegPastItsTimeoutIsRetried(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	slow, fast := startEngine(t, "p-slow", kv, time.Hour), startEngine(t, "p-fast", kv, 0)
-	d := startEngine(t, "d-0", kv, 0)
-	r := startRouter(t, kvv1.TransferPull, engines(slow, fast), engines(d), func(c *router.Config) { c.PrefillTimeout = 300 * time.Millisecond })
-	resp, body := post(t, r.URL, "/v1/completions", small)
+	slow, fast := routertest.StartEngine(t, "p-slow", kv, time.Hour), routertest.StartEngine(t, "p-fast", kv, 0)
+	d := routertest.StartEngine(t, "d-0", kv, 0)
+	r := routertest.StartRouter(t, kvv1.TransferPull, routertest.Engines(slow, fast), routertest.Engines(d), func(c *router.Config) { c.PrefillTimeout = 300 * time.Millisecond })
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("%s: %s", resp.Status, body)
 	}
-	if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"engine": "p-slow", "reason": "timeout"}); got != 1 {
+	if got := r.Metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"engine": "p-slow", "reason": "timeout"}); got != 1 {
 		t.Errorf("timed-out prefill leg counted %v times", got)
 	}
-	eventually(t, "the timed-out leg is closed", 5*time.Second, func() bool { return slow.Seen()[0].Cancelled })
+	routertest.Eventually(t, "the timed-out leg is closed", 5*time.Second, func() bool { return slow.Seen()[0].Cancelled })
 }
 
 func TestEveryPrefillFailingAnswers502NamingTheEngine(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		kv := vllmserver.NewLocalKV()
-		a, b := startEngine(t, "p-a", kv, 0), startEngine(t, "p-b", kv, 0)
+		a, b := routertest.StartEngine(t, "p-a", kv, 0), routertest.StartEngine(t, "p-b", kv, 0)
 		a.Fail.Store(http.StatusServiceUnavailable)
 		b.Fail.Store(http.StatusInternalServerError)
-		d := startEngine(t, "d-0", kv, 0)
-		r := startRouter(t, mode, engines(a, b), engines(d))
-		resp, body := post(t, r.URL, "/v1/completions", small)
+		d := routertest.StartEngine(t, "d-0", kv, 0)
+		r := routertest.StartRouter(t, mode, routertest.Engines(a, b), routertest.Engines(d))
+		resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
 		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "prefill engine p-b") {
 			t.Errorf("%s: %s %s, want 502 naming the last prefill engine tried", mode, resp.Status, body)
 		}
@@ -140,14 +141,14 @@ func TestEveryPrefillFailingAnswers502NamingTheEngine(t *testing.T) {
 func TestADecodeFailureAnswers502NamingTheEngine(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		kv := vllmserver.NewLocalKV()
-		p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-broken", kv, 0)
+		p, d := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-broken", kv, 0)
 		d.Fail.Store(http.StatusInternalServerError)
-		r := startRouter(t, mode, engines(p), engines(d))
-		resp, body := post(t, r.URL, "/v1/completions", small)
+		r := routertest.StartRouter(t, mode, routertest.Engines(p), routertest.Engines(d))
+		resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
 		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "decode engine d-broken") {
 			t.Errorf("%s: %s %s, want 502 naming the decode engine", mode, resp.Status, body)
 		}
-		if got := r.metric(t, "kvhandoff_router_requests_total", map[string]string{"mode": strings.ToLower(string(mode)),
+		if got := r.Metric(t, "kvhandoff_router_requests_total", map[string]string{"mode": strings.ToLower(string(mode)),
 			"outcome": router.OutcomeDecodeFailed, "engine": "d-broken"}); got != 1 {
 			t.Errorf("%s: decode_failed counted %v times", mode, got)
 		}
@@ -156,16 +157,16 @@ func TestADecodeFailureAnswers502NamingTheEngine(t *testing.T) {
 
 func TestAnEngineRefusingTheRequestIsAnsweredAsItSaid(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
-	r := startRouter(t, kvv1.TransferPull, engines(p), engines(d))
-	resp, body := post(t, r.URL, "/v1/completions", `{"model":"other","prompt":"x"}`)
+	p, d := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-0", kv, 0)
+	r := routertest.StartRouter(t, kvv1.TransferPull, routertest.Engines(p), routertest.Engines(d))
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", `{"model":"other","prompt":"x"}`)
 	if resp.StatusCode != http.StatusNotFound || !strings.Contains(string(body), "does not exist") {
 		t.Errorf("%s %s, want the engine's 404", resp.Status, body)
 	}
 	if len(p.Seen()) != 1 {
 		t.Errorf("a refused request was retried: %d prefill legs", len(p.Seen()))
 	}
-	resp, body = post(t, r.URL, "/v1/completions", `{"model":"tiny",`)
+	resp, body = routertest.Post(t, r.URL, "/v1/completions", `{"model":"tiny",`)
 	if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(body), "JSON object") {
 		t.Errorf("malformed body: %s %s", resp.Status, body)
 	}
@@ -173,8 +174,8 @@ func TestAnEngineRefusingTheRequestIsAnsweredAsItSaid(t *testing.T) {
 
 func TestAClientThatDisconnectsCancelsBothLegs(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p, d := startEngine(t, "p-0", kv, time.Hour), startEngine(t, "d-0", kv, 0)
-	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d))
+	p, d := routertest.StartEngine(t, "p-0", kv, time.Hour), routertest.StartEngine(t, "d-0", kv, 0)
+	r := routertest.StartRouter(t, kvv1.TransferPush, routertest.Engines(p), routertest.Engines(d))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
@@ -186,21 +187,21 @@ func TestAClientThatDisconnectsCancelsBothLegs(t *testing.T) {
 		}
 		done <- err
 	}()
-	eventually(t, "both legs reach their engines", 5*time.Second, func() bool { return len(p.Seen()) == 1 && len(d.Seen()) == 1 })
+	routertest.Eventually(t, "both legs reach their engines", 5*time.Second, func() bool { return len(p.Seen()) == 1 && len(d.Seen()) == 1 })
 	cancel()
 	<-done
-	eventually(t, "both legs are cancelled", 5*time.Second, func() bool { return p.Seen()[0].Cancelled && d.Seen()[0].Cancelled })
-	eventually(t, "the request is counted as the client's", 5*time.Second, func() bool {
-		return r.metric(t, "kvhandoff_router_requests_total", map[string]string{"outcome": router.OutcomeClientGone}) == 1
+	routertest.Eventually(t, "both legs are cancelled", 5*time.Second, func() bool { return p.Seen()[0].Cancelled && d.Seen()[0].Cancelled })
+	routertest.Eventually(t, "the request is counted as the client's", 5*time.Second, func() bool {
+		return r.Metric(t, "kvhandoff_router_requests_total", map[string]string{"outcome": router.OutcomeClientGone}) == 1
 	})
-	if n := r.metric(t, "kvhandoff_router_inflight", map[string]string{"engine": "d-0"}); n != 0 {
+	if n := r.Metric(t, "kvhandoff_router_inflight", map[string]string{"engine": "d-0"}); n != 0 {
 		t.Errorf("%v decode legs still counted in flight", n)
 	}
 }
 
 func TestStreamsPassThroughByteForByteAndAsTheyCome(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p := startEngine(t, "p-0", kv, 0)
+	p := routertest.StartEngine(t, "p-0", kv, 0)
 	// A decode engine that writes the stream in odd pieces and waits for the client to
 	// have each piece before writing the next: a router that buffered would hang.
 	pieces := []string{"data: {\"choices\":[{\"text\":\" a\"}]}\n", "\ndata: {\"choices\":[{\"text\":\" b\"", "}]}\n\ndata: [DONE]\n\n"}
@@ -220,7 +221,7 @@ func TestStreamsPassThroughByteForByteAndAsTheyCome(t *testing.T) {
 	}))
 	defer decode.Close()
 	d := discovery.Engine{URL: decode.URL, EngineID: "d-0"}
-	r := startRouter(t, kvv1.TransferPull, engines(p), []discovery.Engine{d})
+	r := routertest.StartRouter(t, kvv1.TransferPull, routertest.Engines(p), []discovery.Engine{d})
 
 	resp, err := http.Post(r.URL+"/v1/completions", "application/json",
 		strings.NewReader(`{"model":"tiny","prompt":"x y","stream":true,"stream_options":{"include_usage":true}}`))
@@ -246,7 +247,7 @@ func TestStreamsPassThroughByteForByteAndAsTheyCome(t *testing.T) {
 	if string(got) != strings.Join(pieces, "") {
 		t.Errorf("client got %q, the engine sent %q", got, strings.Join(pieces, ""))
 	}
-	if string(field(t, p.Seen()[0].Body, "stream")) != "false" || field(t, p.Seen()[0].Body, "stream_options") != nil {
+	if string(routertest.Field(t, p.Seen()[0].Body, "stream")) != "false" || routertest.Field(t, p.Seen()[0].Body, "stream_options") != nil {
 		t.Errorf("the prefill leg must not stream: %s", p.Seen()[0].Body)
 	}
 }
@@ -263,17 +264,17 @@ func indexOf(s []string, x string) int {
 func TestStreamedCompletionsThroughBothModes(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		kv := vllmserver.NewLocalKV()
-		p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
-		r := startRouter(t, mode, engines(p), engines(d))
-		resp, body := post(t, r.URL, "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"a b c"}],"max_tokens":6,"stream":true}`)
+		p, d := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-0", kv, 0)
+		r := routertest.StartRouter(t, mode, routertest.Engines(p), routertest.Engines(d))
+		resp, body := routertest.Post(t, r.URL, "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"a b c"}],"max_tokens":6,"stream":true}`)
 		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("%s: %s %s", mode, resp.Status, body)
 		}
-		if got, w := sseText(t, body), join(vllmserver.Output([]string{"<user>", "a", "b", "c"}, 6)); got != w {
+		if got, w := routertest.SSEText(t, body), strings.Join(vllmserver.Output([]string{"<user>", "a", "b", "c"}, 6), ""); got != w {
 			t.Errorf("%s: streamed %q, want %q", mode, got, w)
 		}
-		if r.metric(t, "kvhandoff_router_ttft_seconds", map[string]string{"mode": strings.ToLower(string(mode))}) != 1 ||
-			r.metric(t, "kvhandoff_router_added_seconds", map[string]string{"mode": strings.ToLower(string(mode))}) != 1 {
+		if r.Metric(t, "kvhandoff_router_ttft_seconds", map[string]string{"mode": strings.ToLower(string(mode))}) != 1 ||
+			r.Metric(t, "kvhandoff_router_added_seconds", map[string]string{"mode": strings.ToLower(string(mode))}) != 1 {
 			t.Errorf("%s: TTFT and router-added latency not observed", mode)
 		}
 	}
@@ -288,13 +289,13 @@ func TestALegOnAConnectionTheEngineClosedIsSentAgainOnANewOne(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		kv := vllmserver.NewLocalKV()
 		p, d := startClosingEngine(t, "p-0", kv), startClosingEngine(t, "d-0", kv)
-		r := startRouter(t, mode, engines(p.engine), engines(d.engine))
+		r := routertest.StartRouter(t, mode, routertest.Engines(p.Engine), routertest.Engines(d.Engine))
 		// Until each engine has closed a kept-alive connection under a leg: in push, a
 		// request answered before its prefill response was read tears that connection
 		// down, and the next leg gets a new one.
 		for i := 0; i < 3 || (i < 50 && (p.closed.Load() == 0 || d.closed.Load() == 0)); i++ {
-			resp, body := post(t, r.URL, "/v1/completions", small)
-			if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+			resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
+			if resp.StatusCode != http.StatusOK || routertest.CompletionText(t, body) != routertest.Want("one two three", 3) {
 				t.Fatalf("%s: request %d: %s %s", mode, i, resp.Status, body)
 			}
 		}
@@ -302,11 +303,11 @@ func TestALegOnAConnectionTheEngineClosedIsSentAgainOnANewOne(t *testing.T) {
 			t.Fatalf("%s: the engines closed %d and %d kept-alive connections; the test needs both to", mode, p.closed.Load(), d.closed.Load())
 		}
 		for _, leg := range []string{"prefill", "decode"} {
-			if got := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": leg}); got != 0 {
+			if got := r.Metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": leg}); got != 0 {
 				t.Errorf("%s: %v %s legs counted as failed", mode, got, leg)
 			}
 		}
-		if got := r.metric(t, "kvhandoff_router_retries_total", nil); got != 0 {
+		if got := r.Metric(t, "kvhandoff_router_retries_total", nil); got != 0 {
 			t.Errorf("%s: %v retries on another engine", mode, got)
 		}
 	}
@@ -316,7 +317,7 @@ func TestALegOnAConnectionTheEngineClosedIsSentAgainOnANewOne(t *testing.T) {
 // second request arrives on it, without a byte of answer: a keep-alive timeout met by a
 // request, every time.
 type closingEngine struct {
-	*engine
+	*routertest.Engine
 	closed atomic.Int32
 }
 
@@ -325,7 +326,7 @@ type connRequests struct{}
 func startClosingEngine(t *testing.T, id string, kv vllmserver.KV) *closingEngine {
 	t.Helper()
 	e := &closingEngine{}
-	s := vllmserver.New(vllmserver.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv})
+	s := vllmserver.New(vllmserver.Config{EngineID: id, Model: routertest.Model, SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv})
 	hs := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Context().Value(connRequests{}).(*atomic.Int32).Add(1) > 1 {
 			conn, _, err := http.NewResponseController(w).Hijack()
@@ -344,7 +345,7 @@ func startClosingEngine(t *testing.T, id string, kv vllmserver.KV) *closingEngin
 	}
 	hs.Start()
 	t.Cleanup(hs.Close)
-	e.engine = &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}
+	e.Engine = &routertest.Engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}
 	return e
 }
 
@@ -367,17 +368,17 @@ func TestServeOnDecodeServesWhatThePrefillSideCannotAndFailDoesNot(t *testing.T)
 		} {
 			for _, policy := range []kvv1.HandoffFailurePolicy{kvv1.HandoffFailureServeOnDecode, kvv1.HandoffFailureFail} {
 				kv := vllmserver.NewLocalKV()
-				d := startEngine(t, "d-0", kv, 0)
+				d := routertest.StartEngine(t, "d-0", kv, 0)
 				var prefill []discovery.Engine
 				if c.bad {
-					bad := startEngine(t, "p-bad", kv, 0)
+					bad := routertest.StartEngine(t, "p-bad", kv, 0)
 					bad.Fail.Store(http.StatusInternalServerError)
-					prefill = engines(bad)
+					prefill = routertest.Engines(bad)
 				}
-				r := startRouter(t, mode, prefill, engines(d))
-				r.Update(&discovery.Set{Mode: mode, HandoffFailurePolicy: policy, Prefill: prefill, Decode: engines(d), Source: "test"})
-				resp, body := post(t, r.URL, "/v1/completions", small)
-				fallbacks := r.metric(t, "kvhandoff_router_fallbacks_total", map[string]string{"reason": c.reason})
+				r := routertest.StartRouter(t, mode, prefill, routertest.Engines(d))
+				r.Update(&discovery.Set{Mode: mode, HandoffFailurePolicy: policy, Prefill: prefill, Decode: routertest.Engines(d), Source: "test"})
+				resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
+				fallbacks := r.Metric(t, "kvhandoff_router_fallbacks_total", map[string]string{"reason": c.reason})
 				name := fmt.Sprintf("%s, %s, %s", mode, c.what, policy)
 				if policy == kvv1.HandoffFailureFail {
 					if resp.StatusCode != c.status || fallbacks != 0 || resp.Header.Get("X-Kvhandoff-Fallback") != "" {
@@ -385,7 +386,7 @@ func TestServeOnDecodeServesWhatThePrefillSideCannotAndFailDoesNot(t *testing.T)
 					}
 					continue
 				}
-				if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+				if resp.StatusCode != http.StatusOK || routertest.CompletionText(t, body) != routertest.Want("one two three", 3) {
 					t.Fatalf("%s: %s %s", name, resp.Status, body)
 				}
 				if got := resp.Header.Get("X-Kvhandoff-Fallback"); got != c.reason || fallbacks != 1 {
@@ -398,7 +399,7 @@ func TestServeOnDecodeServesWhatThePrefillSideCannotAndFailDoesNot(t *testing.T)
 				}
 				// Push sent a decode leg with the first attempt: it was aborted.
 				for i := range len(seen) - 1 {
-					eventually(t, name+": the failed attempt's decode leg is aborted", 5*time.Second, func() bool { return d.Seen()[i].Cancelled })
+					routertest.Eventually(t, name+": the failed attempt's decode leg is aborted", 5*time.Second, func() bool { return d.Seen()[i].Cancelled })
 				}
 			}
 		}
@@ -421,26 +422,26 @@ func TestTheHealthReportCountsFallbacksAgainstThePolicysLimit(t *testing.T) {
 		{limit: 100, good: 0, fallbacks: 4, want: ""},                       // all allowed
 	} {
 		kv := vllmserver.NewLocalKV()
-		d, p := startEngine(t, "d-0", kv, 0), startEngine(t, "p-0", kv, 0)
-		r := startRouter(t, kvv1.TransferPull, engines(p), engines(d))
+		d, p := routertest.StartEngine(t, "d-0", kv, 0), routertest.StartEngine(t, "p-0", kv, 0)
+		r := routertest.StartRouter(t, kvv1.TransferPull, routertest.Engines(p), routertest.Engines(d))
 		limit := int32(c.limit)
 		set := func(prefill []discovery.Engine) {
 			r.Update(&discovery.Set{Mode: kvv1.TransferPull, HandoffFailurePolicy: kvv1.HandoffFailureServeOnDecode,
-				HandoffFailureLimitPercent: &limit, Prefill: prefill, Decode: engines(d), Source: "test"})
+				HandoffFailureLimitPercent: &limit, Prefill: prefill, Decode: routertest.Engines(d), Source: "test"})
 		}
-		w := &health.Window{Gatherer: r.reg, Span: time.Hour}
+		w := &health.Window{Gatherer: r.Reg, Span: time.Hour}
 		if err := w.Observe(time.Now()); err != nil {
 			t.Fatal(err)
 		}
-		set(engines(p))
+		set(routertest.Engines(p))
 		for range c.good {
-			if resp, body := post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK {
+			if resp, body := routertest.Post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK {
 				t.Fatalf("%s %s", resp.Status, body)
 			}
 		}
 		set(nil) // no prefill engine: each request is served on decode alone
 		for range c.fallbacks {
-			if resp, body := post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK || resp.Header.Get("X-Kvhandoff-Fallback") == "" {
+			if resp, body := routertest.Post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK || resp.Header.Get("X-Kvhandoff-Fallback") == "" {
 				t.Fatalf("%s %s", resp.Status, body)
 			}
 		}
@@ -460,24 +461,24 @@ func TestTheHealthReportCountsFallbacksAgainstThePolicysLimit(t *testing.T) {
 // counted as kvhandoff_router_leg_failures_total{leg="prefill",reason="cancelled"}).
 func TestAPrefillLegCancelledAfterTheAnswerIsNoFailure(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
+	p, d := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-0", kv, 0)
 	// The prefill engine does its work (the KV reaches decode) and then holds its
 	// response until the router gives up on it.
-	late := startHTTP(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	late := routertest.StartHTTP(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p.Server.ServeHTTP(httptest.NewRecorder(), r)
 		<-r.Context().Done()
 	}))
 	prefill := p.Engine
 	prefill.URL = late
-	r := startRouter(t, kvv1.TransferPush, []discovery.Engine{prefill}, engines(d))
-	resp, body := post(t, r.URL, "/v1/completions", small)
-	if resp.StatusCode != http.StatusOK || completionText(t, body) != want("one two three", 3) {
+	r := routertest.StartRouter(t, kvv1.TransferPush, []discovery.Engine{prefill}, routertest.Engines(d))
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
+	if resp.StatusCode != http.StatusOK || routertest.CompletionText(t, body) != routertest.Want("one two three", 3) {
 		t.Fatalf("%s %s", resp.Status, body)
 	}
-	eventually(t, "the prefill leg ends", 10*time.Second, func() bool {
-		return r.metric(t, "kvhandoff_router_inflight", map[string]string{"role": "prefill"}) == 0
+	routertest.Eventually(t, "the prefill leg ends", 10*time.Second, func() bool {
+		return r.Metric(t, "kvhandoff_router_inflight", map[string]string{"role": "prefill"}) == 0
 	})
-	if n := r.metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": "prefill"}); n != 0 {
+	if n := r.Metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": "prefill"}); n != 0 {
 		t.Errorf("%v prefill legs counted as failed after the client had its answer", n)
 	}
 }

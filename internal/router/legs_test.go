@@ -3,11 +3,13 @@ package router_test
 import (
 	"encoding/json"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
+	"github.com/kvhandoff/kvhandoff/internal/router/routertest"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -18,7 +20,7 @@ const clientBody = `{"model":"tiny","prompt":"the quick brown fox","max_tokens":
 func params(t *testing.T, body []byte) map[string]any {
 	t.Helper()
 	var p map[string]any
-	if err := json.Unmarshal(field(t, body, protocol.KVTransferParams), &p); err != nil {
+	if err := json.Unmarshal(routertest.Field(t, body, protocol.KVTransferParams), &p); err != nil {
 		t.Fatal(err)
 	}
 	return p
@@ -48,15 +50,15 @@ outer:
 
 func TestPullSendsDecodeAfterPrefillWithExactlyWhatPrefillReturned(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
-	r := startRouter(t, kvv1.TransferPull, engines(p), engines(d))
+	p, d := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-0", kv, 0)
+	r := routertest.StartRouter(t, kvv1.TransferPull, routertest.Engines(p), routertest.Engines(d))
 
-	resp, body := post(t, r.URL, "/v1/completions", clientBody)
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", clientBody)
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("%s: %s", resp.Status, body)
 	}
-	if got := completionText(t, body); got != want("the quick brown fox", 5) {
-		t.Errorf("client got %q, want the prompt's tokens %q", got, want("the quick brown fox", 5))
+	if got := routertest.CompletionText(t, body); got != routertest.Want("the quick brown fox", 5) {
+		t.Errorf("client got %q, want the prompt's tokens %q", got, routertest.Want("the quick brown fox", 5))
 	}
 	ps, ds := p.Seen(), d.Seen()
 	if len(ps) != 1 || len(ds) != 1 {
@@ -70,18 +72,18 @@ func TestPullSendsDecodeAfterPrefillWithExactlyWhatPrefillReturned(t *testing.T)
 		t.Errorf("prefill leg kv_transfer_params = %v", got)
 	}
 	for k, v := range map[string]string{"stream": "false", "max_tokens": "1"} {
-		if got := string(field(t, pl.Body, k)); got != v {
+		if got := string(routertest.Field(t, pl.Body, k)); got != v {
 			t.Errorf("prefill leg %s = %s, want %s", k, got, v)
 		}
 	}
-	if field(t, pl.Body, "min_tokens") != nil {
+	if routertest.Field(t, pl.Body, "min_tokens") != nil {
 		t.Error("prefill leg carries min_tokens; vLLM refuses it above max_tokens 1")
 	}
 	sameFields(t, "prefill", pl.Body, "max_tokens", "min_tokens")
 
 	// Leg 2: the client's body with the params prefill returned, sent after prefill.
-	returned := field(t, pl.Response, protocol.KVTransferParams)
-	if got := field(t, dl.Body, protocol.KVTransferParams); len(returned) == 0 || string(got) != string(returned) {
+	returned := routertest.Field(t, pl.Response, protocol.KVTransferParams)
+	if got := routertest.Field(t, dl.Body, protocol.KVTransferParams); len(returned) == 0 || string(got) != string(returned) {
 		t.Errorf("decode leg kv_transfer_params = %s, want exactly what prefill returned: %s", got, returned)
 	}
 	if got := params(t, dl.Body); got["remote_engine_id"] != "p-0" || got["remote_request_id"] != pl.RequestID || got["remote_block_ids"] == nil {
@@ -98,20 +100,20 @@ func TestPullSendsDecodeAfterPrefillWithExactlyWhatPrefillReturned(t *testing.T)
 
 func TestPushSendsBothLegsAtOnceAndDecodeRegistersBeforePrefillEnds(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p, d := startEngine(t, "p-0", kv, 200*time.Millisecond), startEngine(t, "d-0", kv, 0)
-	logs := &requestLogs{}
-	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d), logTo(logs))
+	p, d := routertest.StartEngine(t, "p-0", kv, 200*time.Millisecond), routertest.StartEngine(t, "d-0", kv, 0)
+	logs := &routertest.RequestLogs{}
+	r := routertest.StartRouter(t, kvv1.TransferPush, routertest.Engines(p), routertest.Engines(d), routertest.LogTo(logs))
 
-	resp, body := post(t, r.URL, "/v1/completions", clientBody)
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", clientBody)
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("%s: %s", resp.Status, body)
 	}
-	if got := completionText(t, body); got != want("the quick brown fox", 5) {
+	if got := routertest.CompletionText(t, body); got != routertest.Want("the quick brown fox", 5) {
 		t.Errorf("client got %q", got)
 	}
 	// The client's answer is decode's, which can come before the prefill leg's response
 	// has been written: wait for that too.
-	eventually(t, "the prefill leg is answered", 5*time.Second, func() bool { return !p.Seen()[0].Answered.IsZero() })
+	routertest.Eventually(t, "the prefill leg is answered", 5*time.Second, func() bool { return !p.Seen()[0].Answered.IsZero() })
 	pl, dl := p.Seen()[0], d.Seen()[0]
 	pp, dp := params(t, pl.Body), params(t, dl.Body)
 	tid, _ := pp["transfer_id"].(string)
@@ -119,8 +121,8 @@ func TestPushSendsBothLegsAtOnceAndDecodeRegistersBeforePrefillEnds(t *testing.T
 		t.Fatalf("transfer_id: prefill %v, decode %v; both legs must carry the same", pp["transfer_id"], dp["transfer_id"])
 	}
 	// The request's log line names the key the agents and engines log the handoff under.
-	eventually(t, "the request is logged", 5*time.Second, func() bool { return len(logs.get()) == 1 })
-	if got := logs.get()[0]["transfer_id"]; got != tid {
+	routertest.Eventually(t, "the request is logged", 5*time.Second, func() bool { return len(logs.Lines()) == 1 })
+	if got := logs.Lines()[0]["transfer_id"]; got != tid {
 		t.Errorf("request log transfer_id = %v, want %s", got, tid)
 	}
 	wantDecode := map[string]any{"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": "p-0",
@@ -133,7 +135,7 @@ func TestPushSendsBothLegsAtOnceAndDecodeRegistersBeforePrefillEnds(t *testing.T
 			t.Errorf("decode leg %s = %v, want %v", k, dp[k], v)
 		}
 	}
-	if pp["do_remote_decode"] != true || string(field(t, pl.Body, "max_tokens")) != "1" || string(field(t, pl.Body, "stream")) != "false" {
+	if pp["do_remote_decode"] != true || string(routertest.Field(t, pl.Body, "max_tokens")) != "1" || string(routertest.Field(t, pl.Body, "stream")) != "false" {
 		t.Errorf("prefill leg %s", pl.Body)
 	}
 	sameFields(t, "prefill", pl.Body, "max_tokens", "min_tokens")
@@ -156,29 +158,21 @@ func TestChatCompletionsTakeTheSamePath(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		t.Run(string(mode), func(t *testing.T) {
 			kv := vllmserver.NewLocalKV()
-			p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
-			r := startRouter(t, mode, engines(p), engines(d))
-			resp, body := post(t, r.URL, "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"hi there"}],"max_completion_tokens":4}`)
+			p, d := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-0", kv, 0)
+			r := routertest.StartRouter(t, mode, routertest.Engines(p), routertest.Engines(d))
+			resp, body := routertest.Post(t, r.URL, "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"hi there"}],"max_completion_tokens":4}`)
 			if resp.StatusCode != http.StatusOK {
 				t.Fatalf("%s: %s", resp.Status, body)
 			}
-			if got, w := completionText(t, body), vllmserver.Output([]string{"<user>", "hi", "there"}, 4); got != join(w) {
-				t.Errorf("got %q, want %q", got, join(w))
+			if got, w := routertest.CompletionText(t, body), strings.Join(vllmserver.Output([]string{"<user>", "hi", "there"}, 4), ""); got != w {
+				t.Errorf("got %q, want %q", got, w)
 			}
-			if got := string(field(t, p.Seen()[0].Body, "max_completion_tokens")); got != "1" {
+			if got := string(routertest.Field(t, p.Seen()[0].Body, "max_completion_tokens")); got != "1" {
 				t.Errorf("prefill leg max_completion_tokens = %s, want 1", got)
 			}
-			if got := string(field(t, d.Seen()[0].Body, "max_completion_tokens")); got != "4" {
+			if got := string(routertest.Field(t, d.Seen()[0].Body, "max_completion_tokens")); got != "4" {
 				t.Errorf("decode leg max_completion_tokens = %s, want the client's 4", got)
 			}
 		})
 	}
-}
-
-func join(s []string) string {
-	out := ""
-	for _, x := range s {
-		out += x
-	}
-	return out
 }

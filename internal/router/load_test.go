@@ -10,6 +10,7 @@ import (
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/load"
+	"github.com/kvhandoff/kvhandoff/internal/router/routertest"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -19,13 +20,13 @@ import (
 func TestTheLoadReportCountsWhatTheAutoscalerReads(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		kv := vllmserver.NewLocalKV()
-		p := startEngine(t, "p-0", kv, 20*time.Millisecond)
-		d := startEngine(t, "d-0", kv, 0, func(c *vllmserver.Config) { c.TPOT = 5 * time.Millisecond })
-		r := startRouter(t, mode, engines(p), engines(d))
+		p := routertest.StartEngine(t, "p-0", kv, 20*time.Millisecond)
+		d := routertest.StartEngine(t, "d-0", kv, 0, func(c *vllmserver.Config) { c.TPOT = 5 * time.Millisecond })
+		r := routertest.StartRouter(t, mode, routertest.Engines(p), routertest.Engines(d))
 		const n = 5
 		for i := range n {
 			body := fmt.Sprintf(`{"model":"tiny","prompt":"a b c d %d","max_tokens":8,"stream":true}`, i)
-			if resp, data := post(t, r.URL, "/v1/completions", body); resp.StatusCode != http.StatusOK {
+			if resp, data := routertest.Post(t, r.URL, "/v1/completions", body); resp.StatusCode != http.StatusOK {
 				t.Fatalf("%s: %s %s", mode, resp.Status, data)
 			}
 		}

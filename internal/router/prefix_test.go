@@ -10,6 +10,7 @@ import (
 	"github.com/kvhandoff/kvhandoff/internal/router"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
 	"github.com/kvhandoff/kvhandoff/internal/router/protocol"
+	"github.com/kvhandoff/kvhandoff/internal/router/routertest"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
@@ -21,10 +22,10 @@ func TestAConversationsTurnsFollowItsPrefix(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		t.Run(string(mode), func(t *testing.T) {
 			kv := vllmserver.NewLocalKV()
-			p := startEngine(t, "p-0", kv, 0)
-			d := []*engine{startEngine(t, "d-0", kv, 0), startEngine(t, "d-1", kv, 0)}
-			r := startRouter(t, mode, engines(p), engines(d...))
-			r.Update(&discovery.Set{Mode: mode, Prefill: engines(p), Decode: engines(d...), Source: "test", BlockSize: 16,
+			p := routertest.StartEngine(t, "p-0", kv, 0)
+			d := []*routertest.Engine{routertest.StartEngine(t, "d-0", kv, 0), routertest.StartEngine(t, "d-1", kv, 0)}
+			r := routertest.StartRouter(t, mode, routertest.Engines(p), routertest.Engines(d...))
+			r.Update(&discovery.Set{Mode: mode, Prefill: routertest.Engines(p), Decode: routertest.Engines(d...), Source: "test", BlockSize: 16,
 				Routing: &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoicePrefixAware, OverlapWeight: 4, LoadWeight: 1, MinPrefillTokens: 64}})
 			served := func() []int { return []int{len(d[0].Seen()), len(d[1].Seen())} }
 			prompts := map[int]string{}
@@ -37,7 +38,7 @@ func TestAConversationsTurnsFollowItsPrefix(t *testing.T) {
 				for c := range 3 {
 					prompts[c] += add(c)
 					before, prefilled := served(), len(p.Seen())
-					resp, body := post(t, r.URL, "/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, model, prompts[c]))
+					resp, body := routertest.Post(t, r.URL, "/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, routertest.Model, prompts[c]))
 					if resp.StatusCode != http.StatusOK {
 						t.Fatalf("turn %d, conversation %d: %s: %s", turn, c, resp.Status, body)
 					}
@@ -60,17 +61,17 @@ func TestAConversationsTurnsFollowItsPrefix(t *testing.T) {
 			if home[0] == home[1] && home[1] == home[2] {
 				t.Errorf("every first turn went to d-%d: load did not spread them", home[0])
 			}
-			if got := r.metric(t, "kvhandoff_router_decode_only_total", map[string]string{"reason": "prefix_cached"}); got != 3 {
+			if got := r.Metric(t, "kvhandoff_router_decode_only_total", map[string]string{"reason": "prefix_cached"}); got != 3 {
 				t.Errorf("decode only (prefix_cached): %v, want 3", got)
 			}
-			if got := r.metric(t, "kvhandoff_router_decode_choices_total", map[string]string{"basis": "prefix"}); got != 9 {
+			if got := r.Metric(t, "kvhandoff_router_decode_choices_total", map[string]string{"basis": "prefix"}); got != 9 {
 				t.Errorf("decode choices by prefix: %v, want 9", got)
 			}
-			if got := r.metric(t, "kvhandoff_router_fallbacks_total", nil); got != 0 {
+			if got := r.Metric(t, "kvhandoff_router_fallbacks_total", nil); got != 0 {
 				t.Errorf("a planned decode-only request counted as a fallback (%v): it is not a failure", got)
 			}
-			if r.metric(t, "kvhandoff_router_prefix_tokens_total", map[string]string{"kind": "cached"}) == 0 ||
-				r.metric(t, "kvhandoff_router_prefix_index_blocks", nil) == 0 {
+			if r.Metric(t, "kvhandoff_router_prefix_tokens_total", map[string]string{"kind": "cached"}) == 0 ||
+				r.Metric(t, "kvhandoff_router_prefix_index_blocks", nil) == 0 {
 				t.Error("no cached tokens or index blocks counted")
 			}
 		})
@@ -81,17 +82,17 @@ func TestAConversationsTurnsFollowItsPrefix(t *testing.T) {
 // runner serves what the endpoint picker marked decode-only on its engine alone.
 func TestShortPromptsAndThePickersMarkSkipPrefill(t *testing.T) {
 	kv := vllmserver.NewLocalKV()
-	p, d := startEngine(t, "p-0", kv, 0), startEngine(t, "d-0", kv, 0)
-	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d))
-	r.Update(&discovery.Set{Mode: kvv1.TransferPush, Prefill: engines(p), Decode: engines(d), Source: "test",
+	p, d := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-0", kv, 0)
+	r := routertest.StartRouter(t, kvv1.TransferPush, routertest.Engines(p), routertest.Engines(d))
+	r.Update(&discovery.Set{Mode: kvv1.TransferPush, Prefill: routertest.Engines(p), Decode: routertest.Engines(d), Source: "test",
 		Routing: &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoiceLoadOnly, LoadWeight: 1, MinPrefillTokens: 100}})
-	resp, body := post(t, r.URL, "/v1/completions", `{"model":"tiny","prompt":"the quick brown fox","max_tokens":3}`)
+	resp, body := routertest.Post(t, r.URL, "/v1/completions", `{"model":"tiny","prompt":"the quick brown fox","max_tokens":3}`)
 	if resp.StatusCode != http.StatusOK || resp.Header.Get(protocol.DecodeOnlyHeader) != "short_prompt" || len(p.Seen()) != 0 ||
-		completionText(t, body) != want("the quick brown fox", 3) {
+		routertest.CompletionText(t, body) != routertest.Want("the quick brown fox", 3) {
 		t.Errorf("a short prompt: %s, decode only %q, %d prefill legs, %s", resp.Status, resp.Header.Get(protocol.DecodeOnlyHeader), len(p.Seen()), body)
 	}
 
-	runner := startRouter(t, kvv1.TransferPush, engines(p), engines(d), func(c *router.Config) { c.Local = d.URL })
+	runner := routertest.StartRouter(t, kvv1.TransferPush, routertest.Engines(p), routertest.Engines(d), func(c *router.Config) { c.Local = d.URL })
 	for _, tc := range []struct {
 		mark    string
 		prefill int // prefill legs it takes

@@ -1,4 +1,7 @@
-package router_test
+// Package routertest runs the router in-process against simulated vLLM engines behind
+// real HTTP servers, for the router's own tests and the suites that put real transfer
+// agents under it (test/agent).
+package routertest
 
 import (
 	"bytes"
@@ -22,18 +25,21 @@ import (
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 )
 
-const model = "tiny"
+// Model is the model every simulated engine serves.
+const Model = "tiny"
 
-// engine is a simulated vLLM engine behind a real HTTP server.
-type engine struct {
+// Engine is a simulated vLLM engine behind a real HTTP server.
+type Engine struct {
 	*vllmserver.Server
 	discovery.Engine
-	kv *vllmserver.AgentKV // nil for engines without agents
+	KV *vllmserver.AgentKV // nil for engines without agents
 }
 
-func startEngine(t *testing.T, id string, kv vllmserver.KV, prefill time.Duration, tune ...func(*vllmserver.Config)) *engine {
+// StartEngine starts a simulated engine whose KV is kv; prefill, when positive, is how
+// long each prefill takes.
+func StartEngine(t *testing.T, id string, kv vllmserver.KV, prefill time.Duration, tune ...func(*vllmserver.Config)) *Engine {
 	t.Helper()
-	cfg := vllmserver.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv}
+	cfg := vllmserver.Config{EngineID: id, Model: Model, SideChannelHost: "127.0.0.1", SideChannelPort: 5600, TP: 1, KV: kv}
 	if prefill > 0 {
 		cfg.PrefillTime = func(int) time.Duration { return prefill }
 	}
@@ -43,22 +49,22 @@ func startEngine(t *testing.T, id string, kv vllmserver.KV, prefill time.Duratio
 	s := vllmserver.New(cfg)
 	hs := httptest.NewServer(s)
 	t.Cleanup(hs.Close)
-	return &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}
+	return &Engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}}
 }
 
-// deadEngine is an engine whose port refuses connections.
-func deadEngine(t *testing.T, id string) discovery.Engine {
+// DeadEngine is an engine whose port refuses connections.
+func DeadEngine(t *testing.T, id string) discovery.Engine {
 	t.Helper()
 	return discovery.Engine{URL: "http://" + loopback.Refusing(t), EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}
 }
 
-// requestLogs keeps the router's request log lines (JSON) for a test to read.
-type requestLogs struct {
+// RequestLogs keeps the router's request log lines (JSON) for a test to read.
+type RequestLogs struct {
 	mu    sync.Mutex
 	lines []map[string]any
 }
 
-func (l *requestLogs) Write(p []byte) (int, error) {
+func (l *RequestLogs) Write(p []byte) (int, error) {
 	var rec map[string]any
 	if json.Unmarshal(p, &rec) == nil && rec["msg"] == "request" {
 		l.mu.Lock()
@@ -68,24 +74,27 @@ func (l *requestLogs) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-func (l *requestLogs) get() []map[string]any {
+// Lines are the request log lines so far.
+func (l *RequestLogs) Lines() []map[string]any {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]map[string]any(nil), l.lines...)
 }
 
-// logTo sends the router's logs to l.
-func logTo(l *requestLogs) func(*router.Config) {
+// LogTo sends the router's logs to l.
+func LogTo(l *RequestLogs) func(*router.Config) {
 	return func(c *router.Config) { c.Log = slog.New(slog.NewJSONHandler(l, nil)) }
 }
 
-type testRouter struct {
+// Router is a router serving on a test HTTP server, with its own metrics registry.
+type Router struct {
 	*router.Server
 	URL string
-	reg *prometheus.Registry
+	Reg *prometheus.Registry
 }
 
-func startRouter(t *testing.T, mode kvv1.TransferMode, prefill, decode []discovery.Engine, tune ...func(*router.Config)) *testRouter {
+// StartRouter starts a router of the given engines; tune edits its configuration first.
+func StartRouter(t *testing.T, mode kvv1.TransferMode, prefill, decode []discovery.Engine, tune ...func(*router.Config)) *Router {
 	t.Helper()
 	cfg := router.Defaults()
 	cfg.ScrapeInterval = 0
@@ -98,10 +107,11 @@ func startRouter(t *testing.T, mode kvv1.TransferMode, prefill, decode []discove
 	s.Update(&discovery.Set{Mode: mode, Prefill: prefill, Decode: decode, Source: "test"})
 	hs := httptest.NewServer(s)
 	t.Cleanup(hs.Close)
-	return &testRouter{Server: s, URL: hs.URL, reg: reg}
+	return &Router{Server: s, URL: hs.URL, Reg: reg}
 }
 
-func engines(es ...*engine) []discovery.Engine {
+// Engines lists the engines' discovery records.
+func Engines(es ...*Engine) []discovery.Engine {
 	out := make([]discovery.Engine, len(es))
 	for i, e := range es {
 		out[i] = e.Engine
@@ -109,8 +119,8 @@ func engines(es ...*engine) []discovery.Engine {
 	return out
 }
 
-// post sends a body to the router and returns the response and its whole body.
-func post(t *testing.T, url, path, body string) (*http.Response, []byte) {
+// Post sends a body to the router and returns the response and its whole body.
+func Post(t *testing.T, url, path, body string) (*http.Response, []byte) {
 	t.Helper()
 	// Bounded, so a request that can never finish fails the test instead of hanging it.
 	c := &http.Client{Timeout: 30 * time.Second}
@@ -126,11 +136,11 @@ func post(t *testing.T, url, path, body string) (*http.Response, []byte) {
 	return resp, data
 }
 
-// metric sums the series of the router's registry whose labels include labels (0 if
+// Metric sums the series of the router's registry whose labels include labels (0 if
 // none): counts, gauges, and histograms' sample counts.
-func (r *testRouter) metric(t *testing.T, name string, labels map[string]string) float64 {
+func (r *Router) Metric(t *testing.T, name string, labels map[string]string) float64 {
 	t.Helper()
-	mfs, err := r.reg.Gather()
+	mfs, err := r.Reg.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,8 +173,8 @@ func (r *testRouter) metric(t *testing.T, name string, labels map[string]string)
 	return sum
 }
 
-// field decodes one field of a JSON body.
-func field(t *testing.T, body []byte, key string) json.RawMessage {
+// Field decodes one field of a JSON body.
+func Field(t *testing.T, body []byte, key string) json.RawMessage {
 	t.Helper()
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(body, &m); err != nil {
@@ -173,8 +183,8 @@ func field(t *testing.T, body []byte, key string) json.RawMessage {
 	return m[key]
 }
 
-// completionText is the text of a non-streamed completion or chat completion.
-func completionText(t *testing.T, body []byte) string {
+// CompletionText is the text of a non-streamed completion or chat completion.
+func CompletionText(t *testing.T, body []byte) string {
 	t.Helper()
 	var r struct {
 		Choices []struct {
@@ -190,8 +200,8 @@ func completionText(t *testing.T, body []byte) string {
 	return r.Choices[0].Text + r.Choices[0].Message.Content
 }
 
-// sseText joins the text of every chunk of a server-sent-event stream.
-func sseText(t *testing.T, stream []byte) string {
+// SSEText joins the text of every chunk of a server-sent-event stream.
+func SSEText(t *testing.T, stream []byte) string {
 	t.Helper()
 	var text strings.Builder
 	done := false
@@ -225,11 +235,13 @@ func sseText(t *testing.T, stream []byte) string {
 	return text.String()
 }
 
-func want(prompt string, n int) string {
+// Want is what a simulated engine answers to a completion prompt in n tokens.
+func Want(prompt string, n int) string {
 	return strings.Join(vllmserver.Output(strings.Fields(prompt), n), "")
 }
 
-func eventually(t *testing.T, what string, within time.Duration, cond func() bool) {
+// Eventually polls cond until it holds, failing the test after within.
+func Eventually(t *testing.T, what string, within time.Duration, cond func() bool) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), within)
 	defer cancel()
@@ -244,14 +256,16 @@ func eventually(t *testing.T, what string, within time.Duration, cond func() boo
 	}
 }
 
-func startHTTP(t *testing.T, h http.Handler) string {
+// StartHTTP serves h on a test HTTP server until the test ends.
+func StartHTTP(t *testing.T, h http.Handler) string {
 	t.Helper()
 	hs := httptest.NewServer(h)
 	t.Cleanup(hs.Close)
 	return hs.URL
 }
 
-func get(url string) int {
+// Get is the status of a GET of url (0 when it cannot connect).
+func Get(url string) int {
 	resp, err := http.Get(url)
 	if err != nil {
 		return 0

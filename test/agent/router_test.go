@@ -1,11 +1,10 @@
-package router_test
+package agent_test
 
 import (
 	"context"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -13,7 +12,7 @@ import (
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
 	"github.com/kvhandoff/kvhandoff/internal/router/discovery"
-	"github.com/kvhandoff/kvhandoff/test/agentproc"
+	"github.com/kvhandoff/kvhandoff/internal/router/routertest"
 	"github.com/kvhandoff/kvhandoff/test/simengine"
 	"github.com/kvhandoff/kvhandoff/test/simengine/vllmserver"
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
@@ -23,16 +22,8 @@ import (
 // through two real transfer agents over real libfabric (tcp;ofi_rxm on loopback), every
 // byte verified by the decode engine before its first token.
 
-var agentBin string
-
-func TestMain(m *testing.M) { os.Exit(agentproc.RunTests(m, &agentBin)) }
-
-func startAgent(t *testing.T, name string) *agentproc.Proc {
-	return agentproc.StartTest(t, agentBin, name, t.TempDir(), "tcp;ofi_rxm")
-}
-
 // agentEngine is a simulated engine of TP ranks whose KV moves through agent a.
-func agentEngine(t *testing.T, a *agentproc.Proc, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout) *engine {
+func agentEngine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout) *routertest.Engine {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -45,7 +36,7 @@ func agentEngine(t *testing.T, a *agentproc.Proc, id string, role agentv1.Role, 
 	sc := httptest.NewServer(vllmserver.SideChannel(vllmserver.SideChannelInfo{EngineID: id, Agent: kv.Agent(), TP: l.TP}))
 	t.Cleanup(sc.Close)
 	port, _ := strconv.Atoi(sc.URL[strings.LastIndexByte(sc.URL, ':')+1:])
-	s := vllmserver.New(vllmserver.Config{EngineID: id, Model: model, SideChannelHost: "127.0.0.1", SideChannelPort: port, TP: l.TP, KV: kv,
+	s := vllmserver.New(vllmserver.Config{EngineID: id, Model: routertest.Model, SideChannelHost: "127.0.0.1", SideChannelPort: port, TP: l.TP, KV: kv,
 		PrefillTime: func(tokens int) time.Duration {
 			if tokens > 1000 {
 				return time.Hour // a prompt this engine hangs on, for abort tests
@@ -54,8 +45,8 @@ func agentEngine(t *testing.T, a *agentproc.Proc, id string, role agentv1.Role, 
 		}})
 	hs := httptest.NewServer(s)
 	t.Cleanup(hs.Close)
-	return &engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: int32(port),
-		TensorParallelSize: int32(l.TP)}, kv: kv}
+	return &routertest.Engine{Server: s, Engine: discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: int32(port),
+		TensorParallelSize: int32(l.TP)}, KV: kv}
 }
 
 func TestKVMovesThroughTheAgentsInBothModes(t *testing.T) {
@@ -63,26 +54,26 @@ func TestKVMovesThroughTheAgentsInBothModes(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		t.Run(string(mode), func(t *testing.T) {
 			am := map[kvv1.TransferMode]agentv1.Mode{kvv1.TransferPush: agentv1.Mode_MODE_PUSH, kvv1.TransferPull: agentv1.Mode_MODE_PULL}[mode]
-			pa, da := startAgent(t, "prefill-node"), startAgent(t, "decode-node")
+			pa, da := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
 			p := agentEngine(t, pa, "p-0.ns", agentv1.Role_ROLE_PREFILL, am, l)
 			d := agentEngine(t, da, "d-0.ns", agentv1.Role_ROLE_DECODE, am, l)
-			r := startRouter(t, mode, engines(p), engines(d))
+			r := routertest.StartRouter(t, mode, routertest.Engines(p), routertest.Engines(d))
 
 			// 600 words: 38 blocks per rank, streamed and not.
 			prompt := strings.TrimSpace(strings.Repeat("kv moves through agents ", 150))
 			for i, stream := range []bool{false, true} {
 				body := fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":%q}],"max_tokens":8,"stream":%t}`, prompt, stream)
-				resp, out := post(t, r.URL, "/v1/chat/completions", body)
+				resp, out := routertest.Post(t, r.URL, "/v1/chat/completions", body)
 				if resp.StatusCode != http.StatusOK {
 					t.Fatalf("%s: %s", resp.Status, out)
 				}
 				got := ""
 				if stream {
-					got = sseText(t, out)
+					got = routertest.SSEText(t, out)
 				} else {
-					got = completionText(t, out)
+					got = routertest.CompletionText(t, out)
 				}
-				if w := join(vllmserver.Output(append([]string{"<user>"}, strings.Fields(prompt)...), 8)); got != w {
+				if w := strings.Join(vllmserver.Output(append([]string{"<user>"}, strings.Fields(prompt)...), 8), ""); got != w {
 					t.Errorf("request %d: got %q, want %q", i, got, w)
 				}
 			}
@@ -91,10 +82,10 @@ func TestKVMovesThroughTheAgentsInBothModes(t *testing.T) {
 			blocks := (tokens + l.BlockSize - 1) / l.BlockSize
 			want := float64(2 * blocks * l.BlockBytes() * l.Regions() * l.TP)
 			// Push counts on the writing (prefill) agent, pull on the reading (decode) one.
-			counting := map[kvv1.TransferMode]*agentproc.Proc{kvv1.TransferPush: pa, kvv1.TransferPull: da}[mode]
+			counting := map[kvv1.TransferMode]*agentProc{kvv1.TransferPush: pa, kvv1.TransferPull: da}[mode]
 			series := fmt.Sprintf("kvhandoff_agent_transferred_bytes_total{mode=%q}", strings.ToLower(string(mode)))
-			if got, err := counting.Metric(series); err != nil || got != want {
-				t.Errorf("%s = %v (%v), want %v", series, got, err, want)
+			if got := counting.Metric(t, series); got != want {
+				t.Errorf("%s = %v, want %v", series, got, want)
 			}
 		})
 	}
@@ -104,10 +95,10 @@ func TestADisconnectedPushRequestFreesItsDecodeBlocksAfterTheAgentsAcknowledgeme
 	// The decode cache holds one long request: if the aborted one's blocks leaked, the
 	// next request could never allocate.
 	l := simengine.Layout{Layers: 2, BlockSize: 16, KVHeads: 8, HeadDim: 16, DTypeBytes: 2, TP: 2, Blocks: 80}
-	pa, da := startAgent(t, "prefill-node"), startAgent(t, "decode-node")
+	pa, da := startAgent(t, "prefill-node", t.TempDir()), startAgent(t, "decode-node", t.TempDir())
 	p := agentEngine(t, pa, "p-0.ns", agentv1.Role_ROLE_PREFILL, agentv1.Mode_MODE_PUSH, l)
 	d := agentEngine(t, da, "d-0.ns", agentv1.Role_ROLE_DECODE, agentv1.Mode_MODE_PUSH, l)
-	r := startRouter(t, kvv1.TransferPush, engines(p), engines(d))
+	r := routertest.StartRouter(t, kvv1.TransferPush, routertest.Engines(p), routertest.Engines(d))
 
 	long := strings.TrimSpace(strings.Repeat("w ", 1200)) // 76 blocks
 	ctx, cancel := context.WithCancel(context.Background())
@@ -124,15 +115,14 @@ func TestADisconnectedPushRequestFreesItsDecodeBlocksAfterTheAgentsAcknowledgeme
 	}()
 	// Both legs are in their engines and both decode ranks' agents hold the registration
 	// (before that, an abort fences nothing in the agents); hang up.
-	eventually(t, "both legs reach their engines", 10*time.Second, func() bool { return len(p.Seen()) == 1 && d.kv.Accepted.Load() == 1 })
+	routertest.Eventually(t, "both legs reach their engines", 10*time.Second, func() bool { return len(p.Seen()) == 1 && d.KV.Accepted.Load() == 1 })
 	cancel()
 	<-done
-	eventually(t, "the decode agent fences the aborted attempt on both ranks", 10*time.Second, func() bool {
-		n, _ := da.Metric("kvhandoff_agent_cancels_total")
-		return n >= 2
+	routertest.Eventually(t, "the decode agent fences the aborted attempt on both ranks", 10*time.Second, func() bool {
+		return da.Metric(t, "kvhandoff_agent_cancels_total") >= 2
 	})
-	resp, out := post(t, r.URL, "/v1/completions", `{"model":"tiny","prompt":"short prompt after the abort","max_tokens":3}`)
-	if resp.StatusCode != http.StatusOK || completionText(t, out) != want("short prompt after the abort", 3) {
+	resp, out := routertest.Post(t, r.URL, "/v1/completions", `{"model":"tiny","prompt":"short prompt after the abort","max_tokens":3}`)
+	if resp.StatusCode != http.StatusOK || routertest.CompletionText(t, out) != routertest.Want("short prompt after the abort", 3) {
 		t.Fatalf("after the abort: %s %s", resp.Status, out)
 	}
 }
