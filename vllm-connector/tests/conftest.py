@@ -15,16 +15,27 @@ def bins(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_model, tmp_path_factory):
-    """Each prompt's greedy token ids from one engine alone, one request at a time."""
-    from stack import MAX_TOKENS, PROMPTS, TIMINGS, Engine, complete
+def alone(tiny_model, tmp_path_factory):
+    """One engine alone, shared by every test that needs one for the session: the reference
+    each P/D answer is held to. Its KV blocks are the CPU backend's 128 tokens; engines of
+    other block sizes (the prefix tests' 32) generate the same ids (measured: every prompt,
+    cached and not)."""
+    from stack import TIMINGS, Engine
 
-    e = Engine("reference", tiny_model, str(tmp_path_factory.mktemp("reference")), cpu=0)
+    e = Engine("alone", tiny_model, str(tmp_path_factory.mktemp("alone")), cpu=0)
     try:
         TIMINGS["engine start (alone)"] = e.ready()
-        return {p: complete(e.addr, p, MAX_TOKENS) for p in PROMPTS}
+        yield e
     finally:
         e.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(alone):
+    """Each prompt's greedy token ids from the engine alone, one request at a time."""
+    from stack import MAX_TOKENS, PROMPTS, complete
+
+    return {p: complete(alone.addr, p, MAX_TOKENS) for p in PROMPTS}
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 import tinymodel
-from stack import Engine, Stack, block_size, engine_metric, kv_moved, prompt_tokens, until, wait_idle
+from stack import Stack, block_size, engine_metric, kv_moved, prompt_tokens, until, wait_idle
 
 # The engines' KV block (the CPU backend's default, 128, would make every tail up to a
 # block long), and under how many uncached tokens a turn is served on its decode engine
@@ -45,15 +45,6 @@ def stack(request, bins, tiny_model, tmp_path_factory):
               routing={"decodeChoice": "PrefixAware", "overlapWeight": 4, "loadWeight": 1, "minPrefillTokens": MIN_PREFILL})
     yield mode, s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_model, tmp_path_factory):
-    """One engine alone, to answer each turn's prompt as the reference."""
-    e = Engine("alone", tiny_model, str(tmp_path_factory.mktemp("alone")), cpu=0, extra=ENGINE_ARGS)
-    e.ready()
-    yield e
-    e.stop()
 
 
 def complete(addr: str, prompt: str):
