@@ -65,10 +65,10 @@ E2E_CLUSTER_DIR ?= $(CACHE)/e2e-cluster
 deps: ## Install what the tests need: apt packages, control-plane binaries (cached under ~/.cache/kvhandoff).
 	hack/install-deps.sh $(CLUSTER_BINS)
 
+# The real node is named first: go test starts packages in the order named, two at a time on
+# two cores; named last, the longest suite set the tier's wall time; named first, the others run beside it.
 .PHONY: test
 test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on the simulated cluster, the real node (pods from images built here), the kubelet's device manager, real vLLM.
-	# The real node first: go test starts packages in the order named, two at a time on two
-	# cores; named last, the longest suite set the tier's wall time; named first, the others run beside it.
 	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./test/realnode ./... -count=1 -timeout 30m
 	$(MAKE) test-kubelet
 	$(MAKE) test-vllm
