@@ -22,6 +22,9 @@ const (
 )
 
 // AcceleratorSpec says which accelerators an engine pod gets and how many.
+//
+// +kubebuilder:validation:XValidation:rule="self.type != 'CPU' || self.allocation != 'DRA'",message="accelerator.allocation DRA needs an accelerator: CPU engines request no device, so there is nothing to claim; use allocation DevicePlugin"
+// +kubebuilder:validation:XValidation:rule="!has(self.dra) || self.allocation == 'DRA'",message="accelerator.dra is read only with accelerator.allocation DRA; set allocation: DRA or remove dra"
 type AcceleratorSpec struct {
 	// type is the kind of accelerator: NvidiaGPU, Neuron, or CPU (none: vLLM's CPU
 	// backend, with a policy whose fabric.provider is tcp or shm).
@@ -34,6 +37,19 @@ type AcceleratorSpec struct {
 	// +kubebuilder:default=0
 	// +optional
 	Count int32 `json:"count,omitempty"`
+
+	// allocation is how the kubelet hands each engine its accelerators and EFAs:
+	// DevicePlugin, as extended resources (nvidia.com/gpu, aws.amazon.com/neuron,
+	// vpc.amazonaws.com/efa), or DRA, by a ResourceClaimTemplate of the pool's own that asks
+	// for each accelerator together with its own EFAs (resource.k8s.io/v1).
+	// +kubebuilder:default=DevicePlugin
+	// +optional
+	Allocation DeviceAllocation `json:"allocation,omitempty"`
+
+	// dra says which DeviceClasses the claims ask and what locality they require, under
+	// allocation DRA.
+	// +optional
+	DRA *DRASpec `json:"dra,omitempty"`
 }
 
 // PolicyReference names a KVTransferPolicy in the pool's namespace.
@@ -405,6 +421,9 @@ const (
 	// ReasonUnsupportedFabric: the policy's fabric provider cannot serve the pool's
 	// accelerators (EFA interfaces are counted per accelerator; CPU engines have none).
 	ReasonUnsupportedFabric = "UnsupportedFabric"
+	// ReasonUnclaimableDevices: under accelerator.allocation DRA, the pool's devices do not
+	// fit one ResourceClaim of an accelerator and its own EFAs per request pair.
+	ReasonUnclaimableDevices = "UnclaimableDevices"
 	// ReasonPrivilegedNotAllowed: the policy's fabric.privileged would run privileged engines
 	// in a namespace the cluster's administrators have not labelled kvhandoff.io/privileged-engines=true.
 	ReasonPrivilegedNotAllowed = "PrivilegedNotAllowed"
@@ -424,6 +443,11 @@ const (
 	// ReasonEnginesUnschedulable: the scheduler cannot place some engines (capacity,
 	// instance type, placement rules); the message carries the scheduler's reason.
 	ReasonEnginesUnschedulable = "EnginesUnschedulable"
+	// ReasonDevicesUnallocatable: under accelerator.allocation DRA, the scheduler finds no
+	// node whose devices satisfy the pool's claim (too few accelerators, or EFAs that share
+	// no locality attribute with them); the message says what the claim asks and carries the
+	// scheduler's reason.
+	ReasonDevicesUnallocatable = "DevicesUnallocatable"
 	// ReasonRollingOut: engines are being created, updated or scaled.
 	ReasonRollingOut = "RollingOut"
 	// ReasonRolledOut: every engine runs the current configuration.

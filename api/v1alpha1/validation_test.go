@@ -115,6 +115,13 @@ var _ = Describe("PrefillPool and DecodePool validation", func() {
 		Entry("accepts CPU engines", builder.PrefillPool("p").InstanceType("").Accelerator(kvv1.AcceleratorCPU, 0), ""),
 		Entry("rejects a device count for CPU engines", builder.PrefillPool("p").InstanceType("").Accelerator(kvv1.AcceleratorCPU, 2),
 			"accelerator.count must be 0 for CPU: CPU engines request no device"),
+		Entry("accepts DRA with its defaults", builder.PrefillPool("p").DRA(nil), ""),
+		Entry("rejects DRA for CPU engines", builder.PrefillPool("p").InstanceType("").Accelerator(kvv1.AcceleratorCPU, 0).DRA(nil),
+			"accelerator.allocation DRA needs an accelerator: CPU engines request no device"),
+		Entry("rejects dra settings under the device plugins", builder.PrefillPool("p").DRA(&kvv1.DRASpec{}).
+			Allocation(kvv1.DeviceAllocationDevicePlugin), "accelerator.dra is read only with accelerator.allocation DRA"),
+		Entry("rejects an unqualified locality attribute", builder.PrefillPool("p").DRA(&kvv1.DRASpec{LocalityAttribute: "pcieRoot"}),
+			"spec.accelerator.dra.localityAttribute in body should match"),
 		Entry("rejects fewer GPUs than TP × PP ranks", builder.PrefillPool("p").TP(8).PP(2).Accelerator(kvv1.AcceleratorNvidiaGPU, 8),
 			"accelerator.count must be 0 (meaning tensorParallelSize × pipelineParallelSize) or at least tensorParallelSize × pipelineParallelSize "+
 				"for NvidiaGPU"),

@@ -171,8 +171,37 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 		if _, err := instancetype.EFACount(Accelerators(spec), spec.InstanceType, policy.Fabric.EFAPerAccelerator); err != nil {
 			return problem(kvv1.ReasonUnknownInstanceType, "%s", err), warnings
 		}
+		if spec.Accelerator.Allocation == kvv1.DeviceAllocationDRA {
+			if _, err := EFAPerAccelerator(spec, policy); err != nil {
+				return problem(kvv1.ReasonUnclaimableDevices, "%s", err), warnings
+			}
+		}
 	}
 	return nil, warnings
+}
+
+// maxClaimRequests is resource.k8s.io/v1's limit on the requests of one claim.
+const maxClaimRequests = 32
+
+// EFAPerAccelerator is the number of EFAs each accelerator of a DRA pool claims as its
+// own: a claim pairs every accelerator with whole NICs, so the pool's EFAs must divide
+// evenly among its accelerators, and two requests per accelerator must fit one claim.
+func EFAPerAccelerator(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (int32, error) {
+	n := Accelerators(spec)
+	efa, err := instancetype.EFACount(n, spec.InstanceType, policy.Fabric.EFAPerAccelerator)
+	if err != nil {
+		return 0, err
+	}
+	if efa%n != 0 {
+		return 0, fmt.Errorf("accelerator.allocation DRA claims each accelerator with EFAs of its own, and %d EFAs do not divide among %d "+
+			"accelerators (%s has fewer EFAs than accelerators); set the policy's fabric.efaPerAccelerator, or use allocation DevicePlugin",
+			efa, n, spec.InstanceType)
+	}
+	if 2*n > maxClaimRequests {
+		return 0, fmt.Errorf("accelerator.allocation DRA with EFA asks for each of the %d accelerators and its EFAs apart, %d requests, and a "+
+			"ResourceClaim holds at most %d; use at most %d accelerators per engine, or allocation DevicePlugin", n, 2*n, maxClaimRequests, maxClaimRequests/2)
+	}
+	return efa / n, nil
 }
 
 // CheckPair checks what a prefill pool and a decode pool must agree on to exchange KV.

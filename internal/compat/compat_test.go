@@ -133,6 +133,15 @@ func TestCheckPool(t *testing.T) {
 			4).InstanceType("trn2.48xlarge"), &sameNode,
 			kvv1.ReasonSameNodeUnsupported, "sameNode: Allow lets a pair share a node, whose KV the transfer agent moves with CUDA copies, and this " +
 				"pool's accelerators are Neuron", WarningDeviceMemoryUnsupported},
+		{"DRA on p5en: two EFAs of its own per GPU", builder.PrefillPool("p").DRA(nil), &push, "", "", ""},
+		{"DRA on trn1: one EFA per two Neuron devices cannot be each one's own", builder.PrefillPool("p").Accelerator(kvv1.AcceleratorNeuron,
+			16).InstanceType("trn1.32xlarge").DRA(nil), &push, kvv1.ReasonUnclaimableDevices, "8 EFAs do not divide among 16 accelerators", ""},
+		{"DRA on trn1 with an EFA per device set", builder.PrefillPool("p").Accelerator(kvv1.AcceleratorNeuron, 16).InstanceType("trn1.32xlarge").
+			DRA(nil), &override, "", "", ""},
+		{"DRA with EFA past a claim's 32 requests", builder.PrefillPool("p").Accelerator(kvv1.AcceleratorNeuron, 32).InstanceType("").DRA(nil),
+			&override, kvv1.ReasonUnclaimableDevices, "64 requests, and a ResourceClaim holds at most 32", ""},
+		{"DRA without EFA asks for the accelerators in one request", builder.PrefillPool("p").Accelerator(kvv1.AcceleratorNeuron, 32).
+			InstanceType("").DRA(nil), &tcp, "", "", ""},
 		{"GPU pool on a Trainium type", builder.PrefillPool("p").InstanceType("trn2.48xlarge"), &push, kvv1.ReasonInstanceTypeMismatch, "carries Neuron", ""},
 	}
 	for _, c := range cases {

@@ -264,7 +264,13 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 	} else if err := r.deleteControlled(ctx, p, render.KVEventsNetworkPolicyName(p.GetName()), &networkingv1.NetworkPolicy{}); err != nil {
 		return err
 	}
+	if err := r.applyDeviceClaims(ctx, p, w.DeviceClaims); err != nil {
+		return err
+	}
 	if err := r.apply(ctx, p, w.StatefulSet, &appsv1.StatefulSet{}); err != nil {
+		return err
+	}
+	if err := r.pruneDeviceClaims(ctx, p, w.DeviceClaims); err != nil {
 		return err
 	}
 	if p.role() == kvv1.RoleDecode {

@@ -165,8 +165,14 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		set(kvv1.ConditionProgressing, metav1.ConditionFalse, v.problem.Reason,
 			"nothing is rolled out until the problem in the Degraded condition is fixed; running engines are left as they are")
 	case unschedulable != "":
-		set(kvv1.ConditionReady, metav1.ConditionFalse, kvv1.ReasonEnginesUnschedulable, unschedulable)
-		set(kvv1.ConditionDegraded, metav1.ConditionTrue, kvv1.ReasonEnginesUnschedulable, unschedulable)
+		reason := kvv1.ReasonEnginesUnschedulable
+		if claim := render.DeviceClaimSummary(p.engine(), v.policy); claim != "" {
+			// The scheduler's message counts nodes that "cannot allocate all claims";
+			// what the claim asks is what to compare with the nodes' ResourceSlices.
+			reason, unschedulable = kvv1.ReasonDevicesUnallocatable, unschedulable+"; "+claim
+		}
+		set(kvv1.ConditionReady, metav1.ConditionFalse, reason, unschedulable)
+		set(kvv1.ConditionDegraded, metav1.ConditionTrue, reason, unschedulable)
 		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, desired))
 	case transfer.Status == metav1.ConditionFalse:
 		// The engines serve, but their KV does not move as the policy says: slow

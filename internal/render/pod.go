@@ -65,7 +65,8 @@ const (
 // podTemplate assembles an engine pod: the engine container and the pod around it,
 // then what the EFA fabric, the Agent executor, a gateway's leg runner and KV events add,
 // then the pool's own template over all of it.
-func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
+// claimTemplate names the pool's ResourceClaimTemplate under allocation DRA ("" without).
+func podTemplate(in Input, claimTemplate string) (*corev1.PodTemplateSpec, error) {
 	hash, err := policyHash(in.Policy)
 	if err != nil {
 		return nil, err
@@ -96,6 +97,9 @@ func podTemplate(in Input) (*corev1.PodTemplateSpec, error) {
 	if in.Policy.Fabric.Provider == kvv1.ProviderEFA {
 		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "efa", MountPath: EFAHostDir, ReadOnly: true})
 		pod.Spec.Volumes = append(pod.Spec.Volumes, hostPathVolume("efa", EFAHostDir))
+	}
+	if claimTemplate != "" {
+		addDeviceClaim(pod, &engine, claimTemplate)
 	}
 	if in.Policy.Executor == kvv1.ExecutorAgent {
 		addAgentExecutor(in, pod, &engine)
@@ -326,14 +330,18 @@ func mergeEnv(rendered, user []corev1.EnvVar) []corev1.EnvVar {
 func resourcesFor(in Input) (corev1.ResourceRequirements, error) {
 	n := compat.Accelerators(in.Spec)
 	list := corev1.ResourceList{}
-	switch in.Spec.Accelerator.Type {
-	case kvv1.AcceleratorNeuron:
+	// Under DRA the devices come by claim (deviceClaimTemplate), never also as extended
+	// resources: two accountings of one device could hand it out twice.
+	dra := usesDRA(in.Spec)
+	switch {
+	case dra:
+	case in.Spec.Accelerator.Type == kvv1.AcceleratorNeuron:
 		list[ResourceNeuron] = *resource.NewQuantity(int64(n), resource.DecimalSI)
-	case kvv1.AcceleratorNvidiaGPU:
+	case in.Spec.Accelerator.Type == kvv1.AcceleratorNvidiaGPU:
 		list[ResourceNvidiaGPU] = *resource.NewQuantity(int64(n), resource.DecimalSI)
 	}
 	// CPU engines request no device: their CPU and memory are the template's to set.
-	if in.Policy.Fabric.Provider == kvv1.ProviderEFA {
+	if in.Policy.Fabric.Provider == kvv1.ProviderEFA && !dra {
 		efa, err := instancetype.EFACount(n, in.Spec.InstanceType, in.Policy.Fabric.EFAPerAccelerator)
 		if err != nil {
 			return corev1.ResourceRequirements{}, err

@@ -13,6 +13,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
@@ -66,6 +67,9 @@ type Workload struct {
 	// KVEventsNetworkPolicy, with kv-events sidecars, admits only routers and pickers to
 	// their port.
 	KVEventsNetworkPolicy *networkingv1.NetworkPolicy
+	// DeviceClaims, under accelerator.allocation DRA, is the template of each engine's
+	// ResourceClaim.
+	DeviceClaims *resourcev1.ResourceClaimTemplate
 }
 
 // Engines renders a pool. The error is a *compat.Problem when the pool and policy
@@ -75,7 +79,15 @@ func Engines(in Input) (*Workload, error) {
 	if p, _ := compat.CheckPool(in.Spec, in.Policy); p != nil {
 		return nil, p
 	}
-	pod, err := podTemplate(in)
+	claims, err := deviceClaimTemplate(in)
+	if err != nil {
+		return nil, err
+	}
+	var claimTemplate string
+	if claims != nil {
+		claimTemplate = claims.Name
+	}
+	pod, err := podTemplate(in, claimTemplate)
 	if err != nil {
 		return nil, err
 	}
@@ -106,8 +118,11 @@ func Engines(in Input) (*Workload, error) {
 			},
 		},
 	}
-	w := &Workload{StatefulSet: sts, Service: svc}
+	w := &Workload{StatefulSet: sts, Service: svc, DeviceClaims: claims}
 	objs := []metav1.Object{sts, svc}
+	if claims != nil {
+		objs = append(objs, claims)
+	}
 	if in.KVEventsImage != "" {
 		w.KVEventsNetworkPolicy = kvEventsNetworkPolicy(in)
 		objs = append(objs, w.KVEventsNetworkPolicy)

@@ -92,6 +92,23 @@ func TestGolden(t *testing.T) {
 			policy:  builder.Policy("nvlink").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodePrefer),
 		},
 		{
+			// The mixed rollout: prefill still on the device plugins, decode by claim.
+			name:    "p5en-dra-decode",
+			prefill: builder.PrefillPool("prefill").Policy("push"),
+			decode:  builder.DecodePool("decode", "prefill").DRA(nil).Policy("push"),
+			policy:  builder.Policy("push"),
+		},
+		{
+			name: "trn2-dra-pcie-switch",
+			prefill: builder.PrefillPool("prefill").Image("public.ecr.aws/neuron/vllm-neuronx:v0.29.0").TP(4).
+				Accelerator(kvv1.AcceleratorNeuron, 0).InstanceType("trn2.48xlarge").Policy("trn2").
+				DRA(&kvv1.DRASpec{DeviceClassName: "neuron.kvhandoff.io", LocalityAttribute: "dra.kvhandoff.io/pcieSwitch"}),
+			decode: builder.DecodePool("decode", "prefill").Image("public.ecr.aws/neuron/vllm-neuronx:v0.29.0").TP(4).
+				Accelerator(kvv1.AcceleratorNeuron, 0).InstanceType("trn2.48xlarge").Policy("trn2").
+				DRA(&kvv1.DRASpec{DeviceClassName: "neuron.kvhandoff.io", LocalityAttribute: "dra.kvhandoff.io/pcieSwitch"}),
+			policy: builder.Policy("trn2").Mode(kvv1.TransferPull),
+		},
+		{
 			name:     "kv-events",
 			prefill:  builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").Policy("prefix"),
 			decode:   builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").Policy("prefix").EngineArgs("--served-model-name", "chat", "qwen"),
@@ -110,6 +127,11 @@ func TestGolden(t *testing.T) {
 			objs := []any{pw.StatefulSet, pw.Service, dw.StatefulSet, dw.Service}
 			if c.kvEvents {
 				objs = append(objs, pw.KVEventsNetworkPolicy, dw.KVEventsNetworkPolicy)
+			}
+			for _, w := range []*Workload{pw, dw} {
+				if w.DeviceClaims != nil {
+					objs = append(objs, w.DeviceClaims)
+				}
 			}
 			for _, obj := range objs {
 				data, err := yaml.Marshal(obj)

@@ -186,6 +186,15 @@ func (b *PoolBuilder[P]) Accelerator(t kvv1.AcceleratorType, count int32) *PoolB
 	b.spec.Accelerator = kvv1.AcceleratorSpec{Type: t, Count: count}
 	return b
 }
+// DRA gives the pool's engines their devices by claim, with dra's settings (nil: the defaults).
+func (b *PoolBuilder[P]) DRA(dra *kvv1.DRASpec) *PoolBuilder[P] {
+	b.spec.Accelerator.Allocation, b.spec.Accelerator.DRA = kvv1.DeviceAllocationDRA, dra
+	return b
+}
+func (b *PoolBuilder[P]) Allocation(a kvv1.DeviceAllocation) *PoolBuilder[P] {
+	b.spec.Accelerator.Allocation = a
+	return b
+}
 func (b *PoolBuilder[P]) InstanceType(t string) *PoolBuilder[P] {
 	b.spec.InstanceType = t
 	return b
