@@ -6,8 +6,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvhandoff/kvhandoff/internal/keystream"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvhandoff/kvhandoff/internal/keystream"
 )
 
 const (

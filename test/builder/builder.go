@@ -186,6 +186,7 @@ func (b *PoolBuilder[P]) Accelerator(t kvv1.AcceleratorType, count int32) *PoolB
 	b.spec.Accelerator = kvv1.AcceleratorSpec{Type: t, Count: count}
 	return b
 }
+
 // DRA gives the pool's engines their devices by claim, with dra's settings (nil: the defaults).
 func (b *PoolBuilder[P]) DRA(dra *kvv1.DRASpec) *PoolBuilder[P] {
 	b.spec.Accelerator.Allocation, b.spec.Accelerator.DRA = kvv1.DeviceAllocationDRA, dra

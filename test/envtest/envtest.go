@@ -14,13 +14,14 @@ import (
 	"runtime"
 	"strings"
 
-	"github.com/kvhandoff/kvhandoff/test/loopback"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"github.com/kvhandoff/kvhandoff/test/loopback"
 )
 
 // Env is a running control plane with kvhandoff's CRDs installed.
