@@ -1,0 +1,126 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/dra"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/health"
+	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
+	"github.com/kvhandoff/kvhandoff/internal/kubeconfig"
+)
+
+// DRAOptions are the dra command's settings.
+type DRAOptions struct {
+	Inventory inventory.Options
+	// CDIDir is where claims' CDI specs go; RegistryDir and PluginDir the kubelet's
+	// plugin registration folder and its folder for DRA plugins' sockets.
+	CDIDir, RegistryDir, PluginDir string
+	Accelerators                   bool
+	Node                           string
+	Client                         kubernetes.Interface
+	Interval, RecoverAfter         time.Duration
+	Log                            *slog.Logger
+}
+
+// DRA runs the kubelet DRA plugin until SIGINT or SIGTERM.
+func DRA(args []string, stderr io.Writer) int {
+	fs := flag.NewFlagSet("dra", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	root := fs.String("sysfs-root", "/", "folder holding sys/ and proc/")
+	devRoot := fs.String("dev-root", "/dev", "folder holding the device nodes")
+	useNVML := fs.Bool("nvml", true, "ask NVML about GPUs and watch their XID events")
+	kubeconfigPath := fs.String("kubeconfig", "", "kubeconfig of the API server (default: the pod's service account)")
+	o := DRAOptions{}
+	fs.StringVar(&o.CDIDir, "cdi-dir", "/var/run/cdi", "where claims' CDI specs are written for the container runtime")
+	fs.StringVar(&o.RegistryDir, "plugin-registry", kubeletplugin.KubeletRegistryDir, "the kubelet's plugin registration folder")
+	fs.StringVar(&o.PluginDir, "plugin-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, dra.DriverName), "the folder of this driver's socket")
+	fs.BoolVar(&o.Accelerators, "accelerators", false, "publish GPUs and Neuron devices too, not only EFAs: only where no other driver "+
+		"(NVIDIA's, AWS's Neuron driver) or device plugin serves them")
+	fs.StringVar(&o.Node, "node-name", os.Getenv("NODE_NAME"), "this node's name (the DaemonSet sets NODE_NAME)")
+	fs.DurationVar(&o.Interval, "health-interval", 5*time.Second, "how often device nodes, EFA ports and GPUs (NVML) are checked")
+	fs.DurationVar(&o.RecoverAfter, "recover-after", 2*time.Minute, "how long a failed device must pass every check before it is published again")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if o.Node == "" {
+		fmt.Fprintln(stderr, "device-plugin dra: --node-name (or NODE_NAME) is required")
+		return 2
+	}
+	cfg, err := kubeconfig.Load(*kubeconfigPath)
+	if err == nil {
+		o.Client, err = kubernetes.NewForConfig(cfg)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "device-plugin dra:", err)
+		return 1
+	}
+	o.Log = slog.New(slog.NewJSONHandler(stderr, nil))
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	o.Inventory = options(*root, *devRoot, *useNVML)
+	if o.Inventory.NVML != nil {
+		defer o.Inventory.NVML.Shutdown()
+	}
+	if err := RunDRA(ctx, o); err != nil {
+		fmt.Fprintln(stderr, "device-plugin dra:", err)
+		return 1
+	}
+	return 0
+}
+
+// RunDRA discovers the node's devices, refuses to publish any that a device plugin or
+// another driver already serves there, then registers with the kubelet and publishes
+// them until ctx ends. Health checks republish: a failed device leaves the slices.
+func RunDRA(ctx context.Context, o DRAOptions) error {
+	inv := inventory.Discover(o.Inventory)
+	o.Log.Info("discovered", "gpus", len(inv.OfKind(inventory.GPU)), "efas", len(inv.OfKind(inventory.EFA)),
+		"neuron", len(inv.OfKind(inventory.Neuron)), "nvml", inv.NVML, "problems", inv.Problems)
+	node, err := o.Client.CoreV1().Nodes().Get(ctx, o.Node, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("reading node %s: %w", o.Node, err)
+	}
+	slices, err := o.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + o.Node})
+	if err != nil {
+		return fmt.Errorf("reading node %s's ResourceSlices (resource.k8s.io/v1, Kubernetes 1.34 and later): %w", o.Node, err)
+	}
+	if c := dra.Conflicts(node, slices.Items, inv, o.Accelerators); len(c) > 0 {
+		return fmt.Errorf("refusing to publish devices another plugin or driver serves on this node:\n  %s", strings.Join(c, "\n  "))
+	}
+	d := &dra.Driver{Inv: inv, SysRoot: filepath.Join(o.Inventory.Root, "sys"), DevRoot: o.Inventory.DevRoot, CDIDir: o.CDIDir,
+		Accelerators: o.Accelerators, Node: o.Node, Client: o.Client, Log: o.Log}
+	ctx, err = d.Start(ctx, kubeletplugin.RegistrarDirectoryPath(o.RegistryDir), kubeletplugin.PluginDataDirectoryPath(o.PluginDir))
+	if err != nil {
+		return err
+	}
+	defer d.Stop()
+	mon := &health.Monitor{Root: o.Inventory.Root, DevRoot: o.Inventory.DevRoot, Interval: o.Interval,
+		Tracker: health.NewTracker(o.RecoverAfter), Report: func(h map[string]bool) { d.SetHealth(ctx, h) }, Log: o.Log}
+	if n := o.Inventory.NVML; n != nil {
+		events, err := n.Events(ctx)
+		if err != nil {
+			o.Log.Warn("NVML events unavailable; GPU health from device nodes and NVML queries", "err", err)
+		}
+		mon.Events, mon.NVML = events, n
+	}
+	go mon.Run(ctx, inv)
+	<-ctx.Done()
+	if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
+		return cause
+	}
+	return nil
+}
