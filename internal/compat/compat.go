@@ -180,12 +180,12 @@ func CheckPool(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (p *Pro
 	return nil, warnings
 }
 
-// maxClaimRequests is resource.k8s.io/v1's limit on the requests of one claim.
-const maxClaimRequests = 32
+// maxClaimDevices is how many devices one ResourceClaim is allocated at most.
+const maxClaimDevices = 32
 
 // EFAPerAccelerator is the number of EFAs each accelerator of a DRA pool claims as its
 // own: a claim pairs every accelerator with whole NICs, so the pool's EFAs must divide
-// evenly among its accelerators, and two requests per accelerator must fit one claim.
+// evenly among its accelerators, and an accelerator with its EFAs must fit one claim.
 func EFAPerAccelerator(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) (int32, error) {
 	n := Accelerators(spec)
 	efa, err := instancetype.EFACount(n, spec.InstanceType, policy.Fabric.EFAPerAccelerator)
@@ -197,9 +197,9 @@ func EFAPerAccelerator(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec)
 			"accelerators (%s has fewer EFAs than accelerators); set the policy's fabric.efaPerAccelerator, or use allocation DevicePlugin",
 			efa, n, spec.InstanceType)
 	}
-	if 2*n > maxClaimRequests {
-		return 0, fmt.Errorf("accelerator.allocation DRA with EFA asks for each of the %d accelerators and its EFAs apart, %d requests, and a "+
-			"ResourceClaim holds at most %d; use at most %d accelerators per engine, or allocation DevicePlugin", n, 2*n, maxClaimRequests, maxClaimRequests/2)
+	if 1+efa/n > maxClaimDevices {
+		return 0, fmt.Errorf("accelerator.allocation DRA claims an accelerator and its %d EFAs together, and a ResourceClaim holds at most "+
+			"%d devices; set the policy's fabric.efaPerAccelerator to at most %d", efa/n, maxClaimDevices, maxClaimDevices-1)
 	}
 	return efa / n, nil
 }

@@ -91,6 +91,7 @@ func TestCheckPool(t *testing.T) {
 	pull.Fabric.Provider = kvv1.ProviderEFA
 	tcp := builder.Policy("p").Provider(kvv1.ProviderTCP).Obj().Spec
 	override := builder.Policy("p").EFAPerAccelerator(1).Obj().Spec
+	efa32 := builder.Policy("p").EFAPerAccelerator(32).Obj().Spec
 	agent := builder.Policy("p").Executor(kvv1.ExecutorAgent).Obj().Spec
 	sameNode := builder.Policy("p").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodeAllow).Obj().Spec
 	agentPull := builder.Policy("p").Executor(kvv1.ExecutorAgent).Mode(kvv1.TransferPull).Obj().Spec
@@ -138,10 +139,10 @@ func TestCheckPool(t *testing.T) {
 			16).InstanceType("trn1.32xlarge").DRA(nil), &push, kvv1.ReasonUnclaimableDevices, "8 EFAs do not divide among 16 accelerators", ""},
 		{"DRA on trn1 with an EFA per device set", builder.PrefillPool("p").Accelerator(kvv1.AcceleratorNeuron, 16).InstanceType("trn1.32xlarge").
 			DRA(nil), &override, "", "", ""},
-		{"DRA with EFA past a claim's 32 requests", builder.PrefillPool("p").Accelerator(kvv1.AcceleratorNeuron, 32).InstanceType("").DRA(nil),
-			&override, kvv1.ReasonUnclaimableDevices, "64 requests, and a ResourceClaim holds at most 32", ""},
-		{"DRA without EFA asks for the accelerators in one request", builder.PrefillPool("p").Accelerator(kvv1.AcceleratorNeuron, 32).
-			InstanceType("").DRA(nil), &tcp, "", "", ""},
+		{"DRA with more EFAs per accelerator than a claim holds", builder.PrefillPool("p").DRA(nil),
+			&efa32, kvv1.ReasonUnclaimableDevices, "its 32 EFAs together, and a ResourceClaim holds at most 32 devices", ""},
+		{"DRA with 32 accelerators and their EFAs takes several claims", builder.PrefillPool("p").Accelerator(kvv1.AcceleratorNeuron, 32).
+			InstanceType("").DRA(nil), &override, "", "", ""},
 		{"GPU pool on a Trainium type", builder.PrefillPool("p").InstanceType("trn2.48xlarge"), &push, kvv1.ReasonInstanceTypeMismatch, "carries Neuron", ""},
 	}
 	for _, c := range cases {

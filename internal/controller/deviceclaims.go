@@ -2,6 +2,7 @@ package controller
 
 import (
 	"context"
+	"slices"
 
 	appsv1 "k8s.io/api/apps/v1"
 	resourcev1 "k8s.io/api/resource/v1"
@@ -16,25 +17,27 @@ import (
 // makes each engine's claim from it, and the scheduler allocates it.
 // +kubebuilder:rbac:groups=resource.k8s.io,resources=resourceclaimtemplates,verbs=get;list;watch;create;patch;delete
 
-// applyDeviceClaims applies the pool's ResourceClaimTemplate (allocation DRA) before the
-// engines that use it. A template's spec is immutable, so a changed claim is a template
+// applyDeviceClaims applies the pool's ResourceClaimTemplates (allocation DRA) before the
+// engines that use them. A template's spec is immutable, so a changed claim is a template
 // of another name; the older ones are deleted once no engine of an older revision can
 // be made again (the StatefulSet rolled out), as a re-created pod of the old revision
 // would find its template gone. Templates of a pool that went back to the device
 // plugins stay until the pool is deleted (they are owned by it): the manager lists
 // claim templates only for pools that use them, so clusters without
 // resource.k8s.io/v1 never need it.
-func (r *PoolReconciler) applyDeviceClaims(ctx context.Context, p pool, claims *resourcev1.ResourceClaimTemplate) error {
-	if claims == nil {
-		return nil
+func (r *PoolReconciler) applyDeviceClaims(ctx context.Context, p pool, claims []*resourcev1.ResourceClaimTemplate) error {
+	for _, c := range claims {
+		if err := r.apply(ctx, p, c, &resourcev1.ResourceClaimTemplate{}); err != nil {
+			return err
+		}
 	}
-	return r.apply(ctx, p, claims, &resourcev1.ResourceClaimTemplate{})
+	return nil
 }
 
 // pruneDeviceClaims deletes the pool's claim templates other than keep once its
 // StatefulSet has rolled out.
-func (r *PoolReconciler) pruneDeviceClaims(ctx context.Context, p pool, keep *resourcev1.ResourceClaimTemplate) error {
-	if keep == nil {
+func (r *PoolReconciler) pruneDeviceClaims(ctx context.Context, p pool, keep []*resourcev1.ResourceClaimTemplate) error {
+	if len(keep) == 0 {
 		return nil
 	}
 	sts := &appsv1.StatefulSet{}
@@ -50,7 +53,7 @@ func (r *PoolReconciler) pruneDeviceClaims(ctx context.Context, p pool, keep *re
 	}
 	for i := range list.Items {
 		t := &list.Items[i]
-		if t.Name == keep.Name || !metav1.IsControlledBy(t, p.object()) {
+		if slices.ContainsFunc(keep, func(k *resourcev1.ResourceClaimTemplate) bool { return k.Name == t.Name }) || !metav1.IsControlledBy(t, p.object()) {
 			continue
 		}
 		if err := r.Delete(ctx, t, client.Preconditions{UID: ptr.To(t.UID)}); client.IgnoreNotFound(err) != nil {

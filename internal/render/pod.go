@@ -6,6 +6,7 @@ import (
 	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -65,8 +66,8 @@ const (
 // podTemplate assembles an engine pod: the engine container and the pod around it,
 // then what the EFA fabric, the Agent executor, a gateway's leg runner and KV events add,
 // then the pool's own template over all of it.
-// claimTemplate names the pool's ResourceClaimTemplate under allocation DRA ("" without).
-func podTemplate(in Input, claimTemplate string) (*corev1.PodTemplateSpec, error) {
+// claims are the pool's ResourceClaimTemplates under allocation DRA.
+func podTemplate(in Input, claims []*resourcev1.ResourceClaimTemplate) (*corev1.PodTemplateSpec, error) {
 	hash, err := policyHash(in.Policy)
 	if err != nil {
 		return nil, err
@@ -98,9 +99,7 @@ func podTemplate(in Input, claimTemplate string) (*corev1.PodTemplateSpec, error
 		engine.VolumeMounts = append(engine.VolumeMounts, corev1.VolumeMount{Name: "efa", MountPath: EFAHostDir, ReadOnly: true})
 		pod.Spec.Volumes = append(pod.Spec.Volumes, hostPathVolume("efa", EFAHostDir))
 	}
-	if claimTemplate != "" {
-		addDeviceClaim(pod, &engine, claimTemplate)
-	}
+	addDeviceClaims(pod, &engine, claims)
 	if in.Policy.Executor == kvv1.ExecutorAgent {
 		addAgentExecutor(in, pod, &engine)
 	}

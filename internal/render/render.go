@@ -67,9 +67,9 @@ type Workload struct {
 	// KVEventsNetworkPolicy, with kv-events sidecars, admits only routers and pickers to
 	// their port.
 	KVEventsNetworkPolicy *networkingv1.NetworkPolicy
-	// DeviceClaims, under accelerator.allocation DRA, is the template of each engine's
-	// ResourceClaim.
-	DeviceClaims *resourcev1.ResourceClaimTemplate
+	// DeviceClaims, under accelerator.allocation DRA, are the templates of each engine's
+	// ResourceClaims.
+	DeviceClaims []*resourcev1.ResourceClaimTemplate
 }
 
 // Engines renders a pool. The error is a *compat.Problem when the pool and policy
@@ -79,15 +79,11 @@ func Engines(in Input) (*Workload, error) {
 	if p, _ := compat.CheckPool(in.Spec, in.Policy); p != nil {
 		return nil, p
 	}
-	claims, err := deviceClaimTemplate(in)
+	claims, err := deviceClaimTemplates(in)
 	if err != nil {
 		return nil, err
 	}
-	var claimTemplate string
-	if claims != nil {
-		claimTemplate = claims.Name
-	}
-	pod, err := podTemplate(in, claimTemplate)
+	pod, err := podTemplate(in, claims)
 	if err != nil {
 		return nil, err
 	}
@@ -120,8 +116,8 @@ func Engines(in Input) (*Workload, error) {
 	}
 	w := &Workload{StatefulSet: sts, Service: svc, DeviceClaims: claims}
 	objs := []metav1.Object{sts, svc}
-	if claims != nil {
-		objs = append(objs, claims)
+	for _, c := range claims {
+		objs = append(objs, c)
 	}
 	if in.KVEventsImage != "" {
 		w.KVEventsNetworkPolicy = kvEventsNetworkPolicy(in)

@@ -129,8 +129,8 @@ func TestGolden(t *testing.T) {
 				objs = append(objs, pw.KVEventsNetworkPolicy, dw.KVEventsNetworkPolicy)
 			}
 			for _, w := range []*Workload{pw, dw} {
-				if w.DeviceClaims != nil {
-					objs = append(objs, w.DeviceClaims)
+				for _, c := range w.DeviceClaims {
+					objs = append(objs, c)
 				}
 			}
 			for _, obj := range objs {

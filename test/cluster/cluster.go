@@ -43,7 +43,7 @@ type Cluster struct {
 // Start starts the cluster, creates the nodes of nodesFile and waits until they are Ready.
 // Logs go to logDir. On error, whatever started is stopped.
 func Start(ctx context.Context, nodesFile, logDir string) (c *Cluster, err error) {
-	nodes, err := Nodes(nodesFile)
+	nodes, shapes, err := nodesAndShapes(nodesFile)
 	if err != nil {
 		return nil, err
 	}
@@ -98,6 +98,9 @@ func Start(ctx context.Context, nodesFile, logDir string) (c *Cluster, err error
 	}
 	if err := c.waitNodesReady(ctx, len(nodes)); err != nil {
 		return nil, fmt.Errorf("%w\n%s", err, c.LogTail(20))
+	}
+	if err := publishDevices(ctx, c.Client, nodes, shapes, filepath.Join(logDir, "fixtures")); err != nil {
+		return nil, err
 	}
 	return c, nil
 }

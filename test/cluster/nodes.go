@@ -26,36 +26,54 @@ type nodeDescription struct {
 		InstanceType string `json:"instanceType"`
 		Zone         string `json:"zone"`
 		Count        int    `json:"count"`
+		// Devices is who hands out the group's accelerators and EFAs: DevicePlugin (the
+		// default: extended resources in capacity), or DRA drivers that publish them as
+		// ResourceSlices (devices.go): kvhandoff's, or NVIDIA's, AWS's Neuron and DRANET's.
+		Devices DeviceShape `json:"devices"`
 	} `json:"nodeGroups"`
 }
 
 // Nodes reads a node description and returns the Nodes it describes, with the labels,
 // taints, capacity and allocatable an EKS node of each instance type carries.
 func Nodes(path string) ([]*corev1.Node, error) {
+	nodes, _, err := nodesAndShapes(path)
+	return nodes, err
+}
+
+// nodesAndShapes is Nodes with who hands out each node's devices.
+func nodesAndShapes(path string) ([]*corev1.Node, map[string]DeviceShape, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	var d nodeDescription
 	if err := yaml.UnmarshalStrict(data, &d); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
 	var nodes []*corev1.Node
+	shapes := map[string]DeviceShape{}
 	for _, g := range d.NodeGroups {
 		it, ok := d.InstanceTypes[g.InstanceType]
 		if !ok {
-			return nil, fmt.Errorf("%s: node group %s names instance type %q, which instanceTypes does not describe", path, g.Name, g.InstanceType)
+			return nil, nil, fmt.Errorf("%s: node group %s names instance type %q, which instanceTypes does not describe", path, g.Name, g.InstanceType)
+		}
+		if err := g.Devices.valid(g.InstanceType); err != nil {
+			return nil, nil, fmt.Errorf("%s: node group %s: %w", path, g.Name, err)
 		}
 		capacity := corev1.ResourceList{}
 		for name, q := range it.Capacity {
 			v, err := resource.ParseQuantity(q)
 			if err != nil {
-				return nil, fmt.Errorf("%s: %s capacity %s: %w", path, g.InstanceType, name, err)
+				return nil, nil, fmt.Errorf("%s: %s capacity %s: %w", path, g.InstanceType, name, err)
+			}
+			if g.Devices != DevicePlugin && deviceResource(name) {
+				continue // claimed through DRA instead
 			}
 			capacity[name] = v
 		}
 		for i := range g.Count {
 			name := fmt.Sprintf("%s-%d", g.Name, i)
+			shapes[name] = g.Devices
 			labels := map[string]string{
 				"kubernetes.io/hostname":           name,
 				"kubernetes.io/os":                 "linux",
@@ -80,5 +98,5 @@ func Nodes(path string) ([]*corev1.Node, error) {
 			})
 		}
 	}
-	return nodes, nil
+	return nodes, shapes, nil
 }

@@ -135,10 +135,8 @@ func conditionOf(st kvv1.PoolStatus, t string) metav1.Condition {
 // sorted. Specs that need spare nodes beside an engine use it, so they run on any
 // cluster with such nodes, not only the simulated one.
 func largestZone(instanceType string) (string, []string) {
-	list := &corev1.NodeList{}
-	Expect(k8s.List(ctx, list, client.MatchingLabels{"node.kubernetes.io/instance-type": instanceType})).To(Succeed())
 	byZone := map[string][]string{}
-	for _, n := range list.Items {
+	for _, n := range devicePluginNodes(instanceType) {
 		z := n.Labels["topology.kubernetes.io/zone"]
 		byZone[z] = append(byZone[z], n.Name)
 	}
@@ -155,11 +153,27 @@ func largestZone(instanceType string) (string, []string) {
 
 // allNodes lists the names of the nodes of an instance type.
 func allNodes(instanceType string) []string {
-	list := &corev1.NodeList{}
-	Expect(k8s.List(ctx, list, client.MatchingLabels{"node.kubernetes.io/instance-type": instanceType})).To(Succeed())
 	var names []string
-	for _, n := range list.Items {
+	for _, n := range devicePluginNodes(instanceType) {
 		names = append(names, n.Name)
 	}
 	return names
+}
+
+// devicePluginNodes are the nodes of an instance type whose accelerators device plugins
+// advertise (allocatable nvidia.com/gpu or aws.amazon.com/neuron), what the specs of
+// engines on extended resources place on; DRA nodes hand theirs out by claim.
+func devicePluginNodes(instanceType string) []corev1.Node {
+	list := &corev1.NodeList{}
+	Expect(k8s.List(ctx, list, client.MatchingLabels{"node.kubernetes.io/instance-type": instanceType})).To(Succeed())
+	var out []corev1.Node
+	for _, n := range list.Items {
+		for _, r := range []corev1.ResourceName{"nvidia.com/gpu", "aws.amazon.com/neuron"} {
+			if q, ok := n.Status.Allocatable[r]; ok && !q.IsZero() {
+				out = append(out, n)
+				break
+			}
+		}
+	}
+	return out
 }

@@ -182,6 +182,7 @@ var _ = Describe("Node programs", func() {
 	// a missing toleration or a wrong affinity shows up here, not on a customer's cluster.
 	for _, program := range []struct{ dir, component string }{
 		{"device-plugin", "device-plugin"},
+		{"dra", "dra"},
 		{"agent", "transfer-agent"},
 	} {
 		It("runs the "+program.component+" DaemonSet from config/"+program.dir+" on exactly the accelerator nodes", func() {

@@ -26,9 +26,23 @@ MEMORY_SOCKET_NAME = "memory.sock"
 DOORBELL_PREFIX = "doorbell "  # agentv1.DoorbellPrefix
 CUDA_PREFIX = "cuda "  # agentv1.CUDAPrefix
 
-# Set by kvhandoff's device plugin in containers given GPU+EFA bundles: each accelerator
-# with its EFAs, "<accelerator>=<efa>,<efa>;…" (internal/deviceplugin/server EnvAcceleratorEFAs).
+# Set by kvhandoff's device plugin in containers given GPU+EFA bundles, and by its DRA
+# driver's CDI specs: each accelerator with its EFAs, "<accelerator>=<efa>,<efa>;…"
+# (internal/deviceplugin/server EnvAcceleratorEFAs). An engine whose devices take several
+# claims gets one variable per claim: the first unsuffixed, the claim starting at
+# accelerator i as KVHANDOFF_ACCELERATOR_EFAS_<i> (internal/deviceplugin/dra EnvVar).
 ACCELERATOR_EFAS_ENV = "KVHANDOFF_ACCELERATOR_EFAS"
+
+
+def accelerator_efas(environ) -> str | None:
+    """Every claim's rails, in accelerator order, as one value of the device plugin's format."""
+    parts = []
+    for name, value in environ.items():
+        if name == ACCELERATOR_EFAS_ENV:
+            parts.append((0, value))
+        elif name.startswith(ACCELERATOR_EFAS_ENV + "_") and name[len(ACCELERATOR_EFAS_ENV) + 1:].isdigit():
+            parts.append((int(name[len(ACCELERATOR_EFAS_ENV) + 1:]), value))
+    return ";".join(v for _, v in sorted(parts) if v) if parts else None
 
 
 def rank_nics(env: str | None, accelerator: str | None, index: int) -> list[str]:

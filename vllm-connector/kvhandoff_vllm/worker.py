@@ -35,7 +35,7 @@ import time
 import torch
 
 from ._api import agent_pb2 as pb
-from .agent import ACCELERATOR_EFAS_ENV, AgentError, Session, engine_ref, rank_nics
+from .agent import AgentError, Session, accelerator_efas, engine_ref, rank_nics
 from .config import Config
 from .memory import CudaAllocation, PassedCudaMemory, SealedMemory, block_major, gpu_uuid_string, kv_allocation
 from .metadata import Handshake, KVHandoffMetadata
@@ -140,8 +140,8 @@ class WorkerSide:
             lease_millis=self.cfg.lease * 1000, registration_timeout_millis=self.cfg.registration_timeout * 1000,
             blocks_ttl_millis=self.cfg.blocks_ttl * 1000,
             # The rank's rails on its own accelerator's EFAs, where the device plugin's
-            # bundles say which those are.
-            fabric_domains=rank_nics(os.environ.get(ACCELERATOR_EFAS_ENV),
+            # bundles or the DRA driver's claims say which those are.
+            fabric_domains=rank_nics(accelerator_efas(os.environ),
                                      gpu_uuid_string(allocations[0].device_uuid) if cuda else None, self.rank)),
             timeline=self.timeline, doorbell=self.cfg.doorbell)
         passed: dict[int, int] = {}  # allocation's base -> the agent's handle for it

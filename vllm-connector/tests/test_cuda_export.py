@@ -56,6 +56,20 @@ def test_a_rank_names_its_own_accelerators_efas():
     assert rank_nics(None, "GPU-aa", 0) == []  # no bundles: the agent's --rails
 
 
+def test_the_rails_of_an_engines_claims_read_as_one():
+    from kvhandoff_vllm.agent import accelerator_efas, rank_nics
+
+    # A p5 TP8 engine's two claims: accelerators 0-5, then 6-7 (a claim holds 32 devices).
+    environ = {"KVHANDOFF_ACCELERATOR_EFAS_6": "GPU-6=e24,e25,e26,e27;GPU-7=e28,e29,e30,e31",
+               "KVHANDOFF_ACCELERATOR_EFAS": ";".join(f"GPU-{i}=e{4*i}" for i in range(6)), "KVHANDOFF_ACCELERATOR_EFAS_X": "GPU-9=e9",
+               "PATH": "/bin"}
+    merged = accelerator_efas(environ)
+    assert rank_nics(merged, "GPU-7", 0) == ["e28-rdm", "e29-rdm", "e30-rdm", "e31-rdm"]
+    assert rank_nics(merged, None, 6) == ["e24-rdm", "e25-rdm", "e26-rdm", "e27-rdm"]  # host KV: by position
+    assert rank_nics(merged, "GPU-9", 0) == []  # not a claim's variable
+    assert accelerator_efas({"PATH": "/bin"}) is None
+
+
 def test_a_gpu_uuid_reads_as_nvidia_writes_it():
     raw = bytes.fromhex("a312809c85eeabecaeaab8ea1ba91857")
     assert memory.gpu_uuid_string(raw) == "GPU-a312809c-85ee-abec-aeaa-b8ea1ba91857"

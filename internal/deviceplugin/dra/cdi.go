@@ -36,7 +36,7 @@ func CDIDeviceID(uid string) string { return CDIKind + "=" + uid }
 // Spec is the CDI spec of a claim whose devices of this driver are devices (in
 // allocation order) and whose accelerators pair with EFAs as rails say: every device
 // node (host nodes under devRoot), NVIDIA_VISIBLE_DEVICES or AWS_NEURON_VISIBLE_DEVICES
-// for the accelerators this driver publishes, and KVHANDOFF_ACCELERATOR_EFAS.
+// for the accelerators this driver publishes, and the rails (EnvVar).
 func Spec(uid string, devices []inventory.Device, keys []string, rails []Rail, devRoot string) cdispec.Spec {
 	var edits cdispec.ContainerEdits
 	seen := map[string]bool{}
@@ -63,7 +63,7 @@ func Spec(uid string, devices []inventory.Device, keys []string, rails []Rail, d
 		edits.Env = append(edits.Env, "AWS_NEURON_VISIBLE_DEVICES="+strings.Join(neurons, ","))
 	}
 	if len(rails) > 0 {
-		edits.Env = append(edits.Env, EnvName+"="+Env(rails))
+		edits.Env = append(edits.Env, EnvVar(rails)+"="+Env(rails))
 	}
 	return cdispec.Spec{Version: cdiVersion, Kind: CDIKind, Annotations: map[string]string{annotationDevices: strings.Join(keys, ",")},
 		Devices: []cdispec.Device{{Name: uid, ContainerEdits: edits}}}

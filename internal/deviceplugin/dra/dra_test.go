@@ -155,6 +155,13 @@ func TestRailsPairEachAcceleratorWithItsEFAsWhicheverDriverPublishedThem(t *test
 			t.Errorf("accelerators of %s, EFAs of %s: %s (problems %v), want %s", c.acc, c.efa, got, problems, want)
 		}
 	}
+	// The second of two claims (accelerators 6 and 7 of a p5 TP8 engine) sets a variable
+	// of its own.
+	c := p5enClaim("u", inv, 8, DriverName, DriverName)
+	c.Status.Allocation.Devices.Results = c.Status.Allocation.Devices.Results[18:]
+	if rails, _ := Rails(c, inv, nil); EnvVar(rails) != EnvName+"_6" || len(rails) != 2 {
+		t.Errorf("accelerators 6 and 7: %s=%s", EnvVar(rails), Env(rails))
+	}
 	// A driver whose devices say nothing that names them: reported, not guessed.
 	rails, problems := Rails(p5enClaim("u", inv, 2, "gpu.example.com", DriverName), inv,
 		func(string, string, string) map[resourceapi.QualifiedName]resourceapi.DeviceAttribute {

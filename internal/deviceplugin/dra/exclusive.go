@@ -8,6 +8,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
 
+	"github.com/kvhandoff/kvhandoff/internal/claimrails"
 	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
 )
 
@@ -53,7 +54,7 @@ func Conflicts(node *corev1.Node, others []resourceapi.ResourceSlice, inv invent
 			if a, ok := dev.Attributes[deviceattribute.StandardDeviceAttributePCIBusID]; ok && a.StringValue != nil {
 				keys = append(keys, normalPCI(*a.StringValue))
 			}
-			if name := stringAttr(dev.Attributes, s.Spec.Driver, AttrRDMADevice); name != "" {
+			if name := claimrails.RDMADevice(s.Spec.Driver, dev.Attributes); name != "" {
 				keys = append(keys, "rdma:"+name)
 			}
 			for _, k := range keys {

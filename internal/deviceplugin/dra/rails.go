@@ -10,16 +10,9 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
 
+	"github.com/kvhandoff/kvhandoff/internal/claimrails"
 	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
 	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/server"
-)
-
-// The claims kvhandoff's manager renders name accelerator i's request accelerator-i and
-// its EFAs' request efa-i (render.AcceleratorRequest, render.EFARequest): the allocation
-// results tell which EFAs are whose, whichever driver published either.
-const (
-	acceleratorRequest = "accelerator-"
-	efaRequest         = "efa-"
 )
 
 // Foreign returns the attributes of a device another driver published ((driver, pool,
@@ -54,7 +47,7 @@ func Rails(claim *resourceapi.ResourceClaim, inv inventory.Inventory, foreign Fo
 	accs, efas := map[int]inventory.Device{}, map[int][]string{}
 	var problems []string
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		kind, i, ok := requestIndex(r.Request)
+		kind, i, ok := claimrails.Request(r.Request)
 		if !ok {
 			continue
 		}
@@ -64,7 +57,7 @@ func Rails(claim *resourceapi.ResourceClaim, inv inventory.Inventory, foreign Fo
 			continue
 		}
 		switch kind {
-		case acceleratorRequest:
+		case claimrails.Accelerator:
 			d, found := resolveAccelerator(r.Driver, attrs, inv)
 			if !found {
 				problems = append(problems, fmt.Sprintf("%s: %s/%s carries neither a uuid this node's GPUs have nor a PCI address of an "+
@@ -72,8 +65,8 @@ func Rails(claim *resourceapi.ResourceClaim, inv inventory.Inventory, foreign Fo
 				continue
 			}
 			accs[i] = d
-		case efaRequest:
-			name := stringAttr(attrs, r.Driver, AttrRDMADevice)
+		case claimrails.EFA:
+			name := claimrails.RDMADevice(r.Driver, attrs)
 			if name == "" {
 				problems = append(problems, fmt.Sprintf("%s: %s/%s publishes no rdmaDevice attribute", r.Request, r.Driver, r.Device))
 				continue
@@ -107,17 +100,22 @@ func Env(rails []Rail) string {
 // EnvName is the variable the connector reads its ranks' EFAs from.
 const EnvName = server.EnvAcceleratorEFAs
 
-func requestIndex(request string) (string, int, bool) {
-	// A subrequest (firstAvailable) is request/subrequest; the claims kvhandoff renders
-	// have none, but a user's may.
-	request, _, _ = strings.Cut(request, "/")
-	for _, prefix := range []string{acceleratorRequest, efaRequest} {
-		if rest, ok := strings.CutPrefix(request, prefix); ok {
-			i, err := strconv.Atoi(rest)
-			return prefix, i, err == nil && i >= 0 && strconv.Itoa(i) == rest
+// EnvVar is the variable a claim's rails go in. An engine whose devices take several
+// claims (a claim holds 32 devices) gets one spec per claim, and two specs setting one
+// variable would leave the container one of them: the claim of accelerator-0 sets
+// KVHANDOFF_ACCELERATOR_EFAS, a claim starting at accelerator-i sets
+// KVHANDOFF_ACCELERATOR_EFAS_<i>, and the connector reads them all in that order.
+func EnvVar(rails []Rail) string {
+	first := -1
+	for _, r := range rails {
+		if first < 0 || r.index < first {
+			first = r.index
 		}
 	}
-	return "", 0, false
+	if first <= 0 {
+		return EnvName
+	}
+	return EnvName + "_" + strconv.Itoa(first)
 }
 
 func attributesOf(r resourceapi.DeviceRequestAllocationResult, own map[string]inventory.Device,
@@ -139,18 +137,13 @@ func attributesOf(r resourceapi.DeviceRequestAllocationResult, own map[string]in
 
 // stringAttr reads attribute name in driver's domain: unqualified, or qualified with it.
 func stringAttr(attrs map[resourceapi.QualifiedName]resourceapi.DeviceAttribute, driver, name string) string {
-	for _, key := range []string{name, driver + "/" + name, foreignRDMA[name]} {
+	for _, key := range []string{name, driver + "/" + name} {
 		if a, ok := attrs[resourceapi.QualifiedName(key)]; ok && a.StringValue != nil {
 			return *a.StringValue
 		}
 	}
 	return ""
 }
-
-// foreignRDMA names other drivers' attributes for what kvhandoff's call rdmaDevice:
-// DRANET's (kubernetes-sigs/dranet pkg/apis/attributes.go), which EKS ships as its EFA
-// DRA driver.
-var foreignRDMA = map[string]string{AttrRDMADevice: "dra.net/rdmaDevice"}
 
 // resolveAccelerator finds the inventory device an allocated accelerator is: by the
 // uuid attribute of its driver's domain (NVIDIA's gpu.nvidia.com/uuid), else by its PCI

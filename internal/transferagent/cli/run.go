@@ -19,7 +19,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -125,7 +124,7 @@ func Run(args []string, stderr io.Writer) int {
 		if err != nil {
 			return fail(err)
 		}
-		o.agent.Pods = podUIDs{c}
+		o.agent.Pods = enginePods{c}
 		peers, err := peerset.Watch(ctx, c)
 		if err != nil {
 			return fail(err)
@@ -168,17 +167,6 @@ func Run(args []string, stderr io.Writer) int {
 		return fail(err)
 	}
 	return 0
-}
-
-// podUIDs looks engine pods up in the API server (engineapi.Pods).
-type podUIDs struct{ c kubernetes.Interface }
-
-func (p podUIDs) UID(ctx context.Context, namespace, name string) (string, error) {
-	pod, err := p.c.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
-	if err != nil {
-		return "", err
-	}
-	return string(pod.UID), nil
 }
 
 // readToken reads the peer token: the secret every agent of the cluster shares.

@@ -201,7 +201,11 @@ func (srv *Server) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngine
 	if err != nil {
 		return nil, err
 	}
-	if err := srv.checkEngineID(ctx, caller, r.EngineId); err != nil {
+	pod, err := srv.checkEngineID(ctx, caller, r.EngineId)
+	if err != nil {
+		return nil, err
+	}
+	if r.FabricDomains, err = allocatedDomains(pod, srv.cfg.Provider, r); err != nil {
 		return nil, err
 	}
 	if err := srv.cfg.Ready(); err != nil {
