@@ -69,6 +69,20 @@ func objects(t *testing.T, docs string) map[string]map[string]any {
 // config/device-plugin render (the CRDs included: the chart's crds/ are copies make
 // manifests keeps current), except onlyInKustomize.
 func TestTheChartRendersWhatKustomizeRenders(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		set  []string
+		dirs []string
+	}{
+		{"defaults", nil, []string{"default", "agent", "device-plugin"}},
+		// The DRA driver in the device plugin's place.
+		{"dra", []string{"--set", "dra.enabled=true", "--set", "devicePlugin.enabled=false"}, []string{"default", "agent", "dra"}},
+	} {
+		t.Run(c.name, func(t *testing.T) { chartRendersKustomize(t, c.set, c.dirs) })
+	}
+}
+
+func chartRendersKustomize(t *testing.T, set, dirs []string) {
 	root := envtest.RepoRoot()
 	helm := toolPath(t, filepath.Join(root, "hack", "helm.sh"))
 	bins, err := envtest.Binaries("kubectl")
@@ -76,10 +90,10 @@ func TestTheChartRendersWhatKustomizeRenders(t *testing.T) {
 		t.Fatal(err)
 	}
 	chart := filepath.Join(root, "charts", "kvhandoff")
-	run(t, helm, "lint", "--strict", chart)
-	fromChart := objects(t, run(t, helm, "template", "kvhandoff", chart, "--namespace", "kvhandoff-system", "--include-crds"))
+	run(t, helm, append([]string{"lint", "--strict", chart}, set...)...)
+	fromChart := objects(t, run(t, helm, append([]string{"template", "kvhandoff", chart, "--namespace", "kvhandoff-system", "--include-crds"}, set...)...))
 	fromKustomize := map[string]map[string]any{}
-	for _, dir := range []string{"default", "agent", "device-plugin"} {
+	for _, dir := range dirs {
 		for k, o := range objects(t, run(t, filepath.Join(bins, "kubectl"), "kustomize", filepath.Join(root, "config", dir))) {
 			fromKustomize[k] = o
 		}

@@ -12,7 +12,10 @@
 //	engineprobe --socket S hold-sessions N  N engine ranks registered, each with its event stream open
 //	engineprobe --socket S replace          remove the engine socket and bind one of its own there
 //	engineprobe --socket S flood N          N concurrent calls of nearly 2 MiB each (the agent's request limit)
+//	engineprobe --socket S register-on ENGINE_ID DOMAIN,...  register naming its rails' NICs (fabric_domains)
+//	engineprobe --socket S register-rails ENGINE_ID I        register on accelerator I's EFAs, from KVHANDOFF_ACCELERATOR_EFAS
 //	engineprobe processes                   print its uid and the pids it can see
+//	engineprobe devices                     print its device nodes and the device variables, then run until SIGTERM
 //	engineprobe linger                      run until SIGTERM
 package main
 
@@ -24,6 +27,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -46,6 +50,11 @@ func main() {
 		// What an engine can see of the node's processes: its uid and the pids in its /proc.
 		fmt.Println("uid", os.Getuid(), "pids", processes())
 		return
+	}
+	if len(args) == 1 && args[0] == "devices" {
+		// What a DRA driver's CDI spec gave the container: its device nodes and variables.
+		fmt.Println(devices())
+		args[0] = "linger"
 	}
 	if len(args) == 1 && args[0] == "linger" {
 		// An engine that runs until its pod is deleted, for another to look for.
@@ -82,6 +91,26 @@ func main() {
 			Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}}
 		if len(args) > 2 {
 			r.ReplacesSession = args[2]
+		}
+		_, err := api.RegisterEngine(ctx, r)
+		answer(err)
+	case "register-on", "register-rails":
+		r := &agentv1.RegisterEngineRequest{EngineId: args[1], Role: agentv1.Role_ROLE_DECODE, Mode: agentv1.Mode_MODE_PUSH, TpSize: 1,
+			Layout: &agentv1.KVLayout{Layers: 1, BlockSize: 16, KvHeads: 8, HeadDim: 16, DtypeBytes: 2}}
+		if len(args) > 2 {
+			r.FabricDomains = strings.Split(args[2], ",")
+		}
+		if args[0] == "register-rails" {
+			// The RDMA device names themselves: the agent's provider here is not efa, whose
+			// domains would be <name>-rdm.
+			groups := strings.Split(os.Getenv("KVHANDOFF_ACCELERATOR_EFAS"), ";")
+			i, _ := strconv.Atoi(args[2])
+			if i >= len(groups) {
+				answer(fmt.Errorf("KVHANDOFF_ACCELERATOR_EFAS has %d accelerators", len(groups)))
+				return
+			}
+			_, efas, _ := strings.Cut(groups[i], "=")
+			r.FabricDomains = strings.Split(efas, ",")
 		}
 		_, err := api.RegisterEngine(ctx, r)
 		answer(err)
@@ -206,4 +235,27 @@ func processes() []int {
 	}
 	slices.Sort(pids)
 	return pids
+}
+
+// devices is one line: the container's GPU and RDMA device nodes (those that are
+// character devices), then the variables a device's CDI spec sets, sorted.
+func devices() string {
+	var out []string
+	for _, pattern := range []string{"/dev/nvidia*", "/dev/infiniband/*", "/dev/neuron*"} {
+		names, _ := filepath.Glob(pattern)
+		for _, n := range names {
+			if fi, err := os.Stat(n); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
+				out = append(out, n)
+			}
+		}
+	}
+	for _, e := range os.Environ() {
+		for _, prefix := range []string{"NVIDIA_VISIBLE_DEVICES=", "AWS_NEURON_VISIBLE_DEVICES=", "KVHANDOFF_ACCELERATOR_EFAS"} {
+			if strings.HasPrefix(e, prefix) {
+				out = append(out, e)
+			}
+		}
+	}
+	slices.Sort(out)
+	return strings.Join(out, " ")
 }

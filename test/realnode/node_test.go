@@ -27,6 +27,12 @@ import (
 // logs printed if the test failed) when the test ends.
 func startNode(t testing.TB, images ...string) (*realnode.Node, *kubernetes.Clientset) {
 	t.Helper()
+	return startNodeWith(t, realnode.Options{}, images...)
+}
+
+// startNodeWith is startNode with the node's options.
+func startNodeWith(t testing.TB, o realnode.Options, images ...string) (*realnode.Node, *kubernetes.Clientset) {
+	t.Helper()
 	var n *realnode.Node
 	var err error
 	if kubeconfig := realnode.External(); kubeconfig != "" {
@@ -37,7 +43,7 @@ func startNode(t testing.TB, images ...string) (*realnode.Node, *kubernetes.Clie
 		if archives, err = realnode.BuildImages(filepath.Join(envtest.RepoRoot(), "bin", "images"), append([]string{"pause"}, images...)...); err != nil {
 			t.Fatal(err)
 		}
-		n, err = realnode.Start(bg, t.TempDir(), archives...)
+		n, err = realnode.StartWith(bg, t.TempDir(), o, archives...)
 	}
 	if err != nil {
 		t.Fatal(err)

@@ -98,7 +98,8 @@ func Run(f func() int, images ...string) int {
 	}
 	// What the node's pods mount from the host, and the places the kubelet and containerd
 	// write to whatever their configuration says.
-	for _, dir := range []string{"/var/run/kvhandoff", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/run/containerd", "/var/run/netns"} {
+	for _, dir := range []string{"/var/run/kvhandoff", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/run/containerd", "/var/run/netns",
+		CDIDir} {
 		err := os.MkdirAll(dir, 0o755)
 		if err == nil {
 			// 0755 as the folders they stand for (tmpfs defaults to 1777).
@@ -124,6 +125,9 @@ func prepare(images []string) error {
 	if _, err := cniPlugins(); err != nil {
 		return err
 	}
+	if _, err := containerd2(); err != nil {
+		return err
+	}
 	if _, err := helmPath(); err != nil {
 		return err
 	}
@@ -147,6 +151,20 @@ func cniPlugins() (string, error) {
 	out, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "cni-plugins.sh")).Output()
 	if err != nil {
 		return "", fmt.Errorf("building the CNI plugins with hack/cni-plugins.sh: %w", err)
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
+// CDIDir is where a node with Options.CDI reads CDI specs: the DRA drivers' folder (a
+// tmpfs of the tier's mount namespace, see Run).
+const CDIDir = "/var/run/cdi"
+
+// containerd2 builds containerd 2 and its shim (hack/containerd.sh, cached) and returns
+// their folder.
+func containerd2() (string, error) {
+	out, err := exec.Command(filepath.Join(envtest.RepoRoot(), "hack", "containerd.sh")).Output()
+	if err != nil {
+		return "", fmt.Errorf("building containerd 2 with hack/containerd.sh: %w", err)
 	}
 	return strings.TrimSpace(string(out)), nil
 }
@@ -184,15 +202,29 @@ type Node struct {
 	// in every hierarchy.
 	cgroupRoot string
 	stopping   bool
+	// env is the environment of the node's processes (nil: this one's).
+	env []string
 }
 
 // globalSysctls are the host settings the kubelet changes (they are not per network
 // namespace); Stop puts back what they were.
 var globalSysctls = []string{"vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops"}
 
+// Options are how a node differs from the tier's default.
+type Options struct {
+	// CDI runs containerd 2 (hack/containerd.sh) with CDI on, reading specs from
+	// /var/run/cdi, for DRA drivers: Debian 12's containerd 1.6 has no CDI.
+	CDI bool
+}
+
 // Start brings up the node in dir and imports the image archives into its containerd.
 // On error, whatever started is stopped.
-func Start(ctx context.Context, dir string, images ...string) (_ *Node, err error) {
+func Start(ctx context.Context, dir string, images ...string) (*Node, error) {
+	return StartWith(ctx, dir, Options{}, images...)
+}
+
+// StartWith is Start with options.
+func StartWith(ctx context.Context, dir string, o Options, images ...string) (_ *Node, err error) {
 	if os.Getenv(inNamespaces) == "" {
 		return nil, errors.New("realnode: Start outside the tier's namespaces (use realnode.Main as TestMain)")
 	}
@@ -237,7 +269,7 @@ func Start(ctx context.Context, dir string, images ...string) (_ *Node, err erro
 	if err := n.controlPlane(ctx, p); err != nil {
 		return nil, err
 	}
-	if err := n.runtime(ctx, cni, images); err != nil {
+	if err := n.runtime(ctx, cni, o, images); err != nil {
 		return nil, err
 	}
 	if err := n.kubelet(ctx, p); err != nil {
@@ -344,8 +376,19 @@ func (n *Node) controlPlane(ctx context.Context, p *pki) error {
 	return nil
 }
 
-func (n *Node) runtime(ctx context.Context, cni string, images []string) error {
+func (n *Node) runtime(ctx context.Context, cni string, o Options, images []string) error {
 	d := n.Dir
+	bin, cdi := "containerd", ""
+	if o.CDI {
+		dir, err := containerd2()
+		if err != nil {
+			return err
+		}
+		// containerd finds its shim on PATH: containerd 2's beside it.
+		bin = filepath.Join(dir, "containerd")
+		n.env = append(os.Environ(), "PATH="+dir+":"+os.Getenv("PATH"))
+		cdi = fmt.Sprintf("  enable_cdi = true\n  cdi_spec_dirs = [%q]\n", CDIDir)
+	}
 	containerd := fmt.Sprintf(`version = 2
 root = %q
 state = %q
@@ -356,10 +399,10 @@ state = %q
   # This machine's sandbox lacks CAP_SYS_RESOURCE: without this every pod sandbox fails
   # ("can't get final child's PID from pipe").
   restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".cni]
+%s  [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = %q
     conf_dir = %q
-`, filepath.Join(d, "containerd"), filepath.Join(d, "containerd-state"), n.socket, cni, filepath.Join(d, "cni", "net.d"))
+`, filepath.Join(d, "containerd"), filepath.Join(d, "containerd-state"), n.socket, cdi, cni, filepath.Join(d, "cni", "net.d"))
 	if err := os.WriteFile(filepath.Join(d, "containerd.toml"), []byte(containerd), 0o644); err != nil {
 		return err
 	}
@@ -370,7 +413,7 @@ state = %q
 	if err := os.WriteFile(filepath.Join(d, "cni", "net.d", "10-kvhandoff.conflist"), []byte(conflist), 0o644); err != nil {
 		return err
 	}
-	if err := n.run("containerd", "containerd", "--config", filepath.Join(d, "containerd.toml")); err != nil {
+	if err := n.run("containerd", bin, "--config", filepath.Join(d, "containerd.toml")); err != nil {
 		return err
 	}
 	if err := n.until(ctx, "containerd to serve", func(context.Context) bool { _, err := os.Stat(n.socket); return err == nil }); err != nil {
@@ -461,7 +504,7 @@ func (n *Node) run(name, bin string, args ...string) error {
 		return err
 	}
 	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = log, log
+	cmd.Stdout, cmd.Stderr, cmd.Env = log, log, n.env
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting %s: %w", name, err)

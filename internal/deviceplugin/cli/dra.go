@@ -101,6 +101,10 @@ func RunDRA(ctx context.Context, o DRAOptions) error {
 	if c := dra.Conflicts(node, slices.Items, inv, o.Accelerators); len(c) > 0 {
 		return fmt.Errorf("refusing to publish devices another plugin or driver serves on this node:\n  %s", strings.Join(c, "\n  "))
 	}
+	// The kubelet makes its registration folder; this driver's own socket folder is its to make.
+	if err := os.MkdirAll(o.PluginDir, 0o750); err != nil {
+		return err
+	}
 	d := &dra.Driver{Inv: inv, SysRoot: filepath.Join(o.Inventory.Root, "sys"), DevRoot: o.Inventory.DevRoot, CDIDir: o.CDIDir,
 		Accelerators: o.Accelerators, Node: o.Node, Client: o.Client, Log: o.Log}
 	ctx, err = d.Start(ctx, kubeletplugin.RegistrarDirectoryPath(o.RegistryDir), kubeletplugin.PluginDataDirectoryPath(o.PluginDir))
