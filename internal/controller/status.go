@@ -165,12 +165,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		set(kvv1.ConditionProgressing, metav1.ConditionFalse, v.problem.Reason,
 			"nothing is rolled out until the problem in the Degraded condition is fixed; running engines are left as they are")
 	case unschedulable != "":
-		reason := kvv1.ReasonEnginesUnschedulable
-		if claim := render.DeviceClaimSummary(p.engine(), v.policy); claim != "" {
-			// The scheduler's message counts nodes that "cannot allocate all claims";
-			// what the claim asks is what to compare with the nodes' ResourceSlices.
-			reason, unschedulable = kvv1.ReasonDevicesUnallocatable, unschedulable+"; "+claim
-		}
+		reason, unschedulable := unschedulableReason(p, v, unschedulable)
 		set(kvv1.ConditionReady, metav1.ConditionFalse, reason, unschedulable)
 		set(kvv1.ConditionDegraded, metav1.ConditionTrue, reason, unschedulable)
 		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, desired))
@@ -263,6 +258,16 @@ func statusEvents(old, cur *kvv1.PoolStatus) []event {
 }
 
 // rolledOut reports whether every pod of the StatefulSet runs its current template.
+// unschedulableReason is EnginesUnschedulable, or DevicesUnallocatable for a pool whose
+// devices come by claim: the scheduler's message counts nodes that "cannot allocate all
+// claims", and what the claims ask is what to compare with the nodes' ResourceSlices.
+func unschedulableReason(p pool, v *validation, message string) (string, string) {
+	if claim := render.DeviceClaimSummary(p.engine(), v.policy); claim != "" {
+		return kvv1.ReasonDevicesUnallocatable, message + "; " + claim
+	}
+	return kvv1.ReasonEnginesUnschedulable, message
+}
+
 func rolledOut(sts *appsv1.StatefulSet) bool {
 	want := ptr.Deref(sts.Spec.Replicas, 1)
 	s := sts.Status

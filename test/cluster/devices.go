@@ -95,6 +95,17 @@ func Machine(dir, instanceType, node string) (inventory.Inventory, string, error
 	return inv, root, nil
 }
 
+// PublishDevices publishes what the DRA drivers of the nodes of nodesFile would (the
+// nodes exist already), with the instance types' sysfs fixtures written under dir: for a
+// cluster whose nodes hack/fakenodes made.
+func PublishDevices(ctx context.Context, c client.Client, nodesFile, dir string) error {
+	nodes, shapes, err := nodesAndShapes(nodesFile)
+	if err != nil {
+		return err
+	}
+	return publishDevices(ctx, c, nodes, shapes, dir)
+}
+
 // publishDevices installs the DeviceClasses (kvhandoff's from config/dra, the
 // third-party drivers' from deviceclasses.yaml here) and the ResourceSlices of every
 // node whose devices DRA hands out.
@@ -119,7 +130,7 @@ func publishDevices(ctx context.Context, c client.Client, nodes []*corev1.Node, 
 			return err
 		}
 		for _, s := range sliceSet {
-			if err := c.Create(ctx, s); err != nil {
+			if err := c.Create(ctx, s); client.IgnoreAlreadyExists(err) != nil {
 				return fmt.Errorf("publishing %s's %s slice: %w", n.Name, s.Spec.Driver, err)
 			}
 		}
@@ -192,7 +203,7 @@ func createAll(ctx context.Context, c client.Client, path string) error {
 			}
 			return fmt.Errorf("%s: %w", path, err)
 		}
-		if err := c.Create(ctx, &dc); err != nil {
+		if err := c.Create(ctx, &dc); client.IgnoreAlreadyExists(err) != nil {
 			return fmt.Errorf("%s: DeviceClass %s: %w", path, dc.Name, err)
 		}
 	}

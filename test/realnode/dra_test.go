@@ -74,7 +74,8 @@ func runDRADriver(t *testing.T, n *realnode.Node, fixture string) {
 			}
 			c := &ds.Spec.Template.Spec.Containers[0]
 			c.Image, c.ImagePullPolicy = realnode.Registry+"/device-plugin:"+realnode.Tag, corev1.PullNever
-			c.Args = []string{"dra", "--sysfs-root=/host", "--dev-root=" + filepath.Join(fixture, "dev"), "--nvml=false", "--accelerators"}
+			c.Args = []string{"dra", "--sysfs-root=/host", "--dev-root=" + filepath.Join(fixture, "dev"), "--nvml=false", "--accelerators",
+				"--health-interval=1s", "--recover-after=3s"}
 			for i, v := range ds.Spec.Template.Spec.Volumes {
 				switch v.Name {
 				case "sys", "proc-driver":
@@ -136,7 +137,8 @@ func slicesDelete[T any](s []T, del func(T) bool) []T {
 
 // TestTheDRADriverHandsAnEngineItsDevicesThroughCDI runs kvhandoff's DRA driver
 // (config/dra, the device-plugin image) on the p5en fixture beside a real kubelet and
-// containerd 2: it registers, publishes the node's 8 GPUs and 16 EFAs, and an engine pod
+// containerd 2: it registers, publishes the node's 8 GPUs and 16 EFAs (an EFA whose port
+// goes down leaves the slice until it is back up), and an engine pod
 // whose claims ask for 8 GPUs each with its own EFAs is prepared through CDI: it sees
 // exactly its device nodes, the GPU variable and each GPU's EFAs as the bundles pair
 // them. A second such pod finds no devices left and stays Pending with the scheduler's
@@ -161,13 +163,27 @@ func TestTheDRADriverHandsAnEngineItsDevicesThroughCDI(t *testing.T) {
 		t.Fatal(err)
 	}
 	runDRADriver(t, n, fixture)
-	until(t, "the driver to publish the node's 24 devices", 3*time.Minute, func() bool {
-		list := &resourceapi.ResourceSliceList{}
-		if n.Client.List(bg, list, client.MatchingFields{"spec.driver": "dra.kvhandoff.io"}) != nil || len(list.Items) != 1 {
-			return false
+	published := func(want int) func() bool {
+		return func() bool {
+			list := &resourceapi.ResourceSliceList{}
+			if n.Client.List(bg, list, client.MatchingFields{"spec.driver": "dra.kvhandoff.io"}) != nil || len(list.Items) != 1 {
+				return false
+			}
+			return len(list.Items[0].Spec.Devices) == want
 		}
-		return len(list.Items[0].Spec.Devices) == 24
-	})
+	}
+	until(t, "the driver to publish the node's 24 devices", 3*time.Minute, published(24))
+	// An EFA whose port goes down leaves the slice, and comes back once it has been up
+	// for --recover-after.
+	port := filepath.Join(fixture, "sys", "class", "infiniband", "rdmap5s0", "ports", "1", "state")
+	if err := os.WriteFile(port, []byte("1: DOWN\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "the EFA whose port is down to leave the slice", time.Minute, published(23))
+	if err := os.WriteFile(port, []byte("4: ACTIVE\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "the EFA to come back", time.Minute, published(24))
 	until(t, "the agent to label its node ready", 3*time.Minute, func() bool {
 		return n.Client.Get(bg, client.ObjectKey{Name: realnode.Name}, node) == nil && node.Labels[kvv1.LabelAgentReady] == "true"
 	})

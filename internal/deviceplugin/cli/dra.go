@@ -19,7 +19,6 @@ import (
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 
 	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/dra"
-	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/health"
 	"github.com/kvhandoff/kvhandoff/internal/deviceplugin/inventory"
 	"github.com/kvhandoff/kvhandoff/internal/kubeconfig"
 )
@@ -87,9 +86,7 @@ func DRA(args []string, stderr io.Writer) int {
 // another driver already serves there, then registers with the kubelet and publishes
 // them until ctx ends. Health checks republish: a failed device leaves the slices.
 func RunDRA(ctx context.Context, o DRAOptions) error {
-	inv := inventory.Discover(o.Inventory)
-	o.Log.Info("discovered", "gpus", len(inv.OfKind(inventory.GPU)), "efas", len(inv.OfKind(inventory.EFA)),
-		"neuron", len(inv.OfKind(inventory.Neuron)), "nvml", inv.NVML, "problems", inv.Problems)
+	inv := discoverLogged(o.Inventory, o.Log)
 	node, err := o.Client.CoreV1().Nodes().Get(ctx, o.Node, metav1.GetOptions{})
 	if err != nil {
 		return fmt.Errorf("reading node %s: %w", o.Node, err)
@@ -112,16 +109,7 @@ func RunDRA(ctx context.Context, o DRAOptions) error {
 		return err
 	}
 	defer d.Stop()
-	mon := &health.Monitor{Root: o.Inventory.Root, DevRoot: o.Inventory.DevRoot, Interval: o.Interval,
-		Tracker: health.NewTracker(o.RecoverAfter), Report: func(h map[string]bool) { d.SetHealth(ctx, h) }, Log: o.Log}
-	if n := o.Inventory.NVML; n != nil {
-		events, err := n.Events(ctx)
-		if err != nil {
-			o.Log.Warn("NVML events unavailable; GPU health from device nodes and NVML queries", "err", err)
-		}
-		mon.Events, mon.NVML = events, n
-	}
-	go mon.Run(ctx, inv)
+	go monitor(ctx, o.Inventory, o.Interval, o.RecoverAfter, func(h map[string]bool) { d.SetHealth(ctx, h) }, o.Log).Run(ctx, inv)
 	<-ctx.Done()
 	if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
 		return cause

@@ -70,16 +70,13 @@ func Serve(args []string, stderr io.Writer) int {
 // registers: nothing is advertised healthy that another pod holds.
 func Run(ctx context.Context, o Options) error {
 	log := o.Log
-	inv := inventory.Discover(o.Inventory)
-	log.Info("discovered", "gpus", len(inv.OfKind(inventory.GPU)), "efas", len(inv.OfKind(inventory.EFA)),
-		"neuron", len(inv.OfKind(inventory.Neuron)), "nvml", inv.NVML, "problems", inv.Problems)
+	inv := discoverLogged(o.Inventory, log)
 	if len(inv.Devices) == 0 {
 		log.Warn("no EFA, GPU or Neuron device found; serving empty resources")
 	}
 	resources := server.Resources(inv, o.Bundles)
 	state := server.NewState(inv)
-	mon := &health.Monitor{Root: o.Inventory.Root, DevRoot: o.Inventory.DevRoot, Interval: o.Interval,
-		Tracker: health.NewTracker(o.RecoverAfter), Report: state.SetHealth, Log: log}
+	mon := monitor(ctx, o.Inventory, o.Interval, o.RecoverAfter, state.SetHealth, log)
 	if o.PodResources != "" {
 		mon.Held = func() (map[string]string, error) {
 			allocs, err := podresources.List(ctx, o.PodResources)
@@ -89,14 +86,30 @@ func Run(ctx context.Context, o Options) error {
 			return server.HeldElsewhere(inv, resources, allocs), nil
 		}
 	}
-	if n := o.Inventory.NVML; n != nil {
+	mon.Check(inv)
+	go mon.Run(ctx, inv)
+	return server.Serve(ctx, server.Config{PluginDir: o.PluginDir, Resources: resources, State: state, Log: log})
+}
+
+// discoverLogged reads the machine and logs what it found.
+func discoverLogged(o inventory.Options, log *slog.Logger) inventory.Inventory {
+	inv := inventory.Discover(o)
+	log.Info("discovered", "gpus", len(inv.OfKind(inventory.GPU)), "efas", len(inv.OfKind(inventory.EFA)),
+		"neuron", len(inv.OfKind(inventory.Neuron)), "nvml", inv.NVML, "problems", inv.Problems)
+	return inv
+}
+
+// monitor is the health monitor of both modes: device nodes, EFA ports and, with NVML,
+// each GPU and its XID events, reported to report.
+func monitor(ctx context.Context, o inventory.Options, interval, recoverAfter time.Duration, report func(map[string]bool),
+	log *slog.Logger) *health.Monitor {
+	mon := &health.Monitor{Root: o.Root, DevRoot: o.DevRoot, Interval: interval, Tracker: health.NewTracker(recoverAfter), Report: report, Log: log}
+	if n := o.NVML; n != nil {
 		events, err := n.Events(ctx)
 		if err != nil {
 			log.Warn("NVML events unavailable; GPU health from device nodes and NVML queries", "err", err)
 		}
 		mon.Events, mon.NVML = events, n
 	}
-	mon.Check(inv)
-	go mon.Run(ctx, inv)
-	return server.Serve(ctx, server.Config{PluginDir: o.PluginDir, Resources: resources, State: state, Log: log})
+	return mon
 }
