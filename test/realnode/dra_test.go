@@ -75,7 +75,7 @@ func runDRADriver(t *testing.T, n *realnode.Node, fixture string) {
 			c := &ds.Spec.Template.Spec.Containers[0]
 			c.Image, c.ImagePullPolicy = realnode.Registry+"/device-plugin:"+realnode.Tag, corev1.PullNever
 			c.Args = []string{"dra", "--sysfs-root=/host", "--dev-root=" + filepath.Join(fixture, "dev"), "--nvml=false", "--accelerators",
-				"--health-interval=1s", "--recover-after=3s"}
+				"--health-interval=1s", "--recover-after=3s", "--conflict-recheck=2s"}
 			for i, v := range ds.Spec.Template.Spec.Volumes {
 				switch v.Name {
 				case "sys", "proc-driver":
@@ -270,4 +270,18 @@ func TestTheDRADriverHandsAnEngineItsDevicesThroughCDI(t *testing.T) {
 	if got := logs(t, cs, "default", second.Name); !strings.Contains(got, "KVHANDOFF_ACCELERATOR_EFAS="+strings.Join(groups, ";")) {
 		t.Errorf("engine-c: %s", got)
 	}
+
+	// Another driver starts publishing one of these EFAs (DRANET's attribute): the driver
+	// withdraws its slice rather than let the scheduler hand the EFA out twice.
+	efa := inv.OfKind(inventory.EFA)[0]
+	if err := n.Client.Create(bg, &resourceapi.ResourceSlice{ObjectMeta: metav1.ObjectMeta{Name: "dranet"}, Spec: resourceapi.ResourceSliceSpec{
+		Driver: "dra.net", NodeName: &node.Name, Pool: resourceapi.ResourcePool{Name: node.Name, ResourceSliceCount: 1},
+		Devices: []resourceapi.Device{{Name: "eth1", Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			"dra.net/rdmaDevice": {StringValue: &efa.RDMA}}}}}}); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "the driver to withdraw its slice", time.Minute, func() bool {
+		list := &resourceapi.ResourceSliceList{}
+		return n.Client.List(bg, list, client.MatchingFields{"spec.driver": "dra.kvhandoff.io"}) == nil && len(list.Items) == 0
+	})
 }

@@ -33,7 +33,10 @@ type DRAOptions struct {
 	Node                           string
 	Client                         kubernetes.Interface
 	Interval, RecoverAfter         time.Duration
-	Log                            *slog.Logger
+	// Recheck is how often a running driver looks for a device plugin or driver that
+	// started after it and serves the same devices.
+	Recheck time.Duration
+	Log     *slog.Logger
 }
 
 // DRA runs the kubelet DRA plugin until SIGINT or SIGTERM.
@@ -53,6 +56,8 @@ func DRA(args []string, stderr io.Writer) int {
 	fs.StringVar(&o.Node, "node-name", os.Getenv("NODE_NAME"), "this node's name (the DaemonSet sets NODE_NAME)")
 	fs.DurationVar(&o.Interval, "health-interval", 5*time.Second, "how often device nodes, EFA ports and GPUs (NVML) are checked")
 	fs.DurationVar(&o.RecoverAfter, "recover-after", 2*time.Minute, "how long a failed device must pass every check before it is published again")
+	fs.DurationVar(&o.Recheck, "conflict-recheck", time.Minute, "how often to look for a device plugin or driver that started later and serves "+
+		"the same devices (this driver then withdraws its slices and exits)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -87,6 +92,43 @@ func DRA(args []string, stderr io.Writer) int {
 // them until ctx ends. Health checks republish: a failed device leaves the slices.
 func RunDRA(ctx context.Context, o DRAOptions) error {
 	inv := discoverLogged(o.Inventory, o.Log)
+	if err := checkConflicts(ctx, o, inv); err != nil {
+		return err
+	}
+	// The kubelet makes its registration folder; this driver's own socket folder is its to make.
+	if err := os.MkdirAll(o.PluginDir, 0o750); err != nil {
+		return err
+	}
+	d := &dra.Driver{Inv: inv, SysRoot: filepath.Join(o.Inventory.Root, "sys"), DevRoot: o.Inventory.DevRoot, CDIDir: o.CDIDir,
+		Accelerators: o.Accelerators, Node: o.Node, Client: o.Client, Log: o.Log}
+	ctx, err := d.Start(ctx, kubeletplugin.RegistrarDirectoryPath(o.RegistryDir), kubeletplugin.PluginDataDirectoryPath(o.PluginDir))
+	if err != nil {
+		return err
+	}
+	defer d.Stop()
+	go monitor(ctx, o.Inventory, o.Interval, o.RecoverAfter, func(h map[string]bool) { d.SetHealth(ctx, h) }, o.Log).Run(ctx, inv)
+	ctx, conflict := context.WithCancelCause(ctx)
+	go recheckConflicts(ctx, o, inv, conflict)
+	<-ctx.Done()
+	cause := context.Cause(ctx)
+	if errors.Is(cause, errConflict) {
+		d.Stop()
+		// A device plugin or driver that came after this one: nothing stays offered twice.
+		return errors.Join(cause, withdraw(o))
+	}
+	if cause != nil && !errors.Is(cause, context.Canceled) {
+		return cause
+	}
+	return nil
+}
+
+// errConflict is what stops a driver that another plugin or driver on its node competes
+// with for its devices.
+var errConflict = errors.New("refusing to publish devices another plugin or driver serves on this node")
+
+// checkConflicts refuses, and withdraws what an earlier run published, where another
+// plugin or driver serves the devices this one would publish (dra.Conflicts).
+func checkConflicts(ctx context.Context, o DRAOptions, inv inventory.Inventory) error {
 	node, err := o.Client.CoreV1().Nodes().Get(ctx, o.Node, metav1.GetOptions{})
 	if err != nil {
 		return fmt.Errorf("reading node %s: %w", o.Node, err)
@@ -96,23 +138,36 @@ func RunDRA(ctx context.Context, o DRAOptions) error {
 		return fmt.Errorf("reading node %s's ResourceSlices (resource.k8s.io/v1, Kubernetes 1.34 and later): %w", o.Node, err)
 	}
 	if c := dra.Conflicts(node, slices.Items, inv, o.Accelerators); len(c) > 0 {
-		return fmt.Errorf("refusing to publish devices another plugin or driver serves on this node:\n  %s", strings.Join(c, "\n  "))
+		return errors.Join(fmt.Errorf("%w:\n  %s", errConflict, strings.Join(c, "\n  ")), withdraw(o))
 	}
-	// The kubelet makes its registration folder; this driver's own socket folder is its to make.
-	if err := os.MkdirAll(o.PluginDir, 0o750); err != nil {
-		return err
+	return nil
+}
+
+// recheckConflicts stops the driver (stop) when a conflict appears while it runs.
+func recheckConflicts(ctx context.Context, o DRAOptions, inv inventory.Inventory, stop context.CancelCauseFunc) {
+	tick := time.NewTicker(o.Recheck)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		if err := checkConflicts(ctx, o, inv); errors.Is(err, errConflict) {
+			stop(err)
+			return
+		} else if err != nil {
+			o.Log.Warn("rechecking for devices served twice", "err", err)
+		}
 	}
-	d := &dra.Driver{Inv: inv, SysRoot: filepath.Join(o.Inventory.Root, "sys"), DevRoot: o.Inventory.DevRoot, CDIDir: o.CDIDir,
-		Accelerators: o.Accelerators, Node: o.Node, Client: o.Client, Log: o.Log}
-	ctx, err = d.Start(ctx, kubeletplugin.RegistrarDirectoryPath(o.RegistryDir), kubeletplugin.PluginDataDirectoryPath(o.PluginDir))
+}
+
+// withdraw deletes this driver's slices of the node.
+func withdraw(o DRAOptions) error {
+	err := o.Client.ResourceV1().ResourceSlices().DeleteCollection(context.Background(), metav1.DeleteOptions{},
+		metav1.ListOptions{FieldSelector: "spec.nodeName=" + o.Node + ",spec.driver=" + dra.DriverName})
 	if err != nil {
-		return err
-	}
-	defer d.Stop()
-	go monitor(ctx, o.Inventory, o.Interval, o.RecoverAfter, func(h map[string]bool) { d.SetHealth(ctx, h) }, o.Log).Run(ctx, inv)
-	<-ctx.Done()
-	if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
-		return cause
+		return fmt.Errorf("withdrawing this driver's ResourceSlices of node %s: %w", o.Node, err)
 	}
 	return nil
 }

@@ -6,7 +6,6 @@ package dra
 
 import (
 	"fmt"
-	"strconv"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
@@ -36,18 +35,8 @@ const (
 	AttrPCIeSwitch = "pcieSwitch"
 )
 
-// Name is a device's name in the slices: a DNS label of its kind and identity
-// (efa-rdmap79s0, gpu-3, neuron-12).
-func Name(d inventory.Device) string {
-	switch d.Kind {
-	case inventory.EFA:
-		return "efa-" + d.RDMA
-	case inventory.GPU:
-		return "gpu-" + strconv.Itoa(d.Index)
-	default:
-		return "neuron-" + strconv.Itoa(d.Index)
-	}
-}
+// Name is a device's name in the slices (inventory.Device.DRAName).
+func Name(d inventory.Device) string { return d.DRAName() }
 
 // Published says which kinds the driver publishes: EFAs always, accelerators only where
 // no other driver publishes them (--accelerators).

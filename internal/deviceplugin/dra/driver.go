@@ -65,9 +65,11 @@ func (d *Driver) Start(ctx context.Context, opts ...kubeletplugin.Option) (conte
 }
 
 // Stop unregisters from the kubelet; the published slices stay for a restart to take on.
+// Stopping twice is stopping once.
 func (d *Driver) Stop() {
 	if d.helper != nil {
 		d.helper.Stop()
+		d.helper = nil
 	}
 }
 

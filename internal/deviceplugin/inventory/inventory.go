@@ -234,6 +234,19 @@ func bundles(devices []Device) []Bundle {
 	return out
 }
 
+// DRAName is the device's name in kvhandoff's ResourceSlices: a DNS label of its kind and
+// identity (efa-rdmap79s0, gpu-3 — NVIDIA's DRA driver names GPUs so too — neuron-12).
+func (d Device) DRAName() string {
+	switch d.Kind {
+	case EFA:
+		return "efa-" + d.RDMA
+	case GPU:
+		return fmt.Sprintf("gpu-%d", d.Index)
+	default:
+		return fmt.Sprintf("neuron-%d", d.Index)
+	}
+}
+
 // Lookup returns the device with id.
 func (inv Inventory) Lookup(id string) (Device, bool) {
 	for _, d := range inv.Devices {

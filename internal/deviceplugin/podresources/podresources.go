@@ -39,6 +39,12 @@ func List(ctx context.Context, socket string) ([]server.Allocation, error) {
 					out = append(out, server.Allocation{Resource: d.ResourceName, DeviceID: id, Pod: p.Namespace + "/" + p.Name})
 				}
 			}
+			// Devices a DRA driver's claims gave the pod.
+			for _, d := range c.DynamicResources {
+				for _, r := range d.ClaimResources {
+					out = append(out, server.Allocation{Resource: server.DRAResource(r.DriverName), DeviceID: r.DeviceName, Pod: p.Namespace + "/" + p.Name})
+				}
+			}
 		}
 	}
 	return out, nil

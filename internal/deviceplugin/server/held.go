@@ -10,11 +10,15 @@ import (
 )
 
 // Allocation is one device the kubelet gave a container, as its PodResources API lists
-// it: the resource, the device's id as the plugin that advertised it named it, and the
-// pod.
+// it: the resource (DRAResource for a DRA driver's), the device's id as the plugin or
+// driver that published it named it, and the pod.
 type Allocation struct {
 	Resource, DeviceID, Pod string
 }
+
+// DRAResource is the Allocation resource of devices a DRA driver's claims hold: never one
+// this plugin advertises, so a device a claim holds is always held elsewhere.
+func DRAResource(driver string) string { return "dra:" + driver }
 
 // HeldElsewhere returns the inventory devices that allocations hold under another name
 // than the one this plugin advertises them by now, each with who holds it: an EFA a pod
@@ -69,6 +73,9 @@ func devicesNamed(inv inventory.Inventory, resource, id string) []inventory.Devi
 	var out []inventory.Device
 	for _, d := range inv.Devices {
 		names := []string{d.ID, d.UUID, d.PCIBusID, d.RDMA}
+		if strings.HasPrefix(resource, "dra:") {
+			names = append(names, d.DRAName()) // kvhandoff's driver's names, NVIDIA's for GPUs
+		}
 		for _, n := range d.DeviceNodes {
 			names = append(names, filepath.Base(n))
 		}

@@ -48,6 +48,10 @@ func TestHeldElsewhereFindsDevicesByAnyOfTheirNames(t *testing.T) {
 			Allocation{ResourceEFA, efas[0].ID, "default/engine"}, nil, []string{efas[0].ID}},
 		{"a bundle this plugin advertises", bundles,
 			Allocation{ResourceGPUEFA, bundle.ID, "default/engine"}, nil, append([]string{bundle.Accelerator}, bundle.EFAs...)},
+		{"an EFA a claim of kvhandoff's DRA driver holds", Resources(inv, false),
+			Allocation{DRAResource("dra.kvhandoff.io"), efas[2].DRAName(), "default/engine"}, []string{efas[2].ID}, nil},
+		{"a GPU a claim of NVIDIA's DRA driver holds", bundles,
+			Allocation{DRAResource("gpu.nvidia.com"), "gpu-2", "default/engine"}, []string{inv.OfKind(inventory.GPU)[2].ID}, nil},
 		{"an index of a resource that is not indexed", bundles,
 			Allocation{"example.com/fpga", "2", "default/x"}, nil, []string{gpu.ID}},
 	} {
