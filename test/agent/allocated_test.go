@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 
@@ -25,16 +26,16 @@ func (k *cluster) claimedPod(name, node string, efas [][]string) string {
 	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: name + "-devices-0"}}
 	var results []resourceapi.DeviceRequestAllocationResult
 	for i, group := range efas {
-		for _, req := range []string{"accelerator-" + itoa(i), "efa-" + itoa(i)} {
+		for _, req := range []string{"accelerator-" + strconv.Itoa(i), "efa-" + strconv.Itoa(i)} {
 			claim.Spec.Devices.Requests = append(claim.Spec.Devices.Requests, resourceapi.DeviceRequest{Name: req,
 				Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "efa.kvhandoff.io"}})
 		}
-		results = append(results, resourceapi.DeviceRequestAllocationResult{Request: "accelerator-" + itoa(i), Driver: "gpu.nvidia.com",
-			Pool: node, Device: "gpu-" + itoa(i)})
+		results = append(results, resourceapi.DeviceRequestAllocationResult{Request: "accelerator-" + strconv.Itoa(i), Driver: "gpu.nvidia.com",
+			Pool: node, Device: "gpu-" + strconv.Itoa(i)})
 		for _, rdma := range group {
 			slice.Spec.Devices = append(slice.Spec.Devices, resourceapi.Device{Name: "efa-" + rdma,
 				Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{"rdmaDevice": {StringValue: ptr.To(rdma)}}})
-			results = append(results, resourceapi.DeviceRequestAllocationResult{Request: "efa-" + itoa(i), Driver: "dra.kvhandoff.io",
+			results = append(results, resourceapi.DeviceRequestAllocationResult{Request: "efa-" + strconv.Itoa(i), Driver: "dra.kvhandoff.io",
 				Pool: node, Device: "efa-" + rdma})
 		}
 	}
@@ -64,8 +65,6 @@ func (k *cluster) claimedPod(name, node string, efas [][]string) string {
 	}
 	return string(pod.UID)
 }
-
-func itoa(i int) string { return string(rune('0' + i)) }
 
 // TestARankUsesOnlyTheEFAsItsPodWasAllocated: where DRA gave an engine pod its EFAs, the
 // agent reads them from the pod's claims and the node's slices (with its own RBAC) and

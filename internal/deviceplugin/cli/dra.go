@@ -8,10 +8,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -43,9 +41,7 @@ type DRAOptions struct {
 func DRA(args []string, stderr io.Writer) int {
 	fs := flag.NewFlagSet("dra", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	root := fs.String("sysfs-root", "/", "folder holding sys/ and proc/")
-	devRoot := fs.String("dev-root", "/dev", "folder holding the device nodes")
-	useNVML := fs.Bool("nvml", true, "ask NVML about GPUs and watch their XID events")
+	nf := addNodeFlags(fs)
 	kubeconfigPath := fs.String("kubeconfig", "", "kubeconfig of the API server (default: the pod's service account)")
 	o := DRAOptions{}
 	fs.StringVar(&o.CDIDir, "cdi-dir", "/var/run/cdi", "where claims' CDI specs are written for the container runtime")
@@ -54,8 +50,6 @@ func DRA(args []string, stderr io.Writer) int {
 	fs.BoolVar(&o.Accelerators, "accelerators", false, "publish GPUs and Neuron devices too, not only EFAs: only where no other driver "+
 		"(NVIDIA's, AWS's Neuron driver) or device plugin serves them")
 	fs.StringVar(&o.Node, "node-name", os.Getenv("NODE_NAME"), "this node's name (the DaemonSet sets NODE_NAME)")
-	fs.DurationVar(&o.Interval, "health-interval", 5*time.Second, "how often device nodes, EFA ports and GPUs (NVML) are checked")
-	fs.DurationVar(&o.RecoverAfter, "recover-after", 2*time.Minute, "how long a failed device must pass every check before it is published again")
 	fs.DurationVar(&o.Recheck, "conflict-recheck", time.Minute, "how often to look for a device plugin or driver that started later and serves "+
 		"the same devices (this driver then withdraws its slices and exits)")
 	if err := fs.Parse(args); err != nil {
@@ -73,18 +67,10 @@ func DRA(args []string, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "device-plugin dra:", err)
 		return 1
 	}
-	o.Log = slog.New(slog.NewJSONHandler(stderr, nil))
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
-	o.Inventory = options(*root, *devRoot, *useNVML)
-	if o.Inventory.NVML != nil {
-		defer o.Inventory.NVML.Shutdown()
-	}
-	if err := RunDRA(ctx, o); err != nil {
-		fmt.Fprintln(stderr, "device-plugin dra:", err)
-		return 1
-	}
-	return 0
+	return nf.run(stderr, "device-plugin dra", func(ctx context.Context, inv inventory.Options, log *slog.Logger) error {
+		o.Inventory, o.Interval, o.RecoverAfter, o.Log = inv, *nf.interval, *nf.recoverAfter, log
+		return RunDRA(ctx, o)
+	})
 }
 
 // RunDRA discovers the node's devices, refuses to publish any that a device plugin or

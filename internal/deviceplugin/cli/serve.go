@@ -36,9 +36,7 @@ type Options struct {
 func Serve(args []string, stderr io.Writer) int {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	root := fs.String("sysfs-root", "/", "folder holding sys/ and proc/")
-	devRoot := fs.String("dev-root", "/dev", "folder holding the device nodes")
-	useNVML := fs.Bool("nvml", true, "ask NVML about GPUs and watch their XID events")
+	nf := addNodeFlags(fs)
 	o := Options{}
 	fs.StringVar(&o.PluginDir, "plugin-dir", pluginapi.DevicePluginPath, "the kubelet's device-plugin folder")
 	fs.StringVar(&o.PodResources, "pod-resources-socket", podresources.DefaultSocket, "the kubelet's PodResources API: devices it gave pods "+
@@ -46,20 +44,44 @@ func Serve(args []string, stderr io.Writer) int {
 	fs.BoolVar(&o.Bundles, "bundles", false,
 		"advertise "+server.ResourceGPUEFA+" and "+server.ResourceNeuronEFA+", and "+server.ResourceEFA+" only for EFAs outside every bundle "+
 			"(replaces the stock GPU/Neuron and EFA plugins on the node)")
-	fs.DurationVar(&o.Interval, "health-interval", 5*time.Second, "how often device nodes, EFA ports, GPUs (NVML) and other resources' allocations are checked")
-	fs.DurationVar(&o.RecoverAfter, "recover-after", 2*time.Minute, "how long a failed device must pass every check before it is healthy again")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	o.Log = slog.New(slog.NewJSONHandler(stderr, nil))
+	return nf.run(stderr, "device-plugin", func(ctx context.Context, inv inventory.Options, log *slog.Logger) error {
+		o.Inventory, o.Interval, o.RecoverAfter, o.Log = inv, *nf.interval, *nf.recoverAfter, log
+		return Run(ctx, o)
+	})
+}
+
+// nodeFlags are the flags of both modes: where the devices are found and how their
+// health is checked.
+type nodeFlags struct {
+	root, devRoot          *string
+	nvml                   *bool
+	interval, recoverAfter *time.Duration
+}
+
+func addNodeFlags(fs *flag.FlagSet) nodeFlags {
+	return nodeFlags{
+		root:         fs.String("sysfs-root", "/", "folder holding sys/ and proc/"),
+		devRoot:      fs.String("dev-root", "/dev", "folder holding the device nodes"),
+		nvml:         fs.Bool("nvml", true, "ask NVML about GPUs and watch their XID events"),
+		interval:     fs.Duration("health-interval", 5*time.Second, "how often device nodes, EFA ports, GPUs (NVML) and other resources' allocations are checked"),
+		recoverAfter: fs.Duration("recover-after", 2*time.Minute, "how long a failed device must pass every check before it is healthy again"),
+	}
+}
+
+// run runs mode until SIGINT or SIGTERM with NVML opened (and shut down after) as the
+// flags say, and returns the exit code, naming the program in an error.
+func (nf nodeFlags) run(stderr io.Writer, name string, mode func(context.Context, inventory.Options, *slog.Logger) error) int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	o.Inventory = options(*root, *devRoot, *useNVML)
-	if o.Inventory.NVML != nil {
-		defer o.Inventory.NVML.Shutdown()
+	inv := options(*nf.root, *nf.devRoot, *nf.nvml)
+	if inv.NVML != nil {
+		defer inv.NVML.Shutdown()
 	}
-	if err := Run(ctx, o); err != nil {
-		fmt.Fprintln(stderr, "device-plugin:", err)
+	if err := mode(ctx, inv, slog.New(slog.NewJSONHandler(stderr, nil))); err != nil {
+		fmt.Fprintln(stderr, name+":", err)
 		return 1
 	}
 	return 0

@@ -68,18 +68,7 @@ func Devices(inv inventory.Inventory, sysRoot string, accelerators bool, healthy
 // (reported): a claim's matchAttribute on it then never picks the device, rather than
 // pairing it with a device of another root.
 func device(d inventory.Device, sysRoot string) (resourceapi.Device, error) {
-	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
-		AttrType: {StringValue: ptr.To(string(d.Kind))},
-	}
-	switch d.Kind {
-	case inventory.EFA:
-		attrs[AttrRDMADevice] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.RDMA)}
-	default:
-		attrs[AttrIndex] = resourceapi.DeviceAttribute{IntValue: ptr.To(int64(d.Index))}
-		if d.UUID != "" {
-			attrs[AttrUUID] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.UUID)}
-		}
-	}
+	attrs := identity(d)
 	if d.Switch != "" {
 		attrs[AttrPCIeSwitch] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.Switch)}
 	}
@@ -101,4 +90,19 @@ func device(d inventory.Device, sysRoot string) (resourceapi.Device, error) {
 		attrs[numa.Name] = numa.Value
 	}
 	return resourceapi.Device{Name: Name(d), Attributes: attrs}, err
+}
+
+// identity are the attributes that name a device, from discovery alone (no sysfs read).
+func identity(d inventory.Device) map[resourceapi.QualifiedName]resourceapi.DeviceAttribute {
+	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{AttrType: {StringValue: ptr.To(string(d.Kind))}}
+	switch d.Kind {
+	case inventory.EFA:
+		attrs[AttrRDMADevice] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.RDMA)}
+	default:
+		attrs[AttrIndex] = resourceapi.DeviceAttribute{IntValue: ptr.To(int64(d.Index))}
+		if d.UUID != "" {
+			attrs[AttrUUID] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.UUID)}
+		}
+	}
+	return attrs
 }

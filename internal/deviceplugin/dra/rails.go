@@ -125,9 +125,7 @@ func attributesOf(r resourceapi.DeviceRequestAllocationResult, own map[string]in
 		if !ok {
 			return nil
 		}
-		dev, _ := device(d, "")
-		// The locality attributes need sysfs; naming needs only what discovery knew.
-		return dev.Attributes
+		return identity(d)
 	}
 	if foreign == nil {
 		return nil
