@@ -73,8 +73,7 @@ func device(d inventory.Device, sysRoot string) (resourceapi.Device, error) {
 		attrs[AttrPCIeSwitch] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.Switch)}
 	}
 	var err error
-	if bus, e := deviceattribute.GetPCIBusIDAttribute(d.PCIBusID); e == nil {
-		attrs[bus.Name] = bus.Value
+	if _, ok := attrs[deviceattribute.StandardDeviceAttributePCIBusID]; ok {
 		root, e := deviceattribute.GetPCIeRootAttributeByPCIBusID(d.PCIBusID, deviceattribute.WithFSFromRoot(sysRoot))
 		if e == nil {
 			attrs[root.Name] = root.Value
@@ -82,7 +81,7 @@ func device(d inventory.Device, sysRoot string) (resourceapi.Device, error) {
 			err = fmt.Errorf("%s: no %s attribute: %w", Name(d), deviceattribute.StandardDeviceAttributePCIeRoot, e)
 		}
 	} else {
-		err = fmt.Errorf("%s: no PCI attributes: %w", Name(d), e)
+		err = fmt.Errorf("%s: no PCI attributes: PCI address %q is not one", Name(d), d.PCIBusID)
 	}
 	// NUMA -1 (unknown) is left out: it would match every other device of unknown NUMA.
 	if d.NUMANode >= 0 {
@@ -92,9 +91,14 @@ func device(d inventory.Device, sysRoot string) (resourceapi.Device, error) {
 	return resourceapi.Device{Name: Name(d), Attributes: attrs}, err
 }
 
-// identity are the attributes that name a device, from discovery alone (no sysfs read).
+// identity are the attributes that name a device, from discovery alone (no sysfs read):
+// its kind, RDMA device, index, UUID and PCI address (by which an accelerator without a
+// UUID is found again).
 func identity(d inventory.Device) map[resourceapi.QualifiedName]resourceapi.DeviceAttribute {
 	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{AttrType: {StringValue: ptr.To(string(d.Kind))}}
+	if bus, err := deviceattribute.GetPCIBusIDAttribute(d.PCIBusID); err == nil {
+		attrs[bus.Name] = bus.Value
+	}
 	switch d.Kind {
 	case inventory.EFA:
 		attrs[AttrRDMADevice] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.RDMA)}

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -154,6 +155,15 @@ func TestRailsPairEachAcceleratorWithItsEFAsWhicheverDriverPublishedThem(t *test
 		if got := Env(rails); got != want || len(problems) > 0 {
 			t.Errorf("accelerators of %s, EFAs of %s: %s (problems %v), want %s", c.acc, c.efa, got, problems, want)
 		}
+	}
+	// Without NVML (no UUIDs) the accelerators are found by PCI address and named by index.
+	noUUID := inv
+	noUUID.Devices = slices.Clone(inv.Devices)
+	for i := range noUUID.Devices {
+		noUUID.Devices[i].UUID = ""
+	}
+	if rails, _ := Rails(p5enClaim("u", noUUID, 2, DriverName, DriverName), noUUID, nil); len(rails) != 2 || rails[1].Accelerator != "1" {
+		t.Errorf("without UUIDs: %s", Env(rails))
 	}
 	// The second of two claims (accelerators 6 and 7 of a p5 TP8 engine) sets a variable
 	// of its own.
