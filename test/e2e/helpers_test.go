@@ -94,12 +94,21 @@ func running(ns, pool string, role kvv1.Role, n int) []corev1.Pod {
 	var out []corev1.Pod
 	Eventually(func(g Gomega) {
 		out = nil
+		var others []string
 		for _, p := range poolPods(ns, pool, role) {
 			if p.Status.Phase == corev1.PodRunning && p.DeletionTimestamp == nil {
 				out = append(out, p)
+				continue
 			}
+			why := string(p.Status.Phase)
+			for _, c := range p.Status.Conditions {
+				if c.Status != corev1.ConditionTrue && c.Message != "" {
+					why += "; " + string(c.Type) + ": " + c.Message
+				}
+			}
+			others = append(others, p.Name+" ("+why+")")
 		}
-		g.Expect(out).To(HaveLen(n))
+		g.Expect(out).To(HaveLen(n), "pods not running: %v", others)
 	}).Should(Succeed())
 	return out
 }
