@@ -83,7 +83,7 @@ unit: ## The loop to run while editing: every Go test that needs no API server, 
 test-gpu: ## GPU tests on an NVIDIA host; results in bench/results/gpu/.
 	mkdir -p bench/results/gpu
 	KVH_GPU_OUT=$(CURDIR)/bench/results/gpu go test -tags gpu -count=1 -v ./internal/transferagent/cuda/
-	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel)' ./test/agent/
+	go test -tags gpu -count=1 -v -run '^TestGPU(PushAndPull|Cancel|DifferentTensor)' ./test/agent/
 	go build -o bin/ ./cmd/transfer-agent
 	venv="$$(hack/python-venv.sh vllm-connector/requirements-test.txt)" && cd vllm-connector && \
 		KVHANDOFF_BIN_DIR=$(CURDIR)/bin "$$venv/bin/python" -m pytest -q -p no:cacheprovider gpu_tests

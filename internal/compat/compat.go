@@ -224,11 +224,12 @@ func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.Engine
 	case prefill.BlockSize > decode.BlockSize:
 		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d, more than this pool's %d; set the prefill block size at "+
 			"most the decode block size", prefillName, prefill.BlockSize, decode.BlockSize)
-	// The transfer agent moves rank r's blocks into rank r's blocks of equal length: it
-	// serves only pairs of equal TP and block size (vLLM's own connectors reshape).
+	// The transfer agent moves KV between ranks of different sizes by heads, but the
+	// kvhandoff connector registers rank r against rank r only; blocks move whole.
 	case agent && prefill.TensorParallelSize != decode.TensorParallelSize:
 		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d and this pool %d; with executor Agent both "+
-			"pools must have the same tensorParallelSize", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
+			"pools must have the same tensorParallelSize (the kvhandoff vLLM connector pairs rank r with rank r)", prefillName,
+			prefill.TensorParallelSize, decode.TensorParallelSize)
 	case agent && prefill.BlockSize != decode.BlockSize:
 		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d and this pool %d; with executor Agent both pools must have "+
 			"the same blockSize", prefillName, prefill.BlockSize, decode.BlockSize)

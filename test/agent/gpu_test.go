@@ -250,3 +250,18 @@ func rawCopy(t *testing.T, src, dst, on, piece, pieces int) time.Duration {
 		on, pieces, oneByOne, batched, cuda.BatchCopies())
 	return min(oneByOne, batched)
 }
+
+// TestGPUDifferentTensorParallelSizesMoveEveryHeadOnce: between engines of different
+// tensor-parallel sizes on one node the CUDA copies move the same head slices as the
+// fabric does, push and pull, every decode rank checked on its GPU against its heads.
+func TestGPUDifferentTensorParallelSizesMoveEveryHeadOnce(t *testing.T) {
+	for _, how := range []string{"push", "pull"} {
+		for _, c := range [][2]int{{1, 2}, {2, 1}, {4, 2}, {2, 4}} {
+			t.Run(fmt.Sprintf("%s/%d→%d", how, c[0], c[1]), func(t *testing.T) {
+				a := startAgent(t, "node", t.TempDir())
+				prefill, decode := 0, peerGPU()
+				newHeteroOn(t, modeOf(how), c[0], c[1], a, a, &prefill, &decode).check(t, how)
+			})
+		}
+	}
+}

@@ -172,6 +172,8 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 	refused(t, "no request id", dest("", []uint32{1}, src), codes.InvalidArgument, "request_id")
 	refused(t, "a source of another rank", dest("r", []uint32{1}, &agentv1.EngineRef{Agent: src.Agent, EngineId: src.EngineId,
 		TpRank: 1}), codes.InvalidArgument, "source.tp_rank")
+	refused(t, "a source of a size the heads do not map onto", dest("r", []uint32{1}, &agentv1.EngineRef{Agent: src.Agent,
+		EngineId: src.EngineId, TpSize: 3}), codes.InvalidArgument, "source.tp_size")
 	refused(t, "an unknown session", func() error {
 		_, err := api.Heartbeat(bg, &agentv1.HeartbeatRequest{Session: "nope"})
 		return err

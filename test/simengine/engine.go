@@ -61,6 +61,7 @@ type waitKey struct {
 // Start creates the engine's KV cache file, registers the engine rank and its regions.
 func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	l := cfg.Layout
+	l.Rank = cfg.Rank
 	if err := l.Validate(); err != nil {
 		return nil, err
 	}

@@ -9,6 +9,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
 // Layout is a model's KV cache on one tensor-parallel rank.
@@ -18,7 +20,8 @@ type Layout struct {
 	KVHeads    int // KV heads of the whole model
 	HeadDim    int
 	DTypeBytes int // 2 for bf16
-	TP         int // tensor-parallel size: a rank holds KVHeads/TP heads
+	TP         int // tensor-parallel size: a rank holds KVHeads/TP heads (one, replicated, when TP > KVHeads)
+	Rank       int // the rank whose heads this is (Start sets it from Config.Rank)
 	Blocks     int // blocks per region
 }
 
@@ -31,8 +34,17 @@ func Qwen3_32B(tp, blocks int) Layout {
 // Regions is the number of KV regions on a rank: one per layer for K and one for V.
 func (l Layout) Regions() int { return 2 * l.Layers }
 
-// BlockBytes is one block of one region on one rank.
-func (l Layout) BlockBytes() int { return l.BlockSize * l.KVHeads / l.TP * l.HeadDim * l.DTypeBytes }
+// BlockBytes is one block of one region on one rank: its heads one after another (HND),
+// each HeadBytes.
+func (l Layout) BlockBytes() int { return int(l.Heads().Count) * l.HeadBytes() }
+
+// HeadBytes is one KV head's share of a block.
+func (l Layout) HeadBytes() int { return l.BlockSize * l.HeadDim * l.DTypeBytes }
+
+// Heads is the model's KV heads the rank holds.
+func (l Layout) Heads() agentv1.Heads {
+	return agentv1.RankHeads(uint32(l.KVHeads), uint32(l.TP), uint32(l.Rank))
+}
 
 // BytesPerToken is the KV one token takes across all ranks.
 func (l Layout) BytesPerToken() int { return l.Regions() * l.KVHeads * l.HeadDim * l.DTypeBytes }
@@ -42,11 +54,14 @@ func (l Layout) Validate() error {
 	if l.Layers <= 0 || l.BlockSize <= 0 || l.HeadDim <= 0 || l.DTypeBytes <= 0 || l.Blocks <= 0 || l.TP <= 0 {
 		return fmt.Errorf("simengine: layout %+v has a non-positive field", l)
 	}
-	if l.KVHeads%l.TP != 0 {
-		return fmt.Errorf("simengine: %d KV heads do not split over TP %d", l.KVHeads, l.TP)
+	if err := agentv1.CheckShards(uint32(l.KVHeads), uint32(l.TP)); err != nil {
+		return fmt.Errorf("simengine: %w", err)
 	}
-	if l.BlockBytes()%8 != 0 {
-		return fmt.Errorf("simengine: %d-byte blocks are not a multiple of 8", l.BlockBytes())
+	if l.Rank < 0 || l.Rank >= l.TP {
+		return fmt.Errorf("simengine: rank %d of TP %d", l.Rank, l.TP)
+	}
+	if l.HeadBytes()%8 != 0 {
+		return fmt.Errorf("simengine: %d-byte heads are not a multiple of 8", l.HeadBytes())
 	}
 	return nil
 }
@@ -77,11 +92,13 @@ func NewCache(l Layout, regions [][]byte) (*Cache, error) {
 	return &Cache{Layout: l, Regions: regions}, nil
 }
 
-// blockBase is the tag, the first word, of the block holding token-order block position
-// pos of a request, in region r: an xorshift of a seed unique to all three, so a block
-// written to the wrong place, region or request does not verify.
-func blockBase(seed uint64, r, pos int) uint64 {
-	x := seed ^ uint64(r)<<48 ^ uint64(pos)<<24
+// blockBase is the tag, the first word, of KV head h's slice of the block holding
+// token-order block position pos of a request, in region r: an xorshift of a seed unique
+// to all four, so a slice written to the wrong place, head, region or request does not
+// verify. The tag depends on the model's head, not the rank's: ranks of any
+// tensor-parallel size agree on it.
+func blockBase(seed uint64, r, pos, h int) uint64 {
+	x := seed ^ uint64(r)<<48 ^ uint64(pos)<<24 ^ uint64(h)<<4
 	x ^= x << 13
 	x ^= x >> 7
 	x ^= x << 17
@@ -92,13 +109,13 @@ func blockBase(seed uint64, r, pos int) uint64 {
 // differs, so a shifted or partial write does not verify).
 const step = 0xD1B54A32D192ED03
 
-// body is the rest of every block of a request: words that start from the request's seed
-// and advance by step. A block is its tag and then the body, so filling is one copy and
-// verifying one compare per block — memory speed. The benchmark fills and verifies
+// body is the rest of every head slice of a request: words that start from the request's
+// seed and advance by step. A slice is its tag and then the body, so filling is one copy
+// and verifying one compare per slice — memory speed. The benchmark fills and verifies
 // gigabytes on the same cores that move them, and the check must not crowd out what it
 // measures.
 func (c *Cache) body(seed uint64) []byte {
-	b := make([]byte, c.Layout.BlockBytes())
+	b := make([]byte, c.Layout.HeadBytes())
 	v := seed*0x9E3779B97F4A7C15 | 1
 	for w := 8; w+8 <= len(b); w += 8 {
 		binary.LittleEndian.PutUint64(b[w:], v)
@@ -120,12 +137,14 @@ func (c *Cache) Fill(request string, blocks []uint32) {
 	defer c.dev.unlock()
 	seed := requestSeed(request)
 	body := c.body(seed)
-	bb := c.Layout.BlockBytes()
+	bb, hb, heads := c.Layout.BlockBytes(), c.Layout.HeadBytes(), c.Layout.Heads()
 	for r, region := range c.Regions {
 		for pos, b := range blocks {
-			block := region[int(b)*bb : (int(b)+1)*bb]
-			copy(block[8:], body[8:])
-			binary.LittleEndian.PutUint64(block, blockBase(seed, r, pos))
+			for k := range int(heads.Count) {
+				slice := region[int(b)*bb+k*hb : int(b)*bb+(k+1)*hb]
+				copy(slice[8:], body[8:])
+				binary.LittleEndian.PutUint64(slice, blockBase(seed, r, pos, int(heads.First)+k))
+			}
 		}
 	}
 	if err := c.dev.upload(c, blocks); err != nil {
@@ -181,19 +200,23 @@ func (c *Cache) verify(request string, first int, blocks []uint32, lo, hi int) e
 	}
 	seed := requestSeed(request)
 	body := c.body(seed)
-	bb := c.Layout.BlockBytes()
+	bb, hb, heads := c.Layout.BlockBytes(), c.Layout.HeadBytes(), c.Layout.Heads()
 	for r := lo; r < hi; r++ {
 		region := c.Regions[r]
 		for i, b := range blocks {
 			pos := first + i
-			block := region[int(b)*bb : (int(b)+1)*bb]
-			binary.LittleEndian.PutUint64(body, blockBase(seed, r, pos)) // the tag this block must carry
-			if bytes.Equal(block, body) {
-				continue
-			}
-			for w := 0; w+8 <= len(block); w += 8 {
-				if got, want := binary.LittleEndian.Uint64(block[w:]), binary.LittleEndian.Uint64(body[w:]); got != want {
-					return fmt.Errorf("simengine: request %s, region %d, block %d (position %d), byte %d: %#x, want %#x", request, r, b, pos, w, got, want)
+			for k := range int(heads.Count) {
+				slice := region[int(b)*bb+k*hb : int(b)*bb+(k+1)*hb]
+				h := int(heads.First) + k
+				binary.LittleEndian.PutUint64(body, blockBase(seed, r, pos, h)) // the tag this slice must carry
+				if bytes.Equal(slice, body) {
+					continue
+				}
+				for w := 0; w+8 <= len(slice); w += 8 {
+					if got, want := binary.LittleEndian.Uint64(slice[w:]), binary.LittleEndian.Uint64(body[w:]); got != want {
+						return fmt.Errorf("simengine: request %s, region %d, block %d (position %d), head %d, byte %d: %#x, want %#x", request, r, b,
+							pos, h, k*hb+w, got, want)
+					}
 				}
 			}
 		}

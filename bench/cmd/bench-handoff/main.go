@@ -27,6 +27,9 @@ func main() {
 	fixed := flag.Int("fixed-cost", 0, "instead of the benchmark, time this many handoffs of a few blocks along each path (push, pull; gRPC, doorbell): "+
 		"the cost of a handoff beyond its bytes; writes fixed-cost.json")
 	fixedGPU := flag.Int("fixed-cost-gpu", -1, "with --fixed-cost: keep both engines' KV on this GPU, one agent moving it by CUDA copies")
+	tpPairs := flag.Int("tp-pairs", 0, "instead of the benchmark, time this many handoffs of one request between engines of TP8→TP8, TP8→TP4 "+
+		"and TP2→TP8 (--tp-pairs-tokens tokens each); writes tp-pairs.json")
+	tpTokens := flag.Int("tp-pairs-tokens", 1024, "with --tp-pairs: the request's tokens")
 	demo := flag.Bool("demo", false, "instead of the benchmark, push one verified request through two agents (make demo)")
 	flag.StringVar(&agentBin, "agent-bin", "", "a prebuilt transfer-agent binary (default: build one)")
 	flag.StringVar(&sc.AgentCPUs, "agent-cpus", "", "run the agents (and the floors) on these CPUs (taskset's list, e.g. 0-7) and the simulated "+
@@ -44,6 +47,9 @@ func main() {
 	}
 	if *fixed > 0 {
 		run = func(sc handoff.Scenario, out string) error { return runFixedCost(sc, out, *fixed, *fixedGPU) }
+	}
+	if *tpPairs > 0 {
+		run = func(sc handoff.Scenario, out string) error { return runTPPairs(sc, out, *tpPairs, *tpTokens) }
 	}
 	if err := run(sc, *out); err != nil {
 		fmt.Fprintln(os.Stderr, "bench-handoff:", err)
@@ -128,6 +134,17 @@ func runDemo(sc handoff.Scenario, _ string) error {
 func runFixedCost(sc handoff.Scenario, out string, n, gpu int) error {
 	return withAgent(func(work, bin string) error {
 		rep, err := handoff.FixedCost(context.Background(), bin, work, sc.Provider, n, gpu)
+		if err != nil {
+			return err
+		}
+		rep.Markdown(os.Stdout)
+		return rep.Write(out)
+	})
+}
+
+func runTPPairs(sc handoff.Scenario, out string, n, tokens int) error {
+	return withAgent(func(work, bin string) error {
+		rep, err := handoff.TPPairs(context.Background(), bin, work, sc.Provider, [][2]int{{8, 8}, {8, 4}, {2, 8}}, tokens, n)
 		if err != nil {
 			return err
 		}

@@ -217,7 +217,7 @@ func (srv *Server) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngine
 	}
 	return &agentv1.RegisterEngineResponse{
 		Session: s.ID(), Epoch: s.Epoch(), Provider: srv.cfg.Provider,
-		Self: &agentv1.EngineRef{Agent: srv.cfg.Self, EngineId: r.EngineId, TpRank: r.TpRank},
+		Self: &agentv1.EngineRef{Agent: srv.cfg.Self, EngineId: r.EngineId, TpRank: r.TpRank, TpSize: r.TpSize},
 	}, nil
 }
 
@@ -235,8 +235,8 @@ func checkRegistration(r *agentv1.RegisterEngineRequest, fallback session.Timeou
 		return session.Invalid("tp_rank", "%d must be below tp_size %d", r.TpRank, r.TpSize)
 	case l == nil || l.Layers == 0 || l.BlockSize == 0 || l.KvHeads == 0 || l.HeadDim == 0 || l.DtypeBytes == 0:
 		return session.Invalid("layout", "every field must be positive")
-	case l.KvHeads%r.TpSize != 0:
-		return session.Invalid("layout.kv_heads", "%d do not split over tp_size %d", l.KvHeads, r.TpSize)
+	case agentv1.CheckShards(l.KvHeads, r.TpSize) != nil:
+		return session.Invalid("layout.kv_heads", "%v", agentv1.CheckShards(l.KvHeads, r.TpSize))
 	case r.LeaseMillis > maxTimeoutMillis || r.RegistrationTimeoutMillis > maxTimeoutMillis || r.BlocksTtlMillis > maxTimeoutMillis:
 		return session.Invalid("lease_millis", "and registration_timeout_millis and blocks_ttl_millis must be at most a day")
 	}

@@ -59,7 +59,7 @@ func TestRegistrationsAreCheckedFieldByField(t *testing.T) {
 	}{
 		{func(r *agentv1.RegisterEngineRequest) { r.EngineId = "a/b" }, "engine_id: must be 1 to 253 bytes without '/'"},
 		{func(r *agentv1.RegisterEngineRequest) { r.TpRank = 2 }, "tp_rank: 2 must be below tp_size 2"},
-		{func(r *agentv1.RegisterEngineRequest) { r.Layout.KvHeads = 3 }, "layout.kv_heads: 3 do not split over tp_size 2"},
+		{func(r *agentv1.RegisterEngineRequest) { r.Layout.KvHeads = 3 }, "layout.kv_heads: 3 KV heads neither split over nor replicate across tensor-parallel size 2"},
 		{func(r *agentv1.RegisterEngineRequest) { r.Role = 0 }, "role: must be ROLE_PREFILL or ROLE_DECODE"},
 		{func(r *agentv1.RegisterEngineRequest) { r.LeaseMillis, r.RegistrationTimeoutMillis = 60000, 1000 }, "registration_timeout_millis: 1s is shorter than the lease 1m0s"},
 	} {

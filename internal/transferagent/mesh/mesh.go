@@ -429,6 +429,10 @@ func (p *Peer) dispatch(msg wire.Message) {
 		// Without a GPU message that fits, the engine's region addresses mean nothing:
 		// forget it, so what names it is refused rather than written to.
 		p.amend(msg.Engine, "GPU memory", true, func(info *wire.EngineInfo) (*wire.EngineInfo, error) { return info.WithGPU(msg) })
+	case *wire.Heads:
+		// Heads that do not fit their regions leave nothing safe to slice by: forget the
+		// engine, so what names it is refused.
+		p.amend(msg.Engine, "KV heads", true, func(info *wire.EngineInfo) (*wire.EngineInfo, error) { return info.WithHeads(msg) })
 	default:
 		p.m.cfg.OnMessage(p, msg)
 	}

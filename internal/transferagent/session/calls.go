@@ -1,6 +1,7 @@
 package session
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"strings"
@@ -33,7 +34,7 @@ func (s *Session) RegisterDestination(r *agentv1.RegisterDestinationRequest) err
 	if err := checkRequest(r.RequestId, "block_ids", r.BlockIds); err != nil {
 		return err
 	}
-	if err := checkSource("source", r.Source, s.rank); err != nil {
+	if err := s.checkSource("source", r.Source); err != nil {
 		return err
 	}
 	return s.call(func() error { return s.decode().registerDestination(r) })
@@ -72,7 +73,7 @@ func (s *Session) checkPull(r *agentv1.PullRequest) error {
 	if len(r.DestinationBlockIds) != len(r.SourceBlockIds) {
 		return Invalid("destination_block_ids", "names %d blocks for %d source blocks", len(r.DestinationBlockIds), len(r.SourceBlockIds))
 	}
-	return checkSource("source", r.Source, s.rank)
+	return s.checkSource("source", r.Source)
 }
 
 // Report is one record of an engine's doorbell: a SourceReady or a Pull.
@@ -137,7 +138,7 @@ func (s *Session) Decline(r *agentv1.DeclineRequest) error {
 	if err := checkRequestID(r.RequestId); err != nil {
 		return err
 	}
-	if err := checkSource("source", r.Source, s.rank); err != nil {
+	if err := s.checkSource("source", r.Source); err != nil {
 		return err
 	}
 	return s.call(func() error { return s.decode().decline(r) })
@@ -186,14 +187,31 @@ func checkRequest(id, field string, ids []uint32) error {
 	return nil
 }
 
-func checkSource(field string, ref *agentv1.EngineRef, rank uint32) error {
-	switch {
-	case ref == nil || ref.Agent == "" || ref.EngineId == "":
+// checkSource checks the prefill engine rank a call names: its size's heads must map
+// onto the model's, and it must hold some of this rank's heads.
+func (s *Session) checkSource(field string, ref *agentv1.EngineRef) error {
+	if ref == nil || ref.Agent == "" || ref.EngineId == "" {
 		return Invalid(field, "must name the agent (host:port) and engine_id")
-	case ref.TpRank != rank:
-		return Invalid(field+".tp_rank", "is %d; rank %d transfers only to and from rank %d (tensor-parallel sizes must match)", ref.TpRank, rank, rank)
+	}
+	size := cmp.Or(ref.TpSize, s.tpSize)
+	if err := agentv1.CheckShards(s.kvHeads, size); err != nil {
+		return Invalid(field+".tp_size", "%v", err)
+	}
+	if ref.TpRank >= size {
+		return Invalid(field+".tp_rank", "%d must be below tp_size %d", ref.TpRank, size)
+	}
+	if s.sharedHeads(ref) == 0 {
+		return Invalid(field+".tp_rank", "rank %d of %d holds KV heads %s and this rank %d of %d holds %s: they share none (pair ranks by "+
+			"agentv1.Sources)", ref.TpRank, size, agentv1.RankHeads(s.kvHeads, size, ref.TpRank), s.rank, s.tpSize, s.heads)
 	}
 	return nil
+}
+
+// sharedHeads is how many of this rank's KV heads the engine rank ref holds.
+func (s *Session) sharedHeads(ref *agentv1.EngineRef) uint32 {
+	h := agentv1.RankHeads(s.kvHeads, cmp.Or(ref.TpSize, s.tpSize), ref.TpRank)
+	lo, hi := max(h.First, s.heads.First), min(h.End(), s.heads.End())
+	return max(hi, lo) - lo
 }
 
 // checkDomains checks the NICs an engine rank names for its rails: each once, no more

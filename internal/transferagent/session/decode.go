@@ -26,6 +26,9 @@ type decodeSide struct {
 	pending map[uint64]readOp
 	nextID  uint64
 	waited  []fabric.Completion // read by a Wait, for the next step
+	// shared is, by push registration until its outcome, how many of this rank's KV
+	// heads its source rank holds (all of them unless the engines' sizes differ).
+	shared map[landing.Key]uint32
 }
 
 type readOp struct {
@@ -41,6 +44,7 @@ func newDecodeSide(s *Session) *decodeSide {
 		s:       s,
 		table:   landing.New[*mesh.Peer](landing.Config{Lease: s.pol.Lease, RegistrationTimeout: s.pol.RegistrationTimeout, Tick: s.pol.Tick}),
 		pending: map[uint64]readOp{},
+		shared:  map[landing.Key]uint32{},
 	}
 }
 
@@ -70,6 +74,7 @@ func (ds *decodeSide) registerDestination(r *agentv1.RegisterDestinationRequest)
 	case err != nil:
 		return status.Errorf(codes.FailedPrecondition, "attempt: %v", err)
 	}
+	ds.shared[k] = s.sharedHeads(r.Source)
 	p.Describe(s.key, s.epoch, s.describe)
 	reg := wire.Register{
 		Request: r.RequestId, Attempt: r.Attempt, Engine: s.key, EngineEpoch: s.epoch,
@@ -153,6 +158,7 @@ func (ds *decodeSide) handle(now time.Time, acts []landing.Action) {
 func (ds *decodeSide) report(r landing.Report) {
 	m := ds.s.n.metrics
 	ev := &agentv1.Event{RequestId: r.Request, Attempt: r.Attempt, Reason: r.Reason}
+	defer delete(ds.shared, landing.Key{Request: r.Request, Attempt: r.Attempt})
 	switch r.Kind {
 	case landing.Delivered:
 		ev.Type = agentv1.Event_DELIVERED
@@ -162,7 +168,8 @@ func (ds *decodeSide) report(r landing.Report) {
 			m.bytes.WithLabelValues("pull").Add(float64(r.Bytes))
 			m.descriptors.WithLabelValues("pull").Add(float64(r.Reads))
 		} else {
-			ev.Bytes = ds.s.bytesFor(r.Blocks)
+			// A pair of ranks holding different heads moves their shared ones only.
+			ev.Bytes = ds.s.bytesFor(r.Blocks) * uint64(ds.shared[landing.Key{Request: r.Request, Attempt: r.Attempt}]) / uint64(ds.s.heads.Count)
 		}
 	case landing.CancelAcked:
 		ev.Type = agentv1.Event_CANCEL_ACKED
@@ -216,8 +223,14 @@ func (ds *decodeSide) onAcquired(pr *mesh.Peer, m *wire.Acquired) {
 		fail(fmt.Sprintf("prefill engine %s: %v", g.Source, err))
 		return
 	}
+	sl, err := s.slice(re, true)
+	if err != nil {
+		s.n.metrics.Refused.WithLabelValues("peer", "Pull").Inc()
+		fail(fmt.Sprintf("prefill engine %s: %v", g.Source, err))
+		return
+	}
 	plan, err := writer.Plan(rendezvous.Transfer{Request: m.Request, Attempt: m.Attempt, Src: g.Src, Dst: g.Dst}, re.regions, s.layout,
-		s.ep.Limits().MaxMsgSize)
+		s.ep.Limits().MaxMsgSize, sl)
 	if err != nil {
 		s.n.metrics.Refused.WithLabelValues("peer", "Pull").Inc()
 		fail(err.Error())

@@ -247,20 +247,25 @@ func (ps *prefillSide) onRegister(p *mesh.Peer, m *wire.Register, first uint64) 
 	ps.handle(now, acts)
 }
 
-// addDestination checks a decode engine's regions against this rank's (same ids and
-// block lengths: the planner maps region to region) and makes it a write target.
+// addDestination checks a decode engine's regions against this rank's (same ids, and the
+// same block lengths unless the ranks hold different KV heads, of which each block moves
+// the slice both hold) and makes it a write target.
 func (ps *prefillSide) addDestination(p *mesh.Peer, info *wire.EngineInfo) error {
 	re, err := ps.s.reach(p, info)
 	if err != nil {
 		return err
 	}
+	sl, err := ps.s.slice(re, false)
+	if err != nil {
+		return err
+	}
 	for _, l := range ps.s.layout {
 		r, ok := re.byID[l.ID]
-		if !ok || r.BlockLen != l.BlockLen {
+		if !ok || (sl == writer.Slice{} && r.BlockLen != l.BlockLen) {
 			return fmt.Errorf("its region %d does not match this engine's (%d-byte blocks)", l.ID, l.BlockLen)
 		}
 	}
-	d := writer.Destination{Peer: re.peer}
+	d := writer.Destination{Peer: re.peer, Slice: sl}
 	if re.onGPU {
 		// A pair on this node: copies, and a notice to the decode rank in this agent.
 		n := ps.s.n

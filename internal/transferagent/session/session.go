@@ -36,7 +36,12 @@ type Session struct {
 	role  agentv1.Role
 	mode  agentv1.Mode
 	rank  uint32
-	ep    *fabric.Endpoint
+	// tpSize and kvHeads are the engine's tensor-parallel size and its model's KV heads;
+	// heads are those this rank holds, headBytes one head's share of a block.
+	tpSize, kvHeads uint32
+	heads           agentv1.Heads
+	headBytes       uint64
+	ep              *fabric.Endpoint
 	// pol is the engine's policy's timeouts (RegisterEngine), the agent's flags where
 	// it sent none.
 	pol Timeouts
@@ -114,6 +119,7 @@ type remoteEngine struct {
 	epoch   uint64
 	regions []writer.Region
 	byID    map[int]writer.RemoteRegion
+	heads   *wire.Heads // nil: an agent from before heads, whose engines pair rank with rank
 	onGPU   bool
 	peer    fabric.Peer
 	opened  []cudaipc.Key
@@ -122,11 +128,16 @@ type remoteEngine struct {
 func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *Session {
 	s := &Session{
 		n: n, id: id, key: key, owner: owner, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
-		pol:  RequestTimeouts(r).Complete(fallback),
-		cmds: make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
+		tpSize: r.TpSize, kvHeads: r.GetLayout().GetKvHeads(),
+		headBytes: uint64(r.GetLayout().GetBlockSize()) * uint64(r.GetLayout().GetHeadDim()) * uint64(r.GetLayout().GetDtypeBytes()),
+		pol:       RequestTimeouts(r).Complete(fallback),
+		cmds:      make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
 		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]*remoteEngine{},
 		fds: map[uint64]*os.File{}, passed: map[uint64]passedGPU{}, files: map[fileID]*os.File{},
+	}
+	if agentv1.CheckShards(s.kvHeads, s.tpSize) == nil { // RegisterEngine checked it; tests of the table alone send no layout
+		s.heads = agentv1.RankHeads(s.kvHeads, s.tpSize, s.rank)
 	}
 	if r.Role == agentv1.Role_ROLE_PREFILL {
 		s.side = newPrefillSide(s)
@@ -501,13 +512,50 @@ func (s *Session) describe(local bool) []wire.Message {
 		}
 		m.Regions = append(m.Regions, ri)
 	}
+	out := []wire.Message{m}
 	switch {
 	case s.gpu != nil:
-		return []wire.Message{m, s.gpuInfo(local)}
+		out = append(out, s.gpuInfo(local))
 	case len(rails.Rails) > 0:
-		return []wire.Message{m, rails}
+		out = append(out, rails)
 	}
-	return []wire.Message{m}
+	if h := s.describeHeads(); h != nil {
+		out = append(out, h)
+	}
+	return out
+}
+
+// describeHeads is the Heads message of this rank: none when a region's blocks are not
+// its heads' bytes (a layout the agent cannot slice), so peers pair it rank with rank.
+func (s *Session) describeHeads() *wire.Heads {
+	for _, l := range s.layout {
+		if l.BlockLen != uint64(s.heads.Count)*s.headBytes {
+			return nil
+		}
+	}
+	return &wire.Heads{Engine: s.key, Epoch: s.epoch, First: uint64(s.heads.First), Count: uint64(s.heads.Count), HeadBytes: s.headBytes}
+}
+
+// slice is the part of each block moved between this rank and a remote one (source:
+// the remote rank is the source, as in a pull): the zero Slice when they hold the same
+// heads, or when the remote agent predates heads.
+func (s *Session) slice(re *remoteEngine, source bool) (writer.Slice, error) {
+	if re.heads == nil {
+		return writer.Slice{}, nil
+	}
+	if re.heads.HeadBytes != s.headBytes {
+		return writer.Slice{}, fmt.Errorf("its KV heads are %d bytes of a block and this rank's %d: the layouts differ", re.heads.HeadBytes, s.headBytes)
+	}
+	theirs := agentv1.Heads{First: uint32(re.heads.First), Count: uint32(re.heads.Count)}
+	src, dst := s.heads, theirs
+	if source {
+		src, dst = theirs, s.heads
+	}
+	sl, err := writer.HeadSlice(src, dst, s.headBytes)
+	if err == nil && sl != (writer.Slice{}) && s.describeHeads() == nil {
+		err = fmt.Errorf("this rank's regions do not hold its %d KV heads of %d bytes per block one after another (the HND layout)", s.heads.Count, s.headBytes)
+	}
+	return sl, err
 }
 
 // reach is how this rank reaches a remote engine's memory, described by info on
@@ -520,7 +568,8 @@ func (s *Session) reach(p *mesh.Peer, info *wire.EngineInfo) (*remoteEngine, err
 	if old != nil && old.epoch == info.Epoch {
 		return old, nil
 	}
-	r := &remoteEngine{epoch: info.Epoch, regions: make([]writer.Region, len(info.Regions)), byID: make(map[int]writer.RemoteRegion, len(info.Regions))}
+	r := &remoteEngine{epoch: info.Epoch, regions: make([]writer.Region, len(info.Regions)), byID: make(map[int]writer.RemoteRegion, len(info.Regions)),
+		heads: info.Heads}
 	for i, ri := range info.Regions {
 		r.regions[i] = writer.Region{ID: int(ri.ID), BlockLen: ri.BlockLen, Blocks: uint32(min(ri.Blocks, 1<<32-1))}
 		r.byID[int(ri.ID)] = writer.RemoteRegion{Region: r.regions[i], Addr: ri.Addr, Keys: info.Keys(i)}

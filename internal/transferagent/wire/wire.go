@@ -64,6 +64,7 @@ const (
 	KindSignalled
 	KindResignal
 	KindRegisterTail
+	KindHeads
 )
 
 // Message is a pointer to one of the message structs below.
@@ -135,6 +136,7 @@ type EngineInfo struct {
 	// messages that follow this one (they are not part of EngineInfo's frame).
 	Rails []Rail
 	GPU   *GPU
+	Heads *Heads
 }
 
 // GPU says an engine rank's regions are GPU memory, sent right after its EngineInfo (whose
@@ -172,6 +174,37 @@ func (m *EngineInfo) WithGPU(g *GPU) (*EngineInfo, error) {
 	}
 	c := *m
 	c.GPU = g
+	return &c, nil
+}
+
+// Heads says which of the model's KV heads an engine rank holds, sent right after its
+// EngineInfo (and Rails and GPU): peers of another tensor-parallel size move only the
+// heads both ranks hold, a slice of HeadBytes per head of every block (the HND layout).
+// An agent from before it skips it; its engines are then taken to hold the same heads as
+// the rank they are paired with, which is what equal sizes mean.
+type Heads struct {
+	Engine       string
+	Epoch        uint64
+	First, Count uint64
+	HeadBytes    uint64
+}
+
+// WithHeads returns a copy of m with h, or an error when h does not describe m's engine
+// and epoch or its heads do not fill every region's blocks.
+func (m *EngineInfo) WithHeads(h *Heads) (*EngineInfo, error) {
+	if h.Engine != m.Engine || h.Epoch != m.Epoch {
+		return nil, fmt.Errorf("wire: heads of %s epoch %d follow the memory of %s epoch %d", h.Engine, h.Epoch, m.Engine, m.Epoch)
+	}
+	if h.Count == 0 || h.Count > 1<<16 || h.First > 1<<16 || h.HeadBytes == 0 || h.HeadBytes > 1<<32 {
+		return nil, fmt.Errorf("wire: heads of %s: %d heads from %d of %d bytes", h.Engine, h.Count, h.First, h.HeadBytes)
+	}
+	for _, r := range m.Regions {
+		if r.BlockLen != h.Count*h.HeadBytes {
+			return nil, fmt.Errorf("wire: heads of %s: region %d's %d-byte blocks are not %d heads of %d bytes", h.Engine, r.ID, r.BlockLen, h.Count, h.HeadBytes)
+		}
+	}
+	c := *m
+	c.Heads = h
 	return &c, nil
 }
 
@@ -374,6 +407,7 @@ func (*Abandon) Kind() Kind      { return KindAbandon }
 func (*Signalled) Kind() Kind    { return KindSignalled }
 func (*Resignal) Kind() Kind     { return KindResignal }
 func (*RegisterTail) Kind() Kind { return KindRegisterTail }
+func (*Heads) Kind() Kind        { return KindHeads }
 
 func (m *Hello) fields(c codec) { c.str(&m.Agent); c.num(&m.Epoch); c.str(&m.Nonce) }
 func (m *Auth) fields(c codec)  { c.str(&m.MAC) }
@@ -429,6 +463,13 @@ func (m *GPU) fields(c codec) {
 		c.str(&m.Handles[i])
 		c.num(&m.Offsets[i])
 	}
+}
+func (m *Heads) fields(c codec) {
+	c.str(&m.Engine)
+	c.num(&m.Epoch)
+	c.num(&m.First)
+	c.num(&m.Count)
+	c.num(&m.HeadBytes)
 }
 func (m *Register) fields(c codec) {
 	c.str(&m.Request)
@@ -527,6 +568,8 @@ func newMessage(k Kind) Message {
 		return &Resignal{}
 	case KindRegisterTail:
 		return &RegisterTail{}
+	case KindHeads:
+		return &Heads{}
 	}
 	return nil
 }

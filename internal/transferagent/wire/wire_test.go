@@ -33,9 +33,30 @@ var samples = []Message{
 	&Signalled{Request: "req-1", Attempt: 2, Engine: "d/0"},
 	&Resignal{Request: "req-1", Attempt: 2, Source: "p/0"},
 	&Writing{Request: "req-1", Attempt: 2, Engine: "d/0"},
+	&Heads{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, First: 2, Count: 1, HeadBytes: 4096},
 	&GPU{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Device: strings.Repeat("u", 16), Handles: []string{strings.Repeat("h", 64),
 		strings.Repeat("i", 8)}, Offsets: []uint64{0, 1 << 30}}, // an IPC handle, a passed allocation's number
 	&Rails{Engine: "qwen3-32b-decode-0.default/3", Epoch: 9, Rails: []Rail{{Address: "fi-address-rail-1", Keys: []uint64{19, 20}}}},
+}
+
+// TestHeadsJoinTheirEngineInfo: a Heads message completes the EngineInfo of its engine
+// and epoch only when its heads fill every region's blocks exactly.
+func TestHeadsJoinTheirEngineInfo(t *testing.T) {
+	info, heads := samples[2].(*EngineInfo), samples[len(samples)-3].(*Heads)
+	if got, err := info.WithHeads(heads); err != nil || got.Heads != heads || info.Heads != nil {
+		t.Fatalf("WithHeads: %v", err)
+	}
+	for name, bad := range map[string]Heads{
+		"another epoch":          {Engine: heads.Engine, Epoch: 8, First: 2, Count: 1, HeadBytes: 4096},
+		"heads short of a block": {Engine: heads.Engine, Epoch: 9, First: 2, Count: 1, HeadBytes: 2048},
+		"heads beyond a block":   {Engine: heads.Engine, Epoch: 9, First: 2, Count: 2, HeadBytes: 4096},
+		"no heads":               {Engine: heads.Engine, Epoch: 9, First: 2, Count: 0, HeadBytes: 4096},
+		"an absurd first head":   {Engine: heads.Engine, Epoch: 9, First: 1 << 40, Count: 1, HeadBytes: 4096},
+	} {
+		if _, err := info.WithHeads(&bad); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
 }
 
 // TestGPUMemoryJoinsItsEngineInfo: a GPU message completes the EngineInfo of its engine

@@ -9,6 +9,7 @@ import (
 	"slices"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
 // Region is one registered KV region as the writer sees it: vLLM keeps one per layer and
@@ -30,13 +31,36 @@ type Write struct {
 	Blocks         int
 }
 
+// Slice is the part of every block that moves between two ranks holding different KV
+// heads (tensor-parallel sizes that differ): SrcOff and DstOff are where the heads both
+// hold start within a source and a destination block, Len their bytes. The zero Slice
+// moves whole blocks between equal ranks.
+type Slice struct{ SrcOff, DstOff, Len uint64 }
+
+// HeadSlice is the slice between a source rank holding heads src and a destination rank
+// holding dst, each head headBytes of a block (the HND layout: a block is its heads one
+// after another): the zero Slice when they hold the same heads, an error when they share
+// none.
+func HeadSlice(src, dst agentv1.Heads, headBytes uint64) (Slice, error) {
+	if src == dst {
+		return Slice{}, nil
+	}
+	lo, hi := max(src.First, dst.First), min(src.End(), dst.End())
+	if lo >= hi {
+		return Slice{}, fmt.Errorf("writer: the source rank holds KV heads %s and the destination rank %s: they share none", src, dst)
+	}
+	return Slice{SrcOff: uint64(lo-src.First) * headBytes, DstOff: uint64(lo-dst.First) * headBytes, Len: uint64(hi-lo) * headBytes}, nil
+}
+
 // Plan maps a transfer onto the regions. Every block id is checked against both sides'
 // regions before anything is planned, so an out-of-bounds request is refused whole,
 // never half-written. Pairs are taken in source-block order, whatever order the prompt's
 // positions gave them, and contiguous source and destination runs merge into one write
 // per region, split where a write would exceed maxMsg bytes. Source and destination must
-// hold the same regions with the same block length.
-func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, error) {
+// hold the same regions with the same block length, or with a slice (sl) of each block
+// moved: one write per block and region then, since a block's slice is contiguous but
+// the next block's is not next to it on both sides.
+func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64, sl Slice) ([]Write, error) {
 	if len(t.Src) != len(t.Dst) {
 		return nil, fmt.Errorf("writer: %d source blocks for %d destination blocks", len(t.Src), len(t.Dst))
 	}
@@ -49,10 +73,14 @@ func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, err
 	srcBlocks, dstBlocks, smallest := ^uint32(0), ^uint32(0), 0
 	for _, s := range src {
 		d, ok := dstByID[s.ID]
-		if !ok || d.BlockLen != s.BlockLen {
+		switch {
+		case !ok:
 			return nil, fmt.Errorf("writer: region %d does not match between source and destination", s.ID)
-		}
-		if s.BlockLen == 0 || s.BlockLen > maxMsg {
+		case sl.Len == 0 && d.BlockLen != s.BlockLen:
+			return nil, fmt.Errorf("writer: region %d does not match between source and destination (%d- and %d-byte blocks)", s.ID, s.BlockLen, d.BlockLen)
+		case sl.Len != 0 && (sl.SrcOff+sl.Len > s.BlockLen || sl.DstOff+sl.Len > d.BlockLen):
+			return nil, fmt.Errorf("writer: region %d's %d- and %d-byte blocks do not hold the heads' slice %+v", s.ID, s.BlockLen, d.BlockLen, sl)
+		case s.BlockLen == 0 || s.BlockLen > maxMsg:
 			return nil, fmt.Errorf("writer: region %d's %d-byte blocks do not fit the provider's %d-byte messages", s.ID, s.BlockLen, maxMsg)
 		}
 		if min(s.Blocks, d.Blocks) < min(srcBlocks, dstBlocks) {
@@ -71,6 +99,18 @@ func Plan(t rendezvous.Transfer, src, dst []Region, maxMsg uint64) ([]Write, err
 	// them out again in descending order (a 16k-token pull on vLLM 0.26 planned 18,943
 	// copies in position order where its push, in source order, planned 166).
 	t.Src, t.Dst = bySource(t.Src, t.Dst)
+
+	if sl.Len != 0 {
+		writes := make([]Write, 0, len(src)*len(t.Src))
+		for _, s := range src {
+			d := dstByID[s.ID]
+			for i := range t.Src {
+				writes = append(writes, Write{Region: s.ID, SrcOff: uint64(t.Src[i])*s.BlockLen + sl.SrcOff,
+					DstOff: uint64(t.Dst[i])*d.BlockLen + sl.DstOff, Len: sl.Len, Blocks: 1})
+			}
+		}
+		return writes, nil
+	}
 
 	// Runs depend only on the block ids and how many blocks one write may carry, not on
 	// the region: find them once per block length, then emit one write per run and region.

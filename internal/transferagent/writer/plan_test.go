@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/kvhandoff/kvhandoff/internal/transferagent/rendezvous"
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 )
 
 func regions(n int, blockLen uint64, blocks uint32) []Region {
@@ -32,7 +33,7 @@ func TestPlanMergesContiguousRunsIntoOneWritePerRunAndRegion(t *testing.T) {
 	// Qwen3-32B at TP8 on one rank: 64 layers × K,V = 128 regions of 4 KiB blocks; a
 	// 16k-token request is 1024 blocks, ~131k descriptors unmerged.
 	src, dst := regions(128, 4096, 4096), regions(128, 4096, 4096)
-	w, err := Plan(transfer(seq(0, 1024), seq(2000, 1024)), src, dst, 1<<30)
+	w, err := Plan(transfer(seq(0, 1024), seq(2000, 1024)), src, dst, 1<<30, Slice{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,7 +50,7 @@ func TestPlanCountsOneWritePerContiguousRun(t *testing.T) {
 	// between 5 → 13 and 6 → 20).
 	src := []uint32{0, 1, 2, 5, 6, 7, 8}
 	dst := []uint32{10, 11, 12, 13, 20, 21, 22}
-	w, err := Plan(transfer(src, dst), regions(2, 16, 64), regions(2, 16, 64), 1<<20)
+	w, err := Plan(transfer(src, dst), regions(2, 16, 64), regions(2, 16, 64), 1<<20, Slice{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +74,7 @@ func TestPlanMergesRunsThatPositionOrderHides(t *testing.T) {
 	for i := range src {
 		src[i], dst[i] = uint32(3000-i), uint32(5000-i)
 	}
-	w, err := Plan(transfer(src, dst), regions(72, 32<<10, 8192), regions(72, 32<<10, 8192), 1<<30)
+	w, err := Plan(transfer(src, dst), regions(72, 32<<10, 8192), regions(72, 32<<10, 8192), 1<<30, Slice{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,7 +90,7 @@ func TestPlanMergesRunsThatPositionOrderHides(t *testing.T) {
 }
 
 func TestPlanSplitsAtTheProviderMessageSize(t *testing.T) {
-	w, err := Plan(transfer(seq(0, 10), seq(0, 10)), regions(1, 1000, 16), regions(1, 1000, 16), 3500)
+	w, err := Plan(transfer(seq(0, 10), seq(0, 10)), regions(1, 1000, 16), regions(1, 1000, 16), 3500, Slice{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +112,7 @@ func TestPlanRefusesOutOfBoundsOrMismatchedRegionsWhole(t *testing.T) {
 		"uneven pairs": {rendezvous.Transfer{Src: []uint32{0, 1}, Dst: []uint32{0}}, regions(1, 16, 64),
 			regions(1, 16, 64), "2 source blocks for 1"},
 	} {
-		w, err := Plan(c.t, c.src, c.dst, 1<<20)
+		w, err := Plan(c.t, c.src, c.dst, 1<<20, Slice{})
 		if err == nil || !strings.Contains(err.Error(), c.want) || w != nil {
 			t.Errorf("%s: %v, %d writes; want an error containing %q and no writes", name, err, len(w), c.want)
 		}
@@ -124,8 +125,54 @@ func BenchmarkPlan16kTokens(b *testing.B) {
 	src, dst := regions(128, 4096, 8192), regions(128, 4096, 8192)
 	t := transfer(append(seq(0, 512), seq(2000, 512)...), seq(4000, 1024))
 	for b.Loop() {
-		if _, err := Plan(t, src, dst, 1<<30); err != nil {
+		if _, err := Plan(t, src, dst, 1<<30, Slice{}); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// Between ranks of different tensor-parallel sizes each block moves only the heads both
+// hold: a decode rank of TP 2 takes its half of a TP 1 block, a TP 1 decode rank takes
+// each TP 2 prefill rank's whole block into its half, one write per block and region.
+func TestPlanMovesTheHeadsBothRanksHold(t *testing.T) {
+	const head = 512
+	whole, half := regions(2, 2*head, 64), regions(2, head, 64)
+	for _, c := range []struct {
+		name     string
+		src, dst agentv1.Heads
+		srcR     []Region
+		dstR     []Region
+		srcOff   uint64 // of block 3's slice
+		dstOff   uint64 // of block 9's slice
+	}{
+		{"1→2, decode rank 1", agentv1.Heads{First: 0, Count: 2}, agentv1.Heads{First: 1, Count: 1}, whole, half, 3*2*head + head, 9 * head},
+		{"2→1, prefill rank 1", agentv1.Heads{First: 1, Count: 1}, agentv1.Heads{First: 0, Count: 2}, half, whole, 3 * head, 9*2*head + head},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			sl, err := HeadSlice(c.src, c.dst, head)
+			if err != nil {
+				t.Fatal(err)
+			}
+			w, err := Plan(transfer([]uint32{3, 4}, []uint32{9, 10}), c.srcR, c.dstR, 1<<20, sl)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(w) != 4 {
+				t.Fatalf("%d writes, want one per block and region (4): %+v", len(w), w)
+			}
+			if w[0].SrcOff != c.srcOff || w[0].DstOff != c.dstOff || w[0].Len != head || w[0].Blocks != 1 {
+				t.Errorf("first write %+v, want %d→%d of %d bytes", w[0], c.srcOff, c.dstOff, head)
+			}
+		})
+	}
+	if _, err := HeadSlice(agentv1.Heads{First: 0, Count: 1}, agentv1.Heads{First: 1, Count: 1}, head); err == nil {
+		t.Error("ranks sharing no head: a slice")
+	}
+	if sl, _ := HeadSlice(agentv1.Heads{First: 2, Count: 2}, agentv1.Heads{First: 2, Count: 2}, head); sl != (Slice{}) {
+		t.Errorf("equal ranks: slice %+v, want whole blocks", sl)
+	}
+	sl, _ := HeadSlice(agentv1.Heads{First: 0, Count: 2}, agentv1.Heads{First: 1, Count: 1}, head)
+	if _, err := Plan(transfer([]uint32{0}, []uint32{0}), half, half, 1<<20, sl); err == nil {
+		t.Error("a slice beyond the source's blocks was planned")
 	}
 }

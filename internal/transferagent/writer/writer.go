@@ -25,6 +25,9 @@ type Destination struct {
 	// the regions' Addr are device addresses in this process, the writer's Copier moves
 	// the bytes, and Notify delivers the signal in place of a write carrying data.
 	Notify func(data uint64) error
+	// Slice is the part of each block written when the decode rank holds other KV heads
+	// than this rank (the zero Slice: whole blocks).
+	Slice Slice
 	// byID indexes Regions by region ID and layout lists them for the planner, both
 	// built once by AddDestination.
 	byID   map[int]RemoteRegion
@@ -145,7 +148,7 @@ func (w *Writer) Submit(t rendezvous.Transfer) (writes int, bytes uint64, err er
 		}
 		src = src[t.Regions.Lo:t.Regions.Hi]
 	}
-	plan, err := Plan(t, src, d.layout, w.MaxMessage)
+	plan, err := Plan(t, src, d.layout, w.MaxMessage, d.Slice)
 	if err != nil {
 		return 0, 0, err
 	}

@@ -322,10 +322,15 @@ func (x *KVLayout) GetDtypeBytes() uint32 {
 // EngineRef names an engine rank anywhere in the cluster: the agent it talks to
 // (host:port of the agent's peer listener) and its engine id and rank.
 type EngineRef struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Agent         string                 `protobuf:"bytes,1,opt,name=agent,proto3" json:"agent,omitempty"`
-	EngineId      string                 `protobuf:"bytes,2,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
-	TpRank        uint32                 `protobuf:"varint,3,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Agent    string                 `protobuf:"bytes,1,opt,name=agent,proto3" json:"agent,omitempty"`
+	EngineId string                 `protobuf:"bytes,2,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	TpRank   uint32                 `protobuf:"varint,3,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	// tp_size is the engine's tensor-parallel size; 0 means the same as the engine naming
+	// it. Engines of different sizes move KV rank pair by rank pair, each decode rank
+	// taking its KV heads from the prefill ranks that hold them (heads.go in this package:
+	// Sources, Destinations, PairRequestID); a pair whose ranks share no head is refused.
+	TpSize        uint32 `protobuf:"varint,4,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -377,6 +382,13 @@ func (x *EngineRef) GetEngineId() string {
 func (x *EngineRef) GetTpRank() uint32 {
 	if x != nil {
 		return x.TpRank
+	}
+	return 0
+}
+
+func (x *EngineRef) GetTpSize() uint32 {
+	if x != nil {
+		return x.TpSize
 	}
 	return 0
 }
@@ -775,7 +787,7 @@ type RegisterDestinationRequest struct {
 	RequestId string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	Attempt   uint64                 `protobuf:"varint,3,opt,name=attempt,proto3" json:"attempt,omitempty"`                          // a higher attempt supersedes a lower one
 	BlockIds  []uint32               `protobuf:"varint,4,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"` // destination blocks in token order
-	Source    *EngineRef             `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`                             // the prefill engine rank that will write them
+	Source    *EngineRef             `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`                             // the prefill engine rank that will write them (of its heads, those this rank holds)
 	// first_position is the token-order block position of block_ids[0]. Decode's prefix
 	// cache holds the positions before it, so only the tail after them is written (the
 	// prefill engine's blocks for those positions are left alone).
@@ -1378,11 +1390,12 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\bkv_heads\x18\x03 \x01(\rR\akvHeads\x12\x19\n" +
 	"\bhead_dim\x18\x04 \x01(\rR\aheadDim\x12\x1f\n" +
 	"\vdtype_bytes\x18\x05 \x01(\rR\n" +
-	"dtypeBytes\"W\n" +
+	"dtypeBytes\"p\n" +
 	"\tEngineRef\x12\x14\n" +
 	"\x05agent\x18\x01 \x01(\tR\x05agent\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +
-	"\atp_rank\x18\x03 \x01(\rR\x06tpRank\"\xd9\x03\n" +
+	"\atp_rank\x18\x03 \x01(\rR\x06tpRank\x12\x17\n" +
+	"\atp_size\x18\x04 \x01(\rR\x06tpSize\"\xd9\x03\n" +
 	"\x15RegisterEngineRequest\x12\x1b\n" +
 	"\tengine_id\x18\x01 \x01(\tR\bengineId\x12,\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x18.kvhandoff.agent.v1.RoleR\x04role\x12,\n" +
