@@ -174,6 +174,8 @@ func TestBadEngineInputIsRefusedAndTheAgentKeepsServing(t *testing.T) {
 		TpRank: 1}), codes.InvalidArgument, "source.tp_rank")
 	refused(t, "a source of a size the heads do not map onto", dest("r", []uint32{1}, &agentv1.EngineRef{Agent: src.Agent,
 		EngineId: src.EngineId, TpSize: 3}), codes.InvalidArgument, "source.tp_size")
+	refused(t, "a source of another size for KV that is not head-major", dest("r", []uint32{1}, &agentv1.EngineRef{Agent: src.Agent,
+		EngineId: src.EngineId, TpSize: 2}), codes.InvalidArgument, "head_major")
 	refused(t, "an unknown session", func() error {
 		_, err := api.Heartbeat(bg, &agentv1.HeartbeatRequest{Session: "nope"})
 		return err

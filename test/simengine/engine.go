@@ -105,7 +105,7 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 		LeaseMillis: uint32(cfg.Lease.Milliseconds()), RegistrationTimeoutMillis: uint32(cfg.RegistrationTimeout.Milliseconds()),
 		BlocksTtlMillis: uint32(cfg.BlocksTTL.Milliseconds()), FabricDomains: cfg.FabricDomains,
 		Layout: &agentv1.KVLayout{Layers: uint32(l.Layers), BlockSize: uint32(l.BlockSize), KvHeads: uint32(l.KVHeads),
-			HeadDim: uint32(l.HeadDim), DtypeBytes: uint32(l.DTypeBytes)},
+			HeadDim: uint32(l.HeadDim), DtypeBytes: uint32(l.DTypeBytes), HeadMajor: true},
 	})
 	if err != nil {
 		return fail(err)

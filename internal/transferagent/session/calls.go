@@ -200,6 +200,10 @@ func (s *Session) checkSource(field string, ref *agentv1.EngineRef) error {
 	if ref.TpRank >= size {
 		return Invalid(field+".tp_rank", "%d must be below tp_size %d", ref.TpRank, size)
 	}
+	if size != s.tpSize && !s.headMajor {
+		return Invalid(field+".tp_size", "is %d and this engine's %d: engines of different tensor-parallel sizes move a slice of each block, "+
+			"which needs head-major KV (RegisterEngine's layout.head_major)", size, s.tpSize)
+	}
 	if s.sharedHeads(ref) == 0 {
 		return Invalid(field+".tp_rank", "rank %d of %d holds KV heads %s and this rank %d of %d holds %s: they share none (pair ranks by "+
 			"agentv1.Sources)", ref.TpRank, size, agentv1.RankHeads(s.kvHeads, size, ref.TpRank), s.rank, s.tpSize, s.heads)

@@ -37,10 +37,11 @@ type Session struct {
 	mode  agentv1.Mode
 	rank  uint32
 	// tpSize and kvHeads are the engine's tensor-parallel size and its model's KV heads;
-	// heads are those this rank holds, headBytes one head's share of a block.
+	// heads are those this rank holds, and headMajor says its blocks hold them one after
+	// another (KVLayout.head_major).
 	tpSize, kvHeads uint32
 	heads           agentv1.Heads
-	headBytes       uint64
+	headMajor       bool
 	ep              *fabric.Endpoint
 	// pol is the engine's policy's timeouts (RegisterEngine), the agent's flags where
 	// it sent none.
@@ -128,8 +129,7 @@ type remoteEngine struct {
 func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64, r *agentv1.RegisterEngineRequest, ep *fabric.Endpoint) *Session {
 	s := &Session{
 		n: n, id: id, key: key, owner: owner, epoch: epoch, role: r.Role, mode: r.Mode, rank: r.TpRank, ep: ep,
-		tpSize: r.TpSize, kvHeads: r.GetLayout().GetKvHeads(),
-		headBytes: uint64(r.GetLayout().GetBlockSize()) * uint64(r.GetLayout().GetHeadDim()) * uint64(r.GetLayout().GetDtypeBytes()),
+		tpSize: r.TpSize, kvHeads: r.GetLayout().GetKvHeads(), headMajor: r.GetLayout().GetHeadMajor(),
 		pol:       RequestTimeouts(r).Complete(fallback),
 		cmds:      make(chan func(), 1024), events: make(chan *agentv1.Event, 1<<16),
 		closing: make(chan struct{}), stopped: make(chan struct{}),
@@ -525,37 +525,44 @@ func (s *Session) describe(local bool) []wire.Message {
 	return out
 }
 
-// describeHeads is the Heads message of this rank: none when a region's blocks are not
-// its heads' bytes (a layout the agent cannot slice), so peers pair it rank with rank.
+// describeHeads is the Heads message of this rank: none unless the engine said its KV is
+// head-major and every region's blocks are of one length that its heads share evenly
+// (a layout the agent can slice); peers then pair it only with ranks holding its heads.
 func (s *Session) describeHeads() *wire.Heads {
+	if !s.headMajor || len(s.layout) == 0 || s.heads.Count == 0 {
+		return nil
+	}
+	bl := s.layout[0].BlockLen
 	for _, l := range s.layout {
-		if l.BlockLen != uint64(s.heads.Count)*s.headBytes {
+		if l.BlockLen != bl || bl%uint64(s.heads.Count) != 0 {
 			return nil
 		}
 	}
-	return &wire.Heads{Engine: s.key, Epoch: s.epoch, First: uint64(s.heads.First), Count: uint64(s.heads.Count), HeadBytes: s.headBytes}
+	return &wire.Heads{Engine: s.key, Epoch: s.epoch, First: uint64(s.heads.First), Count: uint64(s.heads.Count), HeadBytes: bl / uint64(s.heads.Count)}
 }
 
 // slice is the part of each block moved between this rank and a remote one (source:
 // the remote rank is the source, as in a pull): the zero Slice when they hold the same
-// heads, or when the remote agent predates heads.
+// heads. Ranks of different heads need both described as head-major with heads of one
+// size.
 func (s *Session) slice(re *remoteEngine, source bool) (writer.Slice, error) {
-	if re.heads == nil {
-		return writer.Slice{}, nil
+	mine := s.describeHeads()
+	if re.heads == nil || mine == nil {
+		if re.heads != nil && (re.heads.First != uint64(s.heads.First) || re.heads.Count != uint64(s.heads.Count)) {
+			return writer.Slice{}, fmt.Errorf("it holds KV heads [%d,%d) and this rank %s, whose KV is not head-major (KVLayout.head_major): "+
+				"only engines of the same tensor-parallel size pair with it", re.heads.First, re.heads.First+re.heads.Count, s.heads)
+		}
+		return writer.Slice{}, nil // equal ranks, or a rank that cannot say otherwise: whole blocks, checked against each other
 	}
-	if re.heads.HeadBytes != s.headBytes {
-		return writer.Slice{}, fmt.Errorf("its KV heads are %d bytes of a block and this rank's %d: the layouts differ", re.heads.HeadBytes, s.headBytes)
+	if re.heads.HeadBytes != mine.HeadBytes {
+		return writer.Slice{}, fmt.Errorf("its KV heads are %d bytes of a block and this rank's %d: the layouts differ", re.heads.HeadBytes, mine.HeadBytes)
 	}
 	theirs := agentv1.Heads{First: uint32(re.heads.First), Count: uint32(re.heads.Count)}
 	src, dst := s.heads, theirs
 	if source {
 		src, dst = theirs, s.heads
 	}
-	sl, err := writer.HeadSlice(src, dst, s.headBytes)
-	if err == nil && sl != (writer.Slice{}) && s.describeHeads() == nil {
-		err = fmt.Errorf("this rank's regions do not hold its %d KV heads of %d bytes per block one after another (the HND layout)", s.heads.Count, s.headBytes)
-	}
-	return sl, err
+	return writer.HeadSlice(src, dst, mine.HeadBytes)
 }
 
 // reach is how this rank reaches a remote engine's memory, described by info on

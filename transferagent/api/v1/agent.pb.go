@@ -244,12 +244,18 @@ func (Event_Type) EnumDescriptor() ([]byte, []int) {
 
 // KVLayout is the model's KV cache shape; prefill and decode must agree on it.
 type KVLayout struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Layers        uint32                 `protobuf:"varint,1,opt,name=layers,proto3" json:"layers,omitempty"`
-	BlockSize     uint32                 `protobuf:"varint,2,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"` // tokens per block
-	KvHeads       uint32                 `protobuf:"varint,3,opt,name=kv_heads,json=kvHeads,proto3" json:"kv_heads,omitempty"`       // of the whole model
-	HeadDim       uint32                 `protobuf:"varint,4,opt,name=head_dim,json=headDim,proto3" json:"head_dim,omitempty"`
-	DtypeBytes    uint32                 `protobuf:"varint,5,opt,name=dtype_bytes,json=dtypeBytes,proto3" json:"dtype_bytes,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Layers     uint32                 `protobuf:"varint,1,opt,name=layers,proto3" json:"layers,omitempty"`
+	BlockSize  uint32                 `protobuf:"varint,2,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"` // tokens per block
+	KvHeads    uint32                 `protobuf:"varint,3,opt,name=kv_heads,json=kvHeads,proto3" json:"kv_heads,omitempty"`       // of the whole model
+	HeadDim    uint32                 `protobuf:"varint,4,opt,name=head_dim,json=headDim,proto3" json:"head_dim,omitempty"`
+	DtypeBytes uint32                 `protobuf:"varint,5,opt,name=dtype_bytes,json=dtypeBytes,proto3" json:"dtype_bytes,omitempty"`
+	// head_major says every block of every region holds this rank's KV heads one after
+	// another, each an equal share of the block (vLLM's HND layout, and its CPU backend's,
+	// whose head holds its K and V tokens together). Only then does the agent move KV
+	// between engines of different tensor-parallel sizes, a slice of each block; other
+	// layouts (NHD: a block token by token) pair only with engines of the same size.
+	HeadMajor     bool `protobuf:"varint,6,opt,name=head_major,json=headMajor,proto3" json:"head_major,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -317,6 +323,13 @@ func (x *KVLayout) GetDtypeBytes() uint32 {
 		return x.DtypeBytes
 	}
 	return 0
+}
+
+func (x *KVLayout) GetHeadMajor() bool {
+	if x != nil {
+		return x.HeadMajor
+	}
+	return false
 }
 
 // EngineRef names an engine rank anywhere in the cluster: the agent it talks to
@@ -1382,7 +1395,7 @@ var File_transferagent_api_v1_agent_proto protoreflect.FileDescriptor
 
 const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\n" +
-	" transferagent/api/v1/agent.proto\x12\x12kvhandoff.agent.v1\"\x98\x01\n" +
+	" transferagent/api/v1/agent.proto\x12\x12kvhandoff.agent.v1\"\xb7\x01\n" +
 	"\bKVLayout\x12\x16\n" +
 	"\x06layers\x18\x01 \x01(\rR\x06layers\x12\x1d\n" +
 	"\n" +
@@ -1390,7 +1403,9 @@ const file_transferagent_api_v1_agent_proto_rawDesc = "" +
 	"\bkv_heads\x18\x03 \x01(\rR\akvHeads\x12\x19\n" +
 	"\bhead_dim\x18\x04 \x01(\rR\aheadDim\x12\x1f\n" +
 	"\vdtype_bytes\x18\x05 \x01(\rR\n" +
-	"dtypeBytes\"p\n" +
+	"dtypeBytes\x12\x1d\n" +
+	"\n" +
+	"head_major\x18\x06 \x01(\bR\theadMajor\"p\n" +
 	"\tEngineRef\x12\x14\n" +
 	"\x05agent\x18\x01 \x01(\tR\x05agent\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x12kvhandoff.agent.v1\"g\n\x08KVLayout\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x13\n\x0b\x64type_bytes\x18\x05 \x01(\r\"O\n\tEngineRef\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\"\xd2\x02\n\x15RegisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvhandoff.agent.v1.Role\x12&\n\x04mode\x18\x03 \x01(\x0e\x32\x18.kvhandoff.agent.v1.Mode\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12,\n\x06layout\x18\x06 \x01(\x0b\x32\x1c.kvhandoff.agent.v1.KVLayout\x12\x18\n\x10replaces_session\x18\x07 \x01(\t\x12\x14\n\x0clease_millis\x18\x08 \x01(\r\x12#\n\x1bregistration_timeout_millis\x18\t \x01(\r\x12\x19\n\x11\x62locks_ttl_millis\x18\n \x01(\r\x12\x16\n\x0e\x66\x61\x62ric_domains\x18\x0b \x03(\t\"w\n\x16RegisterEngineResponse\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12+\n\x04self\x18\x03 \x01(\x0b\x32\x1d.kvhandoff.agent.v1.EngineRef\x12\x10\n\x08provider\x18\x04 \x01(\t\"\x98\x02\n\x15RegisterRegionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tregion_id\x18\x02 \x01(\r\x12,\n\x04kind\x18\x03 \x01(\x0e\x32\x1e.kvhandoff.agent.v1.MemoryKind\x12\x15\n\rmemory_handle\x18\n \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\x11\n\tblock_len\x18\x07 \x01(\x04\x12\x13\n\x0b\x62lock_count\x18\x08 \x01(\r\x12\x11\n\tdmabuf_fd\x18\t \x01(\x05\x12\x17\n\x0f\x63uda_ipc_handle\x18\x0b \x01(\x0c\x12\x18\n\x10\x63uda_device_uuid\x18\x0c \x01(\x0cJ\x04\x08\x04\x10\x05R\x04path\"\x18\n\x16RegisterRegionResponse\"\xac\x01\n\x1aRegisterDestinationRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12-\n\x06source\x18\x05 \x01(\x0b\x32\x1d.kvhandoff.agent.v1.EngineRef\x12\x16\n\x0e\x66irst_position\x18\x06 \x01(\r\"\x97\x01\n\x12SourceReadyRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x14\n\x0c\x66irst_region\x18\x06 \x01(\r\x12\x14\n\x0cregion_count\x18\x07 \x01(\r\"\xab\x01\n\x0bPullRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\x12-\n\x06source\x18\x04 \x01(\x0b\x32\x1d.kvhandoff.agent.v1.EngineRef\x12\x18\n\x10source_block_ids\x18\x05 \x03(\r\x12\x1d\n\x15\x64\x65stination_block_ids\x18\x06 \x03(\r\"E\n\rCancelRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\"d\n\x0e\x44\x65\x63lineRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12-\n\x06source\x18\x03 \x01(\x0b\x32\x1d.kvhandoff.agent.v1.EngineRef\"#\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\" \n\rEventsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x05\n\x03\x41\x63k\"\xea\x01\n\x05\x45vent\x12,\n\x04type\x18\x01 \x01(\x0e\x32\x1e.kvhandoff.agent.v1.Event.Type\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x06 \x01(\x04\"Z\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDELIVERED\x10\x01\x12\x0f\n\x0bSOURCE_DONE\x10\x02\x12\x10\n\x0c\x43\x41NCEL_ACKED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*:\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_PUSH\x10\x01\x12\r\n\tMODE_PULL\x10\x02*m\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_HOST\x10\x01\x12\x14\n\x10MEMORY_KIND_CUDA\x10\x02\x12\x16\n\x12MEMORY_KIND_NEURON\x10\x03\x32\xef\x05\n\x05\x41gent\x12g\n\x0eRegisterEngine\x12).kvhandoff.agent.v1.RegisterEngineRequest\x1a*.kvhandoff.agent.v1.RegisterEngineResponse\x12g\n\x0eRegisterRegion\x12).kvhandoff.agent.v1.RegisterRegionRequest\x1a*.kvhandoff.agent.v1.RegisterRegionResponse\x12^\n\x13RegisterDestination\x12..kvhandoff.agent.v1.RegisterDestinationRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12N\n\x0bSourceReady\x12&.kvhandoff.agent.v1.SourceReadyRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12@\n\x04Pull\x12\x1f.kvhandoff.agent.v1.PullRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12\x44\n\x06\x43\x61ncel\x12!.kvhandoff.agent.v1.CancelRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12\x46\n\x07\x44\x65\x63line\x12\".kvhandoff.agent.v1.DeclineRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12J\n\tHeartbeat\x12$.kvhandoff.agent.v1.HeartbeatRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12H\n\x06\x45vents\x12!.kvhandoff.agent.v1.EventsRequest\x1a\x19.kvhandoff.agent.v1.Event0\x01\x42=Z;github.com/kvhandoff/kvhandoff/transferagent/api/v1;agentv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x12kvhandoff.agent.v1\"{\n\x08KVLayout\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x13\n\x0b\x64type_bytes\x18\x05 \x01(\r\x12\x12\n\nhead_major\x18\x06 \x01(\x08\"O\n\tEngineRef\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\"\xd2\x02\n\x15RegisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvhandoff.agent.v1.Role\x12&\n\x04mode\x18\x03 \x01(\x0e\x32\x18.kvhandoff.agent.v1.Mode\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12,\n\x06layout\x18\x06 \x01(\x0b\x32\x1c.kvhandoff.agent.v1.KVLayout\x12\x18\n\x10replaces_session\x18\x07 \x01(\t\x12\x14\n\x0clease_millis\x18\x08 \x01(\r\x12#\n\x1bregistration_timeout_millis\x18\t \x01(\r\x12\x19\n\x11\x62locks_ttl_millis\x18\n \x01(\r\x12\x16\n\x0e\x66\x61\x62ric_domains\x18\x0b \x03(\t\"w\n\x16RegisterEngineResponse\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12+\n\x04self\x18\x03 \x01(\x0b\x32\x1d.kvhandoff.agent.v1.EngineRef\x12\x10\n\x08provider\x18\x04 \x01(\t\"\x98\x02\n\x15RegisterRegionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tregion_id\x18\x02 \x01(\r\x12,\n\x04kind\x18\x03 \x01(\x0e\x32\x1e.kvhandoff.agent.v1.MemoryKind\x12\x15\n\rmemory_handle\x18\n \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04size\x18\x06 \x01(\x04\x12\x11\n\tblock_len\x18\x07 \x01(\x04\x12\x13\n\x0b\x62lock_count\x18\x08 \x01(\r\x12\x11\n\tdmabuf_fd\x18\t \x01(\x05\x12\x17\n\x0f\x63uda_ipc_handle\x18\x0b \x01(\x0c\x12\x18\n\x10\x63uda_device_uuid\x18\x0c \x01(\x0cJ\x04\x08\x04\x10\x05R\x04path\"\x18\n\x16RegisterRegionResponse\"\xac\x01\n\x1aRegisterDestinationRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12-\n\x06source\x18\x05 \x01(\x0b\x32\x1d.kvhandoff.agent.v1.EngineRef\x12\x16\n\x0e\x66irst_position\x18\x06 \x01(\r\"\x97\x01\n\x12SourceReadyRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x14\n\x0c\x66irst_region\x18\x06 \x01(\r\x12\x14\n\x0cregion_count\x18\x07 \x01(\r\"\xab\x01\n\x0bPullRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\x12-\n\x06source\x18\x04 \x01(\x0b\x32\x1d.kvhandoff.agent.v1.EngineRef\x12\x18\n\x10source_block_ids\x18\x05 \x03(\r\x12\x1d\n\x15\x64\x65stination_block_ids\x18\x06 \x03(\r\"E\n\rCancelRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\"d\n\x0e\x44\x65\x63lineRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12-\n\x06source\x18\x03 \x01(\x0b\x32\x1d.kvhandoff.agent.v1.EngineRef\"#\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\" \n\rEventsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x05\n\x03\x41\x63k\"\xea\x01\n\x05\x45vent\x12,\n\x04type\x18\x01 \x01(\x0e\x32\x1e.kvhandoff.agent.v1.Event.Type\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x06 \x01(\x04\"Z\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDELIVERED\x10\x01\x12\x0f\n\x0bSOURCE_DONE\x10\x02\x12\x10\n\x0c\x43\x41NCEL_ACKED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*:\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_PUSH\x10\x01\x12\r\n\tMODE_PULL\x10\x02*m\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_HOST\x10\x01\x12\x14\n\x10MEMORY_KIND_CUDA\x10\x02\x12\x16\n\x12MEMORY_KIND_NEURON\x10\x03\x32\xef\x05\n\x05\x41gent\x12g\n\x0eRegisterEngine\x12).kvhandoff.agent.v1.RegisterEngineRequest\x1a*.kvhandoff.agent.v1.RegisterEngineResponse\x12g\n\x0eRegisterRegion\x12).kvhandoff.agent.v1.RegisterRegionRequest\x1a*.kvhandoff.agent.v1.RegisterRegionResponse\x12^\n\x13RegisterDestination\x12..kvhandoff.agent.v1.RegisterDestinationRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12N\n\x0bSourceReady\x12&.kvhandoff.agent.v1.SourceReadyRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12@\n\x04Pull\x12\x1f.kvhandoff.agent.v1.PullRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12\x44\n\x06\x43\x61ncel\x12!.kvhandoff.agent.v1.CancelRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12\x46\n\x07\x44\x65\x63line\x12\".kvhandoff.agent.v1.DeclineRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12J\n\tHeartbeat\x12$.kvhandoff.agent.v1.HeartbeatRequest\x1a\x17.kvhandoff.agent.v1.Ack\x12H\n\x06\x45vents\x12!.kvhandoff.agent.v1.EventsRequest\x1a\x19.kvhandoff.agent.v1.Event0\x01\x42=Z;github.com/kvhandoff/kvhandoff/transferagent/api/v1;agentv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,44 +32,44 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z;github.com/kvhandoff/kvhandoff/transferagent/api/v1;agentv1'
-  _globals['_ROLE']._serialized_start=1983
-  _globals['_ROLE']._serialized_end=2046
-  _globals['_MODE']._serialized_start=2048
-  _globals['_MODE']._serialized_end=2106
-  _globals['_MEMORYKIND']._serialized_start=2108
-  _globals['_MEMORYKIND']._serialized_end=2217
+  _globals['_ROLE']._serialized_start=2003
+  _globals['_ROLE']._serialized_end=2066
+  _globals['_MODE']._serialized_start=2068
+  _globals['_MODE']._serialized_end=2126
+  _globals['_MEMORYKIND']._serialized_start=2128
+  _globals['_MEMORYKIND']._serialized_end=2237
   _globals['_KVLAYOUT']._serialized_start=35
-  _globals['_KVLAYOUT']._serialized_end=138
-  _globals['_ENGINEREF']._serialized_start=140
-  _globals['_ENGINEREF']._serialized_end=219
-  _globals['_REGISTERENGINEREQUEST']._serialized_start=222
-  _globals['_REGISTERENGINEREQUEST']._serialized_end=560
-  _globals['_REGISTERENGINERESPONSE']._serialized_start=562
-  _globals['_REGISTERENGINERESPONSE']._serialized_end=681
-  _globals['_REGISTERREGIONREQUEST']._serialized_start=684
-  _globals['_REGISTERREGIONREQUEST']._serialized_end=964
-  _globals['_REGISTERREGIONRESPONSE']._serialized_start=966
-  _globals['_REGISTERREGIONRESPONSE']._serialized_end=990
-  _globals['_REGISTERDESTINATIONREQUEST']._serialized_start=993
-  _globals['_REGISTERDESTINATIONREQUEST']._serialized_end=1165
-  _globals['_SOURCEREADYREQUEST']._serialized_start=1168
-  _globals['_SOURCEREADYREQUEST']._serialized_end=1319
-  _globals['_PULLREQUEST']._serialized_start=1322
-  _globals['_PULLREQUEST']._serialized_end=1493
-  _globals['_CANCELREQUEST']._serialized_start=1495
-  _globals['_CANCELREQUEST']._serialized_end=1564
-  _globals['_DECLINEREQUEST']._serialized_start=1566
-  _globals['_DECLINEREQUEST']._serialized_end=1666
-  _globals['_HEARTBEATREQUEST']._serialized_start=1668
-  _globals['_HEARTBEATREQUEST']._serialized_end=1703
-  _globals['_EVENTSREQUEST']._serialized_start=1705
-  _globals['_EVENTSREQUEST']._serialized_end=1737
-  _globals['_ACK']._serialized_start=1739
-  _globals['_ACK']._serialized_end=1744
-  _globals['_EVENT']._serialized_start=1747
-  _globals['_EVENT']._serialized_end=1981
-  _globals['_EVENT_TYPE']._serialized_start=1891
-  _globals['_EVENT_TYPE']._serialized_end=1981
-  _globals['_AGENT']._serialized_start=2220
-  _globals['_AGENT']._serialized_end=2971
+  _globals['_KVLAYOUT']._serialized_end=158
+  _globals['_ENGINEREF']._serialized_start=160
+  _globals['_ENGINEREF']._serialized_end=239
+  _globals['_REGISTERENGINEREQUEST']._serialized_start=242
+  _globals['_REGISTERENGINEREQUEST']._serialized_end=580
+  _globals['_REGISTERENGINERESPONSE']._serialized_start=582
+  _globals['_REGISTERENGINERESPONSE']._serialized_end=701
+  _globals['_REGISTERREGIONREQUEST']._serialized_start=704
+  _globals['_REGISTERREGIONREQUEST']._serialized_end=984
+  _globals['_REGISTERREGIONRESPONSE']._serialized_start=986
+  _globals['_REGISTERREGIONRESPONSE']._serialized_end=1010
+  _globals['_REGISTERDESTINATIONREQUEST']._serialized_start=1013
+  _globals['_REGISTERDESTINATIONREQUEST']._serialized_end=1185
+  _globals['_SOURCEREADYREQUEST']._serialized_start=1188
+  _globals['_SOURCEREADYREQUEST']._serialized_end=1339
+  _globals['_PULLREQUEST']._serialized_start=1342
+  _globals['_PULLREQUEST']._serialized_end=1513
+  _globals['_CANCELREQUEST']._serialized_start=1515
+  _globals['_CANCELREQUEST']._serialized_end=1584
+  _globals['_DECLINEREQUEST']._serialized_start=1586
+  _globals['_DECLINEREQUEST']._serialized_end=1686
+  _globals['_HEARTBEATREQUEST']._serialized_start=1688
+  _globals['_HEARTBEATREQUEST']._serialized_end=1723
+  _globals['_EVENTSREQUEST']._serialized_start=1725
+  _globals['_EVENTSREQUEST']._serialized_end=1757
+  _globals['_ACK']._serialized_start=1759
+  _globals['_ACK']._serialized_end=1764
+  _globals['_EVENT']._serialized_start=1767
+  _globals['_EVENT']._serialized_end=2001
+  _globals['_EVENT_TYPE']._serialized_start=1911
+  _globals['_EVENT_TYPE']._serialized_end=2001
+  _globals['_AGENT']._serialized_start=2240
+  _globals['_AGENT']._serialized_end=2991
 # @@protoc_insertion_point(module_scope)
