@@ -401,8 +401,12 @@ const (
 	ReasonPrefillPoolNotFound = "PrefillPoolNotFound"
 	// ReasonPolicyMismatch: the two pools of a pair reference different policies.
 	ReasonPolicyMismatch = "PolicyMismatch"
-	// ReasonTensorParallelMismatch: the prefill pool's tensorParallelSize exceeds the decode pool's.
+	// ReasonTensorParallelMismatch: the pools' tensorParallelSizes cannot pair: with
+	// executor Engine the prefill pool's exceeds the decode pool's; with executor Agent
+	// DecodePools of different sizes name one PrefillPool.
 	ReasonTensorParallelMismatch = "TensorParallelMismatch"
+	// ReasonPipelineParallelMismatch: with executor Agent the pools' pipelineParallelSizes differ.
+	ReasonPipelineParallelMismatch = "PipelineParallelMismatch"
 	// ReasonBlockSizeMismatch: the prefill pool's blockSize exceeds the decode pool's.
 	ReasonBlockSizeMismatch = "BlockSizeMismatch"
 	// ReasonModelMismatch: the two pools of a pair serve different models.

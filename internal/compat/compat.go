@@ -75,17 +75,36 @@ func flagValue(args []string, flag string) string {
 	return value
 }
 
-// Hash is the compat-hash of engines rendered from spec and policy: equal hashes mean
-// the engines can exchange KV. Tensor-parallel and block sizes are left out on purpose:
-// vLLM transfers between different sizes when prefill's do not exceed decode's, which
-// CheckPair enforces.
-func Hash(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) string {
+// Hash is the compat-hash of engines rendered from spec and policy with the KV layout
+// layout (KVLayout): equal hashes mean the engines can exchange KV. Tensor-parallel and
+// block sizes are left out on purpose: engines of different sizes exchange KV where
+// CheckPair allows it, and then both lay it out head by head, which the layout says.
+func Hash(spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec, layout string) string {
 	h := sha256.New()
-	for _, part := range []string{spec.Model, KVCacheDtype(spec.EngineArgs), string(policy.Mode), Connector(policy.Mode), spec.Image} {
+	parts := []string{spec.Model, KVCacheDtype(spec.EngineArgs), string(policy.Mode), Connector(policy.Mode), spec.Image}
+	if layout != "" { // vLLM's default layout leaves the hashes engines already run unchanged
+		parts = append(parts, layout)
+	}
+	for _, part := range parts {
 		h.Write([]byte(part))
 		h.Write([]byte{0})
 	}
 	return hex.EncodeToString(h.Sum(nil))[:10]
+}
+
+// LayoutHND is vLLM's KV-cache layout (VLLM_KV_CACHE_LAYOUT) in which a block holds its
+// KV heads one after another, so that each head's share of a block is contiguous.
+const LayoutHND = "HND"
+
+// KVLayout is the KV-cache layout GPU engines of spec must run with to pair with engines of
+// tensor-parallel size peerTP (0: spec's own): HND where the sizes differ, since each rank
+// then sends or receives a head slice of every block ("": vLLM's default). vLLM's CPU and
+// Neuron KV is laid out head by head already.
+func KVLayout(spec *kvv1.EngineSpec, peerTP int32) string {
+	if spec.Accelerator.Type == kvv1.AcceleratorNvidiaGPU && peerTP != 0 && peerTP != spec.TensorParallelSize {
+		return LayoutHND
+	}
+	return ""
 }
 
 // Warning is worth an event but does not stop rendering; Reason is the event's.
@@ -218,18 +237,19 @@ func CheckPair(prefillName string, prefill *kvv1.EngineSpec, decode *kvv1.Engine
 		return problem(kvv1.ReasonKVCacheDtypeMismatch, "PrefillPool %s stores KV as %s but this pool as %s (vLLM's effective KV-cache dtype: "+
 			"--kv-cache-dtype, or --dtype when that is auto); set the same in both pools' engineArgs", prefillName, KVCacheDtype(prefill.EngineArgs),
 			KVCacheDtype(decode.EngineArgs))
-	case prefill.TensorParallelSize > decode.TensorParallelSize:
+	case !agent && prefill.TensorParallelSize > decode.TensorParallelSize:
 		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d, more than this pool's %d; vLLM transfers KV "+
 			"only when prefill's tensor-parallel size is at most decode's", prefillName, prefill.TensorParallelSize, decode.TensorParallelSize)
 	case prefill.BlockSize > decode.BlockSize:
 		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d, more than this pool's %d; set the prefill block size at "+
 			"most the decode block size", prefillName, prefill.BlockSize, decode.BlockSize)
-	// The transfer agent moves KV between ranks of different sizes by heads, but the
-	// kvhandoff connector registers rank r against rank r only; blocks move whole.
-	case agent && prefill.TensorParallelSize != decode.TensorParallelSize:
-		return problem(kvv1.ReasonTensorParallelMismatch, "PrefillPool %s has tensorParallelSize %d and this pool %d; with executor Agent both "+
-			"pools must have the same tensorParallelSize (the kvhandoff vLLM connector pairs rank r with rank r)", prefillName,
-			prefill.TensorParallelSize, decode.TensorParallelSize)
+	// The agent moves KV between ranks of different tensor-parallel sizes by heads (each
+	// decode rank from the prefill ranks holding its heads); a pipeline stage's layers are
+	// another engine's unless both split the layers alike.
+	case agent && prefill.PipelineParallelSize != decode.PipelineParallelSize:
+		return problem(kvv1.ReasonPipelineParallelMismatch, "PrefillPool %s has pipelineParallelSize %d and this pool %d; with executor Agent "+
+			"both pools must have the same pipelineParallelSize (each rank's layers are its pipeline stage's)", prefillName,
+			prefill.PipelineParallelSize, decode.PipelineParallelSize)
 	case agent && prefill.BlockSize != decode.BlockSize:
 		return problem(kvv1.ReasonBlockSizeMismatch, "PrefillPool %s has blockSize %d and this pool %d; with executor Agent both pools must have "+
 			"the same blockSize", prefillName, prefill.BlockSize, decode.BlockSize)

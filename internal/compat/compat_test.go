@@ -59,19 +59,22 @@ func TestHashChangesWithWhatMustMatch(t *testing.T) {
 	push := builder.Policy("p").Obj().Spec
 	pull := builder.Policy("p").Mode(kvv1.TransferPull).Obj().Spec
 	base := &builder.PrefillPool("p").Obj().Spec.EngineSpec
-	h := Hash(base, &push)
+	h := Hash(base, &push, "")
 
 	same := []*kvv1.EngineSpec{
 		&builder.PrefillPool("other-name").TP(4).BlockSize(8).Replicas(7).Obj().Spec.EngineSpec,
 		&builder.DecodePool("d", "p").EngineArgs("--max-model-len", "1024").Obj().Spec.EngineSpec,
 	}
 	for _, s := range same {
-		if got := Hash(s, &push); got != h {
+		if got := Hash(s, &push, ""); got != h {
 			t.Errorf("hash changed with a field engines may differ in: %+v", s)
 		}
 	}
-	if Hash(base, &pull) == h {
+	if Hash(base, &pull, "") == h {
 		t.Error("hash ignores the mode")
+	}
+	if Hash(base, &push, LayoutHND) == h {
+		t.Error("hash ignores the KV layout")
 	}
 	differ := []*kvv1.EngineSpec{
 		&builder.PrefillPool("p").Model("Qwen/Qwen3-8B").Obj().Spec.EngineSpec,
@@ -79,8 +82,24 @@ func TestHashChangesWithWhatMustMatch(t *testing.T) {
 		&builder.PrefillPool("p").EngineArgs("--kv-cache-dtype", "fp8").Obj().Spec.EngineSpec,
 	}
 	for _, s := range differ {
-		if Hash(s, &push) == h {
+		if Hash(s, &push, "") == h {
 			t.Errorf("hash ignores a field that must match: %+v", s)
+		}
+	}
+}
+
+// GPU engines lay KV out head by head (HND) exactly where they pair with another
+// tensor-parallel size; CPU and Neuron KV is head-major already.
+func TestKVLayout(t *testing.T) {
+	gpu := &builder.PrefillPool("p").TP(2).Obj().Spec.EngineSpec
+	cpu := &builder.PrefillPool("p").TP(2).Accelerator(kvv1.AcceleratorCPU, 0).Obj().Spec.EngineSpec
+	for _, c := range []struct {
+		spec *kvv1.EngineSpec
+		peer int32
+		want string
+	}{{gpu, 0, ""}, {gpu, 2, ""}, {gpu, 4, LayoutHND}, {gpu, 1, LayoutHND}, {cpu, 4, ""}} {
+		if got := KVLayout(c.spec, c.peer); got != c.want {
+			t.Errorf("KVLayout(%s TP2, peer %d) = %q, want %q", c.spec.Accelerator.Type, c.peer, got, c.want)
 		}
 	}
 }
@@ -191,8 +210,14 @@ func TestCheckPair(t *testing.T) {
 			"p").EngineArgs("--dtype=float16"), ""},
 		{"an explicit KV dtype wins over the model's", builder.PrefillPool("p").EngineArgs("--dtype=half", "--kv-cache-dtype=fp8"),
 			builder.DecodePool("d", "p").EngineArgs("--kv-cache-dtype", "fp8"), ""},
+		// The agent maps ranks by KV heads, both ways (the model's heads must split or
+		// replicate over both sizes: the connector and the agent check that at start).
 		{"TP4 into TP8 with the agent", builder.PrefillPool("p").TP(4).Policy("agent"), builder.DecodePool("d",
-			"p").TP(8).Policy("agent"), kvv1.ReasonTensorParallelMismatch},
+			"p").TP(8).Policy("agent"), ""},
+		{"TP8 into TP2 with the agent", builder.PrefillPool("p").TP(8).Policy("agent"), builder.DecodePool("d",
+			"p").TP(2).Policy("agent"), ""},
+		{"PP2 into PP1 with the agent", builder.PrefillPool("p").PP(2).Policy("agent"), builder.DecodePool("d",
+			"p").Policy("agent"), kvv1.ReasonPipelineParallelMismatch},
 		{"block 16 into 32 with the agent", builder.PrefillPool("p").BlockSize(16).Policy("agent"), builder.DecodePool("d",
 			"p").BlockSize(32).Policy("agent"), kvv1.ReasonBlockSizeMismatch},
 		{"equal pools with the agent", builder.PrefillPool("p").Policy("agent"), builder.DecodePool("d", "p").Policy("agent"), ""},

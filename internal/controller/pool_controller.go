@@ -6,6 +6,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
+	"strings"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -162,6 +165,9 @@ type validation struct {
 	// size while a DecodePool's autoscaling owns the pool (autoscaledBy names it).
 	replicas     int32
 	autoscaledBy string
+	// peerTP is the tensor-parallel size of the engines on the pair's other side (0: none
+	// known, or the pool's own).
+	peerTP int32
 }
 
 func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, error) {
@@ -191,7 +197,8 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 		}
 	}
 	if p.role() != kvv1.RoleDecode {
-		return v, nil
+		v.peerTP, v.problem, err = r.decodeSize(ctx, p, v.policy)
+		return v, err
 	}
 
 	v.prefill = &kvv1.PrefillPool{}
@@ -205,8 +212,42 @@ func (r *PoolReconciler) validate(ctx context.Context, p pool) (*validation, err
 		return nil, err
 	default:
 		v.problem = fromCompat(compat.CheckPair(v.prefill.Name, &v.prefill.Spec.EngineSpec, spec, &v.policy.Spec))
+		v.peerTP = v.prefill.Spec.TensorParallelSize
 	}
 	return v, nil
+}
+
+// decodeSize is the tensor-parallel size of the DecodePools that pair with PrefillPool p
+// (those naming it under its policy): a prefill engine's ranks each feed the decode ranks
+// holding their heads, so with executor Agent all must have one size. With executor Engine
+// vLLM's connector pairs ranks itself, and the size only chooses the KV layout.
+func (r *PoolReconciler) decodeSize(ctx context.Context, p pool, policy *kvv1.KVTransferPolicy) (int32, *problem, error) {
+	list := &kvv1.DecodePoolList{}
+	if err := r.List(ctx, list, client.InNamespace(p.GetNamespace())); err != nil {
+		return 0, nil, err
+	}
+	sizes := map[int32][]string{}
+	for _, d := range list.Items {
+		if d.Spec.PrefillPoolRef.Name == p.GetName() && d.Spec.TransferPolicyRef.Name == policy.Name {
+			sizes[d.Spec.TensorParallelSize] = append(sizes[d.Spec.TensorParallelSize], d.Name)
+		}
+	}
+	if len(sizes) <= 1 {
+		for tp := range sizes {
+			return tp, nil, nil
+		}
+		return 0, nil, nil
+	}
+	if policy.Spec.Executor != kvv1.ExecutorAgent {
+		return 0, nil, nil
+	}
+	var named []string
+	for _, tp := range slices.Sorted(maps.Keys(sizes)) {
+		named = append(named, fmt.Sprintf("%s (tensorParallelSize %d)", strings.Join(sizes[tp], ", "), tp))
+	}
+	return 0, &problem{Reason: kvv1.ReasonTensorParallelMismatch, Message: fmt.Sprintf("DecodePools %s name this PrefillPool; with "+
+		"executor Agent its engines hand each rank's KV heads to the decode ranks holding them, which needs one decode size: give each "+
+		"size a PrefillPool of its own", strings.Join(named, "; "))}, nil
 }
 
 // checkPrivileged refuses privileged engines in a namespace the cluster's administrators
@@ -231,6 +272,7 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 	in := render.Input{
 		Role: p.role(), Name: p.GetName(), Namespace: p.GetNamespace(),
 		Spec: &spec, Policy: &v.policy.Spec, PrefillPool: p.prefillPoolName(), ConnectorImage: r.ConnectorImage,
+		PeerTensorParallelSize: v.peerTP,
 	}
 	if gatewayEnabled(p) {
 		// The decode engines run as the leg runners' account: it exists before they do.

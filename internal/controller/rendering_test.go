@@ -113,6 +113,57 @@ var _ = Describe("Rendering through the API server", func() {
 		}).Should(ConsistOf(HaveField("Agent", "198.19.0.7:7470")))
 	})
 
+	It("pairs executor Agent pools of different tensor-parallel sizes, each told the other's size, and refuses two decode sizes on one prefill pool", func() {
+		ns := freshNamespace()
+		create(ns,
+			builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj(),
+			builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").TP(1).Policy("agent").Obj(),
+			builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").TP(4).Policy("agent").Obj())
+		extra := func(name string) string {
+			var a string
+			Eventually(func(g Gomega) {
+				args := statefulSet(ns, name).Spec.Template.Spec.Containers[0].Args
+				g.Expect(args).To(ContainElement(ContainSubstring("peer_tp_size")))
+				a = strings.Join(args, " ")
+			}).Should(Succeed())
+			return a
+		}
+		Expect(extra("prefill")).To(ContainSubstring(`"peer_tp_size":4`))
+		Expect(extra("decode")).To(ContainSubstring(`"peer_tp_size":1`))
+		for _, name := range []string{"prefill", "decode"} {
+			Expect(envValue(statefulSet(ns, name).Spec.Template.Spec.Containers[0], "VLLM_KV_CACHE_LAYOUT")).To(Equal("HND"))
+		}
+		d := &kvv1.DecodePool{}
+		Expect(k8s.Get(ctx, key(ns, "decode"), d)).To(Succeed())
+		Expect(condition(d, kvv1.ConditionPaired).Reason).NotTo(Equal(kvv1.ReasonTensorParallelMismatch))
+
+		// A second DecodePool of another size: one prefill engine cannot feed both.
+		create(ns, builder.DecodePool("decode-tp2", "prefill").Image("vllm/vllm-openai:v0.33.0").TP(2).Policy("agent").Obj())
+		p := &kvv1.PrefillPool{}
+		p.Name, p.Namespace = "prefill", ns
+		Eventually(func(g Gomega) {
+			c := condition(p, kvv1.ConditionDegraded)
+			g.Expect(c.Reason).To(Equal(kvv1.ReasonTensorParallelMismatch))
+			g.Expect(c.Message).To(HavePrefix("DecodePools decode-tp2 (tensorParallelSize 2); decode (tensorParallelSize 4) name this PrefillPool"))
+		}).Should(Succeed())
+		Expect(extra("prefill")).To(ContainSubstring(`"peer_tp_size":4`), "running engines are left as they were")
+		Expect(k8s.Delete(ctx, &kvv1.DecodePool{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "decode-tp2"}})).To(Succeed())
+		Eventually(func(g Gomega) {
+			g.Expect(condition(p, kvv1.ConditionDegraded).Status).To(Equal(metav1.ConditionFalse))
+		}).Should(Succeed())
+	})
+
+	It("refuses executor Agent pools of different pipeline-parallel sizes, naming both, and pairs them once equal", func() {
+		ns := freshNamespace()
+		create(ns, builder.Policy("agent").Executor(kvv1.ExecutorAgent).Obj(),
+			builder.PrefillPool("p").Image("vllm/vllm-openai:v0.33.0").PP(2).Policy("agent").Obj())
+		d := builder.DecodePool("d", "p").Image("vllm/vllm-openai:v0.33.0").Policy("agent").Obj()
+		create(ns, d)
+		expectNotReady(d, kvv1.ReasonPipelineParallelMismatch, "PrefillPool p has pipelineParallelSize 2 and this pool 1")
+		update(d, func(d *kvv1.DecodePool) { d.Spec.PipelineParallelSize = 2 })
+		expectRecovered(d)
+	})
+
 	It("places decode beside prefill when the policy prefers it, and keeps it off prefill's nodes again when the policy forbids it", func() {
 		ns := freshNamespace()
 		policy := builder.Policy("nvlink").Executor(kvv1.ExecutorAgent).SameNode(kvv1.SameNodePrefer).Obj()

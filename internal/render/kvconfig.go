@@ -34,6 +34,8 @@ type extraConfig struct {
 	// SameNode: pairs may share a node, where the agent moves GPU KV (CUDA IPC); without
 	// it the connector refuses GPU KV at start, which nothing could move.
 	SameNode bool `json:"same_node,omitempty"`
+	// PeerTPSize: the other side's tensor-parallel size, where it is not this engine's.
+	PeerTPSize int32 `json:"peer_tp_size,omitempty"`
 }
 
 // The kvhandoff vLLM connector (vllm-connector/), which executor Agent renders: its class,
@@ -46,7 +48,8 @@ const (
 // KVTransferConfig renders the --kv-transfer-config JSON of an engine of role. Its
 // engine_id refers to $(POD_NAME) and $(POD_NAMESPACE), which the kubelet expands from
 // the container's downward-API environment.
-func KVTransferConfig(role kvv1.Role, spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec) string {
+// peerTP is the other side's tensor-parallel size (0: the same).
+func KVTransferConfig(role kvv1.Role, spec *kvv1.EngineSpec, policy *kvv1.KVTransferPolicySpec, peerTP int32) string {
 	cfg := kvTransferConfig{
 		KVConnector: compat.Connector(policy.Mode),
 		// Both roles are kv_both: the connector decides direction per request, and push
@@ -77,6 +80,9 @@ func KVTransferConfig(role kvv1.Role, spec *kvv1.EngineSpec, policy *kvv1.KVTran
 		cfg.ExtraConfig.Socket = AgentSocket
 		cfg.ExtraConfig.LayerStreaming = policy.LayerStreaming && role == kvv1.RolePrefill
 		cfg.ExtraConfig.SameNode = policy.SameNode != kvv1.SameNodeForbid
+		if peerTP != spec.TensorParallelSize {
+			cfg.ExtraConfig.PeerTPSize = peerTP
+		}
 	}
 	data, err := json.Marshal(cfg)
 	if err != nil {

@@ -117,7 +117,7 @@ func podTemplate(in Input, claims []*resourcev1.ResourceClaimTemplate) (*corev1.
 // rollout mixes pods of two).
 func podLabels(in Input) map[string]string {
 	labels := objectMeta(in).Labels
-	labels[kvv1.LabelCompatHash] = compat.Hash(in.Spec, in.Policy)
+	labels[kvv1.LabelCompatHash] = compat.Hash(in.Spec, in.Policy, compat.KVLayout(in.Spec, in.PeerTensorParallelSize))
 	labels[kvv1.LabelTensorParallelSize] = strconv.Itoa(int(in.Spec.TensorParallelSize))
 	labels[kvv1.LabelPipelineParallelSize] = strconv.Itoa(int(in.Spec.PipelineParallelSize))
 	return labels
@@ -234,7 +234,7 @@ func args(in Input) []string {
 		"--pipeline-parallel-size", strconv.Itoa(int(in.Spec.PipelineParallelSize)),
 		"--block-size", strconv.Itoa(int(in.Spec.BlockSize)),
 		"--port", strconv.Itoa(HTTPPort),
-		"--kv-transfer-config", KVTransferConfig(in.Role, in.Spec, in.Policy),
+		"--kv-transfer-config", KVTransferConfig(in.Role, in.Spec, in.Policy, in.PeerTensorParallelSize),
 	}
 	if in.KVEventsImage != "" {
 		a = append(a, "--kv-events-config", kvEventsConfig())
@@ -265,6 +265,9 @@ func env(in Input) []corev1.EnvVar {
 		e = append(e, corev1.EnvVar{Name: "FI_PROVIDER", Value: "tcp"})
 	case kvv1.ProviderSHM:
 		e = append(e, corev1.EnvVar{Name: "FI_PROVIDER", Value: "shm"})
+	}
+	if layout := compat.KVLayout(in.Spec, in.PeerTensorParallelSize); layout != "" {
+		e = append(e, corev1.EnvVar{Name: "VLLM_KV_CACHE_LAYOUT", Value: layout})
 	}
 	if in.Policy.Executor == kvv1.ExecutorAgent {
 		e = append(e, corev1.EnvVar{Name: "KVHANDOFF_AGENT_SOCKET", Value: AgentSocket},

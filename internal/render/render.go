@@ -48,6 +48,10 @@ type Input struct {
 	// PrefillPool is, for a decode pool, the name of the PrefillPool it pairs with; its
 	// pods are the ones decode engines must not share a node with on EFA.
 	PrefillPool string
+	// PeerTensorParallelSize is the tensor-parallel size of the engines on the other side
+	// of the pair (0: this pool's): where it differs, each rank exchanges a head slice of
+	// every block with the peer ranks holding its heads.
+	PeerTensorParallelSize int32
 	// ConnectorImage is the image of the connector init container (executor Agent);
 	// "" is DefaultConnectorImage.
 	ConnectorImage string

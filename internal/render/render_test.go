@@ -35,13 +35,14 @@ func pairWith(t *testing.T, prefill *builder.PoolBuilder[*kvv1.PrefillPool], dec
 	t.Helper()
 	pol := policy.Obj()
 	p, d := prefill.Obj(), decode.Obj()
+	// Each side gets the other's tensor-parallel size, as the controller gives it.
 	pw, err := Engines(Input{Role: kvv1.RolePrefill, Name: p.Name, Namespace: p.Namespace, Spec: &p.Spec.EngineSpec, Policy: &pol.Spec,
-		KVEventsImage: kvEventsImage})
+		KVEventsImage: kvEventsImage, PeerTensorParallelSize: d.Spec.TensorParallelSize})
 	if err != nil {
 		t.Fatal(err)
 	}
 	dw, err := Engines(Input{Role: kvv1.RoleDecode, Name: d.Name, Namespace: d.Namespace, Spec: &d.Spec.EngineSpec, Policy: &pol.Spec,
-		PrefillPool: d.Spec.PrefillPoolRef.Name, KVEventsImage: kvEventsImage})
+		PrefillPool: d.Spec.PrefillPoolRef.Name, KVEventsImage: kvEventsImage, PeerTensorParallelSize: p.Spec.TensorParallelSize})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,6 +85,14 @@ func TestGolden(t *testing.T) {
 			prefill: builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").Policy("agent"),
 			decode:  builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").Policy("agent"),
 			policy:  builder.Policy("agent").Executor(kvv1.ExecutorAgent).LayerStreaming(true),
+		},
+		{
+			// Prefill scaled out at TP1 against TP4 decode: the connector pairs ranks by KV
+			// heads (peer_tp_size), both sides lay KV out head by head (HND).
+			name:    "executor-agent-tp1-prefill-tp4-decode",
+			prefill: builder.PrefillPool("prefill").Image("vllm/vllm-openai:v0.33.0").TP(1).Policy("agent"),
+			decode:  builder.DecodePool("decode", "prefill").Image("vllm/vllm-openai:v0.33.0").TP(4).Policy("agent"),
+			policy:  builder.Policy("agent").Executor(kvv1.ExecutorAgent),
 		},
 		{
 			name:    "p5en-same-node-prefer",
@@ -405,8 +414,16 @@ func TestTemplateCannotReachTheNodeOrRewireTheEngine(t *testing.T) {
 				{"name": "log-shipper", "image": "fluent/fluent-bit", "volumeMounts": [{"name": "models", "mountPath": "/m", "readOnly": true}],
 				 "securityContext": {"runAsNonRoot": true, "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]},
 				 "seccompProfile": {"type": "RuntimeDefault"}}}]}}`).Obj()
-	if _, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec}); err != nil {
-		t.Errorf("a template doing what templates are for: %v", err)
+	out, err := Engines(Input{Role: kvv1.RolePrefill, Name: "p", Namespace: "ns", Spec: &p.Spec.EngineSpec, Policy: &pol.Spec})
+	if err != nil {
+		t.Fatalf("a template doing what templates are for: %v", err)
+	}
+	// The user's toleration adds to the GPU's: replacing it would leave the pod no GPU node.
+	tols := out.StatefulSet.Spec.Template.Spec.Tolerations
+	for _, key := range []string{"dedicated", "nvidia.com/gpu"} {
+		if !slices.ContainsFunc(tols, func(t corev1.Toleration) bool { return t.Key == key }) {
+			t.Errorf("engine pod tolerations %v lack %s", tols, key)
+		}
 	}
 }
 

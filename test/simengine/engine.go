@@ -100,7 +100,10 @@ func Start(ctx context.Context, cfg Config) (*Engine, error) {
 	if e.cl, err = client.Dial(cfg.Socket); err != nil {
 		return fail(err)
 	}
-	e.Engine, err = e.cl.RegisterEngine(ctx, &agentv1.RegisterEngineRequest{
+	// As the connector: a minute for the agent to be there and ready.
+	rctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	e.Engine, err = e.cl.RegisterEngine(rctx, &agentv1.RegisterEngineRequest{
 		EngineId: cfg.ID, Role: cfg.Role, Mode: cfg.Mode, TpRank: uint32(cfg.Rank), TpSize: uint32(l.TP),
 		LeaseMillis: uint32(cfg.Lease.Milliseconds()), RegistrationTimeoutMillis: uint32(cfg.RegistrationTimeout.Milliseconds()),
 		BlocksTtlMillis: uint32(cfg.BlocksTTL.Milliseconds()), FabricDomains: cfg.FabricDomains,

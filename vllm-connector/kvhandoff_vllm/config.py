@@ -8,14 +8,17 @@ The manager renders them (internal/render/kvconfig.go); by hand they look like:
      "kv_connector_extra_config": {"mode": "push", "role": "prefill",
         "socket": "/var/run/kvhandoff/agent.sock", "kv_lease_duration": 30,
         "push_registration_timeout": 480, "decoder_kv_blocks_ttl": 480,
-        "layer_streaming": true, "same_node": false}}
+        "layer_streaming": true, "same_node": false, "peer_tp_size": 2}}
 
 layer_streaming (push prefill only) reports a request's KV to the agent layer by layer as
 the forward pass computes it, so the agent writes each layer while the next computes.
 same_node says the policy lets a pair share a node (sameNode: Allow or Prefer): only then
 can the agent move KV held in GPU memory (CUDA IPC), so without it GPU KV is refused at
 start. doorbell (default true) moves the reports of ready blocks and the agent's events
-onto shared rings (kvhandoff_vllm/doorbell.py); false keeps them on gRPC.
+onto shared rings (kvhandoff_vllm/doorbell.py); false keeps them on gRPC. peer_tp_size is
+the tensor-parallel size of the engines on the other side of the handoff (0: this engine's):
+where it differs, each rank exchanges KV with the peer ranks that hold its heads
+(kvhandoff_vllm/heads.py).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class Config:
     # doorbell: reports and events go through shared rings with the agent instead of
     # gRPC (x86-64 only; false keeps to gRPC).
     doorbell: bool = True
+    # peer_tp_size: the other side's tensor-parallel size (0: the same as this engine's).
+    peer_tp_size: int = 0
 
     @classmethod
     def from_vllm(cls, vllm_config) -> "Config":
@@ -83,6 +88,9 @@ class Config:
         doorbell = extra.get("doorbell", True)
         if not isinstance(doorbell, bool):
             raise ConfigError(f"kv_connector_extra_config.doorbell: must be true or false, not {doorbell!r}")
+        peer_tp = extra.get("peer_tp_size", 0)
+        if not isinstance(peer_tp, int) or isinstance(peer_tp, bool) or peer_tp < 0 or peer_tp > 1024:
+            raise ConfigError(f"kv_connector_extra_config.peer_tp_size: must be a tensor-parallel size in 0..1024 (0: this engine's), not {peer_tp!r}")
         return cls(
             engine_id=engine_id,
             mode=mode,
@@ -94,4 +102,5 @@ class Config:
             layer_streaming=streaming,
             same_node=same_node,
             doorbell=doorbell,
+            peer_tp_size=peer_tp,
         )

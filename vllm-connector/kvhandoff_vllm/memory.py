@@ -272,3 +272,17 @@ def block_major(t: torch.Tensor, split_kv: bool) -> list[torch.Tensor]:
     if split_kv and t.dim() == 5 and t.shape[0] == 2:
         return [t[0], t[1]]
     return [t]
+
+
+def is_head_major(v: torch.Tensor, heads: int) -> bool:
+    """Whether every block of v (a block-major view) holds its heads one after another, so
+    one head's share of a block is contiguous: its head dimension (of size heads; the
+    outermost such) is the outermost within a block. What an engine of another
+    tensor-parallel size reads or writes is such a share of every block."""
+    if heads <= 1:
+        return True
+    dims = [i for i in range(1, v.dim()) if v.shape[i] == heads]
+    if not dims:
+        return False
+    i = max(dims, key=v.stride)
+    return v.stride(i) * heads == v.stride(0)

@@ -37,7 +37,8 @@ import torch
 from ._api import agent_pb2 as pb
 from .agent import AgentError, Session, accelerator_efas, engine_ref, rank_nics
 from .config import Config
-from .memory import CudaAllocation, PassedCudaMemory, SealedMemory, block_major, gpu_uuid_string, kv_allocation
+from .heads import ShardError, check_shards, destinations, pair_request_id, sources
+from .memory import CudaAllocation, PassedCudaMemory, SealedMemory, block_major, gpu_uuid_string, is_head_major, kv_allocation
 from .metadata import Handshake, KVHandoffMetadata
 from .scheduler import ATTEMPT
 from .timeline import Timeline
@@ -57,12 +58,33 @@ class WorkerSide:
         self.own_pool = own_pool
         self.rank, self.tp_size = rank, tp_size
         self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
+        self.local_heads = max(1, kv_heads // tp_size)  # vLLM's: a head replicated where heads < ranks
         self.memory: list = []  # a SealedMemory (host KV), or PassedCudaMemory each (GPU KV)
         self.session: Session | None = None
         self._kv_caches: dict | None = None  # what restore() registers again
         self._gpu_kv = False  # the KV is in GPU memory, written asynchronously to the step
-        # key -> (request id, "recv" | "send"): what the agent's events are about.
+        # pair key -> (request id, "recv" | "send"): what the agent's events are about. A
+        # request's key names one transfer per rank pair (heads.pair_request_id: the key
+        # itself where both engines have one tensor-parallel size); _pairs holds a key's
+        # pairs still outstanding, _broken the keys one of whose pairs failed. A request is
+        # over only when all its pairs are: a receive's blocks go back to vLLM only once no
+        # pair can still write into them.
         self._keys: dict[str, tuple[str, str]] = {}
+        self._pairs: dict[str, set[str]] = {}
+        self._pair_of: dict[str, str] = {}  # pair key -> key
+        self._fan: dict[str, tuple[str, ...]] = {}  # key -> all its pairs (read by the sender thread)
+        self._broken: dict[str, str] = {}  # key -> "failed" | "cancelled"
+        self.peer_tp = cfg.peer_tp_size or tp_size
+        if self.peer_tp != tp_size:
+            # Checked at start: a pair whose heads cannot be mapped would fail every request.
+            try:
+                check_shards(kv_heads, tp_size)
+                check_shards(kv_heads, self.peer_tp)
+            except ShardError as e:
+                raise RuntimeError(
+                    f"kvhandoff connector: this engine's tensor-parallel size is {tp_size} and its peers' (peer_tp_size) "
+                    f"{self.peer_tp}, and {e}: each decode rank must take whole KV heads from the prefill ranks holding them; "
+                    "give both pools sizes that divide the model's KV heads (or exceed them, replicating each head)") from e
         self._beating: set[str] = set()  # push registrations whose leases need heartbeats
         self._last_beat = 0.0
         self._sending: set[str] = set()  # prefill requests whose blocks the agent holds
@@ -110,7 +132,7 @@ class WorkerSide:
         # length, block count), keyed by its address so that layers sharing a KV cache share
         # its regions. Host regions are numbered in memfd order; CUDA regions, spread over
         # allocations whose addresses differ between engines, in vLLM's layer order.
-        regions, layers, dtype_bytes = {}, {}, 0
+        regions, layers, dtype_bytes, head_major = {}, {}, 0, True
         allocations: list = [m for m in self.memory if isinstance(m, PassedCudaMemory)] if cuda else []
         for name, t in kv_caches.items():
             layers[name] = []
@@ -126,6 +148,12 @@ class WorkerSide:
                 block_len = v.stride(0) * v.element_size()
                 regions[p] = (mem, off, block_len * v.shape[0], block_len, v.shape[0])
                 dtype_bytes = v.element_size()
+                head_major = head_major and is_head_major(v, self.local_heads)
+        if self.peer_tp != self.tp_size and not head_major:
+            raise RuntimeError(
+                f"kvhandoff connector: this engine's tensor-parallel size is {self.tp_size} and its peers' {self.peer_tp}, so each "
+                "rank sends or receives a slice of every block, its share of the KV heads, and this attention backend does not "
+                "lay a block out head by head; on GPUs set VLLM_KV_CACHE_LAYOUT=HND (the manager renders it for such pools)")
         order = list(regions) if cuda else sorted(regions)
         index = {p: i for i, p in enumerate(order)}
         self._region_of = {name: [index[p] for p in ptrs] for name, ptrs in layers.items()}
@@ -136,7 +164,7 @@ class WorkerSide:
             mode=pb.MODE_PUSH if self.cfg.mode == "push" else pb.MODE_PULL,
             tp_rank=self.rank, tp_size=self.tp_size,
             layout=pb.KVLayout(layers=len(order), block_size=self.block_size, kv_heads=self.kv_heads,
-                               head_dim=self.head_dim, dtype_bytes=dtype_bytes),
+                               head_dim=self.head_dim, dtype_bytes=dtype_bytes, head_major=head_major),
             lease_millis=self.cfg.lease * 1000, registration_timeout_millis=self.cfg.registration_timeout * 1000,
             blocks_ttl_millis=self.cfg.blocks_ttl * 1000,
             # The rank's rails on its own accelerator's EFAs, where the device plugin's
@@ -206,30 +234,34 @@ class WorkerSide:
                 log.error("kvhandoff: request %s cannot load its KV: %s", r.req_id, r.error)
                 self._recv_over(r.req_id, failed=True)
                 continue
-            self._keys[r.key] = (r.req_id, "recv")
-            src = engine_ref(r.source_agent, r.source_engine, self.rank)
             self.timeline.mark("load_call", r.key)
-            try:
-                if r.src_blocks is None:
-                    self.session.register_destination(r.key, ATTEMPT, r.blocks, src, r.first)
-                    self._beating.add(r.key)
-                else:
-                    self.session.pull(r.key, ATTEMPT, src, r.src_blocks, r.blocks)
-                self.timeline.mark("load_done", r.key)
-            except AgentError as e:
-                log.error("kvhandoff: request %s: %s", r.req_id, e)
-                del self._keys[r.key]
-                self._recv_over(r.req_id, failed=True)
+            pairs = self._open(r.key, r.req_id, "recv")
+            for src_rank, pk in pairs:
+                src = self._peer(r.source_agent, r.source_engine, src_rank)
+                try:
+                    if r.src_blocks is None:
+                        self.session.register_destination(pk, ATTEMPT, r.blocks, src, r.first)
+                        self._beating.add(pk)
+                    else:
+                        self.session.pull(pk, ATTEMPT, src, r.src_blocks, r.blocks)
+                except AgentError as e:
+                    log.error("kvhandoff: request %s: %s", r.req_id, e)
+                    self._pair_over(pk, failed=True)
+                    break
+            self.timeline.mark("load_done", r.key)
         for d in meta.declines:
-            try:
-                self.session.decline(d.key, engine_ref(d.source_agent, d.source_engine, self.rank))
-            except AgentError as e:
-                log.warning("kvhandoff: declining the push of %s: %s", d.key, e)
+            for src_rank in self._sources():
+                try:
+                    self.session.decline(pair_request_id(d.key, src_rank, self.rank, self.peer_tp, self.tp_size),
+                                         self._peer(d.source_agent, d.source_engine, src_rank))
+                except AgentError as e:
+                    log.warning("kvhandoff: declining the push of %s: %s", d.key, e)
         for rid, key in meta.cancels:
-            try:
-                self.session.cancel(key, ATTEMPT)
-            except AgentError as e:
-                log.warning("kvhandoff: cancelling request %s: %s", rid, e)
+            for pk in sorted(self._pairs.get(key, {key})):
+                try:
+                    self.session.cancel(pk, ATTEMPT)
+                except AgentError as e:
+                    log.warning("kvhandoff: cancelling request %s: %s", rid, e)
             if self._streaming.pop(rid, None) is not None:
                 self._sent.discard(rid)  # vLLM asserts a finished send's request exists
         self._heartbeat()
@@ -245,16 +277,15 @@ class WorkerSide:
                 self._streaming.pop(s.req_id, None)
                 self._sending.add(s.req_id)  # reported layer by layer; now vLLM holds it
                 continue
-            self._keys[s.key] = (s.req_id, "send")
             self._sending.add(s.req_id)
             self.timeline.mark("ready_call", s.key)
-            try:
-                self.session.source_ready(s.key, s.blocks)
-                self.timeline.mark("ready_done", s.key)
-            except AgentError as e:
-                log.error("kvhandoff: request %s: %s", s.req_id, e)
-                del self._keys[s.key]
-                self._sent.add(s.req_id)
+            for _, pk in self._open(s.key, s.req_id, "send"):
+                try:
+                    self.session.source_ready(pk, s.blocks)
+                except AgentError as e:
+                    log.error("kvhandoff: request %s: %s", s.req_id, e)
+                    self._pair_over(pk, failed=True)
+            self.timeline.mark("ready_done", s.key)
 
     def _heartbeat(self) -> None:
         # The decode agent forwards heartbeats to the prefill agents, renewing the leases
@@ -289,8 +320,33 @@ class WorkerSide:
     def _track(self, s) -> None:
         # Its events are ours from now on; it counts as sending (reported to vLLM once
         # over) only when vLLM holds its blocks, at its Send.
-        self._keys[s.key] = (s.req_id, "send")
+        self._open(s.key, s.req_id, "send")
         self._streaming[s.req_id] = s.key
+
+    def _sources(self) -> list[int]:
+        """Decode: the prefill ranks this rank takes its heads from (its own number at one size)."""
+        if self.peer_tp == self.tp_size:
+            return [self.rank]
+        return sources(self.kv_heads, self.peer_tp, self.tp_size, self.rank)
+
+    def _peer(self, agent: str, engine: str, rank: int) -> pb.EngineRef:
+        return engine_ref(agent, engine, rank, self.peer_tp if self.peer_tp != self.tp_size else 0)
+
+    def _open(self, key: str, rid: str, kind: str) -> list[tuple[int, str]]:
+        """Starts tracking a request's rank pairs: (peer rank, pair key) each."""
+        if kind == "recv":
+            pairs = [(i, pair_request_id(key, i, self.rank, self.peer_tp, self.tp_size)) for i in self._sources()]
+        elif self.peer_tp == self.tp_size:
+            pairs = [(self.rank, key)]
+        else:
+            pairs = [(j, pair_request_id(key, self.rank, j, self.tp_size, self.peer_tp))
+                     for j in destinations(self.kv_heads, self.tp_size, self.peer_tp, self.rank)]
+        self._pairs[key] = {pk for _, pk in pairs}
+        self._fan[key] = tuple(pk for _, pk in pairs)
+        for _, pk in pairs:
+            self._keys[pk] = (rid, kind)
+            self._pair_of[pk] = key
+        return pairs
 
     def _send_later(self, key: str, blocks: list[int], region: int | None, final: bool) -> None:
         """Reports KV the step's forward is computing: one region of every block, or
@@ -325,23 +381,25 @@ class WorkerSide:
         key, blocks, region, final = item
         if final:
             self.timeline.mark("ready_call", key)
-        try:
-            if region is None:
-                self.session.source_ready(key, blocks)
-            else:
-                self.session.source_regions_ready(key, blocks, region, 1, final)
-                self.stats["layers_streamed"] += 1
-            if final:
-                self.timeline.mark("ready_done", key)
-        except AgentError as e:
-            if region is not None:
-                # The agent answers for the request through its events (FAILED).
-                log.warning("kvhandoff: streaming layer %d of %s: %s", region, key, e)
-                return
-            # A refused report left nothing at the agent, which will never answer for
-            # it: the send failed, and the blocks go back once vLLM holds them.
-            log.error("kvhandoff: reporting %s: %s", key, e)
-            self.session.events.put(pb.Event(type=pb.Event.FAILED, request_id=key, reason=str(e)))
+        for pk in self._fan.get(key, ()):
+            try:
+                if region is None:
+                    self.session.source_ready(pk, blocks)
+                else:
+                    self.session.source_regions_ready(pk, blocks, region, 1, final)
+            except AgentError as e:
+                if region is not None:
+                    # The agent answers for the request through its events (FAILED).
+                    log.warning("kvhandoff: streaming layer %d of %s: %s", region, pk, e)
+                    continue
+                # A refused report left nothing at the agent, which will never answer for
+                # it: the send failed, and the blocks go back once vLLM holds them.
+                log.error("kvhandoff: reporting %s: %s", pk, e)
+                self.session.events.put(pb.Event(type=pb.Event.FAILED, request_id=pk, reason=str(e)))
+        if region is not None:
+            self.stats["layers_streamed"] += 1
+        if final:
+            self.timeline.mark("ready_done", key)
 
     def save(self, meta: KVHandoffMetadata) -> None:
         # This step's streams: the forward is over, so their blocks are complete now. With
@@ -403,21 +461,45 @@ class WorkerSide:
                 continue
             rid, kind = entry
             if kind == "recv" and ev.type in _RECV_OVER:
-                del self._keys[ev.request_id]
-                self.timeline.mark("drained", ev.request_id)
                 self._beating.discard(ev.request_id)
                 if ev.type == pb.Event.FAILED:
-                    log.warning("kvhandoff: request %s: KV did not arrive: %s", rid, ev.reason)
-                self._recv_over(rid, failed=ev.type != pb.Event.DELIVERED)
-                self.stats["delivered" if ev.type == pb.Event.DELIVERED else "cancelled" if ev.type == pb.Event.CANCEL_ACKED else "failed"] += 1
+                    log.warning("kvhandoff: request %s: KV did not arrive: %s", ev.request_id, ev.reason)
+                self._pair_over(ev.request_id, failed=ev.type != pb.Event.DELIVERED, cancelled=ev.type == pb.Event.CANCEL_ACKED)
             elif kind == "send" and ev.type in _SEND_OVER:
-                del self._keys[ev.request_id]
-                if rid not in self._sending and rid not in self._streaming:
-                    continue  # a streamed prefill vLLM aborted
                 if ev.type == pb.Event.FAILED:
-                    log.warning("kvhandoff: request %s: the decode side did not take its KV: %s", rid, ev.reason)
-                self._sent.add(rid)
-                self.stats["sent"] += 1
+                    log.warning("kvhandoff: request %s: the decode side did not take its KV: %s", ev.request_id, ev.reason)
+                self._pair_over(ev.request_id, failed=ev.type == pb.Event.FAILED)
+
+    def _pair_over(self, pk: str, failed: bool, cancelled: bool = False) -> None:
+        """One rank pair of a request is over; the request is once all its pairs are. The
+        first pair of a receive to fail cancels the others (the request cannot be delivered
+        now); those the agent holds nothing of are over at once."""
+        rid, kind = self._keys.pop(pk)
+        key = self._pair_of.pop(pk)
+        left = self._pairs.get(key, set())
+        left.discard(pk)
+        if failed and key not in self._broken:
+            self._broken[key] = "cancelled" if cancelled else "failed"
+            for other in sorted(left) if kind == "recv" else ():
+                try:
+                    if self.session.cancel(other, ATTEMPT):
+                        continue
+                except AgentError as e:
+                    log.warning("kvhandoff: cancelling %s: %s", other, e)
+                if other in self._keys:
+                    self._pair_over(other, failed=True)
+        if left:
+            return
+        self._pairs.pop(key, None)
+        self._fan.pop(key, None)
+        broken = self._broken.pop(key, None)
+        self.timeline.mark("drained", key)
+        if kind == "recv":
+            self._recv_over(rid, failed=broken is not None)
+            self.stats[broken or "delivered"] += 1
+        elif rid in self._sending or rid in self._streaming:  # else a streamed prefill vLLM aborted
+            self._sent.add(rid)
+            self.stats["sent"] += 1
 
     def _recv_over(self, rid: str, failed: bool) -> None:
         self._recvd.add(rid)
@@ -439,6 +521,10 @@ class WorkerSide:
             else:
                 self._sent.add(rid)
         self._keys.clear()
+        self._pairs.clear()
+        self._pair_of.clear()
+        self._fan.clear()
+        self._broken.clear()
         self._beating.clear()
 
     def close(self) -> None:

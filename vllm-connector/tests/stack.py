@@ -7,6 +7,8 @@ import errno
 import json
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -93,23 +95,66 @@ class Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.p.returncode}) before {what}:\n{self.log()[-6000:]}")
+                raise RuntimeError(f"{self.name} exited ({self.p.returncode}) before {what}: {self._failure()}")
             if ready():
                 return
             time.sleep(0.2)  # polling a process's readiness, which it does not signal
-        log = self.log()[-6000:]
+        failure = self._failure()
         self.stop()
-        raise RuntimeError(f"{self.name}: no {what} within {timeout:.0f}s:\n{log}")
+        raise RuntimeError(f"{self.name}: no {what} within {timeout:.0f}s: {failure}")
+
+    def _failure(self) -> str:
+        """The process's own error first (a vLLM server's log ends with its API server's
+        traceback, which says only that the engine failed), then the log's end."""
+        log = self.log()
+        why = cause(log)
+        if not why:
+            return "\n" + log[-4000:]
+        # The exception's own lines (a pydantic error says what it is on the next) first.
+        raised = next(i for i, line in enumerate(why.splitlines()) if _RAISED.match(line))
+        headline = " ".join(line.strip() for line in why.splitlines()[raised:])[:600]
+        return f"{headline}\n{why}\n--- the log's end ---\n{log[-4000:]}"
 
     def stop(self) -> None:
+        """Ends the process and every process it started (its session's group: vLLM's
+        engine core and workers, which hold the GPU's memory until they exit)."""
         if self.p.poll() is None:
-            self.p.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 self.p.wait(30)
             except subprocess.TimeoutExpired:
-                self.p.kill()
+                self._signal(signal.SIGKILL)
                 self.p.wait()
+        self._signal(signal.SIGKILL)  # whatever of the group outlived its leader
         self._log.close()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.p.pid, sig)  # start_new_session: the group is the process's
+        except ProcessLookupError:
+            pass
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+_PREFIX = re.compile(r"^\([\w.-]+ pid=\d+\) ")  # vLLM's "(EngineCore pid=7) " on a child's lines
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
+def cause(log: str) -> str:
+    """The first Python traceback in a log, through the exception it ends with and the
+    lines that continue its message: the error of the process that failed first ("" when
+    there is none)."""
+    lines = [_PREFIX.sub("", line) for line in log.splitlines()]
+    start = next((i for i, line in enumerate(lines) if _TRACEBACK in line), None)
+    if start is None:
+        return ""
+    j = next((j for j in range(start + 1, len(lines)) if _RAISED.match(lines[j])), None)
+    if j is None:
+        return "\n".join(lines[start:][-30:])
+    end = j + 1
+    while end < len(lines) and end - j <= 8 and lines[end].startswith((" ", "\t")):
+        end += 1  # the message's own lines, indented
+    return "\n".join(lines[max(start, j - 30):end])
 
 
 def http_ok(url: str) -> bool:
@@ -154,13 +199,17 @@ class Agent(Proc):
         return out
 
 
-def kv_config(mode: str, role: str, engine_id: str, socket_path: str, doorbell: bool = True, same_node: bool = False) -> str:
+def kv_config(mode: str, role: str, engine_id: str, socket_path: str, doorbell: bool = True, same_node: bool = False,
+              peer_tp: int = 0) -> str:
     """mode push-layered is push with the prefill engine streaming its layers; doorbell
     false keeps reports and events on gRPC; same_node lets GPU KV move (both engines on
-    one node, as the manager renders it for sameNode: Allow)."""
+    one node, as the manager renders it for sameNode: Allow); peer_tp is the other side's
+    tensor-parallel size where it differs (the manager renders it from the other pool)."""
     extra = {"mode": mode.removesuffix("-layered"), "role": role, "socket": socket_path,
              "kv_lease_duration": 30, "push_registration_timeout": 60, "decoder_kv_blocks_ttl": 60, "doorbell": doorbell,
              "same_node": same_node}
+    if peer_tp:
+        extra["peer_tp_size"] = peer_tp
     if mode == "push-layered" and role == "prefill":
         extra["layer_streaming"] = True
     return json.dumps({
@@ -179,18 +228,22 @@ class GPU:
 
 
 class Engine(Proc):
-    """A vLLM OpenAI server on the CPU backend, pinned to one core; or, with gpu, on a GPU in
+    """A vLLM OpenAI server on the CPU backend, pinned to one core (tp > 1: all its ranks,
+    which take turns; a waiting rank spins); or, with gpu, on a GPU in
     bf16 (its engine core in the server's process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
 
     def __init__(self, name: str, model: str, log_dir: str, cpu: int, kv: str | None = None, extra: list[str] | None = None,
-                 env: dict | None = None, gpu: GPU | None = None, host: str | None = None):
+                 env: dict | None = None, gpu: GPU | None = None, host: str | None = None, tp: int = 1):
         self.host = host or loopback_host()
         self.addr = f"{self.host}:{ENGINE_PORT}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(ENGINE_PORT),
                 "--host", self.host, "--served-model-name", "m", "--enforce-eager", "--seed", "0"]
         if gpu is None:
             args += ["--dtype", "float32", "--max-model-len", "2048"]
-            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu), **(env or {})}
+            cores = "|".join([str(cpu)] * tp)  # every rank on the engine's core: the other engine keeps its own
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores, **(env or {})}
+            if tp > 1:
+                args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         else:
             # A prompt up to max_model_len is computed in one step: one forward for the whole
             # prompt, whose layers push-layered streams as they are computed.
@@ -204,6 +257,7 @@ class Engine(Proc):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [connector, env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]))
         super().__init__(name, args, log_dir, env)
         self.started = time.monotonic()
+        self.tp = tp
 
     def ready(self, timeout: float = 300) -> float:
         self.wait_until("/health", lambda: http_ok(f"http://{self.addr}/health"), timeout)
@@ -211,19 +265,21 @@ class Engine(Proc):
 
 
 class NixlEngine(Engine):
-    """A stock vLLM engine with vLLM's own NIXL connector (kv_buffer_device cpu: vLLM's CPU
-    backend allows it), its side channel on its host's SIDE_CHANNEL_PORT. keep_affinity puts
-    bench/sitecustomize.py on its path, which stops NIXL's worker from moving the engine's
-    compute thread to the NUMA node's last core."""
+    """A stock vLLM engine with vLLM's own NIXL connector (on CPUs kv_buffer_device cpu:
+    vLLM's CPU backend allows it; with gpu, its KV in GPU memory), its side channel on its
+    host's SIDE_CHANNEL_PORT. keep_affinity puts bench/sitecustomize.py on its path, which
+    stops NIXL's worker from moving the engine's compute thread to the NUMA node's last core."""
 
-    def __init__(self, name: str, model: str, log_dir: str, cpu: int, connector: str, keep_affinity: bool = False):
+    def __init__(self, name: str, model: str, log_dir: str, cpu: int, connector: str, keep_affinity: bool = False,
+                 gpu: GPU | None = None):
         host = loopback_host()
-        kv = json.dumps({"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu", "engine_id": name + "-0.default"})
+        kv = json.dumps({"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cuda" if gpu else "cpu",
+                         "engine_id": name + "-0.default"})
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_CHANNEL_PORT), "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
         if keep_affinity:
             env["KVH_BENCH_KEEP_AFFINITY"] = "1"
             env["PYTHONPATH"] = os.path.join(REPO, "vllm-connector", "bench")
-        super().__init__(name, model, log_dir, cpu, kv, env=env, host=host)
+        super().__init__(name, model, log_dir, cpu, kv, env=env, host=host, gpu=gpu)
 
 
 class Procs:
@@ -247,14 +303,15 @@ class Procs:
 
 
 class NixlStack(Procs):
-    """Two stock NIXL engines (prefill on core 0, decode on core 1) behind the router."""
+    """Two stock NIXL engines (prefill on core 0, decode on core 1; with gpu both on GPU 0)
+    behind the router."""
 
-    def __init__(self, bins, model, d, mode: str, keep_affinity: bool = False):
+    def __init__(self, bins, model, d, mode: str, keep_affinity: bool = False, gpu: GPU | None = None):
         connector = "NixlPushConnector" if mode == "push" else "NixlConnector"
         self.procs = []
         try:
-            self.p = self._add(NixlEngine("prefill", model, d, 0, connector, keep_affinity))
-            self.d = self._add(NixlEngine("decode", model, d, 1, connector, keep_affinity))
+            self.p = self._add(NixlEngine("prefill", model, d, 0, connector, keep_affinity, gpu))
+            self.d = self._add(NixlEngine("decode", model, d, 1, connector, keep_affinity, gpu))
             TIMINGS[f"nixl {mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
             # NIXL's side channels are the engines' own.
             self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", self.p.host, SIDE_CHANNEL_PORT),
@@ -267,7 +324,7 @@ class NixlStack(Procs):
 def endpoint(e: Engine, role: str, host: str = "", side: int = 0, index: int = 0) -> dict:
     """A router endpoint for engine e: its KV side channel (host, side) where the prefill
     side of its pair dials it."""
-    ep = {"url": f"http://{e.addr}", "engineID": f"{role}-{index}.default", "tensorParallelSize": 1}
+    ep = {"url": f"http://{e.addr}", "engineID": f"{role}-{index}.default", "tensorParallelSize": e.tp}
     if host:
         ep.update(host=host, sideChannelPort=side)
     return ep
@@ -352,7 +409,8 @@ class Stack(Procs):
     node), which moves their KV with CUDA copies. agents lists the distinct agents."""
 
     def __init__(self, bins, model, d, mode, decode_extra=None, doorbell=True, gpu: GPU | None = None, decodes: int = 1,
-                 routing: dict | None = None, engine_args: list[str] | None = None, kv_events: bool = False):
+                 routing: dict | None = None, engine_args: list[str] | None = None, kv_events: bool = False,
+                 tp: tuple[int, int] = (1, 1)):
         self.procs = []
         try:
             self.a = self._add(Agent(bins, "agent-prefill-node", os.path.join(d, "a")))
@@ -362,12 +420,15 @@ class Stack(Procs):
             # kv_events: each engine publishes its KV cache events to a sidecar on its host.
             hosts = {e: loopback_host() for e in ["prefill", *range(decodes)]}
             events = lambda e: kv_events_args(hosts[e]) if kv_events else []
-            self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket, doorbell, same),
-                                      (engine_args or []) + events("prefill"), gpu=gpu, host=hosts["prefill"]))
+            # tp: the prefill and decode engines' tensor-parallel sizes.
+            peer = lambda own, other: other if own != other else 0
+            self.p = self._add(Engine("prefill", model, d, 0, kv_config(mode, "prefill", "prefill-0.default", self.a.socket, doorbell, same,
+                                                                        peer(tp[0], tp[1])),
+                                      (engine_args or []) + events("prefill"), gpu=gpu, host=hosts["prefill"], tp=tp[0]))
             # More decode engines share the decode node's agent and its core.
             self.ds = [self._add(Engine(f"decode-{i}" if i else "decode", model, d, 1,
-                                        kv_config(mode, "decode", f"decode-{i}.default", self.b.socket, doorbell, same),
-                                        (engine_args or []) + (decode_extra or []) + events(i), gpu=gpu, host=hosts[i]))
+                                        kv_config(mode, "decode", f"decode-{i}.default", self.b.socket, doorbell, same, peer(tp[1], tp[0])),
+                                        (engine_args or []) + (decode_extra or []) + events(i), gpu=gpu, host=hosts[i], tp=tp[1]))
                        for i in range(decodes)]
             self.d = self.ds[0]
             self.sidecars = {e: self._add(EventsSidecar(bins, self.p if e == "prefill" else self.ds[e], d)) for e in hosts} if kv_events else {}

@@ -2,8 +2,9 @@
 vLLM runs without downloading anything: "tiny" (2 layers, seconds on a CPU) for the token
 identity checks, and "qwen3-8b" (Qwen3-8B's layers, heads and widths, about 14 GB of bf16
 weights) for the GPU tier, where a 16k-token prompt then moves the KV a real 8B model's
-does (144 KiB a token). Both share the tiny vocabulary: KV depends on the layers and heads
-alone, and greedy decoding over random weights is deterministic all the same."""
+does (144 KiB a token); "qwen3-1.7b" for load sweeps (112 KiB a token). All share the tiny
+vocabulary: KV depends on the layers and heads alone, and greedy decoding over random
+weights is deterministic all the same."""
 
 import os
 
@@ -16,6 +17,10 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=64, max_position_embeddings=4096),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, max_position_embeddings=32768),
+    # Qwen3-1.7B's: KV per token about the 8B's (112 KiB against 144), its prefill several
+    # times cheaper, so one GPU shared by two engines reaches several 16k prompts a second.
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=32768),
 }
 
 
@@ -39,11 +44,13 @@ def make(out: str, shape: str = "tiny") -> str:
     if shape == "tiny":
         Qwen3ForCausalLM(cfg).save_pretrained(out)
         return out
-    # 8B parameters: made on the GPU in bf16 (seconds; on a CPU in float32, minutes).
+    # Billions of parameters: made on the GPU in bf16 (seconds; on a CPU in float32, minutes).
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg.torch_dtype = torch.bfloat16
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, max_shard_size="4GB")
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # else this process keeps the weights' 16 GB from the engines
     return out

@@ -1,10 +1,71 @@
 package agentv1
 
 import (
+	"bytes"
+	"encoding/json"
+	"flag"
 	"fmt"
+	"os"
 	"slices"
 	"testing"
 )
+
+var update = flag.Bool("update", false, "rewrite testdata/sources.json from the current functions")
+
+// The vLLM connector names rank pairs by the same rules (kvhandoff_vllm/heads.py); its test
+// reads this table, which must be what these functions answer.
+func TestSourcesTable(t *testing.T) {
+	type row struct {
+		KVHeads      uint32     `json:"kvHeads"`
+		Prefill      uint32     `json:"prefill"`
+		Decode       uint32     `json:"decode"`
+		Sources      [][]uint32 `json:"sources"`
+		Destinations [][]uint32 `json:"destinations"`
+	}
+	var table []row
+	for _, kv := range []uint32{1, 2, 4, 6, 8, 16} {
+		for _, p := range []uint32{1, 2, 3, 4, 8} {
+			for _, d := range []uint32{1, 2, 3, 4, 8} {
+				if CheckShards(kv, p) != nil || CheckShards(kv, d) != nil {
+					continue
+				}
+				r := row{KVHeads: kv, Prefill: p, Decode: d}
+				for j := range d {
+					src, err := Sources(kv, p, d, j)
+					if err != nil {
+						t.Fatal(err)
+					}
+					r.Sources = append(r.Sources, src)
+				}
+				for i := range p {
+					dst, err := Destinations(kv, p, d, i)
+					if err != nil {
+						t.Fatal(err)
+					}
+					r.Destinations = append(r.Destinations, append([]uint32{}, dst...)) // [] where it feeds none, not null
+				}
+				table = append(table, r)
+			}
+		}
+	}
+	got, err := json.MarshalIndent(table, "", " ")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got = append(got, '\n')
+	if *update {
+		if err := os.WriteFile("testdata/sources.json", got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile("testdata/sources.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("testdata/sources.json is not what Sources and Destinations answer; go test -run TestSourcesTable -update rewrites it")
+	}
+}
 
 // Every decode rank gets each of its heads from exactly one prefill rank that holds it,
 // and Destinations is Sources seen from the other side.

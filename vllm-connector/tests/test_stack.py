@@ -1,0 +1,89 @@
+"""The test stacks' process handling, which the GPU benchmark relies on: a stopped process
+takes every process it started with it (vLLM's engine core and workers hold the GPU's memory
+until they exit), a process that fails to start is reported by its own error, and the
+benchmark waits for the GPU's memory to come back before the next configuration."""
+
+import os
+import stat
+import sys
+
+import pytest
+
+from stack import Engine, Proc, cause, until
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import bench_vllm  # noqa: E402
+
+def test_the_first_traceback_is_the_cause():
+    log = """\
+(APIServer pid=10) INFO starting
+(EngineCore pid=11) Traceback (most recent call last):
+(EngineCore pid=11)   File "gpu_worker.py", line 3, in determine_available_memory
+(EngineCore pid=11)     raise ValueError("No available memory for the cache blocks.")
+(EngineCore pid=11) ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.
+(APIServer pid=10) Traceback (most recent call last):
+(APIServer pid=10)   File "api_server.py", line 1, in <module>
+(APIServer pid=10) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+    got = cause(log)
+    assert got.splitlines()[-1] == "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`."
+    assert "Engine core initialization failed" not in got
+    assert cause("INFO all good\n") == ""
+
+
+def test_stopping_a_process_ends_every_process_it_started(tmp_path):
+    pid_file = tmp_path / "child"
+    p = Proc("parent", ["sh", "-c", f"sleep 600 & echo $! > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; wait"], str(tmp_path))
+    p.wait_until("its child", pid_file.exists, 10)
+    child = int(pid_file.read_text())
+    p.stop()
+
+    def gone() -> bool:
+        try:
+            os.kill(child, 0)  # still there (or a zombie init has yet to reap)
+        except ProcessLookupError:
+            return True
+        return False
+    until("the stopped process's child ended", gone, 10)
+
+
+def test_an_engine_that_fails_to_start_is_reported_by_its_own_error(tiny_model, tmp_path):
+    e = Engine("bad", tiny_model, str(tmp_path), 0, extra=["--max-model-len", "1000000"])
+    try:
+        with pytest.raises(RuntimeError) as err:
+            e.ready(120)
+    finally:
+        e.stop()
+    # vLLM's refusal is the first line, not the end of the log (the API server's teardown).
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("bad exited (1) before /health: pydantic_core._pydantic_core.ValidationError"), first
+    assert "User-specified max_model_len (1000000) is greater than the derived max_model_len" in first, first
+
+
+def fake_nvidia_smi(tmp_path, start_mib: int, step_mib: int) -> str:
+    """An nvidia-smi that answers memory.used from a file, lower by step_mib each call (an
+    engine's processes exiting): the CLI the benchmark reads, for a machine without a GPU."""
+    state = tmp_path / "used"
+    state.write_text(str(start_mib))
+    calls = tmp_path / "calls"
+    script = tmp_path / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nv=$(cat {state}); echo $v; echo $((v - {step_mib})) > {state}; echo x >> {calls}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(tmp_path)
+
+
+def test_the_bench_waits_for_the_gpus_memory_to_come_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, 40000, 13000) + os.pathsep + os.environ["PATH"])
+    bench_vllm.wait_gpu_freed(baseline_mib=1000, timeout=30)
+    # 40000, 27000 and 14000 MiB are still in use; 1000 is the baseline's.
+    assert len((tmp_path / "calls").read_text().splitlines()) == 4
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, 40000, 0) + os.pathsep + os.environ["PATH"])
+    with pytest.raises(RuntimeError, match="GPU memory still 40000 MiB in use 1 s after the configuration stopped"):
+        bench_vllm.wait_gpu_freed(baseline_mib=1000, timeout=1)
+
+
+def test_gpu_names_for_result_files():
+    assert bench_vllm.gpu_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench_vllm.gpu_name("NVIDIA H200") == "h200"
+    assert bench_vllm.gpu_name("Some Card") == "gpu"
