@@ -100,9 +100,10 @@ func Router(in RouterInput) (*ServiceWorkload, error) {
 			{Name: "http", ContainerPort: RouterPort, Protocol: corev1.ProtocolTCP},
 			{Name: "admin", ContainerPort: RouterAdminPort, Protocol: corev1.ProtocolTCP},
 		},
-		// Ready once it has found an engine pair: a router without engines would only
-		// answer 503s, so the Service should not send clients there.
-		readiness: routerProbe("/readyz", 5, 2), liveness: routerProbe("/healthz", 10, 3),
+		// Ready once it has read its engines, pair or none: without a pair every replica
+		// would fail /readyz at once, leaving clients the Service's connection refused
+		// instead of the router's 503 naming why (internal/router: discovered).
+		readiness: routerProbe("/discovered", 5, 2), liveness: routerProbe("/healthz", 10, 3),
 		service: corev1.ServicePort{Name: "http", Port: RouterPort, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP},
 	})
 }

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -179,4 +180,32 @@ func (s staticSource) Run(ctx context.Context, out chan<- *discovery.Set) error 
 	case <-ctx.Done():
 	}
 	return nil
+}
+
+// A router whose engines are all gone stays ready (/discovered, its readiness probe) and
+// refuses each client with a status naming why; /readyz says there is no pair. Were it
+// unready, every replica would leave the Service at once (they share one view of the
+// engines) and clients would get connection refused, which names nothing.
+func TestARouterWithoutEnginesStaysInTheServiceAndSaysWhy(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "endpoints.json")
+	cfg := router.Defaults()
+	cfg.ScrapeInterval = 0
+	cfg.Registry = prometheus.NewRegistry()
+	s := router.New(cfg)
+	hs := routertest.StartHTTP(t, s)
+	if code := routertest.Get(hs + "/discovered"); code != http.StatusServiceUnavailable {
+		t.Errorf("/discovered before the router read its engines: %d, want 503", code)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// The file exists before the router starts: File.Run refuses a missing one.
+	writeEndpoints(t, path, discovery.Set{Mode: kvv1.TransferPush})
+	go func() { _ = s.Run(ctx, &discovery.File{Path: path}) }()
+	routertest.Eventually(t, "the router reads the file", 2*time.Second, func() bool { return routertest.Get(hs+"/discovered") == http.StatusOK })
+	if code := routertest.Get(hs + "/readyz"); code != http.StatusServiceUnavailable {
+		t.Errorf("/readyz without engines: %d, want 503", code)
+	}
+	if resp, body := routertest.Post(t, hs, "/v1/completions", small); resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "no ready") {
+		t.Errorf("a request without engines: %s %s, want 503 naming what is missing", resp.Status, body)
+	}
 }

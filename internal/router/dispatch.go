@@ -68,6 +68,9 @@ type result struct {
 	status  int
 	engine  string // the engine the outcome is about
 	msg     string
+	// cut: the response was under way when it failed; the client's connection is
+	// aborted once the request is recorded, so it never looks complete.
+	cut bool
 }
 
 func (s *Server) dispatch(rq *request) result {
@@ -154,14 +157,15 @@ func fallbackReason(res result, set *discovery.Set) string {
 	return ""
 }
 
-// attempts is how often a request's legs are sent: once, and once more on another
-// prefill engine when the prefill leg fails.
+// attempts is how often a request's legs are sent: once, and once more without the
+// engine that failed them: a prefill engine whose leg failed, or (push) a decode engine
+// that refused the connection.
 const attempts = 2
 
 // withRetry runs try (one attempt of a mode's legs) over the engines that can be paired,
-// and once more without the prefill engine a failed attempt names. try reports whether
-// its result is a prefill failure worth retrying; mark is where the router's own time of
-// the attempt starts: the body's receipt, or the failure before a retry.
+// and once more without the engine a failed attempt names. try reports whether its
+// result is a failure worth retrying; mark is where the router's own time of the attempt
+// starts: the body's receipt, or the failure before a retry.
 func (s *Server) withRetry(rq *request, set *discovery.Set, try func(prefills, decodes []discovery.Engine, mark time.Time) (res result, retry bool)) result {
 	exclude := map[string]bool{}
 	var failed result
@@ -188,10 +192,19 @@ func (s *Server) withRetry(rq *request, set *discovery.Set, try func(prefills, d
 		}
 		failed, mark = res, time.Now()
 		exclude[res.engine] = true
-		s.m.retries.WithLabelValues(rq.mode).Inc()
-		s.cfg.Log.Warn("prefill leg failed; retrying on another prefill engine", "request_id", rq.id, "mode", rq.mode, "prefill", res.engine, "err", res.msg)
+		leg := "prefill"
+		if res.outcome == OutcomeDecodeFailed {
+			leg = "decode"
+		}
+		s.retried(rq, leg, res.engine, res.msg)
 	}
 	return failed
+}
+
+// retried counts and logs a leg sent again without the engine that failed it.
+func (s *Server) retried(rq *request, leg, engine string, why any) {
+	s.m.retries.WithLabelValues(rq.mode, leg).Inc()
+	s.cfg.Log.Warn("a leg failed; sending it again without its engine", "request_id", rq.id, "mode", rq.mode, "leg", leg, "engine", engine, "err", why)
 }
 
 // record counts the request and logs one line about it.

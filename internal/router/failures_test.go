@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -138,6 +139,53 @@ func TestEveryPrefillFailingAnswers502NamingTheEngine(t *testing.T) {
 	}
 }
 
+// A decode engine whose process is gone (killed, crashed) refuses connections until its
+// pod leaves the router's set, which takes the kubelet and the manager a second or two.
+// Nothing reached it, so the request goes to another decode engine: in pull the decode
+// leg alone (the prefill engine's blocks wait for any reader), in push the pair (its
+// prefill leg aborted first). Before, every request routed there in that time failed;
+// the fleet's fault test (test/realnode) found it when a decode engine was killed.
+func TestADecodeEngineThatRefusesIsRetriedOnAnother(t *testing.T) {
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		m := strings.ToLower(string(mode))
+		kv := vllmserver.NewLocalKV()
+		p, good := routertest.StartEngine(t, "p-0", kv, 0), routertest.StartEngine(t, "d-good", kv, 0)
+		// One that accepts and hangs up without an answer (a killed engine's reset
+		// connection, seen in the fault suite) is retried the same way.
+		r := routertest.StartRouter(t, mode, routertest.Engines(p), []discovery.Engine{routertest.HangUpEngine(t, "d-gone"), good.Engine})
+		if resp, body := routertest.Post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s, a decode engine hanging up: %s %s", mode, resp.Status, body)
+		}
+		if got := r.Metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": "decode", "engine": "d-gone", "reason": "broken"}); got != 1 {
+			t.Errorf("%s: decode legs hung up on %v, want 1", mode, got)
+		}
+		prefills := len(p.Seen())
+		// The dead engine is first: with equal load the router tries it first.
+		r = routertest.StartRouter(t, mode, routertest.Engines(p), []discovery.Engine{routertest.DeadEngine(t, "d-dead"), good.Engine})
+		resp, body := routertest.Post(t, r.URL, "/v1/completions", small)
+		if resp.StatusCode != http.StatusOK || routertest.CompletionText(t, body) != routertest.Want("one two three", 3) {
+			t.Fatalf("%s: %s %s", mode, resp.Status, body)
+		}
+		if got := r.Metric(t, "kvhandoff_router_retries_total", map[string]string{"mode": m, "leg": "decode"}); got != 1 {
+			t.Errorf("%s: decode retries %v, want 1", mode, got)
+		}
+		if got := r.Metric(t, "kvhandoff_router_leg_failures_total", map[string]string{"leg": "decode", "engine": "d-dead", "reason": "refused"}); got != 1 {
+			t.Errorf("%s: refused decode legs %v, want 1", mode, got)
+		}
+		// Pull does not send the prefill leg again: its blocks wait for any reader.
+		if mode == kvv1.TransferPull && (prefills != 1 || len(p.Seen()) != 2) {
+			t.Errorf("%s: %d and %d prefill legs, want 1 each", mode, prefills, len(p.Seen())-prefills)
+		}
+
+		// With no other decode engine, the request fails naming the one that refused.
+		r = routertest.StartRouter(t, mode, routertest.Engines(p), []discovery.Engine{routertest.DeadEngine(t, "d-dead")})
+		resp, body = routertest.Post(t, r.URL, "/v1/completions", small)
+		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "decode engine d-dead") {
+			t.Errorf("%s, the only decode engine refusing: %s %s, want 502 naming it", mode, resp.Status, body)
+		}
+	}
+}
+
 func TestADecodeFailureAnswers502NamingTheEngine(t *testing.T) {
 	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
 		kv := vllmserver.NewLocalKV()
@@ -151,6 +199,48 @@ func TestADecodeFailureAnswers502NamingTheEngine(t *testing.T) {
 		if got := r.Metric(t, "kvhandoff_router_requests_total", map[string]string{"mode": strings.ToLower(string(mode)),
 			"outcome": router.OutcomeDecodeFailed, "engine": "d-broken"}); got != 1 {
 			t.Errorf("%s: decode_failed counted %v times", mode, got)
+		}
+	}
+}
+
+// A decode engine that dies mid-stream (its process killed): the client's stream ends in
+// an error event naming the engine and is cut (no [DONE]: nothing looks complete), and
+// the router counts and logs it as stream_broken. Before, the router cut the connection
+// without recording the request: the failures of a decode engine killed under load
+// reached neither kvhandoff_router_requests_total nor the alert on it.
+func TestADecodeStreamThatBreaksIsNamedAndCounted(t *testing.T) {
+	for _, mode := range []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull} {
+		p := routertest.StartEngine(t, "p-0", vllmserver.NewLocalKV(), 0)
+		dying := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			fmt.Fprint(w, "data: {\"choices\":[{\"index\":0,\"text\":\" one\"}]}\n\n")
+			w.(http.Flusher).Flush()
+			panic(http.ErrAbortHandler) // the engine's process is gone
+		}))
+		t.Cleanup(dying.Close)
+		d := discovery.Engine{URL: dying.URL, EngineID: "d-dying", Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}
+		logs := &routertest.RequestLogs{}
+		r := routertest.StartRouter(t, mode, routertest.Engines(p), []discovery.Engine{d}, routertest.LogTo(logs))
+
+		resp, err := (&http.Client{Timeout: 30 * time.Second}).Post(r.URL+"/v1/completions", "application/json",
+			strings.NewReader(`{"model":"tiny","prompt":"one two three","max_tokens":3,"stream":true}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err == nil || strings.Contains(string(body), "[DONE]") {
+			t.Errorf("%s: the broken stream reached the client whole (read error %v):\n%s", mode, err, body)
+		}
+		if !strings.Contains(string(body), `data: {"error":`) || !strings.Contains(string(body), "decode engine d-dying: the stream broke") {
+			t.Errorf("%s: no error event naming the decode engine:\n%s", mode, body)
+		}
+		if got := r.Metric(t, "kvhandoff_router_requests_total", map[string]string{"mode": strings.ToLower(string(mode)),
+			"outcome": router.OutcomeStreamBroken, "engine": "d-dying"}); got != 1 {
+			t.Errorf("%s: stream_broken counted %v times, want 1", mode, got)
+		}
+		if lines := logs.Lines(); len(lines) != 1 || lines[0]["outcome"] != router.OutcomeStreamBroken {
+			t.Errorf("%s: request log %v, want one line with outcome stream_broken", mode, lines)
 		}
 	}
 }

@@ -32,6 +32,9 @@ func (s *Server) completions(path string) http.HandlerFunc {
 			writeError(w, res.status, errorType(res.status), res.msg)
 		}
 		s.record(rq, res)
+		if res.cut {
+			panic(http.ErrAbortHandler)
+		}
 	}
 }
 

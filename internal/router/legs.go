@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
@@ -145,6 +146,27 @@ func (s *Server) decodeLeg(ctx context.Context, rq *request, pick choice.Pick, b
 	return &decodeStart{resp: resp, first: buf[:n], at: time.Now()}
 }
 
+// unanswered says whether a decode leg's engine gave no answer at all: the connection
+// refused, or closed or reset before a status line, as when the engine's process is gone
+// and its pod has not yet left the set (a pooled connection to it is reset on use). The
+// client has been sent nothing, so the leg may go to another engine. A timeout is not
+// that: the engine may be working on it.
+func unanswered(ds *decodeStart) bool {
+	if ds.resp != nil || ds.err == nil {
+		return false
+	}
+	reason := transportReason(nil, ds.err)
+	return reason == "refused" || reason == "broken"
+}
+
+// decodeRefused counts a decode leg its engine did not answer and is its result, for a
+// retry without the engine.
+func (s *Server) decodeRefused(rq *request, e discovery.Engine, ds *decodeStart) result {
+	s.m.legFails.WithLabelValues("decode", e.EngineID, transportReason(nil, ds.err)).Inc()
+	return result{outcome: OutcomeDecodeFailed, status: http.StatusBadGateway, engine: e.EngineID,
+		msg: fmt.Sprintf("decode engine %s: %v", e.EngineID, ds.err)}
+}
+
 // finishDecode relays a started decode leg to the client, or reports why it failed.
 func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) result {
 	if ds.err != nil {
@@ -189,10 +211,14 @@ func (s *Server) finishDecode(rq *request, e discovery.Engine, ds *decodeStart) 
 			return result{outcome: OutcomeClientGone, engine: e.EngineID, msg: "the client disconnected mid-stream; the decode leg was cancelled"}
 		}
 		s.m.legFails.WithLabelValues("decode", e.EngineID, "broken").Inc()
-		s.cfg.Log.Error("decode stream broke after its first byte", "request_id", rq.id, "decode", e.EngineID, "bytes", written, "err", err)
-		// The status is sent: abort the client's connection so it sees a truncated
-		// response rather than a complete-looking one.
-		panic(http.ErrAbortHandler)
+		msg := fmt.Sprintf("decode engine %s: the stream broke after %d bytes: %v", e.EngineID, written, err)
+		// The status is sent. A stream's client is told why in an error event, as vLLM
+		// tells of an error mid-stream; then its connection is cut (res.cut), so that no
+		// answer looks complete.
+		if strings.HasPrefix(ds.resp.Header.Get("Content-Type"), "text/event-stream") {
+			writeStreamError(rq.w, http.StatusBadGateway, msg)
+		}
+		return result{outcome: OutcomeStreamBroken, engine: e.EngineID, msg: msg, cut: true}
 	}
 	return result{outcome: outcome, engine: e.EngineID}
 }

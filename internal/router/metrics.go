@@ -65,8 +65,9 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"mode", "reason"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_router_retries_total",
-			Help: "Requests whose prefill leg was retried on another prefill engine (push: the pair).",
-		}, []string{"mode"}),
+			Help: "Legs sent again without the engine that failed them, by the leg that failed: prefill (any failure; push: the pair again) " +
+				"or decode (the engine refused the connection, nothing reached it; push: the pair again).",
+		}, []string{"mode", "leg"}),
 		legFails: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvhandoff_router_leg_failures_total",
 			Help: "Failed legs by leg, engine and reason (refused, timeout, status_5xx, no_kv_transfer_params, broken).",

@@ -41,18 +41,31 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 			d = *rq.planned
 		} else {
 			var why string
-			if d, why = s.choose.PullDecode(s.set.Load(), p.Engine, rq.tokens); why != "" {
+			if d, why = s.choose.PullDecode(s.set.Load(), p.Engine, rq.tokens, nil); why != "" {
 				return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: why}, false
 			}
 		}
-		rq.decode = d.EngineID
 		body := protocol.PullDecodeLeg(rq.body, pr.params).Marshal()
 		ctx, cancel := context.WithCancel(rq.r.Context())
 		defer cancel()
 		rq.added += time.Since(got)
-		sent := time.Now()
-		ds := s.decodeLeg(ctx, rq, d, body)
-		rq.decodeTime = time.Since(sent)
+		send := func() *decodeStart {
+			rq.decode = d.EngineID
+			sent := time.Now()
+			ds := s.decodeLeg(ctx, rq, d, body)
+			rq.decodeTime = time.Since(sent)
+			return ds
+		}
+		ds := send()
+		if unanswered(ds) && rq.r.Context().Err() == nil {
+			// The engine is gone (its pod not yet out of the set) and nothing reached it:
+			// the prefill engine's blocks wait for any decode engine to read them.
+			if next, why := s.choose.PullDecode(s.set.Load(), p.Engine, rq.tokens, map[string]bool{d.EngineID: true}); why == "" {
+				s.retried(rq, "decode", d.EngineID, s.decodeRefused(rq, d.Engine, ds).msg)
+				d = next
+				ds = send()
+			}
+		}
 		s.m.leg.WithLabelValues(rq.mode, "decode").Observe(rq.decodeTime.Seconds())
 		return s.finishDecode(rq, d.Engine, ds), false
 	})

@@ -59,8 +59,20 @@ func (s *Server) push(rq *request, set *discovery.Set) result {
 				return pr.res, pr.res.outcome == OutcomePrefillFailed
 			}
 			s.m.leg.WithLabelValues(rq.mode, "prefill").Observe(pr.took.Seconds())
-			ds = <-decodeStarted
+			if ds = <-decodeStarted; unanswered(ds) && rq.r.Context().Err() == nil {
+				// As below, but the prefill engine's blocks are ready: its agent holds them
+				// until the policy's blocks TTL, as for any request no decode engine took.
+				return s.decodeRefused(rq, d.Engine, ds), true
+			}
 		case ds = <-decodeStarted:
+			if unanswered(ds) && rq.r.Context().Err() == nil {
+				// The decode engine is gone (its pod not yet out of the set) and nothing
+				// reached it: the prefill leg is aborted (vLLM frees its blocks) and the
+				// pair is tried again without it.
+				cancel(nil)
+				<-prefillDone
+				return s.decodeRefused(rq, d.Engine, ds), true
+			}
 			// Decode answered first: its bytes are the client's, whatever prefill's
 			// response says later. The prefill leg finishes on its own.
 			go func() {

@@ -143,6 +143,7 @@ func New(cfg Config) *Server {
 	for _, m := range []*http.ServeMux{s.mux, s.admin} {
 		m.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 		m.HandleFunc("GET /readyz", s.readyz)
+		m.HandleFunc("GET /discovered", s.discovered)
 	}
 	if cfg.Gatherer != nil {
 		s.admin.Handle("GET /metrics", promhttp.HandlerFor(cfg.Gatherer, promhttp.HandlerOpts{}))
@@ -219,6 +220,20 @@ func (s *Server) readyz(w http.ResponseWriter, _ *http.Request) {
 	fmt.Fprintf(w, "ok: %s mode, %d prefill and %d decode engines\n", set.Mode, len(set.Prefill), len(set.Decode))
 }
 
+// discovered is ready once the router has read its engine set, even one with no pair:
+// it then answers every client, with a response or a refusal that says why (no ready
+// prefill engine, …). It is the Deployment's readiness probe, not readyz: routers share
+// one view of the engines, so while no pair is ready readyz fails on every replica, the
+// Service is left without endpoints and clients get connection refused, which names
+// nothing.
+func (s *Server) discovered(w http.ResponseWriter, _ *http.Request) {
+	if s.set.Load() == nil {
+		http.Error(w, "no engines discovered yet", http.StatusServiceUnavailable)
+		return
+	}
+	_, _ = w.Write([]byte("ok\n"))
+}
+
 // models answers from a decode engine: it serves the model the client will talk to.
 func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 	set := s.set.Load()
@@ -253,6 +268,13 @@ func writeError(w http.ResponseWriter, status int, typ, msg string) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
 	_ = json.NewEncoder(w).Encode(map[string]any{"error": map[string]any{"message": msg, "type": typ, "code": status}})
+}
+
+// writeStreamError ends an event stream under way with an OpenAI-style error event.
+func writeStreamError(w http.ResponseWriter, status int, msg string) {
+	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": errorType(status), "code": status}})
+	_, _ = fmt.Fprintf(w, "data: %s\n\n", b)
+	_ = http.NewResponseController(w).Flush()
 }
 
 // modeLabel is the mode as a metric label.

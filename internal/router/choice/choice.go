@@ -71,9 +71,9 @@ func (c *Chooser) Push(r Routing, prefills, decodes []discovery.Engine, req Requ
 }
 
 // PullDecode picks a pull request's decode engine once its prefill leg returned: one of
-// prefill's compat-hash in set, or why there is none.
-func (c *Chooser) PullDecode(set *discovery.Set, prefill discovery.Engine, tokens int) (Pick, string) {
-	_, decodes, _ := Pairable(set, nil)
+// prefill's compat-hash in set and not in exclude, or why there is none.
+func (c *Chooser) PullDecode(set *discovery.Set, prefill discovery.Engine, tokens int, exclude map[string]bool) (Pick, string) {
+	_, decodes, _ := Pairable(set, exclude)
 	decodes = SameHash(decodes, prefill.CompatHash)
 	if len(decodes) == 0 {
 		return Pick{}, fmt.Sprintf("no ready decode engine with prefill engine %s's compat-hash %q (%s)", prefill.EngineID, prefill.CompatHash, set.Source)

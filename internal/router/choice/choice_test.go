@@ -36,6 +36,9 @@ func TestPairableKeepsEnginesOfASharedCompatHash(t *testing.T) {
 	if _, _, why := Pairable(set, map[string]bool{"p1": true, "p3": true}); !strings.Contains(why, "share a compat-hash") {
 		t.Errorf("with p1 and p3 excluded: why %q", why)
 	}
+	if _, _, why := Pairable(set, map[string]bool{"d1": true, "d2": true}); !strings.Contains(why, "no other ready decode engine to retry on") {
+		t.Errorf("with every decode engine excluded: why %q", why)
+	}
 	if _, _, why := Pairable(&discovery.Set{Source: "test", Decode: set.Decode}, nil); !strings.Contains(why, "no ready prefill engine") {
 		t.Errorf("no prefill: why %q", why)
 	}
@@ -70,12 +73,12 @@ func TestPullDecodeFollowsThePrefillEnginesHash(t *testing.T) {
 	c, _ := newChooser()
 	set := &discovery.Set{Source: "test", Prefill: []discovery.Engine{engine("p1", "a"), engine("p2", "b")},
 		Decode: []discovery.Engine{engine("d1", "a"), engine("d2", "b")}}
-	d, why := c.PullDecode(set, engine("p2", "b"), 10)
+	d, why := c.PullDecode(set, engine("p2", "b"), 10, nil)
 	if why != "" || d.EngineID != "d2" {
 		t.Errorf("PullDecode = %s %q, want d2", d.EngineID, why)
 	}
 	d.Release()
-	if _, why := c.PullDecode(set, engine("p9", "z"), 10); !strings.Contains(why, `compat-hash "z"`) {
+	if _, why := c.PullDecode(set, engine("p9", "z"), 10, nil); !strings.Contains(why, `compat-hash "z"`) {
 		t.Errorf("no decode of hash z: why %q", why)
 	}
 }

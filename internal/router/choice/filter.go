@@ -7,7 +7,8 @@ import (
 )
 
 // Pairable returns the prefill and decode engines that share a compat-hash with an
-// engine of the other pool (prefill engines in exclude left out), or why there are none.
+// engine of the other pool (engines in exclude, which failed the request, left out), or
+// why there are none.
 func Pairable(set *discovery.Set, exclude map[string]bool) (prefill, decode []discovery.Engine, why string) {
 	pHashes, dHashes := map[string]bool{}, map[string]bool{}
 	for _, p := range set.Prefill {
@@ -16,7 +17,9 @@ func Pairable(set *discovery.Set, exclude map[string]bool) (prefill, decode []di
 		}
 	}
 	for _, d := range set.Decode {
-		dHashes[d.CompatHash] = true
+		if !exclude[d.EngineID] {
+			dHashes[d.CompatHash] = true
+		}
 	}
 	for _, p := range set.Prefill {
 		if !exclude[p.EngineID] && dHashes[p.CompatHash] {
@@ -24,7 +27,7 @@ func Pairable(set *discovery.Set, exclude map[string]bool) (prefill, decode []di
 		}
 	}
 	for _, d := range set.Decode {
-		if pHashes[d.CompatHash] {
+		if !exclude[d.EngineID] && pHashes[d.CompatHash] {
 			decode = append(decode, d)
 		}
 	}
@@ -35,6 +38,8 @@ func Pairable(set *discovery.Set, exclude map[string]bool) (prefill, decode []di
 		why = fmt.Sprintf("no ready decode engine (%s)", set.Source)
 	case len(pHashes) == 0:
 		why = fmt.Sprintf("no other ready prefill engine to retry on (%s: %d prefill engines, all failed this request)", set.Source, len(set.Prefill))
+	case len(dHashes) == 0:
+		why = fmt.Sprintf("no other ready decode engine to retry on (%s: %d decode engines, all failed this request)", set.Source, len(set.Decode))
 	case len(decode) == 0:
 		why = fmt.Sprintf("no ready prefill and decode engines share a compat-hash (%s): the pools run different configurations; see the "+
 			"DecodePool's Paired condition", set.Source)

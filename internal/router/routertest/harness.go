@@ -58,6 +58,21 @@ func DeadEngine(t *testing.T, id string) discovery.Engine {
 	return discovery.Engine{URL: "http://" + loopback.Refusing(t), EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}
 }
 
+// HangUpEngine is an engine whose process is going: it accepts a connection and closes
+// it without an answer, as the kernel resets a connection an engine killed mid-accept (or
+// a pooled one) held.
+func HangUpEngine(t *testing.T, id string) discovery.Engine {
+	t.Helper()
+	hs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		conn, _, err := w.(http.Hijacker).Hijack()
+		if err == nil {
+			conn.Close()
+		}
+	}))
+	t.Cleanup(hs.Close)
+	return discovery.Engine{URL: hs.URL, EngineID: id, Host: "127.0.0.1", SideChannelPort: 5600, TensorParallelSize: 1}
+}
+
 // RequestLogs keeps the router's request log lines (JSON) for a test to read.
 type RequestLogs struct {
 	mu    sync.Mutex
