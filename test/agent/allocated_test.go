@@ -2,8 +2,8 @@ package agent_test
 
 import (
 	"strconv"
-	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -114,7 +114,7 @@ func TestARankUsesOnlyTheEFAsItsPodWasAllocated(t *testing.T) {
 	if err := register(systemdCgroup(engine), rank("decode-0.default", 1)); err != nil {
 		t.Fatalf("rank 1 naming none: %v", err)
 	}
-	if !strings.Contains(a.Log(), `"rails":["`+second+`"]`) {
+	if !a.WaitLog(`"rails":["`+second+`"]`, 10*time.Second) {
 		t.Errorf("rank 1, naming no NIC, is not on accelerator 1's (%s):\n%s", second, a.Log())
 	}
 	// A pod without claims names its NICs as before.

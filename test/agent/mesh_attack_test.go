@@ -66,7 +66,7 @@ func TestARelayBetweenAgentsIsRefused(t *testing.T) {
 	until(t, "the decode agent refuses the relayed handshake", func() bool {
 		return p.B.Metric(t, `kvhandoff_agent_refused_total{call="peer",code="Unauthenticated"}`) >= 1
 	})
-	if !strings.Contains(p.B.Log(), "names itself") {
+	if !p.B.WaitLog("names itself", 10*time.Second) {
 		t.Errorf("the decode agent's log does not say who the relay's far end claimed to be:\n%s", p.B.Log())
 	}
 	if n := strings.Count(p.A.Log(), `"peer connected"`); n != connected {

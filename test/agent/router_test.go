@@ -27,7 +27,7 @@ func agentEngine(t *testing.T, a *agentProc, id string, role agentv1.Role, mode 
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	kv, err := vllmserver.StartAgentKV(ctx, id, role, mode, l, a.Socket)
+	kv, err := vllmserver.StartAgentKV(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Layout: l, Socket: a.Socket})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -42,6 +42,7 @@ type Proc struct {
 	exitErr error
 	mu      sync.Mutex
 	log     bytes.Buffer
+	grew    chan struct{} // closed, and replaced, whenever a line is added to log
 }
 
 // Start starts the agent binary bin with its sockets and token in dir
@@ -68,7 +69,7 @@ func start(bin, name, dir, provider string, o Options, flags ...string) (*Proc, 
 	if err := os.WriteFile(token, []byte(Token), 0o600); err != nil {
 		return nil, err
 	}
-	p := &Proc{Name: name, Dir: dir, Socket: filepath.Join(dir, "agent.sock"), exited: make(chan struct{})}
+	p := &Proc{Name: name, Dir: dir, Socket: filepath.Join(dir, "agent.sock"), exited: make(chan struct{}), grew: make(chan struct{})}
 	args := append([]string{
 		"--provider", provider, "--socket", p.Socket,
 		"--peer-listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--peer-token-file", token,
@@ -82,16 +83,23 @@ func start(bin, name, dir, provider string, o Options, flags ...string) (*Proc, 
 		p.cmd.Env = append(os.Environ(), o.Env...)
 	}
 	p.cmd.Dir = dir // libinfinipath drops *.btr files in the working directory on crashes
-	stderr, err := p.cmd.StderrPipe()
-	if err != nil {
-		return nil, err
-	}
+	// Not StderrPipe: its Wait closes the pipe on exit, and the last lines (such as
+	// "stopped") could be lost. Through an io.Pipe, Wait returns once the scanner took
+	// everything, and exited closes once it has kept it.
+	stderr, w := io.Pipe()
+	p.cmd.Stderr = w
 	if err := p.cmd.Start(); err != nil {
 		return nil, err
 	}
-	ready := make(chan struct{})
-	go p.scan(stderr, ready)
-	go func() { p.exitErr = p.cmd.Wait(); close(p.exited) }()
+	ready, scanned := make(chan struct{}), make(chan struct{})
+	go func() { p.scan(stderr, ready); close(scanned) }()
+	go func() {
+		err := p.cmd.Wait()
+		w.Close()
+		<-scanned
+		p.exitErr = err
+		close(p.exited)
+	}()
 	select {
 	case <-ready:
 		return p, nil
@@ -114,6 +122,8 @@ func (p *Proc) scan(r io.Reader, ready chan struct{}) {
 		p.mu.Lock()
 		p.log.Write(line)
 		p.log.WriteByte('\n')
+		close(p.grew)
+		p.grew = make(chan struct{})
 		switch rec["msg"] {
 		case "http":
 			p.HTTP, _ = rec["addr"].(string)
@@ -123,6 +133,7 @@ func (p *Proc) scan(r io.Reader, ready chan struct{}) {
 		}
 		p.mu.Unlock()
 	}
+	_, _ = io.Copy(io.Discard, r) // past an over-long line: never block the agent's writes
 }
 
 // Log is everything the agent logged so far.
@@ -130,6 +141,28 @@ func (p *Proc) Log() string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.log.String()
+}
+
+// WaitLog waits until the agent has logged want, at most within. The agent logs
+// before it answers, but its log reaches the test through a pipe, so a line may be a
+// moment behind the answer it precedes.
+func (p *Proc) WaitLog(want string, within time.Duration) bool {
+	deadline := time.After(within)
+	for {
+		p.mu.Lock()
+		has, grew := strings.Contains(p.log.String(), want), p.grew
+		p.mu.Unlock()
+		if has {
+			return true
+		}
+		select {
+		case <-grew:
+		case <-p.exited:
+			return strings.Contains(p.Log(), want)
+		case <-deadline:
+			return false
+		}
+	}
 }
 
 // Stop sends SIGTERM, waits, and returns how the process exited.

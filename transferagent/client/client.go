@@ -8,9 +8,12 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
 	"github.com/kvhandoff/kvhandoff/transferagent/doorbell"
@@ -40,6 +43,33 @@ func Dial(socket string) (*Client, error) {
 // Close closes the connection, ending every session opened through it.
 func (c *Client) Close() error { return c.conn.Close() }
 
+// register registers r, waiting while ctx allows for an agent that is not there yet (its
+// socket not open) or not ready yet (Unavailable: a restarted agent before its provider
+// and pod cache are up). An engine that gave up at once would exit and be restarted by
+// the kubelet with its back-off (10 s, then 20 s, …).
+func register(ctx context.Context, api agentv1.AgentClient, r *agentv1.RegisterEngineRequest) (*agentv1.RegisterEngineResponse, error) {
+	wait := 100 * time.Millisecond
+	var refused error // the agent's last Unavailable: why, when ctx runs out
+	for {
+		resp, err := api.RegisterEngine(ctx, r, grpc.WaitForReady(true))
+		switch {
+		case err == nil:
+			return resp, nil
+		case ctx.Err() != nil && refused != nil: // cut by ctx while waiting to retry
+			return nil, refused
+		case status.Code(err) != codes.Unavailable:
+			return nil, err
+		}
+		refused = err
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
 // Engine is a registered engine rank.
 type Engine struct {
 	c        *Client
@@ -56,9 +86,9 @@ type Engine struct {
 }
 
 // RegisterEngine registers an engine rank and opens its event stream. It waits for the
-// agent to come up.
+// agent to come up and be ready, as long as ctx allows.
 func (c *Client) RegisterEngine(ctx context.Context, r *agentv1.RegisterEngineRequest) (*Engine, error) {
-	resp, err := c.API.RegisterEngine(ctx, r, grpc.WaitForReady(true))
+	resp, err := register(ctx, c.API, r)
 	if err != nil {
 		return nil, err
 	}

@@ -13,6 +13,7 @@ import os
 import queue
 import socket
 import threading
+import time
 
 import grpc
 
@@ -67,6 +68,22 @@ def _call(fn, request, timeout: float = 30.0):
         raise AgentError(f"{type(request).__name__}: {e.code().name}: {e.details()}") from e
 
 
+def _register(stub, request, timeout: float):
+    """RegisterEngine, waiting up to timeout for an agent that is not there yet (its socket
+    not open) or not ready yet (UNAVAILABLE: a restarted agent before its provider and pod
+    cache are up). An engine that gave up at once would exit and be restarted by the
+    kubelet with its back-off (10 s, then 20 s, ...)."""
+    deadline, wait = time.monotonic() + timeout, 0.1
+    while True:
+        try:
+            return stub.RegisterEngine(request, timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=True)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + wait > deadline:
+                raise
+        time.sleep(wait)
+        wait = min(2 * wait, 2.0)
+
+
 class Session:
     """A registered engine rank: its session id, its address for peers (``ref``) and the
     stream of outcomes (``events``, a queue of agentv1 Events; None once it ended)."""
@@ -78,7 +95,7 @@ class Session:
         self._channel = grpc.insecure_channel("unix://" + socket_path)
         self._stub = pbg.AgentStub(self._channel)
         try:
-            resp = self._stub.RegisterEngine(request, timeout=timeout, wait_for_ready=True)
+            resp = _register(self._stub, request, timeout)
         except grpc.RpcError as e:
             self._channel.close()
             raise AgentError(f"RegisterEngine at {socket_path}: {e.code().name}: {e.details()}") from e
@@ -235,5 +252,6 @@ class Session:
             self.bell = None
 
 
-def engine_ref(agent: str, engine_id: str, tp_rank: int) -> pb.EngineRef:
-    return pb.EngineRef(agent=agent, engine_id=engine_id, tp_rank=tp_rank)
+def engine_ref(agent: str, engine_id: str, tp_rank: int, tp_size: int = 0) -> pb.EngineRef:
+    """A peer engine's rank; tp_size 0 says the peer has the caller's tensor-parallel size."""
+    return pb.EngineRef(agent=agent, engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size)

@@ -189,6 +189,9 @@ func New[P comparable](cfg Config) *Table[P] {
 	return &Table[P]{cfg: cfg, dests: map[Key]*destination[P]{}, byToken: map[uint32]*destination[P]{}, pulls: map[Key]*pull[P]{}}
 }
 
+// Len is how many push destinations and pulls the table keeps open.
+func (t *Table[P]) Len() int { return len(t.dests) + len(t.pulls) }
+
 // Register records a push destination of blocks blocks, registered with source's agent
 // over peer, and returns the token its signals will carry.
 func (t *Table[P]) Register(now time.Time, k Key, source string, peer P, blocks int) (uint32, error) {

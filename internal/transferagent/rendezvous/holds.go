@@ -55,7 +55,10 @@ type hold[P comparable] struct {
 	read    int
 	attempt uint64
 	by      P
-	until   time.Time
+	// reader names the engine rank that reads (of another tensor-parallel size, it reads
+	// only the KV heads both ranks hold).
+	reader string
+	until  time.Time
 }
 
 // NewHolds returns an empty set of holds that hold at most maxPositions positions in all
@@ -99,7 +102,7 @@ func (h *Holds[P]) Ready(now time.Time, p Part) error {
 
 // Acquire grants attempt (over by) the blocks for a lease from now. Only one attempt
 // holds a request at a time; it may ask again (the same lease is renewed).
-func (h *Holds[P]) Acquire(now time.Time, req string, attempt uint64, by P, blocks []uint32) (time.Duration, error) {
+func (h *Holds[P]) Acquire(now time.Time, req string, attempt uint64, by P, reader string, blocks []uint32) (time.Duration, error) {
 	o := h.m[req]
 	switch {
 	case o == nil:
@@ -118,26 +121,26 @@ func (h *Holds[P]) Acquire(now time.Time, req string, attempt uint64, by P, bloc
 	if !o.acquired {
 		h.acquired++
 	}
-	o.acquired, o.attempt, o.by, o.until, o.read = true, attempt, by, now.Add(h.lease), len(blocks)
+	o.acquired, o.attempt, o.by, o.reader, o.until, o.read = true, attempt, by, reader, now.Add(h.lease), len(blocks)
 	return h.lease, nil
 }
 
-// Release ends the hold its acquirer releases, returning how many blocks it read; ok is
-// false when there was no such hold, or it was draining (the engine already heard that
-// its lease ended).
-func (h *Holds[P]) Release(req string, attempt uint64, by P) (n int, ok bool) {
+// Release ends the hold its acquirer releases, returning how many blocks it read and the
+// reader it named; ok is false when there was no such hold, or it was draining (the
+// engine already heard that its lease ended).
+func (h *Holds[P]) Release(req string, attempt uint64, by P) (n int, reader string, ok bool) {
 	if k := (drainKey[P]{req, attempt, by}); !h.draining[k].IsZero() {
 		delete(h.draining, k)
 		h.acquired--
-		return 0, false
+		return 0, "", false
 	}
 	o := h.m[req]
 	if o == nil || !o.acquired || o.attempt != attempt || o.by != by {
-		return 0, false
+		return 0, "", false
 	}
 	h.drop(req, o)
 	h.acquired--
-	return o.read, true
+	return o.read, o.reader, true
 }
 
 // Cancel drops a request's hold unless a decode agent is reading it (its lease then
@@ -193,6 +196,9 @@ func (h *Holds[P]) PeerLost(by P) {
 
 // Lease is the lease a grant gives.
 func (h *Holds[P]) Lease() time.Duration { return h.lease }
+
+// Len is how many requests' sources are held.
+func (h *Holds[P]) Len() int { return len(h.m) }
 
 // Acquired reports whether a decode agent may be reading now. The session's pump asks on
 // every turn, so it is a counter, not a scan.

@@ -17,22 +17,22 @@ func TestAHoldIsReadByOneAttemptAndEndsWithItsReleaseOrLease(t *testing.T) {
 	if err := h.Ready(t0, Part{Request: "r1", Offset: 2, Blocks: []uint32{6}}); err == nil {
 		t.Fatal("a part after the final one was accepted")
 	}
-	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 9}); err == nil {
+	if _, err := h.Acquire(t0, "r1", 1, a, "", []uint32{4, 9}); err == nil {
 		t.Fatal("a block the request does not hold was granted")
 	}
-	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); err != nil {
+	if _, err := h.Acquire(t0, "r1", 1, a, "", []uint32{4, 5}); err != nil {
 		t.Fatal(err)
 	}
 	if !h.Acquired() {
 		t.Fatal("an acquired hold is not reported as being read")
 	}
-	if _, err := h.Acquire(t0, "r1", 2, b, []uint32{4, 5}); err == nil {
+	if _, err := h.Acquire(t0, "r1", 2, b, "", []uint32{4, 5}); err == nil {
 		t.Fatal("a second attempt was granted blocks another is reading")
 	}
 	if h.Cancel("r1") {
 		t.Fatal("the prefill engine's cancel dropped blocks a decode agent is reading")
 	}
-	if _, ok := h.Release("r1", 1, b); ok {
+	if _, _, ok := h.Release("r1", 1, b); ok {
 		t.Fatal("another connection released the hold")
 	}
 	// Past the blocks TTL but within the lease: still held for the reader.
@@ -42,7 +42,7 @@ func TestAHoldIsReadByOneAttemptAndEndsWithItsReleaseOrLease(t *testing.T) {
 	if exp := h.Expire(t0.Add(30 * time.Second)); len(exp) != 1 || exp[0].Request != "r1" {
 		t.Fatalf("at the lease's end: %v", exp)
 	}
-	if _, ok := h.Release("r1", 1, a); ok {
+	if _, _, ok := h.Release("r1", 1, a); ok {
 		t.Fatal("released a hold that had expired")
 	}
 	if h.Acquired() {
@@ -76,7 +76,7 @@ func TestAHoldWhoseLeaseEndedDrainsUntilItsReaderLetsGo(t *testing.T) {
 		}
 	}
 	for req, by := range map[string]*conn{"r1": a, "r2": b, "r3": a} {
-		if _, err := h.Acquire(t0, req, 1, by, []uint32{4}); err != nil {
+		if _, err := h.Acquire(t0, req, 1, by, "", []uint32{4}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -84,7 +84,7 @@ func TestAHoldWhoseLeaseEndedDrainsUntilItsReaderLetsGo(t *testing.T) {
 	if exp := h.Expire(end); len(exp) != 3 {
 		t.Fatalf("at the lease's end: %v", exp)
 	}
-	if _, ok := h.Release("r1", 1, a); ok || !h.Acquired() {
+	if _, _, ok := h.Release("r1", 1, a); ok || !h.Acquired() {
 		t.Fatalf("releasing a draining hold: ok %v (the engine already heard), still read %v (r2, r3 drain)", ok, h.Acquired())
 	}
 	h.PeerLost(b)
@@ -106,22 +106,22 @@ func TestAHoldWhoseLeaseEndedDrainsUntilItsReaderLetsGo(t *testing.T) {
 func TestAPullBeforeTheFinalPartIsNotReadyAndAfterItGrantedOrRefused(t *testing.T) {
 	a := &conn{"a"}
 	h := NewHolds[*conn](10*time.Second, 30*time.Second, 0)
-	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); !errors.Is(err, ErrNotReady) {
+	if _, err := h.Acquire(t0, "r1", 1, a, "", []uint32{4, 5}); !errors.Is(err, ErrNotReady) {
 		t.Fatalf("before any part: %v, want ErrNotReady", err)
 	}
 	if err := h.Ready(t0, Part{Request: "r1", Blocks: []uint32{4}}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); !errors.Is(err, ErrNotReady) {
+	if _, err := h.Acquire(t0, "r1", 1, a, "", []uint32{4, 5}); !errors.Is(err, ErrNotReady) {
 		t.Fatalf("before the final part: %v, want ErrNotReady", err)
 	}
 	if err := h.Ready(t0, Part{Request: "r1", Offset: 1, Blocks: []uint32{5}, Final: true}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5, 6}); err == nil || errors.Is(err, ErrNotReady) {
+	if _, err := h.Acquire(t0, "r1", 1, a, "", []uint32{4, 5, 6}); err == nil || errors.Is(err, ErrNotReady) {
 		t.Fatalf("a block the final request lacks: %v, want a refusal", err)
 	}
-	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{4, 5}); err != nil {
+	if _, err := h.Acquire(t0, "r1", 1, a, "", []uint32{4, 5}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -134,10 +134,10 @@ func TestAReleaseCountsTheBlocksRead(t *testing.T) {
 	if err := h.Ready(t0, Part{Request: "r1", Blocks: []uint32{4, 5, 6, 7}, Final: true}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.Acquire(t0, "r1", 1, a, []uint32{6, 7}); err != nil {
+	if _, err := h.Acquire(t0, "r1", 1, a, "", []uint32{6, 7}); err != nil {
 		t.Fatal(err)
 	}
-	if n, ok := h.Release("r1", 1, a); !ok || n != 2 {
+	if n, _, ok := h.Release("r1", 1, a); !ok || n != 2 {
 		t.Fatalf("release of a 2-block tail of 4: %d blocks (ok %v), want 2", n, ok)
 	}
 }

@@ -279,6 +279,13 @@ func (r *request) dropSource() {
 	r.src, r.parts, r.final = nil, nil, -1
 }
 
+// Len is how many requests the table keeps open (retired ones not counted).
+func (t *Table) Len() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.reqs)
+}
+
 // regions is how many regions every block is written into.
 func (t *Table) regions() int { return max(t.cfg.Regions, 1) }
 

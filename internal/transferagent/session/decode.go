@@ -112,6 +112,9 @@ func (ds *decodeSide) pull(r *agentv1.PullRequest) error {
 	if err := ds.table.Pull(time.Now(), k, source, p, r.SourceBlockIds, r.DestinationBlockIds); err != nil {
 		return status.Errorf(codes.AlreadyExists, "attempt: %v", err)
 	}
+	// The prefill agent reads from this rank's description which KV heads it read (what
+	// its SOURCE_DONE counts); nothing is written to this rank's memory in a pull.
+	p.Describe(s.key, s.epoch, s.describe)
 	p.Send(&wire.Acquire{Request: r.RequestId, Attempt: r.Attempt, Engine: s.key, EngineEpoch: s.epoch, Source: source, Blocks: r.SourceBlockIds})
 	return nil
 }
@@ -356,3 +359,5 @@ func (ds *decodeSide) fenceAll(now time.Time, reason string) {
 }
 
 func (ds *decodeSide) drained() bool { return len(ds.pending) == 0 }
+
+func (ds *decodeSide) held() int { return ds.table.Len() }

@@ -1,6 +1,12 @@
 package session
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	agentv1 "github.com/kvhandoff/kvhandoff/transferagent/api/v1"
+)
 
 // Metrics are the agent's Prometheus series. Label values are bounded: modes, stages,
 // failure codes and refused call names are fixed sets. The exported ones are those the
@@ -19,6 +25,7 @@ type Metrics struct {
 	parts       *prometheus.CounterVec
 	rails       *prometheus.CounterVec
 	sessions    prometheus.Gauge
+	held        *prometheus.GaugeVec
 	Peers       prometheus.Gauge
 	Provider    *prometheus.GaugeVec
 	resignals   *prometheus.CounterVec
@@ -81,7 +88,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 				"split over its endpoints.",
 		}, []string{"rail"}),
 		sessions: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_engine_sessions", Help: "Engine ranks registered."}),
-		Peers:    prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_peer_connections", Help: "Connections to other agents."}),
+		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvhandoff_agent_held_requests", Help: "Requests the agent keeps transfer state for, by engine role (prefill: held " +
+				"sources, push rendezvous, waiting pulls; decode: push destinations and pulls), counted on each session's tick. An idle " +
+				"agent holds none: a count that stays is a leak.",
+		}, []string{"role"}),
+		Peers: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhandoff_agent_peer_connections", Help: "Connections to other agents."}),
 		Provider: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvhandoff_agent_provider_info", Help: "1 for the libfabric provider the agent runs on.",
 		}, []string{"provider"}),
@@ -96,9 +108,17 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for _, reason := range failureReasons {
 		m.failures.WithLabelValues(reason)
 	}
+	for _, role := range []agentv1.Role{agentv1.Role_ROLE_PREFILL, agentv1.Role_ROLE_DECODE} {
+		m.held.WithLabelValues(roleLabel(role))
+	}
 	for _, kind := range []string{"push", "source", "hold", "pull"} {
 		m.expiries.WithLabelValues(kind)
 	}
-	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.BellRecords, m.pullWaits, m.failures, m.Refused, m.parts, m.rails, m.sessions, m.Peers, m.Provider, m.resignals)
+	reg.MustRegister(m.stage, m.bytes, m.descriptors, m.expiries, m.cancels, m.declines, m.BellRecords, m.pullWaits, m.failures, m.Refused, m.parts, m.rails, m.sessions, m.held, m.Peers, m.Provider, m.resignals)
 	return m
+}
+
+// roleLabel is a role as a label value: prefill, decode.
+func roleLabel(r agentv1.Role) string {
+	return strings.ToLower(strings.TrimPrefix(r.String(), "ROLE_"))
 }

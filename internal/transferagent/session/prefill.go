@@ -481,7 +481,7 @@ func (ps *prefillSide) onAcquire(p *mesh.Peer, m *wire.Acquire) {
 // acquire grants w, parks it until its blocks are ready, or refuses it.
 func (ps *prefillSide) acquire(now time.Time, w *waitingPull) {
 	s, m := ps.s, w.m
-	lease, err := ps.holds.Acquire(now, m.Request, m.Attempt, w.peer, m.Blocks)
+	lease, err := ps.holds.Acquire(now, m.Request, m.Attempt, w.peer, m.Engine, m.Blocks)
 	if errors.Is(err, rendezvous.ErrNotReady) && now.Before(w.until) {
 		other := ps.waiting[m.Request]
 		switch {
@@ -511,7 +511,7 @@ func (ps *prefillSide) refuse(w *waitingPull, failure, why string) {
 
 func (ps *prefillSide) onRelease(p *mesh.Peer, m *wire.Release) {
 	s := ps.s
-	n, ok := ps.holds.Release(m.Request, m.Attempt, p)
+	n, reader, ok := ps.holds.Release(m.Request, m.Attempt, p)
 	if !ok {
 		return
 	}
@@ -519,8 +519,15 @@ func (ps *prefillSide) onRelease(p *mesh.Peer, m *wire.Release) {
 		s.Emit(&agentv1.Event{Type: agentv1.Event_FAILED, RequestId: m.Request, Attempt: m.Attempt, Reason: "the decode engine's pull did not complete"})
 		return
 	}
-	s.n.metrics.bytes.WithLabelValues("pull").Add(float64(s.bytesFor(n)))
-	s.Emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: m.Request, Attempt: m.Attempt, Bytes: s.bytesFor(n)})
+	bytes := s.bytesFor(n)
+	if info := p.Info(reader); info != nil && info.Heads != nil && s.heads.Count > 0 {
+		// A decode rank of another tensor-parallel size read only the heads both hold.
+		theirs := agentv1.Heads{First: uint32(info.Heads.First), Count: uint32(info.Heads.Count)}
+		lo, hi := max(theirs.First, s.heads.First), min(theirs.End(), s.heads.End())
+		bytes = bytes * uint64(max(hi, lo)-lo) / uint64(s.heads.Count)
+	}
+	s.n.metrics.bytes.WithLabelValues("pull").Add(float64(bytes))
+	s.Emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: m.Request, Attempt: m.Attempt, Bytes: bytes})
 }
 
 // watchdog: registrations past their lease or timeout and push sources nobody registered
@@ -642,3 +649,11 @@ func (ps *prefillSide) fenceAll(now time.Time, reason string) {
 }
 
 func (ps *prefillSide) drained() bool { return ps.w == nil || ps.w.Idle() }
+
+func (ps *prefillSide) held() int {
+	n := ps.holds.Len() + len(ps.waiting)
+	if ps.table != nil {
+		n += ps.table.Len()
+	}
+	return n
+}

@@ -76,6 +76,7 @@ type Session struct {
 	frozen    bool
 	buf       []fabric.Completion
 	lastTick  time.Time
+	heldCount int                      // what countHeld last added to the gauge
 	remotes   map[string]*remoteEngine // peer engines' memory as reached, by engine key
 	retired   []*remoteEngine          // older epochs' that hold GPU allocations open
 	gpu       *sessionGPU              // nil unless the regions are GPU memory
@@ -101,6 +102,9 @@ type side interface {
 	peerLost(now time.Time, p *mesh.Peer)
 	fenceAll(now time.Time, reason string)
 	drained() bool
+	// held is how many requests the rank's side keeps state for: sources, registrations,
+	// pulls. Idle, it is 0; what stays is a leak (kvhandoff_agent_held_requests).
+	held() int
 }
 
 type localRegion struct {
@@ -267,6 +271,7 @@ func (s *Session) run() {
 			s.side.watchdog(now)
 			s.checkFiles()
 			s.countRails()
+			s.countHeld(s.side.held())
 		}
 		if !p.closing && s.Ended() {
 			p.closing, p.closeDeadline = true, now.Add(s.pol.Lease)
@@ -376,8 +381,15 @@ func (s *Session) teardown() {
 		f.Close()
 	}
 	s.ep.Close()
+	s.countHeld(0) // what a session held ends with it: its memory is unmapped above
 	s.n.forget(s)
 	s.n.log.Info("engine session ended", "engine", s.key, "reason", s.CloseReason())
+}
+
+// countHeld moves the agent's held-requests gauge by this session's change to n.
+func (s *Session) countHeld(n int) {
+	s.n.metrics.held.WithLabelValues(roleLabel(s.role)).Add(float64(n - s.heldCount))
+	s.heldCount = n
 }
 
 // countRails adds what each rail carried since the last count to the rail metric.
