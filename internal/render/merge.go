@@ -3,6 +3,7 @@ package render
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -19,7 +20,9 @@ func (e *TemplateError) Error() string { return e.Message }
 
 // mergeTemplate merges the pool's template over the rendered pod template with
 // Kubernetes' strategic merge: containers, volumes and env merge by name, maps merge by
-// key, everything else the template sets replaces the rendered value. The template is
+// key, tolerations add to the rendered ones (a user's toleration of their own node
+// taint must not drop the accelerator's: the pod would fit no GPU node), everything else
+// the template sets replaces the rendered value. The template is
 // decoded strictly first, so a misspelt field is reported instead of silently ignored,
 // and checked against what a template may set (template.go).
 func mergeTemplate(rendered *corev1.PodTemplateSpec, user *runtime.RawExtension) (*corev1.PodTemplateSpec, error) {
@@ -48,6 +51,11 @@ func mergeTemplate(rendered *corev1.PodTemplateSpec, user *runtime.RawExtension)
 	out := &corev1.PodTemplateSpec{}
 	if err := json.Unmarshal(merged, out); err != nil {
 		return nil, err
+	}
+	for _, tol := range rendered.Spec.Tolerations {
+		if !slices.ContainsFunc(out.Spec.Tolerations, func(u corev1.Toleration) bool { return tol.MatchToleration(&u) }) {
+			out.Spec.Tolerations = append(out.Spec.Tolerations, tol)
+		}
 	}
 	return out, nil
 }

@@ -30,6 +30,9 @@ type nodeDescription struct {
 		// default: extended resources in capacity), or DRA drivers that publish them as
 		// ResourceSlices (devices.go): kvhandoff's, or NVIDIA's, AWS's Neuron and DRANET's.
 		Devices DeviceShape `json:"devices"`
+		// Taints are the group's own, beside its instance type's: what only pods that ask
+		// for the group may be scheduled on.
+		Taints []corev1.Taint `json:"taints"`
 	} `json:"nodeGroups"`
 }
 
@@ -89,7 +92,7 @@ func nodesAndShapes(path string) ([]*corev1.Node, map[string]DeviceShape, error)
 			}
 			nodes = append(nodes, &corev1.Node{
 				ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels, Annotations: map[string]string{kwokNodeAnnotation: "fake"}},
-				Spec:       corev1.NodeSpec{Taints: append([]corev1.Taint(nil), it.Taints...)},
+				Spec:       corev1.NodeSpec{Taints: append(append([]corev1.Taint(nil), it.Taints...), g.Taints...)},
 				Status: corev1.NodeStatus{
 					Capacity:    capacity,
 					Allocatable: capacity.DeepCopy(),

@@ -179,7 +179,7 @@ spec:
   transferPolicyRef: {name: push}
   prefillPoolRef: {name: p}
   router: {enabled: false}
-  template: {spec: {nodeSelector: {eks.amazonaws.com/nodegroup: p5en-c}}}
+  template: {spec: {nodeSelector: {eks.amazonaws.com/nodegroup: p5en-c}, tolerations: [{key: CriticalAddonsOnly, operator: Exists}]}}
 `)
 		paired := func() {
 			Eventually(func(g Gomega) {

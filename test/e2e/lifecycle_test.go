@@ -133,6 +133,11 @@ var _ = Describe("Lifecycle", Label("p5en"), func() {
 		}).Should(Succeed())
 
 		By("letting the decode engine roll")
+		// Its pin goes too: while it waited, another pod (this spec's rolled prefill engine,
+		// placed before the scheduler saw the cordon, or one a previous spec's namespace still
+		// holds) may have taken its node, and the spec is about hashes, not that node.
+		mustKubectl(ns, "patch", "dcp", "qwen3-32b-decode", "--type=json", "-p",
+			`[{"op":"remove","path":"/spec/template/spec/nodeSelector"}]`)
 		uncordon()
 		Eventually(func(g Gomega) {
 			st := poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode)
