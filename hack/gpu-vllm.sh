@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tier's real vLLM, for a GPU host with no network: vLLM 0.26.0 (the newest release
 # that loads against PyTorch 2.11, which such hosts carry), the Python packages it imports
-# that the host lacks, and kvhandoff's agent and router.
+# that the host lacks, stock NIXL (the bench's NixlConnector and NixlPushConnector engines),
+# and kvhandoff's agent and router.
 #
 #   hack/gpu-vllm.sh pack OUT        here, with network: writes OUT/part-00, part-01, ...
 #                                    (each at most 58 MiB: one device call carries one)
@@ -12,11 +13,13 @@
 # vLLM's wheel is 290 MiB; the set leaves out what an H200 running a dense model never
 # loads: the FlashAttention 2 library (Hopper runs FlashAttention 3), the optional Rust
 # frontend, the MoE kernels (imported only if present), the SM100 attention sources and
-# DeepGEMM's builds for other Pythons. Downloads are cached under
+# DeepGEMM's builds for other Pythons. NIXL's CUDA 13 build (a 56 MiB wheel) goes without its
+# C headers (.data/headers), which only building against it needs. Downloads are cached under
 # $KVHANDOFF_CACHE/gpu-vllm (default ~/.cache/kvhandoff).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 VLLM=0.26.0
+NIXL=1.5.1
 TRIM=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/_moe_C_stable_libtorch.abi3.so vllm/third_party/fmha_sm100
   vllm/third_party/deep_gemm/_C.cpython-310-x86_64-linux-gnu.so vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so
   vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so vllm/third_party/deep_gemm/_C.cpython-314-x86_64-linux-gnu.so)
@@ -45,11 +48,25 @@ pack() {
     mv "$trimmed.part" "$trimmed"
     rm -rf "$tree"
   fi
+  local nixl=$cache/nixl-$NIXL-trimmed.tar.xz
+  if [ ! -e "$nixl" ]; then
+    cp312 -d "$cache" "nixl==$NIXL" "nixl-cu13==$NIXL"
+    local tree
+    tree=$(mktemp -d)
+    for w in "$cache/nixl-$NIXL-py3-none-any.whl" "$cache/nixl_cu13-$NIXL-cp312-cp312-manylinux_2_28_x86_64.whl"; do
+      python3 -m zipfile -e "$w" "$tree"
+    done
+    rm -rf "$tree/nixl_cu13-$NIXL.data"
+    tar -C "$tree" -cf - . | xz -T0 -6 >"$nixl.part"
+    mv "$nixl.part" "$nixl"
+    rm -rf "$tree"
+  fi
   cp312 -d "$cache/wheels" -r "$root/vllm-connector/gpu_tests/requirements-gpu-vllm.txt"
   local stage
   stage=$(mktemp -d)
   mkdir -p "$stage/wheels" "$stage/bin" "$stage/lib"
   cp "$trimmed" "$stage/vllm.tar.xz"
+  cp "$nixl" "$stage/nixl.tar.xz"
   # Exactly the pinned wheels, however many the cache holds (names compared as pip does).
   python3 - "$root/vllm-connector/gpu_tests/requirements-gpu-vllm.txt" "$cache/wheels" "$stage/wheels" <<'PY'
 import os, re, shutil, sys
@@ -79,6 +96,7 @@ install() {
   cat "$parts"/part-* | tar -C "$dir/stage" -xf -
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$dir/site" "$dir/stage/wheels/"*.whl
   tar -C "$dir/site" -xJf "$dir/stage/vllm.tar.xz"
+  tar -C "$dir/site" -xJf "$dir/stage/nixl.tar.xz"
   tar -C "$dir/stage" -xJf "$dir/stage/bin.tar.xz"
   mv "$dir/stage/lib" "$dir/lib"
   for b in transfer-agent router; do

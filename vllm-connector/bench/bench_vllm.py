@@ -9,10 +9,14 @@ in --out; with several --qps rates, a sweep (every configuration at every rate, 
 tokens checked against the engine alone's at that rate) and its SVG plot.
 
 With --gpu (make bench-vllm-gpu, on a GPU host): the engines run on GPU 0 in bf16, sharing
-it (and one agent, which moves their KV with CUDA copies), and the model is Qwen3-8B-shaped
-with random weights, so that the prompts (--prompt-tokens, 16k by default) move the KV an
-8B model's do; the stock NIXL configurations are left out (NIXL's CUDA wheels are not in the
-GPU tier's set)."""
+it (kvhandoff's through one agent, which moves their KV with CUDA copies; stock NIXL's
+through its UCX backend), and the model is Qwen3-8B-shaped (--shape) with random weights, so
+that the prompts (--prompt-tokens, 16k by default) move the KV an 8B model's do. Each engine
+takes --gpu-share of the GPU's memory and --kv-gib of KV (defaults that fit an 80 GB H100 with
+two engines); before a configuration starts, the GPU's memory must be back where it was
+before the first (the wait is measured). The model is written once per run, and the run's
+folder (model, logs) is removed at the end unless --keep. A configuration that fails to
+start reports the failing process's own error."""
 
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import glob
 import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +39,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import psutil  # noqa: E402  (vLLM's own dependency)
 import tinymodel  # noqa: E402
 from stack import GPU, Engine, NixlStack, Stack, go_binaries  # noqa: E402
+
+GPU_CONFIGS = "one engine,kvhandoff pull,kvhandoff push,kvhandoff push-layered,nixl pull,nixl push"
+CPU_CONFIGS = "one engine,nixl pull,nixl pull (placement undone),nixl push,nixl push (placement undone),kvhandoff pull,kvhandoff push,kvhandoff push-layered"
 
 IDENTITY = 6  # prompts checked one at a time before each configuration is timed
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"] + [str(i) for i in range(100)]
@@ -106,8 +115,29 @@ def start(name, bins, model, d, gpu: GPU | None) -> Config:
         finally:
             del os.environ["KVHANDOFF_TIMELINE"]
         return Config(name, s.procs, s.r.addr, agents=s.agents, router_log=s.r.log_path, timeline=timeline)
-    s = NixlStack(bins, model, d, "push" if "push" in name else "pull", keep_affinity="placement undone" in name)
+    s = NixlStack(bins, model, d, "push" if "push" in name else "pull", keep_affinity="placement undone" in name, gpu=gpu)
     return Config(name, s.procs, s.r.addr)
+
+
+def gpu_used_mib() -> int:
+    """GPU 0's memory in use (MiB), as nvidia-smi counts it: every process's, this one's none."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def wait_gpu_freed(baseline_mib: int, timeout: float = 180, slack_mib: int = 1024) -> float:
+    """Waits until GPU 0's memory in use is back within slack_mib of baseline_mib (what it was
+    before the first configuration): the stopped engines' processes have exited and the
+    driver has freed their memory. Returns the seconds it took; raises past timeout, since
+    the next configuration's engines would not fit."""
+    t0 = time.monotonic()
+    while (used := gpu_used_mib()) > baseline_mib + slack_mib:
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"GPU memory still {used} MiB in use {timeout:.0f} s after the configuration stopped "
+                               f"(baseline {baseline_mib} MiB): a process of it outlived its stop")
+        time.sleep(0.5)  # polling the driver's count, which nothing signals
+    return time.monotonic() - t0
 
 
 def stream(addr: str, prompt: str, max_tokens: int) -> dict:
@@ -269,6 +299,11 @@ def sweep_svg(sweep: dict, title: str) -> str:
     return "\n".join(out + ["</svg>", ""])
 
 
+def gpu_name(device: str) -> str:
+    """A file name's part for a GPU: "h100" for "NVIDIA H100 80GB HBM3"."""
+    return next((w.lower() for w in device.split() if w[:1] in "HABLGTV" and any(c.isdigit() for c in w)), "gpu")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -278,18 +313,32 @@ def main():
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--configs", default="")
     ap.add_argument("--gpu", action="store_true", help="engines on GPU 0, a Qwen3-8B-shaped model")
+    ap.add_argument("--shape", default="", help=f"the model's shape, one of {', '.join(tinymodel.SHAPES)} (default tiny; with --gpu qwen3-8b)")
+    ap.add_argument("--gpu-share", type=float, default=0.45, help="with --gpu: the share of the GPU's memory each engine may take")
+    ap.add_argument("--kv-gib", type=float, default=12, help="with --gpu: each engine's KV cache in GiB (two engines with "
+                    "Qwen3-8B's 16 GB of weights and 12 GiB of KV each fit an 80 GB GPU)")
+    ap.add_argument("--keep", action="store_true", help="keep the run's folder (model, logs) instead of removing it")
     ap.add_argument("--prompt-tokens", default="", help="lo,hi: prompt lengths (default 237,1893; with --gpu 15872,16384)")
     a = ap.parse_args()
-    if not a.configs:
-        a.configs = "one engine,kvhandoff pull,kvhandoff push,kvhandoff push-layered" if a.gpu else \
-            "one engine,nixl pull,nixl pull (placement undone),nixl push,nixl push (placement undone),kvhandoff pull,kvhandoff push,kvhandoff push-layered"
+    a.configs = a.configs or (GPU_CONFIGS if a.gpu else CPU_CONFIGS)
     lo, hi = (int(x) for x in (a.prompt_tokens or ("15872,16384" if a.gpu else "237,1893")).split(","))
     work = tempfile.mkdtemp(prefix="bench-vllm-")
+    try:
+        run(a, work, lo, hi)
+    finally:
+        if a.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)  # the model alone is 16 GB on a GPU run
+
+
+def run(a, work: str, lo: int, hi: int) -> None:
     bins = go_binaries(work)
-    shape = "qwen3-8b" if a.gpu else "tiny"
+    shape = a.shape or ("qwen3-8b" if a.gpu else "tiny")
     model = tinymodel.make(os.path.join(work, "model"), shape)
-    # Two engines share the GPU: each its share of memory, KV for a few 16k prompts at once.
-    gpu = GPU(share=0.45, kv_bytes=24 << 30, max_model_len=hi + 1024) if a.gpu else None
+    # Two engines share the GPU: each its share of memory and KV for a few 16k prompts at once.
+    gpu = GPU(share=a.gpu_share, kv_bytes=int(a.kv_gib * (1 << 30)), max_model_len=hi + 1024) if a.gpu else None
+    baseline = gpu_used_mib() if a.gpu else 0
     rng = random.Random(a.seed)
     # The identity checks' prompts are their own: were they the load's, decode engines
     # would hold them in their prefix caches when the load comes (push then computes them
@@ -317,7 +366,8 @@ def main():
         import torch
 
         host.update(gpu=torch.cuda.get_device_name(0), model=f"{shape}, random weights, bf16",
-                    kv_bytes_per_token=tinymodel.kv_bytes_per_token(shape))
+                    kv_bytes_per_token=tinymodel.kv_bytes_per_token(shape), gpu_share=a.gpu_share, kv_gib_per_engine=a.kv_gib,
+                    gpu_memory_in_use_before_mib=baseline)
     report = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": host,
               "load": {"requests": a.requests, "qps": rates[0] if len(rates) == 1 else rates, "seed": a.seed, "prompt_tokens": [lo, hi],
                        "output_tokens": [16, 64]}, "configs": {}}
@@ -328,13 +378,17 @@ def main():
     # cached: its answers again from its own prefix cache; first_pd: the first P/D
     # configuration's answers, which every other P/D configuration computes the same way.
     reference, alone, cached, first_pd = None, {}, None, None
+    freed = {}  # configuration -> seconds its engines' GPU memory took to come back
     for name in [c.strip() for c in a.configs.split(",")]:
         print(f"== {name}", flush=True)
         try:
             cfg = start(name, bins, model, os.path.join(work, name.replace(" ", "-").replace("(", "").replace(")", "")), gpu)
         except Exception as e:
-            report["configs"][name] = {"error": f"did not start: {str(e)[-2000:]}"}
-            print(f"   did not start: {str(e)[-600:]}", flush=True)
+            # The stack's error begins with the failing process's own (stack.cause).
+            report["configs"][name] = {"error": f"did not start: {str(e)[:3000]}"}
+            print(f"   did not start: {str(e)[:1500]}", flush=True)
+            if a.gpu:
+                freed[name] = round(wait_gpu_freed(baseline), 1)
             continue
         try:
             # Identity first: each prompt alone, greedy, against the engine alone.
@@ -376,8 +430,13 @@ def main():
                     print(f"   at {qps} QPS: {json.dumps(row)}", flush=True)
         finally:
             cfg.stop()
+            if a.gpu:
+                freed[name] = round(wait_gpu_freed(baseline), 1)
+                print(f"   GPU memory back in {freed[name]} s", flush=True)
+    if freed:
+        report["gpu_memory_freed_s"] = freed
     os.makedirs(a.out, exist_ok=True)
-    where = "h200" if a.gpu else f"{os.cpu_count()}cpu"
+    where = gpu_name(host["gpu"]) if a.gpu else f"{os.cpu_count()}cpu"
     path = os.path.join(a.out, f"vllm-{where}{'-sweep' if len(rates) > 1 else ''}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
