@@ -252,6 +252,31 @@ class Session:
             self.bell = None
 
 
+class LostSession:
+    """Stands in for a session the agent ended until the rank has registered again: every
+    call is refused with AgentError, as the agent refuses one, so a request that comes
+    meanwhile fails by the same paths (a receive fails, a report's send is over) instead of
+    waiting for an agent that is not there. It has no events and no doorbell."""
+
+    bell = None
+
+    def __init__(self, ref: pb.EngineRef, why: str):
+        self.ref, self.why = ref, why
+        self.session, self.error = "", None
+        self.events: queue.Queue = queue.Queue()
+
+    def __getattr__(self, name: str):
+        def refused(*_args, **_kwargs):
+            raise AgentError(f"{name}: the agent session ended ({self.why}); the connector registers again once the agent is back")
+        return refused
+
+    def poll_events(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
 def engine_ref(agent: str, engine_id: str, tp_rank: int, tp_size: int = 0) -> pb.EngineRef:
     """A peer engine's rank; tp_size 0 says the peer has the caller's tensor-parallel size."""
     return pb.EngineRef(agent=agent, engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size)

@@ -35,7 +35,7 @@ import time
 import torch
 
 from ._api import agent_pb2 as pb
-from .agent import AgentError, Session, accelerator_efas, engine_ref, rank_nics
+from .agent import AgentError, LostSession, Session, accelerator_efas, engine_ref, rank_nics
 from .config import Config
 from .heads import ShardError, check_shards, destinations, pair_request_id, sources
 from .memory import CudaAllocation, PassedCudaMemory, SealedMemory, block_major, gpu_uuid_string, is_head_major, kv_allocation
@@ -47,6 +47,10 @@ log = logging.getLogger("kvhandoff_vllm")
 
 _RECV_OVER = (pb.Event.DELIVERED, pb.Event.FAILED, pb.Event.CANCEL_ACKED)
 _SEND_OVER = (pb.Event.SOURCE_DONE, pb.Event.FAILED)
+
+# Registering again after the agent was lost: each try waits this long for the agent at
+# most (seconds), and the tries space out from the first gap to the last.
+RECONNECT_WAIT, RECONNECT_FIRST, RECONNECT_MAX = 0.1, 0.25, 2.0
 
 
 class WorkerSide:
@@ -94,7 +98,8 @@ class WorkerSide:
         self._recv_blocks: dict[str, list[int]] = {}  # receives in flight: their blocks
         self._failed_blocks: set[int] = set()  # blocks of failed receives, for vLLM < 0.30
         self._finished: set[str] = set()  # of those, the ones the scheduler has finished
-        self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0, "layers_streamed": 0}
+        self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0, "layers_streamed": 0, "reconnects": 0}
+        self._retry_at, self._retry_wait = 0.0, RECONNECT_FIRST  # registering again after the agent was lost
         # Layer streaming: each layer's region indexes (by vLLM's layer name; K and V are
         # two regions in CUDA layouts), the regions reported so far per request key in this
         # step, and the sender thread's queue (FIFO, so a request's final layer goes out last).
@@ -114,7 +119,10 @@ class WorkerSide:
             return None
         return kv_allocation(f"kvhandoff-kv-{self.cfg.engine_id}-{self.rank}", self.memory)
 
-    def register_kv_caches(self, kv_caches: dict) -> None:
+    def register_kv_caches(self, kv_caches: dict, wait: float = 60.0) -> None:
+        """Registers the rank and its KV with the agent, waiting up to wait seconds for an
+        agent not there or not ready yet. The session is the worker's only once every
+        region is registered: until then its calls keep going to the session it replaces."""
         self._kv_caches = kv_caches
         cuda = any(t.is_cuda for t in kv_caches.values())
         self._gpu_kv = cuda
@@ -158,7 +166,7 @@ class WorkerSide:
         index = {p: i for i, p in enumerate(order)}
         self._region_of = {name: [index[p] for p in ptrs] for name, ptrs in layers.items()}
         self._regions = len(order)
-        self.session = Session(self.cfg.socket, pb.RegisterEngineRequest(
+        session = Session(self.cfg.socket, pb.RegisterEngineRequest(
             engine_id=self.cfg.engine_id,
             role=pb.ROLE_PREFILL if self.cfg.role == "prefill" else pb.ROLE_DECODE,
             mode=pb.MODE_PUSH if self.cfg.mode == "push" else pb.MODE_PULL,
@@ -171,28 +179,40 @@ class WorkerSide:
             # bundles or the DRA driver's claims say which those are.
             fabric_domains=rank_nics(accelerator_efas(os.environ),
                                      gpu_uuid_string(allocations[0].device_uuid) if cuda else None, self.rank)),
-            timeline=self.timeline, doorbell=self.cfg.doorbell)
-        passed: dict[int, int] = {}  # allocation's base -> the agent's handle for it
-        for i, p in enumerate(order):
-            mem, off, size, block_len, count = regions[p]
-            if not cuda:
-                self.session.register_region(i, mem.fd, off, size, block_len, count)
-                continue
-            if mem.fd is not None and mem.base not in passed:
-                passed[mem.base] = self.session.pass_cuda(mem.fd, mem.size)
-            self.session.register_cuda_region(i, passed.get(mem.base, 0), mem.handle, mem.device_uuid, off, size, block_len, count)
-        for a in allocations:
-            if isinstance(a, CudaAllocation):
-                a.close()  # the agent holds its own reference to what was passed
+            timeout=wait, timeline=self.timeline, doorbell=self.cfg.doorbell)
+        try:
+            passed = self._register_regions(session, regions, order, allocations, cuda)
+        except BaseException:
+            session.close()
+            raise
+        finally:
+            for a in allocations:
+                if isinstance(a, CudaAllocation):
+                    a.close()  # the agent holds its own reference to what was passed
+        self.session = session
         legacy = sum(1 for a in allocations if a.fd is None) if cuda else 0
         if legacy:
             log.warning("kvhandoff: %s rank %d: %d KV allocations came from cudaMalloc, which has no file descriptor to pass, and "
                         "are named to the agent by legacy CUDA IPC handles, names any process of the node that learns them can "
                         "open (vLLM before 0.31 does not let the connector allocate its KV)",
                         self.cfg.engine_id, self.rank, legacy)
-        where = f"{len(allocations)} CUDA allocations, {len(passed)} passed as fds" if cuda else f"{self.memory[0].size >> 20} MiB of host memory"
+        where = f"{len(allocations)} CUDA allocations, {passed} passed as fds" if cuda else f"{self.memory[0].size >> 20} MiB of host memory"
         log.info("kvhandoff: %s rank %d registered %d regions (%s) with the agent at %s (%s)",
-                 self.cfg.engine_id, self.rank, len(order), where, self.session.ref.agent, self.session.provider)
+                 self.cfg.engine_id, self.rank, len(order), where, session.ref.agent, session.provider)
+
+    @staticmethod
+    def _register_regions(session: Session, regions: dict, order: list, allocations: list, cuda: bool) -> int:
+        """Registers every region with session; returns how many allocations were passed as fds."""
+        passed: dict[int, int] = {}  # allocation's base -> the agent's handle for it
+        for i, p in enumerate(order):
+            mem, off, size, block_len, count = regions[p]
+            if not cuda:
+                session.register_region(i, mem.fd, off, size, block_len, count)
+                continue
+            if mem.fd is not None and mem.base not in passed:
+                passed[mem.base] = session.pass_cuda(mem.fd, mem.size)
+            session.register_cuda_region(i, passed.get(mem.base, 0), mem.handle, mem.device_uuid, off, size, block_len, count)
+        return len(passed)
 
     def unregister(self) -> None:
         """Ends the session with the agent before vLLM releases or remaps the KV memory
@@ -227,6 +247,7 @@ class WorkerSide:
         return Handshake(agent=self.session.ref.agent, engine_id=self.cfg.engine_id)
 
     def start_load(self, meta: KVHandoffMetadata) -> None:
+        self._reconnect()
         self._finished_prefills(meta)
         for r in meta.receives:
             self._recv_blocks[r.req_id] = r.blocks
@@ -419,6 +440,7 @@ class WorkerSide:
         self._finished |= set(finished_req_ids or ()) & self._sending
         if self.session is not None:
             self._drain()
+            self._reconnect()
         # A send is reported only once the scheduler has finished the request.
         sent = self._sent & self._finished
         self._sent -= sent
@@ -509,8 +531,36 @@ class WorkerSide:
             self._failed_blocks.update(blocks)
 
     def _agent_lost(self) -> None:
-        log.error("kvhandoff: the agent session ended: %s", self.session.error)
+        """The agent ended the session (it restarted, or its pod was replaced): what was
+        outstanding fails, and the rank registers again with the agent that comes back
+        (_reconnect). Meanwhile a LostSession refuses every call, so requests fail by the
+        paths a refused call takes instead of waiting on an agent that is not there."""
+        lost = self.session
+        log.error("kvhandoff: %s rank %d: the agent session ended (%s); registering again once the agent is back",
+                  self.cfg.engine_id, self.rank, lost.error)
+        lost.close()
+        self.session = LostSession(lost.ref, str(lost.error or "the agent closed it"))
         self._end_outstanding()
+        self._retry_at, self._retry_wait = 0.0, RECONNECT_FIRST
+
+    def _reconnect(self) -> None:
+        """Registers again after the agent session was lost, at most one short try per
+        backoff: a try blocks the step (vLLM calls the connector from its model runner), so
+        each waits RECONNECT_WAIT at most, and the tries space out to RECONNECT_MAX."""
+        lost = self.session
+        if not isinstance(lost, LostSession) or time.monotonic() < self._retry_at:
+            return
+        try:
+            self.register_kv_caches(self._kv_caches, wait=RECONNECT_WAIT)
+        except (AgentError, OSError) as e:
+            self._retry_at = time.monotonic() + self._retry_wait
+            self._retry_wait = min(2 * self._retry_wait, RECONNECT_MAX)
+            lost.error = e
+            log.debug("kvhandoff: %s rank %d: registering again: %s", self.cfg.engine_id, self.rank, e)
+            return
+        self.stats["reconnects"] += 1
+        log.info("kvhandoff: %s rank %d registered again with the agent (session %s), lost since: %s",
+                 self.cfg.engine_id, self.rank, self.session.session, lost.why)
 
     def _end_outstanding(self) -> None:
         # The session is over: nothing outstanding can complete. Receives fail (the

@@ -1,8 +1,9 @@
 """Sleep and weight updates (vLLM >= 0.33 call unregister_kv_caches before they release or
-remap the KV memory, and restore_kv_caches after): against the real agent, a worker's
-session ends, whatever it had in flight fails where vLLM looks for it, and the same KV
-views register again and move KV as before."""
+remap the KV memory, and restore_kv_caches after), and the agent's own restart: against the
+real agent, a worker's session ends, whatever it had in flight fails where vLLM looks for
+it, and the same KV views register again and move KV as before."""
 
+import signal
 import time
 
 import pytest
@@ -95,3 +96,50 @@ def test_a_receive_that_fails_reports_its_blocks_for_vllm_before_get_transfer_re
         assert d.load_errors() == {3, 4, 5}
     finally:
         d.close()
+
+
+def test_a_worker_whose_agent_restarted_registers_again_and_moves_kv(agent, bins, tmp_path):
+    p, src = worker(agent, "prefill")
+    d, dst = worker(agent, "decode")
+    restarted = None
+    try:
+        src.copy_(torch.randint(-128, 127, src.shape, dtype=torch.int8))
+        push(p, d, "before", [1, 2], [5, 6])
+        d.start_load(KVHandoffMetadata(receives=[Receive(req_id="r-1", key="waiting", blocks=[9, 10],
+                                                         source_agent=p.session.ref.agent, source_engine=p.cfg.engine_id)]))
+
+        # The agent dies (its pod deleted, OOM-killed): what the decode rank waited for fails.
+        agent._signal(signal.SIGKILL)
+        agent.p.wait()
+        got = set()
+
+        def failed():
+            got.update(d.results(set())[2])
+            p.results(set())
+            return "r-1" in got
+        until("the outstanding receive failed", failed)
+
+        # No agent: a receive fails at once, the step is not held up waiting for one.
+        t = time.monotonic()
+        d.start_load(KVHandoffMetadata(receives=[Receive(req_id="r-2", key="meanwhile", blocks=[11],
+                                                         source_agent=p.session.ref.agent, source_engine=p.cfg.engine_id)]))
+        assert d.results(set())[2] == {"r-2"}
+        assert time.monotonic() - t < 1, "a step waited for the agent"
+
+        # The agent comes back on the same socket: both ranks register again, from their steps.
+        restarted = Agent(bins, "agent-restarted", str(tmp_path))
+
+        def back():
+            p.results(set())
+            d.results(set())
+            return sessions(restarted) == 2
+        until("both ranks registered with the restarted agent", back, timeout=30)
+        assert p.stats["reconnects"] == d.stats["reconnects"] == 1
+        dst.zero_()
+        push(p, d, "after", [3, 4], [7, 8])
+        assert torch.equal(dst[:, [7, 8]], src[:, [3, 4]])
+    finally:
+        p.close()
+        d.close()
+        if restarted is not None:
+            restarted.stop()
