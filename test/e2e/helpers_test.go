@@ -73,6 +73,18 @@ func mustKubectl(ns string, args ...string) string {
 	return out
 }
 
+// uncordon makes node schedulable again and waits until the node controller has taken
+// its unschedulable taint off too: a pod the scheduler rejects for that taint is not
+// always tried again once it goes (a pending engine of the next spec sat there 2 min).
+func uncordon(ns, node string) {
+	mustKubectl(ns, "uncordon", node)
+	Eventually(func(g Gomega) {
+		n := &corev1.Node{}
+		g.Expect(k8s.Get(ctx, client.ObjectKey{Name: node}, n)).To(Succeed())
+		g.Expect(n.Spec.Taints).NotTo(ContainElement(HaveField("Key", corev1.TaintNodeUnschedulable)))
+	}).Should(Succeed())
+}
+
 // applySample applies a file of config/samples into ns, server-side, as a GitOps tool would.
 func applySample(ns, file string) string {
 	return mustKubectl(ns, "apply", "--server-side", "-f", filepath.Join(envtest.RepoRoot(), "config", "samples", file))

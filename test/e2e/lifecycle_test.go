@@ -78,7 +78,7 @@ var _ = Describe("Lifecycle", Label("p5en"), func() {
 
 		By("cordoning and draining " + before.Spec.NodeName)
 		mustKubectl(ns, "cordon", before.Spec.NodeName)
-		DeferCleanup(func() { mustKubectl(ns, "uncordon", before.Spec.NodeName) })
+		DeferCleanup(func() { uncordon(ns, before.Spec.NodeName) })
 		Expect(k8s.SubResource("eviction").Create(ctx, &before, &policyv1.Eviction{
 			ObjectMeta: metav1.ObjectMeta{Name: before.Name, Namespace: ns},
 		})).To(Succeed())
@@ -118,8 +118,8 @@ var _ = Describe("Lifecycle", Label("p5en"), func() {
 			g.Expect(conditionOf(poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode), kvv1.ConditionPaired).Status).To(Equal(metav1.ConditionTrue))
 		}).Should(Succeed())
 		mustKubectl(ns, "cordon", node)
-		uncordon := sync.OnceFunc(func() { mustKubectl(ns, "uncordon", node) })
-		DeferCleanup(uncordon)
+		release := sync.OnceFunc(func() { uncordon(ns, node) })
+		DeferCleanup(release)
 
 		By("switching the policy from Push to Pull, which changes the connector")
 		mustKubectl(ns, "patch", "kvtp", "p5en-push", "--type=merge", "-p", `{"spec":{"mode":"Pull"}}`)
@@ -138,7 +138,7 @@ var _ = Describe("Lifecycle", Label("p5en"), func() {
 		// holds) may have taken its node, and the spec is about hashes, not that node.
 		mustKubectl(ns, "patch", "dcp", "qwen3-32b-decode", "--type=json", "-p",
 			`[{"op":"remove","path":"/spec/template/spec/nodeSelector"}]`)
-		uncordon()
+		release()
 		Eventually(func(g Gomega) {
 			st := poolStatus(ns, "qwen3-32b-decode", kvv1.RoleDecode)
 			g.Expect(st.CompatHash).NotTo(BeEmpty())

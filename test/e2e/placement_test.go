@@ -96,7 +96,7 @@ var _ = Describe("Placement", func() {
 		for _, n := range allNodes("p5en.48xlarge") {
 			if n != only {
 				mustKubectl(ns, "cordon", n)
-				DeferCleanup(mustKubectl, ns, "uncordon", n)
+				DeferCleanup(uncordon, ns, n)
 			}
 		}
 		By("running a TP 4 pair: 4 GPUs and 8 EFA each, so both would fit on one node")
@@ -122,7 +122,7 @@ spec: {model: Qwen/Qwen3-32B, image: "vllm/vllm-openai:v0.29.0", tensorParallelS
 		Expect(poolPods(ns, "d", kvv1.RoleDecode)).To(ConsistOf(HaveField("Spec.NodeName", "")))
 
 		By("uncordoning " + spare + ", in the same zone")
-		mustKubectl(ns, "uncordon", spare)
+		uncordon(ns, spare)
 		Expect(running(ns, "d", kvv1.RoleDecode, 1)[0].Spec.NodeName).To(Equal(spare))
 	})
 
