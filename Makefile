@@ -69,7 +69,7 @@ deps: ## Install what the tests need: apt packages, control-plane binaries (cach
 # two cores; named last, the longest suite set the tier's wall time; named first, the others run beside it.
 .PHONY: test
 test: deps verify-generated vet ## Run every test tier: unit, envtest, e2e on the simulated cluster, the real node (pods from images built here), the kubelet's device manager, real vLLM.
-	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./test/realnode ./... -count=1 -timeout 30m
+	KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" go test ./test/realnode ./... -count=1 -timeout 45m
 	$(MAKE) test-kubelet
 	$(MAKE) test-vllm
 
@@ -93,7 +93,7 @@ KVH_GPU_DIR ?= /tmp/kvh-gpu
 GPU_VLLM_ENV := PYTHONPATH=$(KVH_GPU_DIR)/site KVHANDOFF_BIN_DIR=$(KVH_GPU_DIR)/bin KVH_CUDA_PEER=0 PYTHONUNBUFFERED=1
 
 .PHONY: gpu-vllm-set
-gpu-vllm-set: ## The GPU tier's set for a GPU host without network (vLLM 0.26.0 trimmed, the packages it lacks there, the agent and router): $(KVH_GPU_PARTS)/part-*, 58 MiB each.
+gpu-vllm-set: ## The GPU tier's set for a GPU host without network (vLLM 0.26.0 trimmed, the packages it lacks there, stock NIXL 1.5.1, the agent and router): $(KVH_GPU_PARTS)/part-*, 58 MiB each.
 	hack/gpu-vllm.sh pack $(KVH_GPU_PARTS)
 
 .PHONY: test-gpu-vllm
@@ -103,8 +103,9 @@ test-gpu-vllm: ## Real vLLM 0.26 engines on GPU 0 handing KV through the agent (
 	cd vllm-connector && $(GPU_VLLM_ENV) python3 -m pytest -v -p no:cacheprovider gpu_tests
 
 .PHONY: bench-vllm-gpu
-bench-vllm-gpu: ## After test-gpu-vllm: one engine alone against kvhandoff push, push-layered and pull on one seeded load of 16k-token prompts (Qwen3-8B-shaped); bench/results/gpu/.
-	cd vllm-connector && $(GPU_VLLM_ENV) python3 bench/bench_vllm.py --gpu --out ../bench/results/gpu --requests $${REQUESTS:-20} --qps $${QPS:-0.5}
+bench-vllm-gpu: ## After test-gpu-vllm: one engine alone against kvhandoff push, push-layered and pull and stock NIXL pull and push, on one seeded load of 16k-token prompts (Qwen3-8B-shaped); KV_GIB and GPU_SHARE per engine (defaults fit an 80 GB GPU); bench/results/gpu/.
+	cd vllm-connector && $(GPU_VLLM_ENV) python3 bench/bench_vllm.py --gpu --out ../bench/results/gpu --requests $${REQUESTS:-20} --qps $${QPS:-0.5} \
+		--kv-gib $${KV_GIB:-12} --gpu-share $${GPU_SHARE:-0.45}
 
 .PHONY: bench-handoff-gpu
 # Push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes.
@@ -185,6 +186,12 @@ bench-autoscale: deps ## Autoscaling report: the stepped load on a real node, au
 	mkdir -p bench/results/autoscale
 	KVHANDOFF_AUTOSCALE_REPORT=$(CURDIR)/bench/results/autoscale KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" \
 		go test ./test/realnode -run '^$$' -bench SteppedLoadAgainstStaticSplits -benchtime 1x -timeout 60m -v
+
+.PHONY: chaos-report
+chaos-report: deps ## The fault suite on a real node (make test runs it too), its table written to bench/results/chaos/ (about 8 minutes).
+	mkdir -p bench/results/chaos
+	KVHANDOFF_CHAOS_REPORT=$(CURDIR)/bench/results/chaos KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" \
+		go test ./test/realnode -run '^TestFaultsCostOnlyWhatWasInFlight$$' -count=1 -timeout 30m -v
 
 .PHONY: demo
 demo: deps ## Start a local control plane, install the CRDs, apply the samples and show them.

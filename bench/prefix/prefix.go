@@ -362,7 +362,7 @@ func (sc Scenario) startStack(ctx context.Context, cfg Config, a, b *agentproc.P
 		if i >= sc.Prefills {
 			role, agent, id = agentv1.Role_ROLE_DECODE, b, fmt.Sprintf("decode-%d", i-sc.Prefills)
 		}
-		kv, err := vllmserver.StartAgentKV(ctx, id, role, mode, l, agent.Socket)
+		kv, err := vllmserver.StartAgentKV(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Layout: l, Socket: agent.Socket})
 		if err != nil {
 			s.stop()
 			return nil, err

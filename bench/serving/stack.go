@@ -77,7 +77,7 @@ func startStack(ctx context.Context, mode kvv1.TransferMode, l simengine.Layout,
 		{agentv1.Role_ROLE_PREFILL, a, "qwen3-32b-prefill-0." + name},
 		{agentv1.Role_ROLE_DECODE, b, "qwen3-32b-decode-0." + name},
 	} {
-		kv, err := vllmserver.StartAgentKV(ctx, side.id, side.role, am, l, side.agent.Socket)
+		kv, err := vllmserver.StartAgentKV(ctx, simengine.Config{ID: side.id, Role: side.role, Mode: am, Layout: l, Socket: side.agent.Socket})
 		if err != nil {
 			s.stop()
 			return nil, err

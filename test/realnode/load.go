@@ -91,6 +91,7 @@ type Load struct {
 type Result struct {
 	Phase  string
 	At     time.Time
+	End    time.Time // when the answer ended, or the request failed
 	Status int
 	Err    string
 	TTFT   time.Duration
@@ -166,6 +167,7 @@ func (l *Load) send(p Phase, i int) {
 	l.arrived = append(l.arrived, res.At)
 	l.mu.Unlock()
 	defer func() {
+		res.End = time.Now()
 		l.mu.Lock()
 		l.results = append(l.results, res)
 		l.mu.Unlock()
@@ -193,6 +195,10 @@ func (l *Load) send(p Phase, i int) {
 		if line == "data: [DONE]" {
 			done = true
 			break
+		}
+		if strings.HasPrefix(line, `data: {"error"`) {
+			res.Err = strings.TrimPrefix(line, "data: ") // the router's reason for a stream that broke
+			return
 		}
 		if last.IsZero() {
 			res.TTFT = now.Sub(res.At)

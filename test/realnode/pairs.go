@@ -82,6 +82,15 @@ var SimEngines = Engines{Image: "simvllm", Model: "sim", BlockSize: 16}
 // CreatePair creates a mode's policy and CPU pair of pools running e, the decode pool
 // with one router.
 func (n *Node) CreatePair(ctx context.Context, e Engines, mode kvv1.TransferMode, tune ...func(*kvv1.DecodePool)) error {
+	pol, prefill, decode := PairObjects(e, mode)
+	for _, f := range tune {
+		f(decode)
+	}
+	return n.Create(ctx, pol, prefill, decode)
+}
+
+// PairObjects are what CreatePair creates, for a test to shape further.
+func PairObjects(e Engines, mode kvv1.TransferMode) (*kvv1.KVTransferPolicy, *kvv1.PrefillPool, *kvv1.DecodePool) {
 	name := strings.ToLower(string(mode))
 	image := Registry + "/" + e.Image + ":" + Tag
 	pol := builder.Policy(name).Mode(mode).Executor(kvv1.ExecutorAgent).Provider(kvv1.ProviderTCP).Obj()
@@ -92,10 +101,12 @@ func (n *Node) CreatePair(ctx context.Context, e Engines, mode kvv1.TransferMode
 		Accelerator(kvv1.AcceleratorCPU, 0).Policy(name).EngineArgs(e.Args...).Obj()
 	decode.Spec.Env = e.Env[kvv1.RoleDecode]
 	decode.Spec.Router.Replicas = ptr.To[int32](1)
-	for _, f := range tune {
-		f(decode)
-	}
-	for _, o := range []client.Object{pol, prefill, decode} {
+	return pol, prefill, decode
+}
+
+// Create creates objs in namespace default.
+func (n *Node) Create(ctx context.Context, objs ...client.Object) error {
+	for _, o := range objs {
 		o.SetNamespace("default")
 		if err := n.Client.Create(ctx, o); err != nil {
 			return fmt.Errorf("creating %s: %w", o.GetName(), err)
@@ -109,8 +120,11 @@ func (n *Node) CreatePair(ctx context.Context, e Engines, mode kvv1.TransferMode
 func (n *Node) WaitPair(ctx context.Context, mode string, limit time.Duration) error {
 	var why string
 	err := wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, limit, true, func(ctx context.Context) (bool, error) {
-		why = n.pairNotServing(ctx, mode)
-		return why == "", nil
+		w := n.pairNotServing(ctx, mode)
+		if ctx.Err() == nil { // a call cut by the deadline says nothing of the pair
+			why = w
+		}
+		return w == "", nil
 	})
 	if err != nil {
 		return fmt.Errorf("the %s pair did not serve within %s: %s", mode, limit, why)
@@ -131,7 +145,7 @@ func (n *Node) pairNotServing(ctx context.Context, mode string) string {
 		return "the pools are not Ready"
 	}
 	dep := &appsv1.Deployment{}
-	if err := n.Client.Get(ctx, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, dep); err != nil || dep.Status.AvailableReplicas != 1 {
+	if err := n.Client.Get(ctx, client.ObjectKey{Namespace: "default", Name: mode + "-decode-router"}, dep); err != nil || dep.Spec.Replicas == nil || dep.Status.AvailableReplicas != *dep.Spec.Replicas {
 		return "the router is not available"
 	}
 	// An available Deployment is not yet a reachable Service: kube-proxy programs the
@@ -223,27 +237,11 @@ func (n *Node) PodsMetric(namespace string, labels client.MatchingLabels, port i
 	}
 	var sum float64
 	for _, p := range pods.Items {
-		url := n.PodURL(p.Namespace, p.Name, port, "/metrics")
-		resp, err := n.HTTPClient(url, 10*time.Second).Get(url)
+		m, err := n.PodMetrics(p.Namespace, p.Name, port)
 		if err != nil {
 			return 0, err
 		}
-		b, err := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if err != nil {
-			return 0, err
-		}
-		if resp.StatusCode != http.StatusOK {
-			return 0, fmt.Errorf("%s: %s: %s", p.Name, resp.Status, b)
-		}
-		for _, line := range strings.Split(string(b), "\n") {
-			if rest, ok := strings.CutPrefix(line, name); ok && (strings.HasPrefix(rest, " ") || !strings.HasSuffix(name, "}") && strings.HasPrefix(rest, "{")) {
-				var v float64
-				if _, err := fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v); err == nil {
-					sum += v
-				}
-			}
-		}
+		sum += Sum(m, name)
 	}
 	return sum, nil
 }

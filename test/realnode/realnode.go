@@ -499,7 +499,7 @@ imageGCLowThresholdPercent: 99
 
 // run starts a process of the node with its output in Dir/logs/name.log.
 func (n *Node) run(name, bin string, args ...string) error {
-	log, err := os.Create(filepath.Join(n.Dir, "logs", name+".log"))
+	log, err := os.OpenFile(filepath.Join(n.Dir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return err
 	}

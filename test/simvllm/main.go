@@ -33,6 +33,11 @@ type kvConfig struct {
 		Mode   string `json:"mode"`
 		Role   string `json:"role"`
 		Socket string `json:"socket"`
+		// The policy's timeouts in seconds, sent to the agent as the connector sends them
+		// (0: the agent's own).
+		Lease               int `json:"kv_lease_duration"`
+		RegistrationTimeout int `json:"push_registration_timeout"`
+		BlocksTTL           int `json:"decoder_kv_blocks_ttl"`
 	} `json:"kv_connector_extra_config"`
 }
 
@@ -93,21 +98,15 @@ func run(log *slog.Logger, args []string) error {
 	if err != nil {
 		return err
 	}
-	var kc kvConfig
-	if err := json.Unmarshal([]byte(o.kvConfig), &kc); err != nil {
-		return fmt.Errorf("--kv-transfer-config: %w", err)
-	}
-	role := map[string]agentv1.Role{"prefill": agentv1.Role_ROLE_PREFILL, "decode": agentv1.Role_ROLE_DECODE}[kc.Extra.Role]
-	mode := map[string]agentv1.Mode{"push": agentv1.Mode_MODE_PUSH, "pull": agentv1.Mode_MODE_PULL}[kc.Extra.Mode]
-	if kc.EngineID == "" || role == agentv1.Role_ROLE_UNSPECIFIED || mode == agentv1.Mode_MODE_UNSPECIFIED || kc.Extra.Socket == "" {
-		return fmt.Errorf("--kv-transfer-config names no engine_id, role, mode or socket: %s (kvhandoff's connector with executor Agent renders them)", o.kvConfig)
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	layout := simengine.Layout{Layers: 2, BlockSize: o.blockSize, KVHeads: 8, HeadDim: 16, DTypeBytes: 2, TP: o.tp, Blocks: 512}
-	kv, err := vllmserver.StartAgentKV(ctx, kc.EngineID, role, mode, layout, kc.Extra.Socket)
+	ec, err := engineConfig(o)
 	if err != nil {
-		return fmt.Errorf("registering with the agent at %s: %w", kc.Extra.Socket, err)
+		return err
+	}
+	kv, err := vllmserver.StartAgentKV(ctx, ec)
+	if err != nil {
+		return fmt.Errorf("registering with the agent at %s: %w", ec.Socket, err)
 	}
 	defer kv.Stop()
 	// As kvhandoff's connector: a prefill leg names this engine's agent as its remote_host
@@ -120,7 +119,7 @@ func run(log *slog.Logger, args []string) error {
 		return fmt.Errorf("the agent's address %q: %w", kv.Agent(), err)
 	}
 	agentPort, _ := strconv.Atoi(port)
-	cfg := vllmserver.Config{EngineID: kc.EngineID, Model: o.model, SideChannelHost: host, SideChannelPort: agentPort, TP: o.tp, KV: kv,
+	cfg := vllmserver.Config{EngineID: ec.ID, Model: o.model, SideChannelHost: host, SideChannelPort: agentPort, TP: o.tp, KV: kv,
 		TPOT: o.tpot, TPOTPerStream: o.tpotPerStream, Log: log}
 	if o.prefillPer1k > 0 {
 		cfg.PrefillTime = func(tokens int) time.Duration { return o.prefillPer1k * time.Duration(tokens) / 1000 }
@@ -128,7 +127,7 @@ func run(log *slog.Logger, args []string) error {
 	server := &http.Server{Addr: ":" + strconv.Itoa(o.port), Handler: vllmserver.New(cfg), ReadHeaderTimeout: 10 * time.Second}
 	errs := make(chan error, 1)
 	go func() { errs <- server.ListenAndServe() }()
-	log.Info("serving", "engine", kc.EngineID, "role", kc.Extra.Role, "mode", kc.Extra.Mode, "model", o.model, "port", o.port, "agent", kv.Agent())
+	log.Info("serving", "engine", ec.ID, "role", ec.Role, "mode", ec.Mode, "model", o.model, "port", o.port, "agent", kv.Agent())
 	// A session the agent ended (it restarted, or was deleted) cannot be resumed: exit, and
 	// the kubelet restarts the engine, which registers again.
 	ended := make(chan struct{}, len(kv.Ranks))
@@ -152,4 +151,24 @@ func run(log *slog.Logger, args []string) error {
 		// exits, ending its agent session. Waiting for them is the pod's preStop hook's job.
 		return server.Close()
 	}
+}
+
+// engineConfig is what the engine registers with its agent, read from its
+// --kv-transfer-config as kvhandoff's connector reads it: the policy's timeouts included,
+// else a stranded request would be held for the agent's defaults (minutes), not the
+// policy's.
+func engineConfig(o options) (simengine.Config, error) {
+	var kc kvConfig
+	if err := json.Unmarshal([]byte(o.kvConfig), &kc); err != nil {
+		return simengine.Config{}, fmt.Errorf("--kv-transfer-config: %w", err)
+	}
+	role := map[string]agentv1.Role{"prefill": agentv1.Role_ROLE_PREFILL, "decode": agentv1.Role_ROLE_DECODE}[kc.Extra.Role]
+	mode := map[string]agentv1.Mode{"push": agentv1.Mode_MODE_PUSH, "pull": agentv1.Mode_MODE_PULL}[kc.Extra.Mode]
+	if kc.EngineID == "" || role == agentv1.Role_ROLE_UNSPECIFIED || mode == agentv1.Mode_MODE_UNSPECIFIED || kc.Extra.Socket == "" {
+		return simengine.Config{}, fmt.Errorf("--kv-transfer-config names no engine_id, role, mode or socket: %s (kvhandoff's connector with executor Agent renders them)", o.kvConfig)
+	}
+	seconds := func(n int) time.Duration { return time.Duration(n) * time.Second }
+	return simengine.Config{ID: kc.EngineID, Role: role, Mode: mode, Socket: kc.Extra.Socket,
+		Layout: simengine.Layout{Layers: 2, BlockSize: o.blockSize, KVHeads: 8, HeadDim: 16, DTypeBytes: 2, TP: o.tp, Blocks: 512},
+		Lease:  seconds(kc.Extra.Lease), RegistrationTimeout: seconds(kc.Extra.RegistrationTimeout), BlocksTTL: seconds(kc.Extra.BlocksTTL)}, nil
 }

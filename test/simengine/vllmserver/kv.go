@@ -45,6 +45,13 @@ type AgentKV struct {
 	agents map[string]string // side channel host:port → the prefill engine's agent
 }
 
+// Usage is the share of the cache's blocks taken (rank 0's allocator serves all ranks),
+// what vLLM exports as vllm:kv_cache_usage_perc: blocks a request never gives back show.
+func (k *AgentKV) Usage() float64 {
+	r := k.Ranks[0]
+	return 1 - float64(r.FreeBlocks())/float64(r.Cache.Layout.Blocks)
+}
+
 func (k *AgentKV) blocks(tokens int) int {
 	l := k.Ranks[0].Cache.Layout
 	return (tokens + l.BlockSize - 1) / l.BlockSize
@@ -316,12 +323,14 @@ func parallel(n int, fn func(int) error) error {
 	return errors.Join(errs...)
 }
 
-// StartAgentKV registers one simulated engine rank per TP rank of layout with the agent
-// at socket.
-func StartAgentKV(ctx context.Context, id string, role agentv1.Role, mode agentv1.Mode, l simengine.Layout, socket string) (*AgentKV, error) {
-	k := &AgentKV{Ranks: make([]*simengine.Engine, l.TP)}
-	err := parallel(l.TP, func(r int) error {
-		e, err := simengine.Start(ctx, simengine.Config{ID: id, Role: role, Mode: mode, Rank: r, Layout: l, Socket: socket})
+// StartAgentKV registers one simulated engine rank per TP rank of cfg.Layout with the
+// agent at cfg.Socket (cfg.Rank is each rank's own).
+func StartAgentKV(ctx context.Context, cfg simengine.Config) (*AgentKV, error) {
+	k := &AgentKV{Ranks: make([]*simengine.Engine, cfg.Layout.TP)}
+	err := parallel(cfg.Layout.TP, func(r int) error {
+		rc := cfg
+		rc.Rank = r
+		e, err := simengine.Start(ctx, rc)
 		k.Ranks[r] = e
 		return err
 	})

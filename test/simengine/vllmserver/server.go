@@ -151,7 +151,11 @@ func (s *Server) metrics(w http.ResponseWriter, _ *http.Request) {
 	labels := fmt.Sprintf(`{engine="0",model_name=%q}`, s.cfg.Model)
 	fmt.Fprintf(w, "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running%s %d\n", labels, s.running.Load())
 	fmt.Fprintf(w, "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting%s %d\n", labels, s.waiting.Load())
-	fmt.Fprintf(w, "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc%s 0.0\n", labels)
+	usage := 0.0
+	if u, ok := s.cfg.KV.(interface{ Usage() float64 }); ok {
+		usage = u.Usage()
+	}
+	fmt.Fprintf(w, "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc%s %g\n", labels, usage)
 	if s.cache != nil {
 		q, h := s.cache.counts()
 		fmt.Fprintf(w, "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"%d\",engine=\"0\",num_gpu_blocks=\"%d\"} 1.0\n",
