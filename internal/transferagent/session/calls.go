@@ -213,9 +213,7 @@ func (s *Session) checkSource(field string, ref *agentv1.EngineRef) error {
 
 // sharedHeads is how many of this rank's KV heads the engine rank ref holds.
 func (s *Session) sharedHeads(ref *agentv1.EngineRef) uint32 {
-	h := agentv1.RankHeads(s.kvHeads, cmp.Or(ref.TpSize, s.tpSize), ref.TpRank)
-	lo, hi := max(h.First, s.heads.First), min(h.End(), s.heads.End())
-	return max(hi, lo) - lo
+	return agentv1.RankHeads(s.kvHeads, cmp.Or(ref.TpSize, s.tpSize), ref.TpRank).Shared(s.heads)
 }
 
 // checkDomains checks the NICs an engine rank names for its rails: each once, no more

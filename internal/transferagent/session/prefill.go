@@ -523,8 +523,7 @@ func (ps *prefillSide) onRelease(p *mesh.Peer, m *wire.Release) {
 	if info := p.Info(reader); info != nil && info.Heads != nil && s.heads.Count > 0 {
 		// A decode rank of another tensor-parallel size read only the heads both hold.
 		theirs := agentv1.Heads{First: uint32(info.Heads.First), Count: uint32(info.Heads.Count)}
-		lo, hi := max(theirs.First, s.heads.First), min(theirs.End(), s.heads.End())
-		bytes = bytes * uint64(max(hi, lo)-lo) / uint64(s.heads.Count)
+		bytes = bytes * uint64(theirs.Shared(s.heads)) / uint64(s.heads.Count)
 	}
 	s.n.metrics.bytes.WithLabelValues("pull").Add(float64(bytes))
 	s.Emit(&agentv1.Event{Type: agentv1.Event_SOURCE_DONE, RequestId: m.Request, Attempt: m.Attempt, Bytes: bytes})

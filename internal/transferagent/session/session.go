@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -76,7 +78,8 @@ type Session struct {
 	frozen    bool
 	buf       []fabric.Completion
 	lastTick  time.Time
-	heldCount int                      // what countHeld last added to the gauge
+	heldCount int                      // what countHeld last added to held
+	held      prometheus.Gauge         // kvhandoff_agent_held_requests of the session's role
 	remotes   map[string]*remoteEngine // peer engines' memory as reached, by engine key
 	retired   []*remoteEngine          // older epochs' that hold GPU allocations open
 	gpu       *sessionGPU              // nil unless the regions are GPU memory
@@ -139,6 +142,7 @@ func newSession(n *node, fallback Timeouts, id, key, owner string, epoch uint64,
 		closing: make(chan struct{}), stopped: make(chan struct{}),
 		regions: map[uint32]*localRegion{}, buf: make([]fabric.Completion, 64), remotes: map[string]*remoteEngine{},
 		fds: map[uint64]*os.File{}, passed: map[uint64]passedGPU{}, files: map[fileID]*os.File{},
+		held: n.metrics.held.WithLabelValues(roleLabel(r.Role)),
 	}
 	if agentv1.CheckShards(s.kvHeads, s.tpSize) == nil { // RegisterEngine checked it; tests of the table alone send no layout
 		s.heads = agentv1.RankHeads(s.kvHeads, s.tpSize, s.rank)
@@ -388,7 +392,7 @@ func (s *Session) teardown() {
 
 // countHeld moves the agent's held-requests gauge by this session's change to n.
 func (s *Session) countHeld(n int) {
-	s.n.metrics.held.WithLabelValues(roleLabel(s.role)).Add(float64(n - s.heldCount))
+	s.held.Add(float64(n - s.heldCount))
 	s.heldCount = n
 }
 

@@ -20,6 +20,12 @@ type Heads struct{ First, Count uint32 }
 // End is the head after the range's last.
 func (h Heads) End() uint32 { return h.First + h.Count }
 
+// Shared is how many heads h and o both hold.
+func (h Heads) Shared(o Heads) uint32 {
+	lo, hi := max(h.First, o.First), min(h.End(), o.End())
+	return max(hi, lo) - lo
+}
+
 func (h Heads) String() string { return fmt.Sprintf("[%d,%d)", h.First, h.End()) }
 
 // CheckShards reports whether kvHeads split over a tensor-parallel size: evenly, or with
