@@ -193,10 +193,9 @@ var chaosFaults = []chaosFault{
 		// The control plane goes away (an outage, an upgrade without HA): the routers keep
 		// the engines they discovered, the agents the pods they know, so no request may
 		// fail; the manager, whose leader lease lapses, restarts and reconciles after. It
-		// runs last: after it the controllers' watches come back with their back-off, and
-		// the next faults' Ready False was not seen for over a minute (likely the
-		// StatefulSets' ready counts, which the pools' Ready reads and
-		// kube-controller-manager writes, not yet current).
+		// runs last: in a run where two engine kills followed it, neither was reported
+		// Ready False (likely the StatefulSets' ready counts, which the pools' Ready reads
+		// and kube-controller-manager writes, were not yet current again).
 		name: "API server stopped for 30 s",
 		do: func(t *testing.T, f *faulting) string {
 			if err := f.n.StopAPIServer(bg, 30*time.Second); err != nil {
