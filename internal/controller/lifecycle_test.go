@@ -9,8 +9,10 @@ import (
 	autoscalingv1 "k8s.io/api/autoscaling/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -333,9 +335,23 @@ var _ = Describe("Lifecycle", func() {
 		Eventually(func() int32 { return ptr.Deref(statefulSet(ns, "p").Spec.Replicas, 0) }).Should(BeEquivalentTo(1))
 	})
 
+	It("lets a drain evict one engine of a pool at a time, and restores a deleted budget", func() {
+		ns, _, _, _ := readyPair()
+		pdb := &policyv1.PodDisruptionBudget{}
+		Expect(k8s.Get(ctx, key(ns, "p"), pdb)).To(Succeed())
+		Expect(pdb.Spec.MaxUnavailable).To(Equal(ptr.To(intstr.FromInt32(1))))
+		Expect(pdb.Spec.Selector.MatchLabels).To(Equal(render.SelectorLabels(kvv1.RolePrefill, "p")))
+		Expect(k8s.Delete(ctx, pdb)).To(Succeed())
+		Eventually(func(g Gomega) {
+			again := &policyv1.PodDisruptionBudget{}
+			g.Expect(k8s.Get(ctx, key(ns, "p"), again)).To(Succeed())
+			g.Expect(again.UID).NotTo(Equal(pdb.UID))
+		}).Should(Succeed())
+	})
+
 	It("makes its objects owned by the pool, so deleting the pool deletes them", func() {
 		ns, _, p, _ := readyPair()
-		for _, obj := range []client.Object{&appsv1.StatefulSet{}, &corev1.Service{}} {
+		for _, obj := range []client.Object{&appsv1.StatefulSet{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}} {
 			Expect(k8s.Get(ctx, key(ns, "p"), obj)).To(Succeed())
 			ref := metav1.GetControllerOf(obj)
 			Expect(ref).NotTo(BeNil())

@@ -14,6 +14,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
@@ -312,6 +313,9 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 	if err := r.apply(ctx, p, w.StatefulSet, &appsv1.StatefulSet{}); err != nil {
 		return err
 	}
+	if err := r.apply(ctx, p, w.PDB, &policyv1.PodDisruptionBudget{}); err != nil {
+		return err
+	}
 	if err := r.pruneDeviceClaims(ctx, p, w.DeviceClaims); err != nil {
 		return err
 	}
@@ -325,8 +329,8 @@ func (r *PoolReconciler) renderAndApply(ctx context.Context, p pool, v *validati
 	return nil
 }
 
-// SetupWithManager registers the reconciler: it follows the StatefulSet and Service of
-// the pool's name (its own, or a foreign one that blocks it: deleting that must clear the
+// SetupWithManager registers the reconciler: it follows the StatefulSet, Service and
+// PodDisruptionBudget of the pool's name (its own, or a foreign one that blocks it: deleting that must clear the
 // NameConflict), the pool's pods, the policy (and, for a decode pool, the prefill pool)
 // it references, its namespace (whose label allows privileged engines), the agents'
 // labels and reports on its engines' nodes, and (a decode pool) its routers' reports.
@@ -339,6 +343,7 @@ func (r *PoolReconciler) SetupWithManager(mgr ctrl.Manager) error {
 		For(newPool(r.Role).object()).
 		Watches(&appsv1.StatefulSet{}, enqueuePoolOfName()).
 		Watches(&corev1.Service{}, enqueuePoolOfName()).
+		Watches(&policyv1.PodDisruptionBudget{}, enqueuePoolOfName()).
 		Watches(&corev1.Pod{}, enqueuePoolOfPod(r.Role)).
 		Watches(&kvv1.KVTransferPolicy{}, enqueueReferrers(mgr.GetClient(), r.Role, indexPolicy)).
 		Watches(&corev1.Namespace{}, enqueuePoolsIn(mgr.GetClient(), r.Role)).

@@ -143,6 +143,19 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		}
 	}
 	st.Engines = slices.Clone(obs.engines)
+	// The StatefulSet's ready count is kube-controller-manager's reading of the pods, and
+	// it lags them while its watches do (after a control-plane outage they back off for up
+	// to a minute): an engine pod the kubelet says is not ready is not counted, whatever
+	// the StatefulSet says, so a crashed engine turns the pool not Ready at once.
+	var up int32
+	for _, e := range st.Engines {
+		if e.Ready {
+			up++
+		}
+	}
+	if up < int32(len(st.Engines)) {
+		st.ReadyReplicas = min(st.ReadyReplicas, up)
+	}
 	transfer := transferHealth(st.Engines, obs.agents, obs.routers, provider)
 	st.Warnings = nil
 	for _, w := range v.warnings {
@@ -168,7 +181,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		reason, unschedulable := unschedulableReason(p, v, unschedulable)
 		set(kvv1.ConditionReady, metav1.ConditionFalse, reason, unschedulable)
 		set(kvv1.ConditionDegraded, metav1.ConditionTrue, reason, unschedulable)
-		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, desired))
+		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, st.ReadyReplicas, desired))
 	case transfer.Status == metav1.ConditionFalse:
 		// The engines serve, but their KV does not move as the policy says: slow
 		// (another provider), failing, or falling back to decode alone.
@@ -177,7 +190,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		if ready {
 			set(kvv1.ConditionProgressing, metav1.ConditionFalse, kvv1.ReasonRolledOut, fmt.Sprintf("%d/%d engines ready, all on the current configuration", st.ReadyReplicas, desired))
 		} else {
-			set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, desired))
+			set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, progress(sts, st.ReadyReplicas, desired))
 		}
 	case ready:
 		msg := fmt.Sprintf("%d/%d engines ready", st.ReadyReplicas, desired)
@@ -185,7 +198,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 		set(kvv1.ConditionDegraded, metav1.ConditionFalse, kvv1.ReasonAsExpected, valid)
 		set(kvv1.ConditionProgressing, metav1.ConditionFalse, kvv1.ReasonRolledOut, msg+", all on the current configuration")
 	default:
-		msg := progress(sts, desired)
+		msg := progress(sts, st.ReadyReplicas, desired)
 		set(kvv1.ConditionReady, metav1.ConditionFalse, kvv1.ReasonEnginesNotReady, msg)
 		set(kvv1.ConditionDegraded, metav1.ConditionFalse, kvv1.ReasonAsExpected, valid)
 		set(kvv1.ConditionProgressing, metav1.ConditionTrue, kvv1.ReasonRollingOut, msg)
@@ -275,11 +288,11 @@ func rolledOut(sts *appsv1.StatefulSet) bool {
 		(s.CurrentRevision == "" || s.CurrentRevision == s.UpdateRevision)
 }
 
-func progress(sts *appsv1.StatefulSet, desired int32) string {
+func progress(sts *appsv1.StatefulSet, ready, desired int32) string {
 	if sts == nil {
 		return fmt.Sprintf("creating %d engines", desired)
 	}
-	return fmt.Sprintf("%d/%d engines ready, %d on the current configuration", sts.Status.ReadyReplicas, desired, sts.Status.UpdatedReplicas)
+	return fmt.Sprintf("%d/%d engines ready, %d on the current configuration", ready, desired, sts.Status.UpdatedReplicas)
 }
 
 // paired is the DecodePool's Paired condition: True only when both pools run engines

@@ -42,6 +42,11 @@ func TestPoolStatusConditionTable(t *testing.T) {
 			kvv1.ReasonEnginesReady, kvv1.ReasonAsExpected, kvv1.ReasonRolledOut, metav1.ConditionTrue},
 		{"engines starting are progressing", validation{policy: policy, replicas: 1}, observed{statefulSet: rolled(1, 0, "h")},
 			kvv1.ReasonEnginesNotReady, kvv1.ReasonAsExpected, kvv1.ReasonRollingOut, metav1.ConditionFalse},
+		// kube-controller-manager's count lags the kubelet's word after an API-server
+		// outage (its watches back off): a crashed engine is not ready at once.
+		{"an engine pod not ready is not ready, whatever the StatefulSet says", validation{policy: policy, replicas: 2},
+			observed{statefulSet: rolled(2, 2, "h"), engines: []kvv1.EngineStatus{{PodName: "p-0", Ready: true}, {PodName: "p-1"}}},
+			kvv1.ReasonEnginesNotReady, kvv1.ReasonAsExpected, kvv1.ReasonRollingOut, metav1.ConditionFalse},
 		{"no StatefulSet yet is progressing", validation{policy: policy, replicas: 1}, observed{},
 			kvv1.ReasonEnginesNotReady, kvv1.ReasonAsExpected, kvv1.ReasonRollingOut, metav1.ConditionFalse},
 	}

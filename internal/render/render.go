@@ -13,6 +13,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -74,6 +75,8 @@ type Workload struct {
 	// DeviceClaims, under accelerator.allocation DRA, are the templates of each engine's
 	// ResourceClaims.
 	DeviceClaims []*resourcev1.ResourceClaimTemplate
+	// PDB lets a drain (or any eviction) take one engine of the pool at a time.
+	PDB *policyv1.PodDisruptionBudget
 }
 
 // Engines renders a pool. The error is a *compat.Problem when the pool and policy
@@ -118,8 +121,22 @@ func Engines(in Input) (*Workload, error) {
 			},
 		},
 	}
-	w := &Workload{StatefulSet: sts, Service: svc, DeviceClaims: claims}
-	objs := []metav1.Object{sts, svc}
+	// A node drain evicts one engine at a time: the next waits until the StatefulSet's
+	// replacement is Ready elsewhere, so a drain of the node running a pool's engines
+	// never takes the pool to nothing. maxUnavailable rather than minAvailable: a pool of
+	// one engine still drains. An engine that is not Ready serves nothing, so it may be
+	// evicted whatever the budget (a crash-looping engine does not hold up a drain).
+	pdb := &policyv1.PodDisruptionBudget{
+		TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
+		ObjectMeta: objectMeta(in),
+		Spec: policyv1.PodDisruptionBudgetSpec{
+			MaxUnavailable:             ptr.To(intstr.FromInt32(1)),
+			Selector:                   &metav1.LabelSelector{MatchLabels: SelectorLabels(in.Role, in.Name)},
+			UnhealthyPodEvictionPolicy: ptr.To(policyv1.AlwaysAllow),
+		},
+	}
+	w := &Workload{StatefulSet: sts, Service: svc, DeviceClaims: claims, PDB: pdb}
+	objs := []metav1.Object{sts, svc, pdb}
 	for _, c := range claims {
 		objs = append(objs, c)
 	}

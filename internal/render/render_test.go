@@ -133,7 +133,7 @@ func TestGolden(t *testing.T) {
 			}
 			pw, dw := pairWith(t, c.prefill, c.decode, c.policy, image)
 			var out bytes.Buffer
-			objs := []any{pw.StatefulSet, pw.Service, dw.StatefulSet, dw.Service}
+			objs := []any{pw.StatefulSet, pw.Service, pw.PDB, dw.StatefulSet, dw.Service, dw.PDB}
 			if c.kvEvents {
 				objs = append(objs, pw.KVEventsNetworkPolicy, dw.KVEventsNetworkPolicy)
 			}

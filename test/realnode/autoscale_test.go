@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -39,6 +40,17 @@ func TestThePairFollowsASteppedLoad(t *testing.T) {
 	converge(t, n, "low load at the minimums", func(p, d int32) bool { return p == 1 && d == 1 })
 
 	load.Phase(prompts)
+	// The manager's leader SIGKILLed as the autoscaler takes its first step up: a new
+	// leader (the other replica, or the killed one restarted) takes the lease over and
+	// finishes the step; no request fails and the budget holds across it (both asserted
+	// below).
+	until(t, "the autoscaler to decide to grow prefill", 2*time.Minute, func() bool {
+		d := &kvv1.DecodePool{}
+		return n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: "push-decode"}, d) == nil &&
+			d.Status.Autoscaling != nil && d.Status.Autoscaling.DesiredPrefillReplicas >= 2
+	})
+	old, took := killLeader(t, n)
+	t.Logf("the manager's leader %s SIGKILLed mid-step: a new leader in %s", old, took.Round(100*time.Millisecond))
 	converge(t, n, "prefill to grow for prefill-heavy load", func(p, d int32) bool { return p >= 2 })
 	if ttft, _ := load.Measure(10 * time.Second); ttft > targetTTFT {
 		t.Errorf("prefill-heavy, converged: TTFT p90 %s over the target %s", ttft, targetTTFT)
@@ -152,4 +164,25 @@ func writeTimeline(t *testing.T, path string, load *realnode.Load) {
 	for _, r := range load.Results() {
 		_ = enc.Encode(map[string]any{"kind": "request", "request": r})
 	}
+}
+
+// killLeader SIGKILLs the manager replica holding the leader lease and returns its
+// identity and how long until another identity held the lease.
+func killLeader(t *testing.T, n *realnode.Node) (string, time.Duration) {
+	t.Helper()
+	lease := &coordinationv1.Lease{}
+	key := client.ObjectKey{Namespace: "kvhandoff-system", Name: "kvhandoff-manager.kvhandoff.io"}
+	if err := n.Client.Get(bg, key, lease); err != nil || lease.Spec.HolderIdentity == nil {
+		t.Fatalf("the manager's leader lease: %+v, %v", lease.Spec, err)
+	}
+	old := *lease.Spec.HolderIdentity
+	pod, _, _ := strings.Cut(old, "_") // controller-runtime's identity: <hostname>_<uuid>
+	at := time.Now()
+	if _, err := n.KillContainer(bg, key.Namespace, pod, "manager"); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "a new leader", 2*time.Minute, func() bool {
+		return n.Client.Get(bg, key, lease) == nil && lease.Spec.HolderIdentity != nil && *lease.Spec.HolderIdentity != old && *lease.Spec.HolderIdentity != ""
+	})
+	return old, time.Since(at)
 }

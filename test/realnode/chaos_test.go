@@ -9,13 +9,17 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -49,7 +53,11 @@ import (
 // chaos-report puts it in bench/results/chaos/.
 func TestFaultsCostOnlyWhatWasInFlight(t *testing.T) {
 	onThisMachine(t) // the engine kills find the containers' processes on this machine
-	n, cs := startNode(t, "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", realnode.SimEngines.Image)
+	n, cs := startNode(t, "manager", "router", "transfer-agent", "device-plugin", "vllm-connector", "envoy", realnode.SimEngines.Image)
+	// Before the manager starts, so that it watches InferencePools.
+	if err := n.InstallGatewayCRDs(); err != nil {
+		t.Fatal(err)
+	}
 	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
 		t.Fatal(err)
 	}
@@ -58,6 +66,8 @@ func TestFaultsCostOnlyWhatWasInFlight(t *testing.T) {
 		pol, prefill, decode := realnode.PairObjects(realnode.LoadFollowingEngines, mode)
 		pol.Spec.LeaseSeconds, pol.Spec.RegistrationTimeoutSeconds, pol.Spec.BlocksTTLSeconds = chaosLease, chaosTTL, chaosTTL
 		prefill.Spec.Replicas, decode.Spec.Replicas, decode.Spec.Router.Replicas = ptr.To[int32](2), ptr.To[int32](2), ptr.To[int32](2)
+		// The push pair is behind Envoy and its endpoint picker too (two replicas).
+		decode.Spec.Gateway.InferencePool = mode == kvv1.TransferPush
 		if err := n.Create(bg, pol, prefill, decode); err != nil {
 			t.Fatal(err)
 		}
@@ -66,6 +76,11 @@ func TestFaultsCostOnlyWhatWasInFlight(t *testing.T) {
 	for _, mode := range modes {
 		m := strings.ToLower(string(mode))
 		waitPair(t, n, m)
+		if mode == kvv1.TransferPush {
+			if _, err := n.StartGateway(bg, m, realnode.SimEngines.Model, 2*time.Minute); err != nil {
+				t.Fatal(err)
+			}
+		}
 		// A first load warms the agent up: its RSS after is the level a fault must
 		// leave it at, not its size before it served anything.
 		warm, err := n.StartLoad(m, chaosLoad)
@@ -76,7 +91,7 @@ func TestFaultsCostOnlyWhatWasInFlight(t *testing.T) {
 		warm.Stop()
 		for _, f := range chaosFaults {
 			if f.only == "" || f.only == m {
-				rows = append(rows, runFault(t, n, cs, m, f))
+				t.Run(m+"/"+f.name, func(t *testing.T) { rows = append(rows, runFault(t, n, cs, m, f)) })
 			}
 		}
 	}
@@ -114,6 +129,14 @@ type chaosFault struct {
 	// only names the one mode whose run has the fault ("": both): a part both pairs
 	// share, hit once.
 	only string
+	// viaGateway sends the load through Envoy in front of the mode's DecodePool, its
+	// endpoint picker choosing the engines, instead of through its router Service.
+	viaGateway bool
+	// holds is how much longer than hung a failure may take: what a transfer posted
+	// cannot be fenced until it completes or fails, so a request failing in a network
+	// cut is answered only once the network is back (its blocks are not freed while a
+	// late write or read could still land in them).
+	holds time.Duration
 }
 
 // faulting is one fault's run: the node, the mode, and what the fault's functions share.
@@ -128,8 +151,11 @@ type faulting struct {
 	// restarts before the kill.
 	victim   string
 	restarts int32
-	// routerInFlight is the routers' in-flight legs read just before a router fault.
-	routerInFlight int
+	// partInFlight is the requests the part hit counted in flight just before it was
+	// deleted (a router's or an endpoint picker's gauge).
+	partInFlight int
+	// evicted are the engine ids of the engines a drain evicted.
+	evicted map[string]bool
 }
 
 var chaosFaults = []chaosFault{
@@ -169,33 +195,90 @@ var chaosFaults = []chaosFault{
 		outage: true,
 	},
 	{
-		name: "router pod deleted",
+		// A partition between the agent and everything else, the loopback included (on
+		// this node its prefill and decode sides share it, their fabric endpoints
+		// reaching each other over TCP), for longer than the lease: the writes in flight
+		// stall, nothing may land in blocks freed meanwhile (every engine checks its KV
+		// byte for byte), and what fails must fail by name.
+		name: "agent's network cut for 10 s",
 		do: func(t *testing.T, f *faulting) string {
-			pods := f.pods(t, "default", client.MatchingLabels{kvv1.LabelRouter: f.mode + "-decode"})
-			m, err := f.n.PodMetrics("default", pods[0].Name, render.RouterAdminPort)
+			pods := f.pods(t, "kvhandoff-node", client.MatchingLabels{"app.kubernetes.io/component": "transfer-agent"})
+			ports, err := f.n.CutNetwork(bg, pods[0].Namespace, pods[0].Name, "transfer-agent", 10*time.Second)
 			if err != nil {
 				t.Fatal(err)
 			}
-			// A request holds a decode leg from its arrival (push) or a prefill leg and then
-			// a decode leg (pull): its legs in flight, counted once.
-			for series, v := range m {
-				if strings.HasPrefix(series, "kvhandoff_router_inflight{") &&
-					(strings.Contains(series, `role="decode"`) || f.mode == "pull" && strings.Contains(series, `role="prefill"`)) {
-					f.routerInFlight += int(v)
-				}
-			}
+			t.Logf("%s: cut %d TCP ports of the agent for 10 s", f.mode, ports)
+			return pods[0].Name
+		},
+		inFlight: func(t *testing.T, f *faulting, _ string) int {
+			return f.loggedInFlight(t, func(routerRecord) bool { return true })
+		},
+		back: func(t *testing.T, f *faulting, _ string) {
+			until(t, "the agent to serve again", 3*time.Minute, func() bool { return f.n.AgentsServe(bg) && f.routerPairs() })
+		},
+		// The cut, then TCP's retransmission backoff: a segment dropped late in the cut
+		// is sent again up to 6.4 s after it ends.
+		holds: 10*time.Second + 6400*time.Millisecond,
+	},
+	{
+		name: "router pod deleted",
+		do: func(t *testing.T, f *faulting) string {
+			pods := f.pods(t, "default", client.MatchingLabels{kvv1.LabelRouter: f.mode + "-decode"})
+			f.partInFlight = f.routerInFlight(t, pods[0].Name)
 			return deletePod(t, f, &pods[0])
 		},
-		inFlight: func(_ *testing.T, f *faulting, _ string) int { return f.routerInFlight },
+		inFlight: func(_ *testing.T, f *faulting, _ string) int { return f.partInFlight },
 		back:     func(t *testing.T, f *faulting, _ string) { waitPair(t, f.n, f.mode) },
+	},
+	{
+		// Through Envoy: each request's ext_proc stream is on one picker replica. The
+		// deleted one drains its streams on SIGTERM; Envoy opens the next on the other.
+		name: "endpoint picker pod deleted (load through Envoy)",
+		do: func(t *testing.T, f *faulting) string {
+			pods := f.pods(t, "default", client.MatchingLabels{kvv1.LabelEndpointPicker: f.mode + "-decode"})
+			// Picked for a decode engine: a request, counted once.
+			f.partInFlight = f.gauge(t, pods[0].Name, render.EPPAdminPort, "kvhandoff_epp_inflight", "decode")
+			return deletePod(t, f, &pods[0])
+		},
+		inFlight: func(_ *testing.T, f *faulting, _ string) int { return f.partInFlight },
+		back: func(t *testing.T, f *faulting, _ string) {
+			until(t, "the endpoint picker's replacement to be available", 2*time.Minute, func() bool {
+				d := &appsv1.Deployment{}
+				return f.n.Client.Get(bg, client.ObjectKey{Namespace: "default", Name: f.mode + "-decode-epp"}, d) == nil &&
+					d.Status.AvailableReplicas == ptr.Deref(d.Spec.Replicas, 1) && d.Status.UpdatedReplicas == d.Status.AvailableReplicas
+			})
+		},
+		viaGateway: true,
+		only:       "push",
+	},
+	{
+		// A node drained while it serves, as kubectl drain drains it: cordoned, then each
+		// pod of the pair evicted through the Eviction API, which the pools' and the
+		// routers' budgets answer. On this one node the evicted pods' replacements have
+		// nowhere to go: the budgets must hold each set to one pod evicted, the rest
+		// serving, until the node is uncordoned 10 s later.
+		name: "node drained (cordon, evictions through the budgets)",
+		do:   drain,
+		inFlight: func(t *testing.T, f *faulting, _ string) int {
+			return f.partInFlight + f.loggedInFlight(t, func(r routerRecord) bool { return f.evicted[r.Prefill] || f.evicted[r.Decode] })
+		},
+		back: func(t *testing.T, f *faulting, _ string) {
+			until(t, "every engine Ready again", 3*time.Minute, func() bool {
+				_, p := f.n.Pods(f.mode+"-prefill", kvv1.RolePrefill)
+				_, d := f.n.Pods(f.mode+"-decode", kvv1.RoleDecode)
+				return p == 2 && d == 2
+			})
+			waitPair(t, f.n, f.mode)
+		},
+		only: "push",
 	},
 	{
 		// The control plane goes away (an outage, an upgrade without HA): the routers keep
 		// the engines they discovered, the agents the pods they know, so no request may
 		// fail; the manager, whose leader lease lapses, restarts and reconciles after. It
-		// runs last: in a run where two engine kills followed it, neither was reported
-		// Ready False (likely the StatefulSets' ready counts, which the pools' Ready reads
-		// and kube-controller-manager writes, were not yet current again).
+		// runs last: a fault soon after it may go unreported for up to a minute, while the
+		// controllers' watches (the manager's, kube-controller-manager's) come back with
+		// client-go's back-off (docs/operations.md).
 		name: "API server stopped for 30 s",
 		do: func(t *testing.T, f *faulting) string {
 			if err := f.n.StopAPIServer(bg, 30*time.Second); err != nil {
@@ -217,6 +300,7 @@ type chaosRow struct {
 	Failed              int            `json:"failed"`
 	FailedInOutage      int            `json:"failedArrivingWhileNoPairCouldServe"`
 	Reasons             map[string]int `json:"failureReasons,omitempty"`
+	SlowestSeconds      float64        `json:"slowestInFlightAtTheFaultSeconds"`
 	BackSeconds         float64        `json:"replacementServingAfterSeconds"`
 	RecoverySeconds     float64        `json:"preFaultRateBackAfterSeconds"`
 	LeaksGoneSeconds    float64        `json:"leaksGoneAfterSeconds"`
@@ -229,7 +313,11 @@ func runFault(t *testing.T, n *realnode.Node, cs *kubernetes.Clientset, mode str
 	row := chaosRow{Mode: mode, Fault: fault.name}
 	what := mode + ", " + fault.name
 	base := f.idle(t, what)
-	load, err := n.StartLoad(mode, chaosLoad)
+	via := mode + "-decode-router"
+	if fault.viaGateway {
+		via = mode + "-gateway"
+	}
+	load, err := n.StartLoadVia(via, mode, chaosLoad)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -271,6 +359,9 @@ func runFault(t *testing.T, n *realnode.Node, cs *kubernetes.Clientset, mode str
 	results := load.Results()
 	row.Requests = len(results)
 	for _, r := range results {
+		if r.At.Before(f.after) && r.End.After(f.at) {
+			row.SlowestSeconds = max(row.SlowestSeconds, r.End.Sub(r.At).Seconds())
+		}
 		if !r.Failed() {
 			continue
 		}
@@ -282,8 +373,8 @@ func runFault(t *testing.T, n *realnode.Node, cs *kubernetes.Clientset, mode str
 		if !named(r) {
 			t.Errorf("%s: a request failed without a named reason: status %d, %q", what, r.Status, r.Err)
 		}
-		if took := r.End.Sub(r.At); took > hung {
-			t.Errorf("%s: a failed request took %s (over %s): %q", what, took, hung, r.Err)
+		if took := r.End.Sub(r.At); took > hung+fault.holds {
+			t.Errorf("%s: a failed request took %s (over %s): %q", what, took, hung+fault.holds, r.Err)
 		}
 	}
 	if row.Failed-row.FailedInOutage > row.InFlight {
@@ -501,6 +592,126 @@ func (f *faulting) conditions() ([]string, error) {
 		add(d.Status.Conditions)
 	}
 	return out, nil
+}
+
+// routerInFlight is the requests a router pod has in flight: a request holds a decode leg
+// from its arrival (push) or a prefill leg and then a decode leg (pull), counted once.
+func (f *faulting) routerInFlight(t *testing.T, pod string) int {
+	roles := []string{"decode"}
+	if f.mode == "pull" {
+		roles = append(roles, "prefill")
+	}
+	return f.gauge(t, pod, render.RouterAdminPort, "kvhandoff_router_inflight", roles...)
+}
+
+// gauge sums the series of a pod's metric whose role label is one of roles.
+func (f *faulting) gauge(t *testing.T, pod string, port int, metric string, roles ...string) int {
+	t.Helper()
+	m, err := f.n.PodMetrics("default", pod, port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for series, v := range m {
+		if strings.HasPrefix(series, metric+"{") && slices.ContainsFunc(roles, func(r string) bool { return strings.Contains(series, `role="`+r+`"`) }) {
+			sum += v
+		}
+	}
+	return int(sum)
+}
+
+// drain cordons the node of the mode's pair and asks the Eviction API to evict each of
+// the pair's pods (engines, routers, endpoint pickers), holds the node cordoned for 10 s
+// and uncordons it. Each set under a budget must lose exactly one pod, the API refusing
+// the rest (429), and the evicted engines' replacements must wait Pending.
+func drain(t *testing.T, f *faulting) string {
+	t.Helper()
+	list := &corev1.PodList{}
+	if err := f.n.Client.List(bg, list, client.InNamespace("default")); err != nil {
+		t.Fatal(err)
+	}
+	// Router pods carry the pool label too (the manager caches them): engines are the
+	// pods with a role.
+	set := func(p *corev1.Pod) string {
+		switch pair := f.mode + "-decode"; {
+		case p.Labels[kvv1.LabelRouter] == pair:
+			return "router " + pair
+		case p.Labels[kvv1.LabelEndpointPicker] == pair:
+			return "endpoint picker " + pair
+		case p.Labels[kvv1.LabelRole] != "" && (p.Labels[kvv1.LabelPool] == f.mode+"-prefill" || p.Labels[kvv1.LabelPool] == pair):
+			return "pool " + p.Labels[kvv1.LabelPool]
+		}
+		return ""
+	}
+	var pods []corev1.Pod
+	for _, p := range list.Items {
+		if set(&p) != "" && p.DeletionTimestamp == nil {
+			pods = append(pods, p)
+		}
+	}
+	sort.Slice(pods, func(i, j int) bool { return pods[i].Name < pods[j].Name })
+	node := &corev1.Node{}
+	if err := f.n.Client.Get(bg, client.ObjectKey{Name: pods[0].Spec.NodeName}, node); err != nil {
+		t.Fatal(err)
+	}
+	setUnschedulable(t, f.n, node, true)
+	f.evicted = map[string]bool{}
+	evicted, refused := map[string]int{}, map[string]int{}
+	for _, p := range pods {
+		inflight := 0
+		if p.Labels[kvv1.LabelRouter] != "" {
+			// Read before the eviction: an evicted router's records go with it.
+			inflight = f.routerInFlight(t, p.Name)
+		}
+		err := f.n.Client.SubResource("eviction").Create(bg, &p, &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: p.Name, Namespace: p.Namespace}})
+		switch {
+		case err == nil:
+			evicted[set(&p)]++
+			f.partInFlight += inflight
+			if p.Labels[kvv1.LabelRole] != "" {
+				f.evicted[render.EngineID(p.Name, p.Namespace)] = true
+			}
+		case apierrors.IsTooManyRequests(err): // the budget's answer: not now
+			refused[set(&p)]++
+		default:
+			t.Fatalf("evicting %s: %v", p.Name, err)
+		}
+	}
+	for s := range refused {
+		if evicted[s] != 1 {
+			t.Errorf("drain: %s lost %d pods at once (%d refused); its budget allows one", s, evicted[s], refused[s])
+		}
+	}
+	t.Logf("drain: evicted %v, refused %v", evicted, refused)
+	// The fault's length (not a wait for anything): the replacements have no node to go
+	// to, and the budgets keep the rest serving meanwhile.
+	time.Sleep(10 * time.Second)
+	for pool, role := range map[string]kvv1.Role{f.mode + "-prefill": kvv1.RolePrefill, f.mode + "-decode": kvv1.RoleDecode} {
+		if _, ready := f.n.Pods(pool, role); ready != 1 {
+			t.Errorf("drain: %s has %d engines Ready on the cordoned node; want the one the budget kept", pool, ready)
+		}
+	}
+	setUnschedulable(t, f.n, node, false)
+	return node.Name
+}
+
+// setUnschedulable cordons or uncordons node; uncordoned, it returns once the node
+// controller has taken its unschedulable taint off (the scheduler places nothing until
+// then).
+func setUnschedulable(t *testing.T, n *realnode.Node, node *corev1.Node, on bool) {
+	t.Helper()
+	patch := client.MergeFrom(node.DeepCopy())
+	node.Spec.Unschedulable = on
+	if err := n.Client.Patch(bg, node, patch); err != nil {
+		t.Fatal(err)
+	}
+	if on {
+		return
+	}
+	until(t, "the node's unschedulable taint to go", time.Minute, func() bool {
+		return n.Client.Get(bg, client.ObjectKeyFromObject(node), node) == nil &&
+			!slices.ContainsFunc(node.Spec.Taints, func(t corev1.Taint) bool { return t.Key == corev1.TaintNodeUnschedulable })
+	})
 }
 
 // killEngine SIGKILLs the engine container of one Ready engine of the mode's pool of
@@ -724,16 +935,16 @@ func hasPrefix(ss []string, prefix string) bool {
 // report logs the table and, with KVHANDOFF_CHAOS_REPORT, writes it there.
 func report(t *testing.T, rows []chaosRow) {
 	var md strings.Builder
-	md.WriteString("| mode | fault | requests | in flight on the part | failed | of them arriving while no pair could serve | failures | replacement serving (s) | pre-fault rate back (s) | leaks gone (s) | conditions False during the fault |\n")
-	md.WriteString("|---|---|---|---|---|---|---|---|---|---|---|\n")
+	md.WriteString("| mode | fault | requests | in flight on the part | failed | of them arriving while no pair could serve | failures | slowest in flight at the fault (s) | replacement serving (s) | pre-fault rate back (s) | leaks gone (s) | conditions False during the fault |\n")
+	md.WriteString("|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rows {
 		var reasons []string
 		for k, v := range r.Reasons {
 			reasons = append(reasons, fmt.Sprintf("%d× %s", v, k))
 		}
 		sort.Strings(reasons)
-		fmt.Fprintf(&md, "| %s | %s | %d | %d | %d | %d | %s | %.1f | %.1f | %.1f | %s |\n", r.Mode, r.Fault, r.Requests, r.InFlight, r.Failed, r.FailedInOutage,
-			strings.Join(reasons, "; "), r.BackSeconds, r.RecoverySeconds, r.LeaksGoneSeconds, strings.Join(r.Conditions, ", "))
+		fmt.Fprintf(&md, "| %s | %s | %d | %d | %d | %d | %s | %.1f | %.1f | %.1f | %.1f | %s |\n", r.Mode, r.Fault, r.Requests, r.InFlight, r.Failed, r.FailedInOutage,
+			strings.Join(reasons, "; "), r.SlowestSeconds, r.BackSeconds, r.RecoverySeconds, r.LeaksGoneSeconds, strings.Join(r.Conditions, ", "))
 	}
 	t.Log("\n" + md.String())
 	dir := os.Getenv("KVHANDOFF_CHAOS_REPORT")

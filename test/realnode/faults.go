@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -23,12 +24,27 @@ import (
 // and restarts it in the same pod. It returns how many processes it killed. Only on
 // this machine's node: the container's processes are found in the kubelet's cgroups.
 func (n *Node) KillContainer(ctx context.Context, namespace, pod, container string) (int, error) {
+	pids, err := n.containerPIDs(ctx, namespace, pod, container)
+	if err != nil {
+		return 0, fmt.Errorf("killing %s/%s's %s: %w", namespace, pod, container, err)
+	}
+	for _, pid := range pids {
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && err != syscall.ESRCH {
+			return 0, fmt.Errorf("killing process %d of %s/%s: %w", pid, namespace, pod, err)
+		}
+	}
+	return len(pids), nil
+}
+
+// containerPIDs are the processes of a pod's running container, found in the kubelet's
+// cgroups on this machine.
+func (n *Node) containerPIDs(ctx context.Context, namespace, pod, container string) ([]int, error) {
 	if n.external {
-		return 0, fmt.Errorf("killing %s/%s's %s: the cluster is not on this machine", namespace, pod, container)
+		return nil, errors.New("the cluster is not on this machine")
 	}
 	p := &corev1.Pod{}
 	if err := n.Client.Get(ctx, client.ObjectKey{Namespace: namespace, Name: pod}, p); err != nil {
-		return 0, err
+		return nil, err
 	}
 	var id string
 	for _, s := range p.Status.ContainerStatuses {
@@ -37,7 +53,7 @@ func (n *Node) KillContainer(ctx context.Context, namespace, pod, container stri
 		}
 	}
 	if id == "" {
-		return 0, fmt.Errorf("%s/%s has no running container %s", namespace, pod, container)
+		return nil, fmt.Errorf("%s/%s has no running container %s", namespace, pod, container)
 	}
 	// The kubelet's cgroupfs driver puts a container in <root>/kubepods/<qos>/pod<uid>/<id>.
 	var pids []int
@@ -55,18 +71,96 @@ func (n *Node) KillContainer(ctx context.Context, namespace, pod, container stri
 			return filepath.SkipDir
 		})
 		if len(pids) > 0 {
-			break // every hierarchy holds the same processes
+			return pids, nil // every hierarchy holds the same processes
 		}
 	}
-	if len(pids) == 0 {
-		return 0, fmt.Errorf("no process of %s/%s's container %s (%s) under the kubelet's cgroups", namespace, pod, container, id)
+	return nil, fmt.Errorf("no process of %s/%s's container %s (%s) under the kubelet's cgroups", namespace, pod, container, id)
+}
+
+// CutNetwork cuts a host-network pod's container off the network for down, both ways,
+// as a partition, a flapping NIC or a switch reboot does, then restores it; it returns
+// how many TCP ports it cut. Every packet to a port the container's sockets hold at the
+// cut is dropped on its way in (this namespace delivers every packet the container sends
+// or receives locally, the loopback included), so established connections stall and
+// retransmit rather than reset, and new connections to its listeners go unanswered.
+// Sockets the container opens during the cut are not cut.
+func (n *Node) CutNetwork(ctx context.Context, namespace, pod, container string, down time.Duration) (int, error) {
+	pids, err := n.containerPIDs(ctx, namespace, pod, container)
+	if err != nil {
+		return 0, fmt.Errorf("cutting %s/%s's %s off: %w", namespace, pod, container, err)
 	}
+	ports, err := tcpPorts(pids)
+	if err != nil {
+		return 0, err
+	}
+	if len(ports) == 0 {
+		return 0, fmt.Errorf("cutting %s/%s's %s off: it holds no TCP socket", namespace, pod, container)
+	}
+	const chain = "KVHANDOFF-CUT"
+	cmds := [][]string{{"-N", chain}}
+	for len(ports) > 0 { // multiport takes 15 ports a rule
+		k := min(len(ports), 15)
+		cmds = append(cmds, []string{"-A", chain, "-p", "tcp", "-m", "multiport", "--dports", strings.Join(ports[:k], ","), "-j", "DROP"})
+		ports = ports[k:]
+	}
+	cmds = append(cmds, []string{"-I", "INPUT", "1", "-j", chain})
+	restore := [][]string{{"-D", "INPUT", "-j", chain}, {"-F", chain}, {"-X", chain}}
+	defer func() {
+		for _, c := range restore {
+			_ = exec.Command("iptables", c...).Run() // each undoes what exists of the cut
+		}
+	}()
+	cut := 0
+	for _, c := range cmds {
+		if out, err := exec.Command("iptables", c...).CombinedOutput(); err != nil {
+			return 0, fmt.Errorf("iptables %v: %v %s", c, err, out)
+		}
+		if c[0] == "-A" {
+			cut += len(strings.Split(c[len(c)-3], ","))
+		}
+	}
+	select {
+	case <-time.After(down):
+	case <-ctx.Done():
+		return cut, ctx.Err()
+	}
+	return cut, nil
+}
+
+// tcpPorts are the local TCP ports of the sockets the processes hold, from /proc.
+func tcpPorts(pids []int) ([]string, error) {
+	inodes := map[string]bool{}
 	for _, pid := range pids {
-		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && err != syscall.ESRCH {
-			return 0, fmt.Errorf("killing process %d of %s/%s: %w", pid, namespace, pod, err)
+		fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+		for _, fd := range fds {
+			if l, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, fd.Name())); err == nil {
+				if ino, ok := strings.CutPrefix(l, "socket:["); ok {
+					inodes[strings.TrimSuffix(ino, "]")] = true
+				}
+			}
 		}
 	}
-	return len(pids), nil
+	seen := map[string]bool{}
+	var ports []string
+	for _, table := range []string{"tcp", "tcp6"} {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pids[0], table))
+		if err != nil {
+			return nil, err
+		}
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			f := strings.Fields(line)
+			if len(f) < 10 || !inodes[f[9]] {
+				continue
+			}
+			_, hex, _ := strings.Cut(f[1], ":") // local_address is ADDR:PORT in hex
+			port, err := strconv.ParseUint(hex, 16, 16)
+			if err == nil && !seen[hex] {
+				seen[hex] = true
+				ports = append(ports, strconv.FormatUint(port, 10))
+			}
+		}
+	}
+	return ports, nil
 }
 
 // StopAPIServer takes the node's API server away for down, as a control-plane outage

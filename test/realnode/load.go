@@ -71,7 +71,7 @@ type Phase struct {
 	Prompt, Answer int
 }
 
-// Load sends a stepped load through a mode's router Service and records every request
+// Load sends a stepped load through a mode's router Service (or a gateway) and records every request
 // as its client saw it, and the pair's engine pods every 100 ms.
 type Load struct {
 	n    *Node
@@ -111,7 +111,13 @@ type Sample struct {
 
 // StartLoad starts sending phase p through mode's router Service.
 func (n *Node) StartLoad(mode string, p Phase) (*Load, error) {
-	url, err := n.RouterURL(mode, "/v1/chat/completions")
+	return n.StartLoadVia(mode+"-decode-router", mode, p)
+}
+
+// StartLoadVia is StartLoad through Service service (a gateway in front of the mode's
+// DecodePool).
+func (n *Node) StartLoadVia(service, mode string, p Phase) (*Load, error) {
+	url, err := n.ServiceURL(service, "/v1/chat/completions")
 	if err != nil {
 		return nil, err
 	}

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -94,6 +95,87 @@ func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 			t.Errorf("%s: the agent pod moved no KV bytes (%v before, %v after)", mode, before, after)
 		}
 	}
+
+	// The node's agent pod deleted while both pairs serve: the engines' connectors end
+	// what they had outstanding and register again by themselves once the new agent
+	// serves, so no engine restarts; requests in flight fail by name, none hangs, and
+	// afterwards both pairs answer what one engine alone does.
+	restarts := engineContainerRestarts(t, n)
+	var sent atomic.Int64
+	send := func(prompt string) (int, string, error) {
+		url, err := n.ServiceURL([]string{"push", "pull"}[sent.Add(1)%2]+"-decode-router", "/v1/completions")
+		if err != nil {
+			return 0, "", err
+		}
+		body, _ := json.Marshal(map[string]any{"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+		resp, err := n.HTTPClient(url, 2*time.Minute).Post(url, "application/json", bytes.NewReader(body))
+		if err != nil {
+			return 0, "", err
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b), nil
+	}
+	deleteUnderTraffic(t, n, "the agent pod", "kvhandoff-node", "app.kubernetes.io/component=transfer-agent", 1, send, func() {
+		until(t, "the agent's replacement to serve", 3*time.Minute, func() bool { return n.AgentsServe(bg) })
+	})
+	// A rank registers again from its engine's steps, and an engine steps only while it
+	// has requests: one idle since the agent came back registers at its first request,
+	// which may fail (its pair's other engine is already registered and asks for it).
+	p := vllmPrompts[len(vllmPrompts)-1]
+	want, err := completion(n, alone, p)
+	if err != nil {
+		t.Fatalf("the engine alone: %v", err)
+	}
+	for _, mode := range []string{"push", "pull"} {
+		url, err := n.ServiceURL(mode+"-decode-router", "/v1/completions")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []int
+		tries, from := 0, time.Now()
+		// Measured: push's idle prefill engine answered again at the 103rd request (the
+		// rank's reconnect tries are short and spaced, and only a step makes one).
+		until(t, mode+": a request served after the agent's restart", 5*time.Minute, func() bool {
+			tries++
+			got, err = completion(n, url, p)
+			return err == nil
+		})
+		t.Logf("%s: served again at request %d, %s after the agent's restart", mode, tries, time.Since(from).Round(100*time.Millisecond))
+		if !slices.Equal(got, want) {
+			t.Errorf("%s after the agent's restart: %v, one engine alone %v", mode, got, want)
+		}
+	}
+	until(t, "every engine rank registered with the new agent", time.Minute, func() bool {
+		v, err := n.AgentMetric("kvhandoff_agent_engine_sessions")
+		return err == nil && v == 4
+	})
+	for pod, r := range engineContainerRestarts(t, n) {
+		if r != restarts[pod] {
+			t.Errorf("engine %s restarted (%d, %d before the agent's restart): its connector did not register again by itself", pod, r, restarts[pod])
+		}
+	}
+	if held, err := n.AgentMetric("kvhandoff_agent_held_requests"); err != nil || held != 0 {
+		t.Errorf("the new agent holds %v requests after the load (%v)", held, err)
+	}
+}
+
+// engineContainerRestarts is every pool engine pod's engine container's restart count.
+func engineContainerRestarts(t *testing.T, n *realnode.Node) map[string]int32 {
+	t.Helper()
+	pods := &corev1.PodList{}
+	if err := n.Client.List(bg, pods, client.InNamespace("default"), client.HasLabels{kvv1.LabelRole}); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int32{}
+	for _, p := range pods.Items {
+		for _, c := range p.Status.ContainerStatuses {
+			if c.Name == render.EngineContainer {
+				out[p.Name] = c.RestartCount
+			}
+		}
+	}
+	return out
 }
 
 // engineAlone runs the engine image as one plain vLLM pod, without a connector, and
@@ -122,7 +204,9 @@ func engineAlone(t *testing.T, n *realnode.Node) string {
 	if err := n.Client.Create(bg, pod); err != nil {
 		t.Fatal(err)
 	}
-	until(t, "the engine alone to be Ready", 5*time.Minute, func() bool {
+	// Beside the pairs' four engines, all starting at once: on 2 cores their first import
+	// of torch from freshly unpacked images took over 5 min once.
+	until(t, "the engine alone to be Ready", 10*time.Minute, func() bool {
 		return n.Client.Get(bg, client.ObjectKeyFromObject(pod), pod) == nil && realnode.PodReady(pod)
 	})
 	return n.PodURL(pod.Namespace, pod.Name, render.HTTPPort, "/v1/completions")

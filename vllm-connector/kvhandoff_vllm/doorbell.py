@@ -116,6 +116,11 @@ class Doorbell:
             os.write(self.ring, RING)
         except BlockingIOError:
             pass  # rings the agent has not read yet: it will, and drain this record too
+        except OSError as e:
+            # The agent's end of the bell is gone (it exited, or its pod was replaced):
+            # EPIPE, or ECONNRESET. The caller fails the report as one the agent refused;
+            # the session's end comes by its stream.
+            raise DoorbellError(f"doorbell: the agent is gone ({e.strerror})") from e
         return True
 
     def poll(self) -> list:

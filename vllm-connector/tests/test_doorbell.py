@@ -2,13 +2,14 @@
 reach it, in order and across the ring's end, and its answers come back through the
 events ring."""
 
+import signal
 import time
 
 import pytest
 
 from kvhandoff_vllm import doorbell
 from kvhandoff_vllm._api import agent_pb2 as pb
-from kvhandoff_vllm.agent import Session
+from kvhandoff_vllm.agent import AgentError, Session
 from stack import Agent
 
 
@@ -80,5 +81,19 @@ def test_a_record_too_large_for_the_ring_goes_by_rpc(agent):
         blocks = list(range(2**21, 2**21 + doorbell.MAX_RECORD // 2))  # 4-byte varints: twice MAX_RECORD
         with pytest.raises(Exception, match="SourceReady"):
             s.source_ready("huge", blocks)
+    finally:
+        s.close()
+
+
+def test_a_report_after_the_agent_is_gone_is_refused_not_raised_as_a_broken_pipe(agent):
+    # Found with real vLLM engines as pods: their agent pod deleted, the next report's ring
+    # of the bell raised BrokenPipeError out of the model runner, and vLLM's engine core died.
+    s = session(agent, doorbell=True)
+    try:
+        assert s.bell is not None
+        agent._signal(signal.SIGKILL)
+        agent.p.wait()
+        with pytest.raises(AgentError, match="the agent is gone"):
+            s.source_ready("after", [1])
     finally:
         s.close()

@@ -87,3 +87,24 @@ def test_gpu_names_for_result_files():
     assert bench_vllm.gpu_name("NVIDIA H100 80GB HBM3") == "h100"
     assert bench_vllm.gpu_name("NVIDIA H200") == "h200"
     assert bench_vllm.gpu_name("Some Card") == "gpu"
+
+
+def test_the_sweep_plot_draws_each_configuration_at_each_of_its_rates():
+    sweep = {
+        "kvhandoff push": {2.0: {"ttft_ms": {"p50": 500, "p90": 900}}, 4.0: {"ttft_ms": {"p50": 700, "p90": 1500}},
+                           8.0: {"ttft_ms": {"p50": 2000, "p90": 4000}}},
+        # A configuration that did not run at every rate is drawn where it ran.
+        "nixl push": {2.0: {"ttft_ms": {"p50": 800, "p90": 1200}}, 8.0: {"ttft_ms": {"p50": 3000, "p90": 5000}}},
+    }
+    svg = bench_vllm.sweep_svg(sweep, "TTFT against QPS")
+    lines = [ln for ln in svg.splitlines() if ln.startswith("<polyline")]
+    # p50 solid and p90 dashed for each configuration, one point per rate it ran at.
+    points = [ln.split('points="')[1].split('"')[0].split() for ln in lines]
+    assert [len(p) for p in points] == [3, 3, 2, 2]
+    assert sum('stroke-dasharray="5,4"' in ln for ln in lines) == 2
+    # The rates along the x axis in order, the highest p90 within the y axis.
+    ticks = [ln for ln in svg.splitlines() if 'text-anchor="middle">' in ln and ln.endswith("</text>") and "QPS" not in ln and "TTFT" not in ln]
+    assert [t.rsplit(">", 2)[1].split("<")[0] for t in ticks] == ["2", "4", "8"]
+    ys = [float(xy.split(",")[1]) for p in points for xy in p]
+    assert min(ys) >= 40  # the plot's top margin: 5000 ms is below the axis's top
+    assert "kvhandoff push" in svg and "nixl push" in svg and svg.rstrip().endswith("</svg>")
