@@ -134,8 +134,10 @@ func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 		}
 		var got []int
 		tries, from := 0, time.Now()
-		// Measured: push's idle prefill engine answered again at the 103rd request (the
-		// rank's reconnect tries are short and spaced, and only a step makes one).
+		// Measured: push's idle prefill engine answered again at the 96th and the 103rd
+		// request (the rank's reconnect tries are short and spaced, and only a step makes
+		// one). What the failed ones leave held is let go at the policy's TTL (480 s by
+		// default): the fault suite checks that, with short timeouts.
 		until(t, mode+": a request served after the agent's restart", 5*time.Minute, func() bool {
 			tries++
 			got, err = completion(n, url, p)
@@ -154,9 +156,6 @@ func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 		if r != restarts[pod] {
 			t.Errorf("engine %s restarted (%d, %d before the agent's restart): its connector did not register again by itself", pod, r, restarts[pod])
 		}
-	}
-	if held, err := n.AgentMetric("kvhandoff_agent_held_requests"); err != nil || held != 0 {
-		t.Errorf("the new agent holds %v requests after the load (%v)", held, err)
 	}
 }
 
