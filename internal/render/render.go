@@ -123,17 +123,11 @@ func Engines(in Input) (*Workload, error) {
 	}
 	// A node drain evicts one engine at a time: the next waits until the StatefulSet's
 	// replacement is Ready elsewhere, so a drain of the node running a pool's engines
-	// never takes the pool to nothing. maxUnavailable rather than minAvailable: a pool of
-	// one engine still drains. An engine that is not Ready serves nothing, so it may be
-	// evicted whatever the budget (a crash-looping engine does not hold up a drain).
+	// never takes the pool to nothing.
 	pdb := &policyv1.PodDisruptionBudget{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
 		ObjectMeta: objectMeta(in),
-		Spec: policyv1.PodDisruptionBudgetSpec{
-			MaxUnavailable:             ptr.To(intstr.FromInt32(1)),
-			Selector:                   &metav1.LabelSelector{MatchLabels: SelectorLabels(in.Role, in.Name)},
-			UnhealthyPodEvictionPolicy: ptr.To(policyv1.AlwaysAllow),
-		},
+		Spec:       oneAtATime(SelectorLabels(in.Role, in.Name)),
 	}
 	w := &Workload{StatefulSet: sts, Service: svc, DeviceClaims: claims, PDB: pdb}
 	objs := []metav1.Object{sts, svc, pdb}
@@ -150,6 +144,19 @@ func Engines(in Input) (*Workload, error) {
 		}
 	}
 	return w, nil
+}
+
+// oneAtATime is the disruption budget of every set of pods kvhandoff renders (engines,
+// routers, endpoint pickers): evictions take one pod at a time. maxUnavailable rather
+// than minAvailable: a set of one pod still drains. A pod that is not Ready serves
+// nothing, so it may be evicted whatever the budget: a crash-looping pod does not hold
+// up a drain.
+func oneAtATime(selector map[string]string) policyv1.PodDisruptionBudgetSpec {
+	return policyv1.PodDisruptionBudgetSpec{
+		MaxUnavailable:             ptr.To(intstr.FromInt32(1)),
+		Selector:                   &metav1.LabelSelector{MatchLabels: selector},
+		UnhealthyPodEvictionPolicy: ptr.To(policyv1.AlwaysAllow),
+	}
 }
 
 // SelectorLabels select the engine pods of one pool. They never change for the life of

@@ -184,11 +184,7 @@ func serviceWorkload(in serviceInput) (*ServiceWorkload, error) {
 		Ports:    []corev1.ServicePort{in.service},
 	}}
 	w.Service.TypeMeta, w.Service.ObjectMeta = meta("Service", "v1")
-	// maxUnavailable rather than minAvailable: with one replica a drain still proceeds.
-	w.PDB = &policyv1.PodDisruptionBudget{Spec: policyv1.PodDisruptionBudgetSpec{
-		MaxUnavailable: ptr.To(intstr.FromInt32(1)),
-		Selector:       &metav1.LabelSelector{MatchLabels: in.selector},
-	}}
+	w.PDB = &policyv1.PodDisruptionBudget{Spec: oneAtATime(in.selector)}
 	w.PDB.TypeMeta, w.PDB.ObjectMeta = meta("PodDisruptionBudget", "policy/v1")
 	if in.networkPolicy != nil {
 		w.NetworkPolicy = in.networkPolicy(in.selector)

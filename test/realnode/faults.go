@@ -97,6 +97,7 @@ func (n *Node) CutNetwork(ctx context.Context, namespace, pod, container string,
 		return 0, fmt.Errorf("cutting %s/%s's %s off: it holds no TCP socket", namespace, pod, container)
 	}
 	const chain = "KVHANDOFF-CUT"
+	cut := len(ports)
 	cmds := [][]string{{"-N", chain}}
 	for len(ports) > 0 { // multiport takes 15 ports a rule
 		k := min(len(ports), 15)
@@ -110,13 +111,9 @@ func (n *Node) CutNetwork(ctx context.Context, namespace, pod, container string,
 			_ = exec.Command("iptables", c...).Run() // each undoes what exists of the cut
 		}
 	}()
-	cut := 0
 	for _, c := range cmds {
 		if out, err := exec.Command("iptables", c...).CombinedOutput(); err != nil {
 			return 0, fmt.Errorf("iptables %v: %v %s", c, err, out)
-		}
-		if c[0] == "-A" {
-			cut += len(strings.Split(c[len(c)-3], ","))
 		}
 	}
 	select {

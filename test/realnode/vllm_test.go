@@ -168,11 +168,7 @@ func engineContainerRestarts(t *testing.T, n *realnode.Node) map[string]int32 {
 	}
 	out := map[string]int32{}
 	for _, p := range pods.Items {
-		for _, c := range p.Status.ContainerStatuses {
-			if c.Name == render.EngineContainer {
-				out[p.Name] = c.RestartCount
-			}
-		}
+		out[p.Name] = engineRestarts(&p)
 	}
 	return out
 }
