@@ -188,7 +188,7 @@ bench-autoscale: deps ## Autoscaling report: the stepped load on a real node, au
 		go test ./test/realnode -run '^$$' -bench SteppedLoadAgainstStaticSplits -benchtime 1x -timeout 60m -v
 
 .PHONY: chaos-report
-chaos-report: deps ## The fault suite on a real node (make test runs it too), its table written to bench/results/chaos/ (about 11 minutes on 2 cores).
+chaos-report: deps ## The fault suite on a real node (make test runs it too), its table written to bench/results/chaos/ (about 9 minutes on 2 cores).
 	mkdir -p bench/results/chaos
 	KVHANDOFF_CHAOS_REPORT=$(CURDIR)/bench/results/chaos KUBEBUILDER_ASSETS="$$(hack/control-plane-bins.sh $(CLUSTER_BINS))" \
 		go test ./test/realnode -run '^TestFaultsCostOnlyWhatWasInFlight$$' -count=1 -timeout 30m -v

@@ -279,6 +279,11 @@ type PoolStatus struct {
 	// +optional
 	HandoffFailureLimitPercent int32 `json:"handoffFailureLimitPercent,omitempty"`
 
+	// healthWindowSeconds is the policy's: how far back a DecodePool's router looks for
+	// failed handoffs.
+	// +optional
+	HealthWindowSeconds int32 `json:"healthWindowSeconds,omitempty"`
+
 	// routing is the policy's, which a DecodePool's routers and endpoint picker follow.
 	// +optional
 	Routing *RoutingSpec `json:"routing,omitempty"`

@@ -14,6 +14,8 @@ const (
 	DefaultBlocksTTLSeconds = 480
 	// DefaultHandoffFailureLimitPercent is spec.handoffFailureLimitPercent's default.
 	DefaultHandoffFailureLimitPercent = 5
+	// DefaultHealthWindowSeconds is spec.healthWindowSeconds' default.
+	DefaultHealthWindowSeconds = 60
 	// DefaultOverlapWeight and DefaultLoadWeight are spec.routing's weights' defaults.
 	DefaultOverlapWeight = 4
 	DefaultLoadWeight    = 1

@@ -64,6 +64,7 @@ var _ = Describe("Defaults", func() {
 			LoadFailurePolicy:          kvv1.LoadFailureFail,
 			HandoffFailurePolicy:       kvv1.HandoffFailureFail,
 			HandoffFailureLimitPercent: ptr.To[int32](5),
+			HealthWindowSeconds:        ptr.To[int32](60),
 			Routing:                    &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoiceLoadOnly, OverlapWeight: 4, LoadWeight: 1, PrefixSource: kvv1.PrefixSourceKVEvents},
 			Bidirectional:              false,
 			SameNode:                   kvv1.SameNodeForbid,

@@ -214,15 +214,26 @@ type KVTransferPolicySpec struct {
 	HandoffFailurePolicy HandoffFailurePolicy `json:"handoffFailurePolicy,omitempty"`
 
 	// handoffFailureLimitPercent is the share of a DecodePool's requests, over the router's
-	// health window (a minute), whose handoff may fail — answered with an error, or served
-	// on decode alone under ServeOnDecode — before the pool reports TransferHealthy False
-	// (HandoffFailures) and Degraded. It concerns only the router: changing it rolls no
-	// engine.
+	// health window (healthWindowSeconds), whose handoff may fail — answered with an
+	// error, or served on decode alone under ServeOnDecode — before the pool reports
+	// TransferHealthy False (HandoffFailures) and Degraded. It concerns only the router:
+	// changing it rolls no engine.
 	// +kubebuilder:validation:Minimum=0
 	// +kubebuilder:validation:Maximum=100
 	// +kubebuilder:default=5
 	// +optional
 	HandoffFailureLimitPercent *int32 `json:"handoffFailureLimitPercent,omitempty"`
+
+	// healthWindowSeconds is how far back a DecodePool's router looks when it checks its
+	// failed handoffs against handoffFailureLimitPercent: a pool reports HandoffFailures as
+	// soon as the failures within the window pass the limit, and is TransferHealthy again
+	// once they have aged out of it. Shorter reports recovery sooner, and a single burst
+	// of failures weighs more. It concerns only the router: changing it rolls no engine.
+	// +kubebuilder:validation:Minimum=10
+	// +kubebuilder:validation:Maximum=3600
+	// +kubebuilder:default=60
+	// +optional
+	HealthWindowSeconds *int32 `json:"healthWindowSeconds,omitempty"`
 
 	// routing is how the routers and the gateway's endpoint picker choose a request's
 	// engines: decode by load alone (the default) or by prefix-cache overlap and load,

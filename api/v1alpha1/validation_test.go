@@ -56,6 +56,8 @@ var _ = Describe("KVTransferPolicy validation", func() {
 			"spec.leaseSeconds: Invalid value: -1: spec.leaseSeconds in body should be greater than or equal to 1"),
 		Entry("rejects a lease over an hour", builder.Policy("p").Lease(3601),
 			"spec.leaseSeconds: Invalid value: 3601: spec.leaseSeconds in body should be less than or equal to 3600"),
+		Entry("rejects a health window under 10 s", builder.Policy("p").HealthWindow(5),
+			"spec.healthWindowSeconds: Invalid value: 5: spec.healthWindowSeconds in body should be greater than or equal to 10"),
 		Entry("rejects a registration timeout over a day", builder.Policy("p").RegistrationTimeout(86401),
 			"spec.registrationTimeoutSeconds in body should be less than or equal to 86400"),
 		Entry("rejects a negative blocks TTL", builder.Policy("p").BlocksTTL(-5),

@@ -370,6 +370,11 @@ func (in *KVTransferPolicySpec) DeepCopyInto(out *KVTransferPolicySpec) {
 		*out = new(int32)
 		**out = **in
 	}
+	if in.HealthWindowSeconds != nil {
+		in, out := &in.HealthWindowSeconds, &out.HealthWindowSeconds
+		*out = new(int32)
+		**out = **in
+	}
 	if in.Routing != nil {
 		in, out := &in.Routing, &out.Routing
 		*out = new(RoutingSpec)

@@ -46,6 +46,7 @@ var _ = Describe("Status", func() {
 		Expect(p.Status.ReadyReplicas).To(BeEquivalentTo(1))
 		Expect(p.Status.Mode).To(Equal(kvv1.TransferPush))
 		Expect(d.Status.HandoffFailurePolicy).To(Equal(kvv1.HandoffFailureFail))
+		Expect(d.Status.HealthWindowSeconds).To(BeEquivalentTo(kvv1.DefaultHealthWindowSeconds))
 		Expect(p.Status.Selector).To(Equal("kvhandoff.io/pool=p,kvhandoff.io/role=prefill"))
 		Expect(p.Status.CompatHash).NotTo(BeEmpty())
 		Expect(p.Status.Engines).To(Equal([]kvv1.EngineStatus{{
@@ -217,7 +218,7 @@ var _ = Describe("Lifecycle", func() {
 		}
 	})
 
-	It("hands a change of handoffFailurePolicy and routing to the router through the DecodePool's status, rolling no engine", func() {
+	It("hands a change of handoffFailurePolicy, healthWindowSeconds and routing to the router through the DecodePool's status, rolling no engine", func() {
 		ns, pol, _, d := readyPair()
 		sts := func(name string) *appsv1.StatefulSet { return statefulSet(ns, name) }
 		before := map[string]string{"p": sts("p").ResourceVersion, "d": sts("d").ResourceVersion}
@@ -225,11 +226,13 @@ var _ = Describe("Lifecycle", func() {
 			PrefixSource: kvv1.PrefixSourceRoutingHistory}
 		update(pol, func(p *kvv1.KVTransferPolicy) {
 			p.Spec.HandoffFailurePolicy = kvv1.HandoffFailureServeOnDecode
+			p.Spec.HealthWindowSeconds = ptr.To[int32](20)
 			p.Spec.Routing = &routing
 		})
 		Eventually(func(g Gomega) {
 			g.Expect(k8s.Get(ctx, client.ObjectKeyFromObject(d), d)).To(Succeed())
 			g.Expect(d.Status.HandoffFailurePolicy).To(Equal(kvv1.HandoffFailureServeOnDecode))
+			g.Expect(d.Status.HealthWindowSeconds).To(Equal(int32(20)))
 			g.Expect(d.Status.Routing).To(Equal(&routing))
 		}).Should(Succeed())
 		for name, rv := range before {

@@ -125,6 +125,7 @@ func poolStatus(p pool, v *validation, obs observed) kvv1.PoolStatus {
 	if v.policy != nil {
 		st.Mode, st.HandoffFailurePolicy = v.policy.Spec.Mode, v.policy.Spec.HandoffFailurePolicy
 		st.HandoffFailureLimitPercent = ptr.Deref(v.policy.Spec.HandoffFailureLimitPercent, kvv1.DefaultHandoffFailureLimitPercent)
+		st.HealthWindowSeconds = ptr.Deref(v.policy.Spec.HealthWindowSeconds, kvv1.DefaultHealthWindowSeconds)
 		st.Routing = v.policy.Spec.Routing.DeepCopy()
 		provider = v.policy.Spec.Fabric.Provider
 	}

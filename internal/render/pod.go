@@ -133,7 +133,7 @@ func policyHash(policy *kvv1.KVTransferPolicySpec) (string, error) {
 	}
 	// The router carries out handoffFailurePolicy, its limit and routing; engines never
 	// see them.
-	hashed.HandoffFailurePolicy, hashed.HandoffFailureLimitPercent, hashed.Routing = "", nil, nil
+	hashed.HandoffFailurePolicy, hashed.HandoffFailureLimitPercent, hashed.HealthWindowSeconds, hashed.Routing = "", nil, nil, nil
 	return hashJSON(&hashed)
 }
 

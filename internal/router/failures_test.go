@@ -3,6 +3,7 @@ package router_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -542,6 +543,42 @@ func TestTheHealthReportCountsFallbacksAgainstThePolicysLimit(t *testing.T) {
 		if rep.Problem != c.want || (c.want != "" && !strings.Contains(rep.Message, "no_prefill_engine")) {
 			t.Errorf("limit %d%%, %d served, %d on decode alone: report %+v, want problem %q", c.limit, c.good, c.fallbacks, rep, c.want)
 		}
+	}
+}
+
+// The policy's healthWindowSeconds, carried in the route set, is the window the health
+// report the router serves looks over, not the router's own --health-window.
+func TestTheHealthReportLooksOverThePolicysWindow(t *testing.T) {
+	kv := vllmserver.NewLocalKV()
+	d := routertest.StartEngine(t, "d-0", kv, 0)
+	r := routertest.StartRouter(t, kvv1.TransferPull, nil, routertest.Engines(d), func(c *router.Config) {
+		c.HealthWindow, c.HealthInterval = time.Hour, 10*time.Millisecond
+	})
+	admin := httptest.NewServer(r.Admin())
+	defer admin.Close()
+	limit := int32(5)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	set := &discovery.Set{Mode: kvv1.TransferPull, HandoffFailurePolicy: kvv1.HandoffFailureServeOnDecode,
+		HandoffFailureLimitPercent: &limit, HealthWindowSeconds: 15, Decode: routertest.Engines(d), Source: "test"}
+	go func() { _ = r.Run(ctx, staticSource{set}) }()
+	routertest.Eventually(t, "the router to take the set", 5*time.Second, func() bool { return r.HealthWindow() == 15*time.Second })
+	for range 3 { // no prefill engine: each is served on decode alone
+		if resp, body := routertest.Post(t, r.URL, "/v1/completions", small); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s %s", resp.Status, body)
+		}
+	}
+	var rep health.Report
+	routertest.Eventually(t, "the report to name the failures", 5*time.Second, func() bool {
+		resp, err := http.Get(admin.URL + "/health/transfer")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		return json.NewDecoder(resp.Body).Decode(&rep) == nil && rep.Problem == kvv1.ReasonHandoffFailures
+	})
+	if !strings.Contains(rep.Message, "in the last 15s") {
+		t.Errorf("report %q: want it over the policy's 15 s window", rep.Message)
 	}
 }
 

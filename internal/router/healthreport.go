@@ -44,6 +44,15 @@ func (s *Server) Health(w *health.Window) health.Report {
 		"were served on decode alone in the last %s (%s)", limit, w.Span, strings.Join(reasons, ", "))}
 }
 
+// HealthWindow is how far back the health report looks: the policy's window, where the
+// route set carries one, else the router's own.
+func (s *Server) HealthWindow() time.Duration {
+	if set := s.set.Load(); set != nil && set.HealthWindowSeconds > 0 {
+		return time.Duration(set.HealthWindowSeconds) * time.Second
+	}
+	return s.cfg.HealthWindow
+}
+
 // watchHealth recomputes the report GET /health/transfer serves every HealthInterval,
 // from the router's own metrics; the manager polls it into the DecodePool's
 // TransferHealthy condition.
@@ -52,6 +61,7 @@ func (s *Server) watchHealth(ctx context.Context) {
 	t := time.NewTicker(s.cfg.HealthInterval)
 	defer t.Stop()
 	for {
+		w.Span = s.HealthWindow() // the policy's, followed as it changes
 		if err := w.Observe(time.Now()); err != nil {
 			s.cfg.Log.Error("reading the router's metrics for its health report", "err", err)
 		}

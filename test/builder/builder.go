@@ -42,6 +42,7 @@ func Policy(name string) *PolicyBuilder {
 			LoadFailurePolicy:          kvv1.LoadFailureFail,
 			HandoffFailurePolicy:       kvv1.HandoffFailureFail,
 			HandoffFailureLimitPercent: ptr.To[int32](kvv1.DefaultHandoffFailureLimitPercent),
+			HealthWindowSeconds:        ptr.To[int32](kvv1.DefaultHealthWindowSeconds),
 			Routing: &kvv1.RoutingSpec{DecodeChoice: kvv1.DecodeChoiceLoadOnly, PrefixSource: kvv1.PrefixSourceKVEvents,
 				OverlapWeight: kvv1.DefaultOverlapWeight, LoadWeight: kvv1.DefaultLoadWeight},
 			SameNode: kvv1.SameNodeForbid,
@@ -88,6 +89,10 @@ func (b *PolicyBuilder) SameNode(sn kvv1.SameNodePolicy) *PolicyBuilder {
 }
 func (b *PolicyBuilder) Lease(seconds int32) *PolicyBuilder {
 	b.obj.Spec.LeaseSeconds = seconds
+	return b
+}
+func (b *PolicyBuilder) HealthWindow(seconds int32) *PolicyBuilder {
+	b.obj.Spec.HealthWindowSeconds = &seconds
 	return b
 }
 func (b *PolicyBuilder) RegistrationTimeout(seconds int32) *PolicyBuilder {

@@ -125,18 +125,19 @@ func chartRendersKustomize(t *testing.T, set, dirs []string) {
 }
 
 // The values a user sets reach the objects: images and tag, the provider (whose EFA
-// mounts go with it), the socket group, secure metrics and a created token.
+// mounts go with it), the socket group, the agent's health window, secure metrics and a
+// created token.
 func TestTheChartsValuesReachTheObjects(t *testing.T) {
 	root := envtest.RepoRoot()
 	helm := toolPath(t, filepath.Join(root, "hack", "helm.sh"))
 	out := run(t, helm, "template", "kvhandoff", filepath.Join(root, "charts", "kvhandoff"), "--namespace", "kvhandoff-system",
 		"--set", "image.registry=registry.example/kvh", "--set", "image.tag=v9", "--set", "image.pullPolicy=Never",
 		"--set", "agent.provider=tcp;ofi_rxm", "--set", "agent.socketGID=4242", "--set", "agent.metricsSecure=false",
-		"--set", "agent.token.create=true", "--set", "devicePlugin.bundles=true")
+		"--set", "agent.healthWindow=15s", "--set", "agent.token.create=true", "--set", "devicePlugin.bundles=true")
 	for _, want := range []string{
 		"image: registry.example/kvh/manager:v9", "image: registry.example/kvh/transfer-agent:v9", "image: registry.example/kvh/device-plugin:v9",
 		"--router-image=registry.example/kvh/router:v9", "--connector-image=registry.example/kvh/vllm-connector:v9",
-		"imagePullPolicy: Never", "--provider=tcp;ofi_rxm", "--socket-gid=4242", "scheme: HTTP}", `"--bundles"`, "kind: Secret",
+		"imagePullPolicy: Never", "--provider=tcp;ofi_rxm", "--socket-gid=4242", "--health-window=15s", "scheme: HTTP}", `"--bundles"`, "kind: Secret",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("helm template with values lacks %q", want)

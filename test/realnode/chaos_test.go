@@ -58,13 +58,14 @@ func TestFaultsCostOnlyWhatWasInFlight(t *testing.T) {
 	if err := n.InstallGatewayCRDs(); err != nil {
 		t.Fatal(err)
 	}
-	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics)...); err != nil {
+	if err := n.InstallChart(append(n.ChartValues(), realnode.PlainMetrics, fmt.Sprintf(`agent.healthWindow="%ds"`, chaosHealthWindow))...); err != nil {
 		t.Fatal(err)
 	}
 	modes := []kvv1.TransferMode{kvv1.TransferPush, kvv1.TransferPull}
 	for _, mode := range modes {
 		pol, prefill, decode := realnode.PairObjects(realnode.LoadFollowingEngines, mode)
 		pol.Spec.LeaseSeconds, pol.Spec.RegistrationTimeoutSeconds, pol.Spec.BlocksTTLSeconds = chaosLease, chaosTTL, chaosTTL
+		pol.Spec.HealthWindowSeconds = ptr.To[int32](chaosHealthWindow)
 		prefill.Spec.Replicas, decode.Spec.Replicas, decode.Spec.Router.Replicas = ptr.To[int32](2), ptr.To[int32](2), ptr.To[int32](2)
 		// The push pair is behind Envoy and its endpoint picker too (two replicas).
 		decode.Spec.Gateway.InferencePool = mode == kvv1.TransferPush
@@ -99,10 +100,13 @@ func TestFaultsCostOnlyWhatWasInFlight(t *testing.T) {
 }
 
 // The pairs' policy: a short lease and TTL, so what a fault strands is let go quickly
-// (the defaults, 30 s and 480 s, would hold it for minutes).
+// (the defaults, 30 s and 480 s, would hold it for minutes); and short health windows
+// (routers and agents), so the status is all-clear soon after the last failure (the
+// defaults, a minute, would wait that long after each fault).
 const (
-	chaosLease = 5
-	chaosTTL   = 20
+	chaosLease        = 5
+	chaosTTL          = 20
+	chaosHealthWindow = 15
 )
 
 // chaosLoad is the steady load: 4 requests a second of 100 words with 30-token answers,
@@ -187,7 +191,7 @@ var chaosFaults = []chaosFault{
 			return f.loggedInFlight(t, func(routerRecord) bool { return true })
 		},
 		// Back when the new agent serves and the routers can pair engines again; the
-		// pools' Ready follows a health window (1 min) after the last failed handoff.
+		// pools' Ready follows a health window after the last failed handoff.
 		back: func(t *testing.T, f *faulting, _ string) {
 			until(t, "the agent's replacement to serve", 3*time.Minute, func() bool { return f.n.AgentsServe(bg) && f.routerPairs() })
 		},
@@ -508,7 +512,7 @@ func (f *faulting) routerPairs() bool {
 }
 
 // healthy waits until every pool is Ready and TransferHealthy: HandoffFailures clears a
-// health window (the router's, 1 min) after the last failed handoff.
+// health window (chaosHealthWindow) after the last failed handoff.
 func (f *faulting) healthy(t *testing.T, what string) {
 	t.Helper()
 	var last string

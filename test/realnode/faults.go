@@ -232,3 +232,53 @@ func Sum(metrics map[string]float64, name string) float64 {
 	}
 	return sum
 }
+
+// ContainerCPU is the CPU time a pod's running container's processes have used so far
+// (user and system, every thread), read from /proc on this machine.
+func (n *Node) ContainerCPU(ctx context.Context, namespace, pod, container string) (time.Duration, error) {
+	threads, err := n.ContainerThreadsCPU(ctx, namespace, pod, container)
+	var total time.Duration
+	for _, d := range threads {
+		total += d
+	}
+	return total, err
+}
+
+// ContainerThreadsCPU is the CPU time each thread of a pod's running container has used
+// so far, keyed "<command> <pid>/<tid>" (the thread's own name, as the kernel has it).
+func (n *Node) ContainerThreadsCPU(ctx context.Context, namespace, pod, container string) (map[string]time.Duration, error) {
+	pids, err := n.containerPIDs(ctx, namespace, pod, container)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]time.Duration{}
+	for _, pid := range pids {
+		tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+		for _, task := range tasks { // a thread or process gone since is skipped
+			b, err := os.ReadFile(task)
+			if err != nil {
+				continue
+			}
+			// The command is in parentheses; utime and stime are the 12th and 13th
+			// fields after it (the 14th and 15th of the line).
+			head, rest, _ := strings.Cut(string(b), ") ")
+			_, comm, _ := strings.Cut(head, " (")
+			f := strings.Fields(rest)
+			if len(f) < 13 {
+				return nil, fmt.Errorf("%s: %d fields after the command", task, len(f))
+			}
+			var ticks int64
+			for _, s := range f[11:13] {
+				v, err := strconv.ParseInt(s, 10, 64)
+				if err != nil {
+					return nil, fmt.Errorf("%s: %w", task, err)
+				}
+				ticks += v
+			}
+			tid := filepath.Base(filepath.Dir(task))
+			// USER_HZ is 100 on every Linux architecture Go supports.
+			out[fmt.Sprintf("%s %d/%s", comm, pid, tid)] = time.Duration(ticks) * 10 * time.Millisecond
+		}
+	}
+	return out, nil
+}

@@ -14,6 +14,7 @@ CI has no GPU.
 
 import ctypes
 import os
+import signal
 import sys
 import tempfile
 
@@ -43,7 +44,7 @@ from kvhandoff_vllm._api import agent_pb2 as pb  # noqa: E402
 from kvhandoff_vllm.config import Config  # noqa: E402
 from kvhandoff_vllm.metadata import KVHandoffMetadata, Stream  # noqa: E402
 from kvhandoff_vllm.worker import WorkerSide  # noqa: E402
-from stack import Agent, go_binaries, next_event  # noqa: E402
+from stack import Agent, go_binaries, next_event, until  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 64, 16, 8, 128
 
@@ -191,3 +192,36 @@ def test_a_push_reported_while_the_gpu_still_computes_its_kv_moves_the_final_kv(
     finally:
         p.close()
         d.close()
+
+
+def test_idle_ranks_register_their_cuda_kv_again_once_a_restarted_agent_is_back(tmp_path):
+    """The agent SIGKILLed and started again on the same socket (its pod replaced): each rank
+    registers its CUDA KV again from a thread of its own, with no step (the driver calls
+    that export the KV run there), and the blocks move as before."""
+    d_ = str(tmp_path)
+    bins = go_binaries(d_)
+    agent = Agent(bins, "agent", d_)
+    p, d = worker_side(agent, "push", "prefill"), worker_side(agent, "push", "decode")
+    src_caches, dst_caches = kv_caches(p, "cuda:0", True, "passed-fd"), kv_caches(d, decode_device(), False, "passed-fd")
+    torch.cuda.synchronize()
+    p.register_kv_caches(src_caches)
+    d.register_kv_caches(dst_caches)
+    try:
+        agent._signal(signal.SIGKILL)
+        agent.p.wait()
+        agent = Agent(bins, "agent-restarted", d_)
+        until("both idle ranks registered with the restarted agent",
+              lambda: sum(v for k, v in agent.metrics().items() if k.startswith("kvhandoff_agent_engine_sessions")) == 2,
+              timeout=60)
+        until("both ranks' steps took their new sessions",
+              lambda: p.results(set()) == d.results(set()) == (set(), set(), set()) and p.stats["reconnects"] == d.stats["reconnects"] == 1)
+        key, src, dst = "after-restart", [3, 4, 5], [40, 41, 7]
+        d.session.register_destination(key, 1, dst, p.session.ref)
+        p.session.source_ready(key, src)
+        assert event(agent, d, key).type == pb.Event.DELIVERED
+        for name, s in src_caches.items():
+            assert torch.equal(dst_caches[name][:, dst].cpu(), s[:, src].cpu()), f"{name}: blocks {dst} differ from prefill's {src}"
+    finally:
+        p.close()
+        d.close()
+        agent.stop()

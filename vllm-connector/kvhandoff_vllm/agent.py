@@ -89,9 +89,12 @@ class Session:
     stream of outcomes (``events``, a queue of agentv1 Events; None once it ended)."""
 
     def __init__(self, socket_path: str, request: pb.RegisterEngineRequest, timeout: float = 60.0, timeline=None,
-                 doorbell: bool = False):
+                 doorbell: bool = False, on_end=None):
         self.socket_path = socket_path
         self._timeline = timeline
+        # on_end(session) is called from the events thread once the agent ended the
+        # session (not when close() did); ended is set before it.
+        self._on_end, self._closing, self.ended = on_end, False, False
         self._channel = grpc.insecure_channel("unix://" + socket_path)
         self._stub = pbg.AgentStub(self._channel)
         try:
@@ -138,6 +141,9 @@ class Session:
                 self.error = e
         finally:
             self.events.put(None)
+            self.ended = True
+            if self._on_end is not None and not self._closing:
+                self._on_end(self)
 
     def pass_memory(self, fd: int) -> int:
         """Hands a sealed memfd to the agent; returns the handle RegisterRegion names."""
@@ -244,6 +250,7 @@ class Session:
         _call(self._stub.Heartbeat, pb.HeartbeatRequest(session=self.session))
 
     def close(self) -> None:
+        self._closing = True
         self._stream.cancel()
         self._channel.close()
         self._thread.join(timeout=30)

@@ -48,9 +48,10 @@ log = logging.getLogger("kvhandoff_vllm")
 _RECV_OVER = (pb.Event.DELIVERED, pb.Event.FAILED, pb.Event.CANCEL_ACKED)
 _SEND_OVER = (pb.Event.SOURCE_DONE, pb.Event.FAILED)
 
-# Registering again after the agent was lost: each try waits this long for the agent at
-# most (seconds), and the tries space out from the first gap to the last.
-RECONNECT_WAIT, RECONNECT_FIRST, RECONNECT_MAX = 0.1, 0.25, 2.0
+# Registering again after the agent was lost, from a thread of the rank's own: each try
+# waits this long for the agent at most (seconds), and the tries space out from the first
+# gap to the last.
+REJOIN_WAIT, REJOIN_FIRST, REJOIN_MAX = 30.0, 0.25, 2.0
 
 
 class WorkerSide:
@@ -99,7 +100,13 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()  # blocks of failed receives, for vLLM < 0.30
         self._finished: set[str] = set()  # of those, the ones the scheduler has finished
         self.stats = {"delivered": 0, "failed": 0, "cancelled": 0, "sent": 0, "layers_streamed": 0, "reconnects": 0}
-        self._retry_at, self._retry_wait = 0.0, RECONNECT_FIRST  # registering again after the agent was lost
+        # Registering again after the agent was lost (_rejoin): the session the rejoining
+        # thread opened, waiting for the step to take it; whether that thread runs; and
+        # the generation of sessions it serves (close() starts a new one, whose rejoins
+        # must not revive what was closed).
+        self._lock = threading.Lock()
+        self._replacement: Session | None = None
+        self._rejoining, self._generation = False, 0
         # Layer streaming: each layer's region indexes (by vLLM's layer name; K and V are
         # two regions in CUDA layouts), the regions reported so far per request key in this
         # step, and the sender thread's queue (FIFO, so a request's final layer goes out last).
@@ -121,9 +128,13 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict, wait: float = 60.0) -> None:
         """Registers the rank and its KV with the agent, waiting up to wait seconds for an
-        agent not there or not ready yet. The session is the worker's only once every
-        region is registered: until then its calls keep going to the session it replaces."""
+        agent not there or not ready yet."""
         self._kv_caches = kv_caches
+        self.session = self._open_session(kv_caches, wait)
+
+    def _open_session(self, kv_caches: dict, wait: float) -> Session:
+        """A session with every region of kv_caches registered; the rank's session
+        until then is untouched."""
         cuda = any(t.is_cuda for t in kv_caches.values())
         self._gpu_kv = cuda
         if cuda and not self.cfg.same_node:
@@ -179,7 +190,7 @@ class WorkerSide:
             # bundles or the DRA driver's claims say which those are.
             fabric_domains=rank_nics(accelerator_efas(os.environ),
                                      gpu_uuid_string(allocations[0].device_uuid) if cuda else None, self.rank)),
-            timeout=wait, timeline=self.timeline, doorbell=self.cfg.doorbell)
+            timeout=wait, timeline=self.timeline, doorbell=self.cfg.doorbell, on_end=self._rejoin_later)
         try:
             passed = self._register_regions(session, regions, order, allocations, cuda)
         except BaseException:
@@ -189,7 +200,6 @@ class WorkerSide:
             for a in allocations:
                 if isinstance(a, CudaAllocation):
                     a.close()  # the agent holds its own reference to what was passed
-        self.session = session
         legacy = sum(1 for a in allocations if a.fd is None) if cuda else 0
         if legacy:
             log.warning("kvhandoff: %s rank %d: %d KV allocations came from cudaMalloc, which has no file descriptor to pass, and "
@@ -199,6 +209,7 @@ class WorkerSide:
         where = f"{len(allocations)} CUDA allocations, {passed} passed as fds" if cuda else f"{self.memory[0].size >> 20} MiB of host memory"
         log.info("kvhandoff: %s rank %d registered %d regions (%s) with the agent at %s (%s)",
                  self.cfg.engine_id, self.rank, len(order), where, session.ref.agent, session.provider)
+        return session
 
     @staticmethod
     def _register_regions(session: Session, regions: dict, order: list, allocations: list, cuda: bool) -> int:
@@ -533,34 +544,82 @@ class WorkerSide:
     def _agent_lost(self) -> None:
         """The agent ended the session (it restarted, or its pod was replaced): what was
         outstanding fails, and the rank registers again with the agent that comes back
-        (_reconnect). Meanwhile a LostSession refuses every call, so requests fail by the
-        paths a refused call takes instead of waiting on an agent that is not there."""
+        (_rejoin, _reconnect). Meanwhile a LostSession refuses every call, so requests fail
+        by the paths a refused call takes instead of waiting on an agent that is not there."""
         lost = self.session
         log.error("kvhandoff: %s rank %d: the agent session ended (%s); registering again once the agent is back",
                   self.cfg.engine_id, self.rank, lost.error)
         lost.close()
         self.session = LostSession(lost.ref, str(lost.error or "the agent closed it"))
         self._end_outstanding()
-        self._retry_at, self._retry_wait = 0.0, RECONNECT_FIRST
+        self._rejoin_later()  # the events thread started it already, unless a doorbell saw the loss first
+
+    def _rejoin_later(self, ended=None) -> None:
+        """Starts registering again in a thread of its own: an engine steps only while it
+        has requests, and an idle one must be registered when its next request comes,
+        which its pair's other engine may already be waiting on. Not while a rejoin runs,
+        or a session it opened waits for the step: the agent refuses a second session of a
+        rank whose session is live. ended is the session whose end asks (the events
+        thread's); one this rank no longer holds or waits on asks nothing."""
+        with self._lock:
+            waiting = self._replacement
+            if (self._rejoining or self._kv_caches is None or (waiting is not None and not waiting.ended)
+                    or (ended is not None and ended is not self.session and ended is not waiting)):
+                return
+            self._rejoining = True
+            generation = self._generation
+        threading.Thread(target=self._rejoin, args=(generation,), name="kvhandoff-rejoin", daemon=True).start()
+
+    def _rejoin(self, generation: int) -> None:
+        """Opens a session with the agent that comes back, trying again with back-off, and
+        leaves it for the step to take (_reconnect): only the step thread changes what
+        the rank has outstanding. One that ends before the step takes it (the agent went
+        again) is replaced."""
+        gap = REJOIN_FIRST
+        try:
+            if self._gpu_kv:
+                # The driver calls that export the KV need the device's context current on
+                # this thread, as it is on the step's.
+                torch.cuda.set_device(next(iter(self._kv_caches.values())).device)
+            while self._generation == generation:
+                try:
+                    session = self._open_session(self._kv_caches, REJOIN_WAIT)
+                except (AgentError, OSError) as e:
+                    log.debug("kvhandoff: %s rank %d: registering again: %s", self.cfg.engine_id, self.rank, e)
+                    time.sleep(gap)
+                    gap = min(2 * gap, REJOIN_MAX)
+                    continue
+                with self._lock:
+                    stale = session
+                    if self._generation == generation:
+                        stale, self._replacement = self._replacement, session  # an older one, ended
+                if stale is not None:
+                    stale.close()
+                if not session.ended:
+                    return
+        finally:
+            with self._lock:
+                self._rejoining = False
 
     def _reconnect(self) -> None:
-        """Registers again after the agent session was lost, at most one short try per
-        backoff: a try blocks the step (vLLM calls the connector from its model runner), so
-        each waits RECONNECT_WAIT at most, and the tries space out to RECONNECT_MAX."""
-        lost = self.session
-        if not isinstance(lost, LostSession) or time.monotonic() < self._retry_at:
+        """Takes the session the rejoining thread opened, once this rank's session was lost:
+        first ending what the lost one had outstanding, where the events thread saw the loss
+        and no step has since."""
+        if self.session is None or (not isinstance(self.session, LostSession) and not self.session.ended):
             return
-        try:
-            self.register_kv_caches(self._kv_caches, wait=RECONNECT_WAIT)
-        except (AgentError, OSError) as e:
-            self._retry_at = time.monotonic() + self._retry_wait
-            self._retry_wait = min(2 * self._retry_wait, RECONNECT_MAX)
-            lost.error = e
-            log.debug("kvhandoff: %s rank %d: registering again: %s", self.cfg.engine_id, self.rank, e)
+        if not isinstance(self.session, LostSession):
+            self._drain()  # reads the lost session's end: _agent_lost
+            if not isinstance(self.session, LostSession):
+                return
+        with self._lock:
+            session, self._replacement = self._replacement, None
+        if session is None:
+            self._rejoin_later()  # where a rejoin of a closed generation held the flag then
             return
+        lost, self.session = self.session, session
         self.stats["reconnects"] += 1
         log.info("kvhandoff: %s rank %d registered again with the agent (session %s), lost since: %s",
-                 self.cfg.engine_id, self.rank, self.session.session, lost.why)
+                 self.cfg.engine_id, self.rank, session.session, lost.why)
 
     def _end_outstanding(self) -> None:
         # The session is over: nothing outstanding can complete. Receives fail (the
@@ -578,6 +637,11 @@ class WorkerSide:
         self._beating.clear()
 
     def close(self) -> None:
+        with self._lock:
+            self._generation += 1  # a rejoin under way ends, and closes what it opened
+            replacement, self._replacement = self._replacement, None
+        if replacement is not None:
+            replacement.close()
         if self._outbox is not None:
             self._outbox.put(None)
             self._sender.join(timeout=30)

@@ -3,7 +3,9 @@ remap the KV memory, and restore_kv_caches after), and the agent's own restart: 
 real agent, a worker's session ends, whatever it had in flight fails where vLLM looks for
 it, and the same KV views register again and move KV as before."""
 
+import json
 import signal
+import threading
 import time
 
 import pytest
@@ -126,15 +128,14 @@ def test_a_worker_whose_agent_restarted_registers_again_and_moves_kv(agent, bins
         assert d.results(set())[2] == {"r-2"}
         assert time.monotonic() - t < 1, "a step waited for the agent"
 
-        # The agent comes back on the same socket: both ranks register again, from their steps.
+        # The agent comes back on the same socket: both ranks register again by themselves,
+        # idle, with no step (an engine steps only while it has requests, and its first
+        # request after the agent's restart may be one its pair's other engine waits on).
         restarted = Agent(bins, "agent-restarted", str(tmp_path))
-
-        def back():
-            p.results(set())
-            d.results(set())
-            return sessions(restarted) == 2
-        until("both ranks registered with the restarted agent", back, timeout=30)
-        assert p.stats["reconnects"] == d.stats["reconnects"] == 1
+        until("both idle ranks registered with the restarted agent", lambda: sessions(restarted) == 2, timeout=30)
+        # A step takes the new session once its regions are registered too.
+        until("both ranks' steps took their new sessions",
+              lambda: p.results(set()) == d.results(set()) == (set(), set(), set()) and p.stats["reconnects"] == d.stats["reconnects"] == 1)
         dst.zero_()
         push(p, d, "after", [3, 4], [7, 8])
         assert torch.equal(dst[:, [7, 8]], src[:, [3, 4]])
@@ -143,3 +144,50 @@ def test_a_worker_whose_agent_restarted_registers_again_and_moves_kv(agent, bins
         d.close()
         if restarted is not None:
             restarted.stop()
+
+
+def registrations(agent: Agent) -> dict[str, int]:
+    """How many times the agent registered each engine rank (its log's records)."""
+    out: dict[str, int] = {}
+    for line in agent.log().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("msg") == "engine registered":
+            out[rec["engine"]] = out.get(rec["engine"], 0) + 1
+    return out
+
+
+def test_ranks_that_rejoined_before_their_next_step_register_once(bins, tmp_path):
+    """The agent restarts while the ranks do not step, and their rejoin threads register
+    before a step reads the old session's end: the step takes the new session and starts
+    no second rejoin. Each registration of a rank ends its previous session at the agent,
+    so one too many would end the session just taken, whose end would start another, for
+    as long as the engine runs."""
+    d_ = str(tmp_path)
+    agent = Agent(bins, "agent", d_)
+    p, _ = worker(agent, "prefill")
+    d, _ = worker(agent, "decode")
+    try:
+        agent._signal(signal.SIGKILL)
+        agent.p.wait()
+        agent = Agent(bins, "agent-restarted", d_)
+        # Their sessions registered whole, waiting for a step (the race made certain).
+        until("both idle ranks' new sessions ready", lambda: p._replacement is not None and d._replacement is not None, timeout=30)
+        until("both ranks' steps took their new sessions",
+              lambda: p.results(set()) == d.results(set()) == (set(), set(), set()) and p.stats["reconnects"] == d.stats["reconnects"] == 1)
+        taken = (p.session.session, d.session.session)
+        for _ in range(20):  # steps for a second, with nothing to do
+            p.results(set())
+            d.results(set())
+            time.sleep(0.05)
+        assert (p.session.session, d.session.session) == taken
+        assert p.stats["reconnects"] == d.stats["reconnects"] == 1
+        assert registrations(agent) == {"prefill-0.default/0": 1, "decode-0.default/0": 1}, agent.log()[-3000:]
+        # Nor is a rejoin still trying: the agent refuses a rank whose session is live.
+        assert not [t.name for t in threading.enumerate() if t.name == "kvhandoff-rejoin"]
+    finally:
+        p.close()
+        d.close()
+        agent.stop()

@@ -41,7 +41,7 @@ func Run(args []string, stderr io.Writer, ready chan<- string) int {
 	fs.DurationVar(&cfg.BodyTimeout, "body-timeout", cfg.BodyTimeout, "limit of receiving a request's body, from its headers to its last byte (then 408)")
 	fs.IntVar(&cfg.MaxInFlight, "max-in-flight", cfg.MaxInFlight, "requests served at once; past it a request is answered 429 at once")
 	maxConns := fs.Int("max-connections", 4096, "client connections open at once; more wait to be accepted")
-	fs.DurationVar(&cfg.HealthWindow, "health-window", cfg.HealthWindow, "how far back the health report (GET /health/transfer) looks for failed and fallen-back handoffs")
+	fs.DurationVar(&cfg.HealthWindow, "health-window", cfg.HealthWindow, "how far back the health report (GET /health/transfer) looks for failed and fallen-back handoffs, where the route set names no window (the policy's healthWindowSeconds)")
 	fs.DurationVar(&cfg.HealthInterval, "health-interval", cfg.HealthInterval, "how often the health report is computed")
 	drain := fs.Duration("drain", 50*time.Second, "on SIGTERM, how long requests in flight may take to finish")
 	if err := fs.Parse(args); err != nil {

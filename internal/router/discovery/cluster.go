@@ -131,7 +131,7 @@ func (c *Cluster) read(ctx context.Context, r client.Reader) (*Set, error) {
 		return nil, nil
 	}
 	s := &Set{Mode: d.Status.Mode, HandoffFailurePolicy: d.Status.HandoffFailurePolicy,
-		HandoffFailureLimitPercent: &d.Status.HandoffFailureLimitPercent, Routing: d.Status.Routing, BlockSize: int(d.Spec.BlockSize), Source: fmt.Sprintf("DecodePool %s, PrefillPool %s", src, d.Spec.PrefillPoolRef.Name)}
+		HandoffFailureLimitPercent: &d.Status.HandoffFailureLimitPercent, HealthWindowSeconds: d.Status.HealthWindowSeconds, Routing: d.Status.Routing, BlockSize: int(d.Spec.BlockSize), Source: fmt.Sprintf("DecodePool %s, PrefillPool %s", src, d.Spec.PrefillPoolRef.Name)}
 	pods := &corev1.PodList{}
 	if err := r.List(ctx, pods, client.InNamespace(c.Namespace)); err != nil {
 		return nil, err

@@ -96,7 +96,7 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 	if err := c.Status().Update(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	d.Status = kvv1.PoolStatus{Mode: kvv1.TransferPush, Engines: []kvv1.EngineStatus{status("d-0", ns, "198.18.0.2")}}
+	d.Status = kvv1.PoolStatus{Mode: kvv1.TransferPush, HealthWindowSeconds: 20, Engines: []kvv1.EngineStatus{status("d-0", ns, "198.18.0.2")}}
 	if err := c.Status().Update(ctx, d); err != nil {
 		t.Fatal(err)
 	}
@@ -124,7 +124,7 @@ func TestClusterFollowsThePoolsStatusAndPodReadiness(t *testing.T) {
 	}
 	s := next("one engine each", 30*time.Second, func(s *discovery.Set) bool { return len(s.Prefill) == 1 && len(s.Decode) == 1 })
 	if s.Mode != kvv1.TransferPush || s.Prefill[0].URL != "http://198.18.0.1:8000" || s.Prefill[0].EngineID != "p-0."+ns ||
-		s.Prefill[0].SideChannelPort != 5600 || s.Prefill[0].TensorParallelSize != 8 || s.Prefill[0].CompatHash != "h1" {
+		s.Prefill[0].SideChannelPort != 5600 || s.Prefill[0].TensorParallelSize != 8 || s.Prefill[0].CompatHash != "h1" || s.HealthWindowSeconds != 20 {
 		t.Errorf("set %+v", s)
 	}
 	if err := s.Validate(); err != nil {

@@ -44,6 +44,9 @@ type Set struct {
 	// fail (or fall back) over the health window before the router reports HandoffFailures.
 	// nil: 5, the policy's default.
 	HandoffFailureLimitPercent *int32 `json:"handoffFailureLimitPercent,omitempty"`
+	// HealthWindowSeconds is the policy's: how far back the health report looks. 0: the
+	// router's --health-window.
+	HealthWindowSeconds int32 `json:"healthWindowSeconds,omitempty"`
 	// Routing is the policy's routing: how decode engines are chosen and which requests
 	// skip prefill. nil: by load alone, every request through prefill.
 	Routing *kvv1.RoutingSpec `json:"routing,omitempty"`
@@ -70,6 +73,9 @@ func (s *Set) Validate() error {
 	}
 	if l := s.HandoffFailureLimitPercent; l != nil && (*l < 0 || *l > 100) {
 		return fmt.Errorf("handoffFailureLimitPercent is %d: must be 0 to 100", *l)
+	}
+	if s.HealthWindowSeconds < 0 {
+		return fmt.Errorf("healthWindowSeconds is %d: must be a number of seconds, or 0 for the router's --health-window", s.HealthWindowSeconds)
 	}
 	if err := validRouting(s.Routing); err != nil {
 		return err
