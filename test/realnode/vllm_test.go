@@ -151,7 +151,7 @@ func TestRealVLLMEnginesAsPodsGenerateWhatOneEngineDoes(t *testing.T) {
 	}
 	// Idle now, each engine's CPU: one that spins (a request it cannot end, a loop of
 	// tries to register) takes the CPU its pinned neighbours need. Measured, not asserted:
-	// 0.01-1.6 s of CPU in 10 s per engine in four runs, and once 12.9 s (pull's prefill
+	// 0.01-1.6 s of CPU in 10 s per engine in three runs, and once 12.9 s (pull's prefill
 	// engine, with a defect since fixed that left rejoins retrying; cause not found), so
 	// an engine over half a CPU has its busiest threads named.
 	used := map[string]time.Duration{}

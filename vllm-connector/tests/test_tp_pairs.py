@@ -44,6 +44,7 @@ class Agent:
         self.events = queue.Queue()
         self.calls = []
         self.bell = None
+        self.ended = False  # the agent never ends it
         self.refuse = refuse
         self.outstanding = set()
 

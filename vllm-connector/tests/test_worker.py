@@ -18,6 +18,7 @@ class RecordingSession:
         self.events = queue.Queue()
         self.calls = []
         self.bell = None  # gRPC's path: reports go through the sender thread
+        self.ended = False  # the agent never ends it
 
     def poll_events(self):
         return []
