@@ -91,6 +91,16 @@ class Proc:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def records(self) -> list[dict]:
+        """The log's JSON records (the Go programs log JSON lines); other lines skipped."""
+        out = []
+        for line in self.log().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
     def wait_until(self, what: str, ready, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -178,11 +188,7 @@ class Agent(Proc):
         self.wait_until("serving", self._serving, 60)
 
     def _serving(self) -> bool:
-        for line in self.log().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
+        for rec in self.records():
             if rec.get("msg") == "serving":
                 self.peer = rec["peers"]
             if rec.get("msg") == "http":

@@ -3,7 +3,6 @@ remap the KV memory, and restore_kv_caches after), and the agent's own restart: 
 real agent, a worker's session ends, whatever it had in flight fails where vLLM looks for
 it, and the same KV views register again and move KV as before."""
 
-import json
 import signal
 import threading
 import time
@@ -149,11 +148,7 @@ def test_a_worker_whose_agent_restarted_registers_again_and_moves_kv(agent, bins
 def registrations(agent: Agent) -> dict[str, int]:
     """How many times the agent registered each engine rank (its log's records)."""
     out: dict[str, int] = {}
-    for line in agent.log().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
+    for rec in agent.records():
         if rec.get("msg") == "engine registered":
             out[rec["engine"]] = out.get(rec["engine"], 0) + 1
     return out
