@@ -22,6 +22,7 @@ import (
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/informer"
 	"github.com/kvhandoff/kvhandoff/internal/render"
 )
 
@@ -103,6 +104,9 @@ func Setup(mgr ctrl.Manager, o Options) error {
 // Roles and RoleBindings it caches only its own (labelled app.kubernetes.io/managed-by=kvhandoff:
 // routers, endpoint pickers, leg runners' accounts): those kinds are numerous in a
 // cluster and the manager owns no others.
+//
+// Its informers watch again within a second or two of an API-server outage's end
+// (package informer), so a fault soon after one is reported.
 func CacheOptions() cache.Options {
 	has := func(key string) cache.ByObject {
 		r, err := labels.NewRequirement(key, selection.Exists, nil)
@@ -112,7 +116,7 @@ func CacheOptions() cache.Options {
 		return cache.ByObject{Label: labels.NewSelector().Add(*r)}
 	}
 	router := cache.ByObject{Label: labels.SelectorFromSet(labels.Set{render.LabelManagedBy: render.ManagedBy})}
-	return cache.Options{ByObject: map[client.Object]cache.ByObject{
+	return cache.Options{NewInformer: informer.New(ctrl.Log.WithName("informer")), ByObject: map[client.Object]cache.ByObject{
 		&corev1.Pod{}:                   has(kvv1.LabelPool),
 		&appsv1.Deployment{}:            router,
 		&appsv1.ReplicaSet{}:            router,

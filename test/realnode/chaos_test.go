@@ -2,6 +2,7 @@ package realnode_test
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -162,16 +163,18 @@ type faulting struct {
 	evicted map[string]bool
 }
 
-var chaosFaults = []chaosFault{
-	{
-		name: "prefill engine killed (SIGKILL)",
-		do:   func(t *testing.T, f *faulting) string { return killEngine(t, f, kvv1.RolePrefill) },
-		inFlight: func(t *testing.T, f *faulting, victim string) int {
-			return f.loggedInFlight(t, func(r routerRecord) bool { return r.Prefill == victim || r.Retries > 0 })
-		},
-		back: func(t *testing.T, f *faulting, _ string) { restarted(t, f, kvv1.RolePrefill) },
-		says: kvv1.ConditionReady,
+var prefillKilled = chaosFault{
+	name: "prefill engine killed (SIGKILL)",
+	do:   func(t *testing.T, f *faulting) string { return killEngine(t, f, kvv1.RolePrefill) },
+	inFlight: func(t *testing.T, f *faulting, victim string) int {
+		return f.loggedInFlight(t, func(r routerRecord) bool { return r.Prefill == victim || r.Retries > 0 })
 	},
+	back: func(t *testing.T, f *faulting, _ string) { restarted(t, f, kvv1.RolePrefill) },
+	says: kvv1.ConditionReady,
+}
+
+var chaosFaults = []chaosFault{
+	prefillKilled,
 	{
 		name: "decode engine killed (SIGKILL)",
 		do:   func(t *testing.T, f *faulting) string { return killEngine(t, f, kvv1.RoleDecode) },
@@ -279,10 +282,7 @@ var chaosFaults = []chaosFault{
 	{
 		// The control plane goes away (an outage, an upgrade without HA): the routers keep
 		// the engines they discovered, the agents the pods they know, so no request may
-		// fail; the manager, whose leader lease lapses, restarts and reconciles after. It
-		// runs last: a fault soon after it may go unreported for up to a minute, while the
-		// controllers' watches (the manager's, kube-controller-manager's) come back with
-		// client-go's back-off (docs/operations.md).
+		// fail; the manager, whose leader lease lapses, restarts and reconciles after.
 		name: "API server stopped for 30 s",
 		do: func(t *testing.T, f *faulting) string {
 			if err := f.n.StopAPIServer(bg, 30*time.Second); err != nil {
@@ -294,6 +294,17 @@ var chaosFaults = []chaosFault{
 		back:     func(t *testing.T, f *faulting, _ string) { waitPair(t, f.n, f.mode) },
 		only:     "pull",
 	},
+	// Then a fault the status must tell at once: the manager's cache follows the pods
+	// again within seconds of the API server's return (package informer). With
+	// client-go's back-off its watches could come back a minute later, and an engine
+	// that restarted meanwhile was never reported (Ready stayed True).
+	afterTheOutage(prefillKilled),
+}
+
+func afterTheOutage(f chaosFault) chaosFault {
+	f.name += ", just after the API server is back"
+	f.only = "pull"
+	return f
 }
 
 // chaosRow is one fault's record, as the report shows it.
@@ -719,13 +730,14 @@ func setUnschedulable(t *testing.T, n *realnode.Node, node *corev1.Node, on bool
 	})
 }
 
-// killEngine SIGKILLs the engine container of one Ready engine of the mode's pool of
-// role and returns its engine id.
+// killEngine SIGKILLs the engine container of the least restarted engine of the mode's
+// pool of role (a pod killed again would wait out the kubelet's doubled restart back-off)
+// and returns its engine id.
 func killEngine(t *testing.T, f *faulting, role kvv1.Role) string {
 	t.Helper()
 	pool := f.mode + "-" + strings.ToLower(string(role))
 	pods := f.pods(t, "default", client.MatchingLabels{kvv1.LabelPool: pool, kvv1.LabelRole: string(role)})
-	victim := pods[0]
+	victim := slices.MinFunc(pods, func(a, b corev1.Pod) int { return cmp.Compare(engineRestarts(&a), engineRestarts(&b)) })
 	f.victim, f.restarts = victim.Name, engineRestarts(&victim)
 	if _, err := f.n.KillContainer(bg, "default", victim.Name, render.EngineContainer); err != nil {
 		t.Fatal(err)

@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -115,8 +116,16 @@ def start(name, bins, model, d, gpu: GPU | None) -> Config:
         finally:
             del os.environ["KVHANDOFF_TIMELINE"]
         return Config(name, s.procs, s.r.addr, agents=s.agents, router_log=s.r.log_path, timeline=timeline)
-    s = NixlStack(bins, model, d, "push" if "push" in name else "pull", keep_affinity="placement undone" in name, gpu=gpu)
+    s = NixlStack(bins, model, d, "push" if "push" in name else "pull", keep_affinity="placement undone" in name, gpu=gpu,
+                  ucx_threads=ucx_threads(name))
     return Config(name, s.procs, s.r.addr)
+
+
+def ucx_threads(name: str) -> int | None:
+    """The UCX worker threads a NIXL configuration's name asks for ("nixl pull (1 UCX thread)":
+    vLLM's num_threads for NIXL's UCX backend); None for vLLM's default (4)."""
+    m = re.search(r"\((\d+) UCX threads?\)", name)
+    return int(m.group(1)) if m else None
 
 
 def gpu_used_mib() -> int:

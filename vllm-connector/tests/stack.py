@@ -277,10 +277,13 @@ class NixlEngine(Engine):
     stops NIXL's worker from moving the engine's compute thread to the NUMA node's last core."""
 
     def __init__(self, name: str, model: str, log_dir: str, cpu: int, connector: str, keep_affinity: bool = False,
-                 gpu: GPU | None = None):
+                 gpu: GPU | None = None, ucx_threads: int | None = None):
         host = loopback_host()
-        kv = json.dumps({"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cuda" if gpu else "cpu",
-                         "engine_id": name + "-0.default"})
+        kv = {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cuda" if gpu else "cpu",
+              "engine_id": name + "-0.default"}
+        if ucx_threads is not None:
+            kv["kv_connector_extra_config"] = {"num_threads": ucx_threads}
+        kv = json.dumps(kv)
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_CHANNEL_PORT), "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
         if keep_affinity:
             env["KVH_BENCH_KEEP_AFFINITY"] = "1"
@@ -312,12 +315,13 @@ class NixlStack(Procs):
     """Two stock NIXL engines (prefill on core 0, decode on core 1; with gpu both on GPU 0)
     behind the router."""
 
-    def __init__(self, bins, model, d, mode: str, keep_affinity: bool = False, gpu: GPU | None = None):
+    def __init__(self, bins, model, d, mode: str, keep_affinity: bool = False, gpu: GPU | None = None,
+                 ucx_threads: int | None = None):
         connector = "NixlPushConnector" if mode == "push" else "NixlConnector"
         self.procs = []
         try:
-            self.p = self._add(NixlEngine("prefill", model, d, 0, connector, keep_affinity, gpu))
-            self.d = self._add(NixlEngine("decode", model, d, 1, connector, keep_affinity, gpu))
+            self.p = self._add(NixlEngine("prefill", model, d, 0, connector, keep_affinity, gpu, ucx_threads))
+            self.d = self._add(NixlEngine("decode", model, d, 1, connector, keep_affinity, gpu, ucx_threads))
             TIMINGS[f"nixl {mode} prefill+decode start (together)"] = max(self.p.ready(), self.d.ready())
             # NIXL's side channels are the engines' own.
             self.r = self._add(Router(bins, d, mode, endpoint(self.p, "prefill", self.p.host, SIDE_CHANNEL_PORT),

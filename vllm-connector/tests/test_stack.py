@@ -83,6 +83,13 @@ def test_the_bench_waits_for_the_gpus_memory_to_come_back(tmp_path, monkeypatch)
         bench_vllm.wait_gpu_freed(baseline_mib=1000, timeout=1)
 
 
+def test_nixl_configurations_name_their_ucx_threads():
+    assert bench_vllm.ucx_threads("nixl pull") is None
+    assert bench_vllm.ucx_threads("nixl pull (0 UCX threads)") == 0
+    assert bench_vllm.ucx_threads("nixl push (1 UCX thread)") == 1
+    assert bench_vllm.ucx_threads("nixl pull (placement undone)") is None
+
+
 def test_gpu_names_for_result_files():
     assert bench_vllm.gpu_name("NVIDIA H100 80GB HBM3") == "h100"
     assert bench_vllm.gpu_name("NVIDIA H200") == "h200"

@@ -2,11 +2,14 @@ package discovery
 
 import (
 	"context"
+
 	"fmt"
 	"log/slog"
 	"net"
 	"reflect"
 	"strconv"
+
+	"github.com/go-logr/logr"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -20,6 +23,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	kvv1 "github.com/kvhandoff/kvhandoff/api/v1alpha1"
+	"github.com/kvhandoff/kvhandoff/internal/informer"
 )
 
 // HTTPPort is the port engines serve vLLM's OpenAI API on (the manager renders it).
@@ -58,6 +62,9 @@ func (c *Cluster) Run(ctx context.Context, out chan<- *Set) error {
 		Scheme:            scheme,
 		DefaultNamespaces: map[string]cache.Config{c.Namespace: {}},
 		ByObject:          map[client.Object]cache.ByObject{&corev1.Pod{}: {Label: labels.NewSelector().Add(*engines)}},
+		// Back within a second or two of an API-server outage: engines that restarted
+		// or went meanwhile are seen then, not after client-go's back-off.
+		NewInformer: informer.New(logr.FromSlogHandler(log.Handler())),
 	})
 	if err != nil {
 		return err
