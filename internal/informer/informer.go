@@ -46,22 +46,22 @@ func New(log logr.Logger) func(toolscache.ListerWatcher, runtime.Object, time.Du
 // retry a refused or reset connection every (jittered) until they succeed, fail
 // otherwise, or their context ends. List and Watch, which it does not call, are lw's.
 func Retrying(lw toolscache.ListerWatcher, log logr.Logger, every time.Duration) toolscache.ListerWatcher {
-	return &retrying{ListerWatcher: lw, ctx: toolscache.ToListerWatcherWithContext(lw), log: log, every: every}
+	return &retrying{ListerWatcher: lw, lw: toolscache.ToListerWatcherWithContext(lw), log: log, every: every}
 }
 
 type retrying struct {
 	toolscache.ListerWatcher
-	ctx   toolscache.ListerWatcherWithContext
+	lw    toolscache.ListerWatcherWithContext
 	log   logr.Logger
 	every time.Duration
 }
 
 func (r *retrying) ListWithContext(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-	return retry(ctx, r, "list", func() (runtime.Object, error) { return r.ctx.ListWithContext(ctx, o) })
+	return retry(ctx, r, "list", func() (runtime.Object, error) { return r.lw.ListWithContext(ctx, o) })
 }
 
 func (r *retrying) WatchWithContext(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-	return retry(ctx, r, "watch", func() (watch.Interface, error) { return r.ctx.WatchWithContext(ctx, o) })
+	return retry(ctx, r, "watch", func() (watch.Interface, error) { return r.lw.WatchWithContext(ctx, o) })
 }
 
 // remind is how often a call still failing says so again.
@@ -80,7 +80,7 @@ func retry[T any](ctx context.Context, r *retrying, what string, call func() (T,
 		switch {
 		case since.IsZero():
 			since, said = time.Now(), time.Now()
-			r.log.Info("the API server is unreachable; trying again every "+r.every.String(), "call", what, "err", err.Error())
+			r.log.Info("the API server is unreachable; trying again every "+r.every.String()+" to "+(r.every*3/2).String(), "call", what, "err", err.Error())
 		case time.Since(said) >= remind:
 			said = time.Now()
 			r.log.Info("the API server is still unreachable", "call", what, "for", time.Since(since).Round(time.Second).String(), "err", err.Error())

@@ -294,7 +294,7 @@ var chaosFaults = []chaosFault{
 		back:     func(t *testing.T, f *faulting, _ string) { waitPair(t, f.n, f.mode) },
 		only:     "pull",
 	},
-	// Then a fault the status must tell at once: the manager's cache follows the pods
+	// Then a fault the status must tell: the manager's cache follows the pods
 	// again within seconds of the API server's return (package informer). With
 	// client-go's back-off its watches could come back a minute later, and an engine
 	// that restarted meanwhile was never reported (Ready stayed True).
@@ -731,7 +731,7 @@ func setUnschedulable(t *testing.T, n *realnode.Node, node *corev1.Node, on bool
 }
 
 // killEngine SIGKILLs the engine container of the least restarted engine of the mode's
-// pool of role (a pod killed again would wait out the kubelet's doubled restart back-off)
+// pool of role (the kubelet's restart back-off doubles with each restart of a container)
 // and returns its engine id.
 func killEngine(t *testing.T, f *faulting, role kvv1.Role) string {
 	t.Helper()
