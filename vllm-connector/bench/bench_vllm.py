@@ -64,9 +64,18 @@ def prompts(rng: random.Random, model: str, n: int, lo: int, hi: int) -> list[st
 class Config:
     """One configuration: its processes and the address (host:port) clients send to."""
 
-    def __init__(self, name, procs, addr, agents=(), router_log=None, timeline=None):
+    def __init__(self, name, procs, addr, agents=(), router_log=None, timeline=None, engines=None):
         self.name, self.procs, self.addr, self.agents = name, procs, addr, list(agents)
         self.router_log, self.timeline = router_log, timeline
+        self.engines = engines or {}  # role -> Engine, whose vLLM metrics engine_stages reads
+
+    def engine_histograms(self) -> dict[str, str]:
+        """Each engine's /metrics text, by role."""
+        out = {}
+        for role, e in self.engines.items():
+            with urllib.request.urlopen(f"http://{e.addr}/metrics", timeout=5) as r:
+                out[role] = r.read().decode()
+        return out
 
     def agent_counters(self) -> tuple[float, float, dict[str, list[float]]]:
         """kvhandoff's agents, one scrape each: attempts that ended without delivery (the
@@ -106,7 +115,7 @@ def start(name, bins, model, d, gpu: GPU | None) -> Config:
     if name == "one engine":
         e = Engine("alone", model, d, 0, gpu=gpu)
         e.ready(900)
-        return Config(name, [e], e.addr)
+        return Config(name, [e], e.addr, engines={"alone": e})
     if name.startswith("kvhandoff"):
         timeline = os.path.join(d, "timeline")
         os.environ["KVHANDOFF_TIMELINE"] = timeline  # the engines' connectors write there
@@ -115,10 +124,11 @@ def start(name, bins, model, d, gpu: GPU | None) -> Config:
             s = Stack(bins, model, d, name.split()[1], doorbell="(gRPC)" not in name, gpu=gpu)
         finally:
             del os.environ["KVHANDOFF_TIMELINE"]
-        return Config(name, s.procs, s.r.addr, agents=s.agents, router_log=s.r.log_path, timeline=timeline)
+        return Config(name, s.procs, s.r.addr, agents=s.agents, router_log=s.r.log_path, timeline=timeline,
+                      engines={"prefill": s.p, "decode": s.d})
     s = NixlStack(bins, model, d, "push" if "push" in name else "pull", keep_affinity="placement undone" in name, gpu=gpu,
                   ucx_threads=ucx_threads(name))
-    return Config(name, s.procs, s.r.addr)
+    return Config(name, s.procs, s.r.addr, engines={"prefill": s.p, "decode": s.d})
 
 
 def ucx_threads(name: str) -> int | None:
@@ -184,6 +194,36 @@ def stream(addr: str, prompt: str, max_tokens: int) -> dict:
     return out
 
 
+# vLLM's own per-request stages, histograms each engine exports: (name, metric). The queue
+# time of a decode engine includes waiting for the remote KV; its prefill time is the step
+# that computes the last prompt token over the transferred KV.
+ENGINE_STAGES = [
+    ("API server: arrival → first token", "vllm:time_to_first_token_seconds"),
+    ("engine core: queued → scheduled", "vllm:request_queue_time_seconds"),
+    ("engine core: scheduled → first token", "vllm:request_prefill_time_seconds"),
+]
+
+
+def engine_stages(before: dict[str, str], after: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Mean ms per request of each of ENGINE_STAGES on each engine between two scrapes
+    (Config.engine_histograms), from the histograms' _sum and _count."""
+    def sums(text: str, metric: str) -> tuple[float, float]:
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith(metric + "_sum"):
+                total += float(line.rpartition(" ")[2])
+            elif line.startswith(metric + "_count"):
+                count += float(line.rpartition(" ")[2])
+        return total, count
+    out = {}
+    for role in after:
+        for name, metric in ENGINE_STAGES:
+            (s0, c0), (s1, c1) = sums(before.get(role, ""), metric), sums(after[role], metric)
+            if c1 > c0:
+                out.setdefault(role, {})[name] = round(1000 * (s1 - s0) / (c1 - c0), 2)
+    return out
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else None
@@ -192,7 +232,8 @@ def pct(xs, q):
 def run_load(cfg: Config, load) -> dict:
     results = [None] * len(load)
     threads = []
-    (failed0, desc0, stages0), cpu0, t0 = cfg.agent_counters(), cfg.cpu_seconds(), time.monotonic()
+    (failed0, desc0, stages0), hist0 = cfg.agent_counters(), cfg.engine_histograms()
+    cpu0, t0 = cfg.cpu_seconds(), time.monotonic()
     for i, (at, prompt, n) in enumerate(load):
         delay = t0 + at - time.monotonic()
         if delay > 0:
@@ -203,6 +244,7 @@ def run_load(cfg: Config, load) -> dict:
     for th in threads:
         th.join()
     wall, cpu, (failed, desc, stages) = time.monotonic() - t0, cfg.cpu_seconds() - cpu0, cfg.agent_counters()
+    hist = cfg.engine_histograms()
     ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["itl"]]
@@ -211,6 +253,7 @@ def run_load(cfg: Config, load) -> dict:
             "wall_s": round(wall, 1), "ids": [r["ids"] for r in results], "agent_transfer_failures": failed - failed0,
             "agent_descriptors_per_request": round((desc - desc0) / len(load), 1),
             "errors": sorted({r["error"] for r in results if r["error"]})[:5], "results": results,
+            "engine_mean_ms": engine_stages(hist0, hist),
             "agent_stage_mean_ms": {k: round(1000 * (v[0] - stages0.get(k, [0, 0])[0]) / (v[1] - stages0.get(k, [0, 0])[1]), 2)
                                     for k, v in stages.items() if v[1] > stages0.get(k, [0, 0])[1]}}
 
@@ -223,6 +266,8 @@ SEGMENTS = [
     ("prefill: finished → SourceReady sent", "prefill:finished", "prefill:ready_call"),
     ("prefill: SourceReady call", "prefill:ready_call", "prefill:ready_done"),
     ("decode: sent → blocks allocated", "client:sent", "decode:allocated"),
+    ("decode: sent → at the scheduler", "client:sent", "decode:arrived"),
+    ("pull: prefill finished → decode at the scheduler", "prefill:finished", "decode:arrived"),
     ("pull: prefill finished → decode allocated", "prefill:finished", "decode:allocated"),
     ("decode: allocated → load call", "decode:allocated", "decode:load_call"),
     ("decode: load call (RegisterDestination / Pull)", "decode:load_call", "decode:load_done"),
@@ -230,6 +275,9 @@ SEGMENTS = [
     ("decode: DELIVERED → taken by a step", "decode:event_delivered", "decode:drained"),
     ("decode: taken → scheduler told", "decode:drained", "decode:resumed"),
     ("decode: scheduler told → first token at the client", "decode:resumed", "client:first"),
+    ("decode: scheduler told → scheduled to compute", "decode:resumed", "decode:scheduled"),
+    ("decode: scheduled → the next step scheduled", "decode:scheduled", "decode:stepped"),
+    ("decode: next step → first token at the client", "decode:stepped", "client:first"),
 ]
 
 

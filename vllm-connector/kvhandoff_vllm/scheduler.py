@@ -65,6 +65,9 @@ class SchedulerSide:
         self._meta = KVHandoffMetadata()
         # Decode requests whose KV is on its way: request id -> key.
         self._receiving: dict[str, str] = {}
+        # Decode requests told their KV is in, until their second step (timeline only):
+        # request id -> [key, steps seen].
+        self._resumed: dict[str, list] = {}
         # Decode requests about to be allocated: request id -> tokens of its prompt cached here.
         self._cached: dict[str, int] = {}
         self.timeline = Timeline(f"{cfg.engine_id}-scheduler")
@@ -103,6 +106,8 @@ class SchedulerSide:
             if self.cfg.mode == "push":
                 self._decline(params)
             return 0, False
+        if request.request_id not in self._cached:
+            self.timeline.mark("arrived", str(params.get("transfer_id") or params.get("remote_request_id")))
         # Blocks this engine already holds (a prefix-cache hit, num_computed_tokens, always
         # whole blocks) are shared and never written: the push registers, and the pull
         # reads, the blocks after them only. vLLM sets the request's own count only after
@@ -159,6 +164,15 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> KVHandoffMetadata:
         meta, self._meta = self._meta, KVHandoffMetadata()
+        for rid in [r for r in self._resumed if r in scheduler_output.num_scheduled_tokens]:
+            # The first step that computes a resumed request samples its first token. The
+            # next is scheduled once that step is launched (vLLM's async scheduling) or once
+            # its token has gone out (without).
+            r = self._resumed[rid]
+            self.timeline.mark("stepped" if r[1] else "scheduled", r[0])
+            r[1] += 1
+            if r[1] == 2:
+                del self._resumed[rid]
         for new in scheduler_output.scheduled_new_reqs:
             key = self._streamable.pop(new.req_id, None)
             if key is None:
@@ -177,6 +191,7 @@ class SchedulerSide:
             return False, None
         rid = request.request_id
         self._streamable.pop(rid, None)
+        self._resumed.pop(rid, None)
         self._cached.pop(rid, None)
         streamed = rid in self._streamed
         self._streamed.discard(rid)
@@ -229,3 +244,5 @@ class SchedulerSide:
             key = self._receiving.pop(rid, None)
             if key is not None:
                 self.timeline.mark("resumed", key)
+                if self.timeline.on:
+                    self._resumed[rid] = [key, 0]

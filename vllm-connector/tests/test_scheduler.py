@@ -2,6 +2,7 @@
 KV, what the workers are told, and when blocks are freed."""
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -87,6 +88,25 @@ def test_push_decode_waits_for_the_agent_then_computes_only_the_last_token(tiny_
     out = s.schedule()
     # 39 tokens came over; the last prompt token is computed here, for its logits.
     assert out.num_scheduled_tokens == {r.request_id: 1}
+
+
+def test_the_timeline_marks_a_decode_request_from_arrival_to_its_second_step(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVHANDOFF_TIMELINE", str(tmp_path))
+    s = scheduler(tiny_model, "push", "decode")
+    r = request(40, PUSH_DECODE)
+    s.add_request(r)
+    s.schedule()
+    s.schedule()  # still waiting: asked again, marked once
+    s.update_from_output(s.schedule(), output([], recving={r.request_id}))
+    for _ in range(3):  # its first step, the step after, and one more that marks nothing
+        out = s.schedule()
+        assert out.num_scheduled_tokens.get(r.request_id)
+        s.update_from_output(out, output([r]))
+    (f,) = tmp_path.glob("*.jsonl")
+    marks = [json.loads(line) for line in f.read_text().splitlines()]
+    assert [m["ev"] for m in marks] == ["arrived", "allocated", "resumed", "scheduled", "stepped"]
+    assert {m["key"] for m in marks} == {"t-1"}
+    assert [m["t"] for m in marks] == sorted(m["t"] for m in marks)
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

@@ -90,6 +90,19 @@ def test_nixl_configurations_name_their_ucx_threads():
     assert bench_vllm.ucx_threads("nixl pull (placement undone)") is None
 
 
+def test_engine_stages_are_the_means_between_two_scrapes():
+    def scrape(ttft_sum, ttft_n, queue_sum, queue_n):
+        return (f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft_sum}\n'
+                f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {ttft_n}\n'
+                f'vllm:time_to_first_token_seconds_bucket{{le="0.1",model_name="m"}} 99\n'
+                f'vllm:request_queue_time_seconds_sum{{model_name="m"}} {queue_sum}\n'
+                f'vllm:request_queue_time_seconds_count{{model_name="m"}} {queue_n}\n')
+    got = bench_vllm.engine_stages({"decode": scrape(1.0, 2, 0.5, 2)}, {"decode": scrape(1.3, 5, 0.5, 2), "prefill": scrape(0.2, 1, 0.1, 1)})
+    # Only what happened between the scrapes counts; a stage with no new requests is left out.
+    assert got == {"decode": {"API server: arrival → first token": 100.0},
+                   "prefill": {"API server: arrival → first token": 200.0, "engine core: queued → scheduled": 100.0}}
+
+
 def test_gpu_names_for_result_files():
     assert bench_vllm.gpu_name("NVIDIA H100 80GB HBM3") == "h100"
     assert bench_vllm.gpu_name("NVIDIA H200") == "h200"
