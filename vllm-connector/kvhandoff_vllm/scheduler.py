@@ -66,8 +66,8 @@ class SchedulerSide:
         # Decode requests whose KV is on its way: request id -> key.
         self._receiving: dict[str, str] = {}
         # Decode requests told their KV is in, until their second step (timeline only):
-        # request id -> [key, steps seen].
-        self._resumed: dict[str, list] = {}
+        # request id -> (key, whether its first step was scheduled).
+        self._resumed: dict[str, tuple[str, bool]] = {}
         # Decode requests about to be allocated: request id -> tokens of its prompt cached here.
         self._cached: dict[str, int] = {}
         self.timeline = Timeline(f"{cfg.engine_id}-scheduler")
@@ -168,11 +168,13 @@ class SchedulerSide:
             # The first step that computes a resumed request samples its first token. The
             # next is scheduled once that step is launched (vLLM's async scheduling) or once
             # its token has gone out (without).
-            r = self._resumed[rid]
-            self.timeline.mark("stepped" if r[1] else "scheduled", r[0])
-            r[1] += 1
-            if r[1] == 2:
+            key, first_done = self._resumed[rid]
+            if first_done:
+                self.timeline.mark("stepped", key)
                 del self._resumed[rid]
+            else:
+                self.timeline.mark("scheduled", key)
+                self._resumed[rid] = (key, True)
         for new in scheduler_output.scheduled_new_reqs:
             key = self._streamable.pop(new.req_id, None)
             if key is None:
@@ -245,4 +247,4 @@ class SchedulerSide:
             if key is not None:
                 self.timeline.mark("resumed", key)
                 if self.timeline.on:
-                    self._resumed[rid] = [key, 0]
+                    self._resumed[rid] = (key, False)
