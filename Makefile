@@ -103,9 +103,9 @@ test-gpu-vllm: ## Real vLLM 0.26 engines on GPU 0 handing KV through the agent (
 	cd vllm-connector && $(GPU_VLLM_ENV) python3 -m pytest -v -p no:cacheprovider gpu_tests
 
 .PHONY: bench-vllm-gpu
-bench-vllm-gpu: ## After test-gpu-vllm: one engine alone against kvhandoff push, push-layered and pull and stock NIXL pull and push, on one seeded load of 16k-token prompts (Qwen3-8B-shaped; SHAPE=qwen3-1.7b for sweeps); QPS a rate or a comma-separated sweep, CONFIGS a subset, KV_GIB and GPU_SHARE per engine (defaults fit an 80 GB GPU); bench/results/gpu/.
+bench-vllm-gpu: ## After test-gpu-vllm: one engine alone against kvhandoff push, push-layered and pull and stock NIXL pull and push, on one seeded load of 16k-token prompts (Qwen3-8B-shaped; SHAPE=qwen3-1.7b for sweeps); QPS a rate or a comma-separated sweep, CONFIGS a subset, KV_GIB and GPU_SHARE per engine (defaults fit an 80 GB GPU), SERVED=1 for engines as vLLM is served (full CUDA graphs for decode); bench/results/gpu/.
 	cd vllm-connector && $(GPU_VLLM_ENV) python3 bench/bench_vllm.py --gpu --out ../bench/results/gpu --requests $${REQUESTS:-20} --qps $${QPS:-0.5} \
-		--kv-gib $${KV_GIB:-12} --gpu-share $${GPU_SHARE:-0.45} --shape "$${SHAPE:-}" --configs "$${CONFIGS:-}"
+		--kv-gib $${KV_GIB:-12} --gpu-share $${GPU_SHARE:-0.45} --shape "$${SHAPE:-}" --configs "$${CONFIGS:-}" $${SERVED:+--served}
 
 .PHONY: bench-handoff-gpu
 # Push and pull handoffs of Qwen3-32B's KV (16k tokens, one TP-8 rank) against raw copies of the same bytes.

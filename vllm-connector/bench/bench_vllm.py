@@ -14,7 +14,9 @@ through its UCX backend), and the model is Qwen3-8B-shaped (--shape) with random
 that the prompts (--prompt-tokens, 16k by default) move the KV an 8B model's do. Each engine
 takes --gpu-share of the GPU's memory and --kv-gib of KV (defaults that fit an 80 GB H100 with
 two engines); before a configuration starts, the GPU's memory must be back where it was
-before the first (the wait is measured). The model is written once per run, and the run's
+before the first (the wait is measured). The engines run eager with the engine core in
+the API server's process, as the GPU tests run them, or with --served as vLLM is served
+(stack.GPU.served). The model is written once per run, and the run's
 folder (model, logs) is removed at the end unless --keep. A configuration that fails to
 start reports the failing process's own error."""
 
@@ -269,6 +271,8 @@ SEGMENTS = [
     ("decode: sent → at the scheduler", "client:sent", "decode:arrived"),
     ("pull: prefill finished → decode at the scheduler", "prefill:finished", "decode:arrived"),
     ("pull: prefill finished → decode allocated", "prefill:finished", "decode:allocated"),
+    ("pull: prefill finished → the router has its response", "prefill:finished", "router:prefill_back"),
+    ("pull: the router has the response → decode at the scheduler", "router:prefill_back", "decode:arrived"),
     ("decode: allocated → load call", "decode:allocated", "decode:load_call"),
     ("decode: load call (RegisterDestination / Pull)", "decode:load_call", "decode:load_done"),
     ("handoff: last of (source ready, load) → DELIVERED at the engine", "handoff:start", "decode:event_delivered"),
@@ -292,7 +296,7 @@ def timeline(cfg: Config, results: list[dict], alone: list[dict] | None) -> dict
                 rec = json.loads(line)
                 # The first time a point is reached counts (an event may repeat on retries).
                 points.setdefault(rec["key"], {}).setdefault(f"{role}:{rec['ev']}", rec["t"])
-    transfer = {}
+    transfer, prefill_s = {}, {}
     with open(cfg.router_log) as f:
         for line in f:
             try:
@@ -301,6 +305,8 @@ def timeline(cfg: Config, results: list[dict], alone: list[dict] | None) -> dict
                 continue
             if rec.get("msg") == "request":
                 transfer[rec["request_id"]] = rec.get("transfer_id")
+                if rec.get("prefill_ms"):
+                    prefill_s[rec["request_id"]] = rec["prefill_ms"] / 1000
     per: dict[str, list[float]] = {name: [] for name, _, _ in SEGMENTS}
     over = []
     for i, r in enumerate(results):
@@ -309,6 +315,11 @@ def timeline(cfg: Config, results: list[dict], alone: list[dict] | None) -> dict
         key = transfer.get(r["id"]) or next((k for k in points if r["id"] in k), None)
         p = dict(points.get(key, {}))
         p["client:sent"], p["client:first"] = r["sent"], r["sent"] + r["ttft"]
+        if r["id"] in prefill_s:
+            # The router sends the prefill leg as the client's request comes in (its own
+            # work is under a millisecond): the leg's time from there is when it has the
+            # prefill engine's whole response.
+            p["router:prefill_back"] = r["sent"] + prefill_s[r["id"]]
         ready = p.get("prefill:ready_done") or p.get("prefill:finished")
         if ready and "decode:load_done" in p:
             p["handoff:start"] = max(ready, p["decode:load_done"])
@@ -374,6 +385,8 @@ def main():
     ap.add_argument("--gpu-share", type=float, default=0.45, help="with --gpu: the share of the GPU's memory each engine may take")
     ap.add_argument("--kv-gib", type=float, default=12, help="with --gpu: each engine's KV cache in GiB (two engines with "
                     "Qwen3-8B's 16 GB of weights and 12 GiB of KV each fit an 80 GB GPU)")
+    ap.add_argument("--served", action="store_true", help="with --gpu: engines as vLLM is served (stack.GPU.served: each "
+                    "engine core in its own process, decode steps as full CUDA graphs); default eager, as the GPU tests run them")
     ap.add_argument("--keep", action="store_true", help="keep the run's folder (model, logs) instead of removing it")
     ap.add_argument("--prompt-tokens", default="", help="lo,hi: prompt lengths (default 237,1893; with --gpu 15872,16384)")
     a = ap.parse_args()
@@ -394,7 +407,7 @@ def run(a, work: str, lo: int, hi: int) -> None:
     shape = a.shape or ("qwen3-8b" if a.gpu else "tiny")
     model = tinymodel.make(os.path.join(work, "model"), shape)
     # Two engines share the GPU: each its share of memory and KV for a few 16k prompts at once.
-    gpu = GPU(share=a.gpu_share, kv_bytes=int(a.kv_gib * (1 << 30)), max_model_len=hi + 1024) if a.gpu else None
+    gpu = GPU(share=a.gpu_share, kv_bytes=int(a.kv_gib * (1 << 30)), max_model_len=hi + 1024, served=a.served) if a.gpu else None
     baseline = gpu_used_mib() if a.gpu else 0
     rng = random.Random(a.seed)
     # The identity checks' prompts are their own: were they the load's, decode engines
@@ -423,8 +436,8 @@ def run(a, work: str, lo: int, hi: int) -> None:
         import torch
 
         host.update(gpu=torch.cuda.get_device_name(0), model=f"{shape}, random weights, bf16",
-                    kv_bytes_per_token=tinymodel.kv_bytes_per_token(shape), gpu_share=a.gpu_share, kv_gib_per_engine=a.kv_gib,
-                    gpu_memory_in_use_before_mib=baseline)
+                    kv_bytes_per_token=tinymodel.kv_bytes_per_token(shape), engines="served" if a.served else "eager",
+                    gpu_share=a.gpu_share, kv_gib_per_engine=a.kv_gib, gpu_memory_in_use_before_mib=baseline)
     report = {"recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": host,
               "load": {"requests": a.requests, "qps": rates[0] if len(rates) == 1 else rates, "seed": a.seed, "prompt_tokens": [lo, hi],
                        "output_tokens": [16, 64]}, "configs": {}}

@@ -227,35 +227,49 @@ def kv_config(mode: str, role: str, engine_id: str, socket_path: str, doorbell: 
 
 class GPU:
     """Where a GPU engine runs: GPU 0 of the host, a share of its memory (engines share the
-    GPU), KV of kv_bytes, prompts up to max_model_len."""
+    GPU), KV of kv_bytes, prompts up to max_model_len. served: as vLLM is served (its engine
+    core in a process of its own, decode steps replayed as full CUDA graphs, the mode vLLM
+    names for P/D decode engines; no torch.compile, which takes minutes per engine); else
+    eager with the engine core in the API server's process (the tests: quick to start)."""
 
-    def __init__(self, share: float, kv_bytes: int, max_model_len: int):
-        self.share, self.kv_bytes, self.max_model_len = share, kv_bytes, max_model_len
+    def __init__(self, share: float, kv_bytes: int, max_model_len: int, served: bool = False):
+        self.share, self.kv_bytes, self.max_model_len, self.served = share, kv_bytes, max_model_len, served
+
+    def flags(self) -> tuple[list[str], dict]:
+        """The engine's arguments and environment on this GPU."""
+        # A prompt up to max_model_len is computed in one step: one forward for the whole
+        # prompt, whose layers push-layered streams as they are computed.
+        args = ["--dtype", "bfloat16", "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
+                "--gpu-memory-utilization", str(self.share), "--kv-cache-memory-bytes", str(self.kv_bytes)]
+        env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+        if self.served:
+            args += ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
+        else:
+            args += ["--enforce-eager"]
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return args, env
 
 
 class Engine(Proc):
     """A vLLM OpenAI server on the CPU backend, pinned to one core (tp > 1: all its ranks,
-    which take turns; a waiting rank spins); or, with gpu, on a GPU in
-    bf16 (its engine core in the server's process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    which take turns; a waiting rank spins); or, with gpu, on a GPU in bf16 (see GPU.served)."""
 
     def __init__(self, name: str, model: str, log_dir: str, cpu: int, kv: str | None = None, extra: list[str] | None = None,
                  env: dict | None = None, gpu: GPU | None = None, host: str | None = None, tp: int = 1):
         self.host = host or loopback_host()
         self.addr = f"{self.host}:{ENGINE_PORT}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(ENGINE_PORT),
-                "--host", self.host, "--served-model-name", "m", "--enforce-eager", "--seed", "0"]
+                "--host", self.host, "--served-model-name", "m", "--seed", "0"]
         if gpu is None:
-            args += ["--dtype", "float32", "--max-model-len", "2048"]
+            args += ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"]
             cores = "|".join([str(cpu)] * tp)  # every rank on the engine's core: the other engine keeps its own
             env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores, **(env or {})}
             if tp > 1:
                 args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         else:
-            # A prompt up to max_model_len is computed in one step: one forward for the whole
-            # prompt, whose layers push-layered streams as they are computed.
-            args += ["--dtype", "bfloat16", "--max-model-len", str(gpu.max_model_len), "--max-num-batched-tokens", str(gpu.max_model_len),
-                     "--gpu-memory-utilization", str(gpu.share), "--kv-cache-memory-bytes", str(gpu.kv_bytes)]
-            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **(env or {})}
+            flags, gpu_env = gpu.flags()
+            args += flags
+            env = {**gpu_env, **(env or {})}
         if kv:
             args += ["--kv-transfer-config", kv]
         args += extra or []

@@ -3,13 +3,14 @@ takes every process it started with it (vLLM's engine core and workers hold the 
 until they exit), a process that fails to start is reported by its own error, and the
 benchmark waits for the GPU's memory to come back before the next configuration."""
 
+import json
 import os
 import stat
 import sys
 
 import pytest
 
-from stack import Engine, Proc, cause, until
+from stack import GPU, Engine, Proc, cause, until
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
@@ -103,6 +104,18 @@ def test_engine_stages_are_the_means_between_two_scrapes():
                    "prefill": {"API server: arrival → first token": 200.0, "engine core: queued → scheduled": 100.0}}
 
 
+def test_a_served_gpu_engine_replays_decode_steps_as_full_cuda_graphs_in_its_own_engine_process():
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    served, env = GPU(0.45, 1 << 30, 2048, served=True).flags()
+    assert "--enforce-eager" not in served and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    # vLLM takes the configuration as written: no compilation, full graphs for decode only.
+    cc = CompilationConfig(**json.loads(served[served.index("--compilation-config") + 1]))
+    assert (cc.mode, cc.cudagraph_mode) == (0, CUDAGraphMode.FULL_DECODE_ONLY)
+    eager, env = GPU(0.45, 1 << 30, 2048).flags()
+    assert "--enforce-eager" in eager and "--compilation-config" not in eager and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 def test_gpu_names_for_result_files():
     assert bench_vllm.gpu_name("NVIDIA H100 80GB HBM3") == "h100"
     assert bench_vllm.gpu_name("NVIDIA H200") == "h200"
@@ -128,3 +141,20 @@ def test_the_sweep_plot_draws_each_configuration_at_each_of_its_rates():
     ys = [float(xy.split(",")[1]) for p in points for xy in p]
     assert min(ys) >= 40  # the plot's top margin: 5000 ms is below the axis's top
     assert "kvhandoff push" in svg and "nixl push" in svg and svg.rstrip().endswith("</svg>")
+
+
+def test_the_timeline_splits_pulls_wait_at_the_router(tmp_path):
+    # One pull request: prefill finished at 10.0 s; the router had the response 30 ms later
+    # (its prefill leg, sent as the client's request came in at 9.5 s, took 530 ms); the
+    # decode engine's scheduler had the decode leg 20 ms after that.
+    (tmp_path / "tl").mkdir()
+    (tmp_path / "tl" / "prefill-0.default-scheduler-1.jsonl").write_text(json.dumps({"t": 10.0, "ev": "finished", "key": "k"}) + "\n")
+    (tmp_path / "tl" / "decode-0.default-scheduler-2.jsonl").write_text(json.dumps({"t": 10.05, "ev": "arrived", "key": "k"}) + "\n")
+    (tmp_path / "router.log").write_text("not JSON\n" + json.dumps({"msg": "request", "request_id": "r", "transfer_id": "k", "prefill_ms": 530.0}) + "\n")
+    cfg = bench_vllm.Config("kvhandoff pull", [], "", router_log=str(tmp_path / "router.log"), timeline=str(tmp_path / "tl"))
+    got = bench_vllm.timeline(cfg, [{"error": None, "ttft": 0.6, "id": "r", "sent": 9.5}], [{"ttft": 0.5}])
+    ms = {k: round(v["p50"]) for k, v in got.items()}
+    assert ms["pull: prefill finished → decode at the scheduler"] == 50
+    assert ms["pull: prefill finished → the router has its response"] == 30
+    assert ms["pull: the router has the response → decode at the scheduler"] == 20
+    assert ms["TTFT − the engine alone's, same request"] == 100
