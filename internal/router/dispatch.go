@@ -42,6 +42,7 @@ type request struct {
 	retries         int
 	fallback        string        // why the request was served on a decode engine alone, if its prefill side failed
 	decodeOnly      string        // why the request was planned on a decode engine alone, if it was
+	promptIDs       bool          // pull: the decode leg carried the prompt as the prefill engine's token ids
 	cached          int           // prompt tokens its decode engine held, by the prefix index
 	transferID      string        // push: the last attempt's, the key the agents and engines log it by
 	added           time.Duration // the router's own share of the time to first byte
@@ -238,6 +239,9 @@ func (s *Server) record(rq *request, res result) {
 	}
 	if rq.decodeOnly != "" {
 		attrs = append(attrs, "decode_only", rq.decodeOnly)
+	}
+	if rq.promptIDs {
+		attrs = append(attrs, "decode_prompt", "token_ids")
 	}
 	if rq.routing.PrefixAware {
 		attrs = append(attrs, "cached_tokens", rq.cached)

@@ -56,9 +56,9 @@ func (s *Server) alone(rq *request, d choice.Pick) result {
 }
 
 type legResult struct {
-	res    result
-	params []byte // pull: the prefill engine's kv_transfer_params
-	took   time.Duration
+	res       result
+	prefilled protocol.Prefilled // pull: what the decode leg takes from the prefill engine's response
+	took      time.Duration
 }
 
 // prefillLeg sends a prefill leg and reads its whole response, then calls release (the
@@ -99,7 +99,7 @@ func (s *Server) prefillLeg(ctx context.Context, rq *request, pick choice.Pick, 
 	}
 	out := legResult{took: time.Since(start)}
 	if needParams {
-		if out.params, err = protocol.PrefillParams(data); err != nil {
+		if out.prefilled, err = protocol.ReadPrefill(data); err != nil {
 			return fail("no_kv_transfer_params", err.Error())
 		}
 	}

@@ -13,7 +13,7 @@ import (
 
 // pull sends the prefill leg first and chooses the decode engine when it returns; the
 // decode leg carries the prefill engine's kv_transfer_params, and decode reads the
-// blocks.
+// blocks (and, for a text completion, the prompt's token ids from prefill: protocol.PullPrefillLeg).
 func (s *Server) pull(rq *request, set *discovery.Set) result {
 	return s.withRetry(rq, set, func(prefills, _ []discovery.Engine, mark time.Time) (result, bool) {
 		if rq.planned != nil {
@@ -26,7 +26,7 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 		p := s.choose.Prefill(rq.routing, prefills, rq.choice)
 		rq.prefill = p.EngineID
 		rq.added = time.Since(mark)
-		pr := s.prefillLeg(rq.r.Context(), rq, p, protocol.PrefillLeg(rq.body, "").Marshal(), true)
+		pr := s.prefillLeg(rq.r.Context(), rq, p, protocol.PullPrefillLeg(rq.body).Marshal(), true)
 		got := time.Now()
 		rq.prefillTime = pr.took
 		if pr.res.outcome != "" {
@@ -45,7 +45,9 @@ func (s *Server) pull(rq *request, set *discovery.Set) result {
 				return result{outcome: OutcomeNoEngine, status: http.StatusServiceUnavailable, msg: why}, false
 			}
 		}
-		body := protocol.PullDecodeLeg(rq.body, pr.params).Marshal()
+		leg, ids := protocol.PullDecodeLeg(rq.body, pr.prefilled)
+		body := leg.Marshal()
+		rq.promptIDs = ids
 		ctx, cancel := context.WithCancel(rq.r.Context())
 		defer cancel()
 		rq.added += time.Since(got)

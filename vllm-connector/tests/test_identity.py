@@ -14,7 +14,7 @@ import time
 import pytest
 
 import tinymodel
-from stack import MAX_TOKENS, PROMPTS, Stack, block_size, complete, engine_metric, kv_moved, prompt_tokens, wait_idle
+from stack import MAX_TOKENS, PROMPTS, Stack, block_size, complete, engine_metric, kv_moved, prompt_tokens, until, wait_idle
 
 
 # The connector's reports and events go through doorbells, except in push-grpc, which
@@ -31,6 +31,9 @@ def bell_records(s: Stack) -> float:
     return sum(v for a in (s.a, s.b) for k, v in a.metrics().items() if k.startswith("kvhandoff_agent_doorbell_records_total"))
 
 
+def id_legs(s: Stack) -> int:
+    """Requests whose decode leg carried the prompt as token ids (the router's log)."""
+    return sum(r.get("decode_prompt") == "token_ids" for r in s.r.records())
 
 
 def layer_groups(s: Stack) -> float:
@@ -40,7 +43,7 @@ def layer_groups(s: Stack) -> float:
 def test_p_d_through_the_agents_generates_what_one_engine_does(stack, reference):
     mode, s = stack
     kind = mode.removesuffix("-grpc").removesuffix("-layered")
-    before, groups, records = kv_moved(s.agents, kind), layer_groups(s), bell_records(s)
+    before, groups, records, with_ids = kv_moved(s.agents, kind), layer_groups(s), bell_records(s), id_legs(s)
     want, block = 0, block_size(s.d)
     for p in PROMPTS:
         assert complete(s.r.addr, p, MAX_TOKENS) == reference[p], f"{mode}: prompt {p[:30]!r}\n{s.logs()}"
@@ -55,6 +58,12 @@ def test_p_d_through_the_agents_generates_what_one_engine_does(stack, reference)
         assert bell_records(s) == records == 0
     else:
         assert bell_records(s) > records, s.logs()
+    # Pull's decode legs carried each prompt as the prefill engine's token ids, and the
+    # tokens are still one engine's (the router logs a request once it has ended).
+    if kind == "pull":
+        until("every pull decode leg carried token ids", lambda: id_legs(s) - with_ids == len(PROMPTS))
+    else:
+        assert id_legs(s) == 0
     if mode == "push-layered":
         assert layer_groups(s) - groups == 2 * len(PROMPTS), s.logs()
     else:

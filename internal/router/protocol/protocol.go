@@ -144,13 +144,45 @@ func PrefillLeg(client Body, transferID string) Body {
 	return b
 }
 
+// PullPrefillLeg is pull's prefill leg: PrefillLeg, and for a completion whose prompt the
+// decode leg may carry as token ids (idsCarriable) the ids asked back
+// (return_token_ids), so that the decode engine does not tokenize the prompt again: in
+// pull its intake is on the critical path.
+func PullPrefillLeg(client Body) Body {
+	b := PrefillLeg(client, "")
+	if idsCarriable(client) {
+		b.set("return_token_ids", true)
+	}
+	return b
+}
+
+// idsCarriable says whether a body's prompt may be replaced by its token ids: one text
+// prompt of /v1/completions (vLLM's chat API takes no token ids, and a batch's choices
+// are one per prompt), not echoed (the client would get the ids' detokenization back,
+// not its own text), and no prompt embeddings beside it.
+func idsCarriable(b Body) bool {
+	if p := bytes.TrimSpace(b["prompt"]); len(p) == 0 || p[0] != '"' {
+		return false
+	}
+	var echo bool
+	_ = json.Unmarshal(b["echo"], &echo) // absent or not a boolean: vLLM's default, false
+	_, embeds := b["prompt_embeds"]
+	return !echo && !embeds
+}
+
 // PullDecodeLeg is the second leg in pull mode, sent when prefill has returned: the
 // client's body with kv_transfer_params set to exactly what the prefill engine returned
-// (its block ids, engine id, side channel and TP size), so decode reads the blocks.
-func PullDecodeLeg(client Body, prefillParams json.RawMessage) Body {
+// (its block ids, engine id, side channel and TP size), so decode reads the blocks; and,
+// when the prefill engine returned the prompt's token ids, those as the prompt (ids says
+// so).
+func PullDecodeLeg(client Body, prefilled Prefilled) (leg Body, ids bool) {
 	b := client.Clone()
-	b[KVTransferParams] = prefillParams
-	return b
+	b[KVTransferParams] = prefilled.Params
+	if prefilled.PromptIDs != nil && idsCarriable(client) {
+		b["prompt"] = prefilled.PromptIDs
+		ids = true
+	}
+	return b, ids
 }
 
 // PushDecodeLeg is the second leg in push mode, sent at arrival together with the
@@ -173,24 +205,48 @@ func PushDecodeLeg(client Body, p Prefill, requestID, transferID string) Body {
 	return b
 }
 
-// PrefillParams extracts kv_transfer_params from a prefill engine's response. It is an
-// error when they are missing or not an object: the prefill engine then runs without a
-// P/D connector, and a decode leg without them would recompute the whole prompt.
-func PrefillParams(response []byte) (json.RawMessage, error) {
-	var r struct {
-		Params json.RawMessage `json:"kv_transfer_params"`
+// Prefilled is what a pull decode leg takes from the prefill engine's response.
+type Prefilled struct {
+	// Params is its kv_transfer_params, an object.
+	Params json.RawMessage
+	// PromptIDs is the prompt's token ids (return_token_ids), an array of numbers; nil
+	// when the response has none.
+	PromptIDs json.RawMessage
+}
+
+// ReadPrefill reads a prefill engine's response. It is an error when kv_transfer_params
+// are missing or not an object: the prefill engine then runs without a P/D connector,
+// and a decode leg without them would recompute the whole prompt. The prompt's ids are
+// taken only as an array of numbers (the engine's own output, but the decode leg is no
+// place to find out otherwise), from the first choice: the one choice of a single prompt.
+// One pass of the body's validator, no decoding: with ids, a 16k-token prompt's response
+// is 100 KB.
+func ReadPrefill(response []byte) (Prefilled, error) {
+	r, err := Parse(response)
+	if err != nil {
+		return Prefilled{}, fmt.Errorf("the prefill response is not a JSON object: %w", err)
 	}
-	if err := json.Unmarshal(response, &r); err != nil {
-		return nil, fmt.Errorf("the prefill response is not a JSON object: %w", err)
-	}
-	p := bytes.TrimSpace(r.Params)
+	p := bytes.TrimSpace(r[KVTransferParams])
 	if len(p) == 0 || bytes.Equal(p, []byte("null")) {
-		return nil, errors.New("the prefill response has no kv_transfer_params: is the engine running with a P/D KV connector?")
+		return Prefilled{}, errors.New("the prefill response has no kv_transfer_params: is the engine running with a P/D KV connector?")
 	}
 	if p[0] != '{' {
-		return nil, fmt.Errorf("the prefill response's kv_transfer_params is not an object: %.64s", p)
+		return Prefilled{}, fmt.Errorf("the prefill response's kv_transfer_params is not an object: %.64s", p)
 	}
-	return r.Params, nil
+	out := Prefilled{Params: p}
+	first := true
+	eachElement(r["choices"], func(choice []byte) {
+		if !first {
+			return
+		}
+		first = false
+		if c, err := Parse(choice); err == nil {
+			if ids := bytes.TrimSpace(c["prompt_token_ids"]); len(ids) > 2 && ids[0] == '[' && bytes.IndexAny(ids[1:], "\"[{") < 0 {
+				out.PromptIDs = ids
+			}
+		}
+	})
+	return out, nil
 }
 
 // PromptTokens estimates a request's prompt length in tokens for load balancing. The

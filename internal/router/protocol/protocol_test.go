@@ -93,15 +93,73 @@ func TestPushPrefillLegCarriesTheTransferID(t *testing.T) {
 
 func TestPullDecodeLegCarriesExactlyWhatPrefillReturned(t *testing.T) {
 	returned := `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"p-0.ns","remote_request_id":"r1","remote_host":"198.18.0.1","remote_port":5600,"tp_size":8,"extra":{"x": 1}}`
-	p, err := PrefillParams([]byte(`{"id":"cmpl-1","kv_transfer_params":` + returned + `}`))
+	p, err := ReadPrefill([]byte(`{"id":"cmpl-1","kv_transfer_params":` + returned + `}`))
 	if err != nil {
 		t.Fatal(err)
 	}
-	leg := PullDecodeLeg(mustParse(t, client), p)
+	leg, ids := PullDecodeLeg(mustParse(t, client), p)
+	if ids {
+		t.Error("the decode leg says it carries token ids the response did not have")
+	}
 	if string(leg[KVTransferParams]) != returned {
 		t.Errorf("decode params %s, want %s", leg[KVTransferParams], returned)
 	}
 	passthrough(t, leg, KVTransferParams)
+}
+
+func TestPullCarriesATextCompletionsPromptAsPrefillsTokenIDs(t *testing.T) {
+	if leg := PullPrefillLeg(mustParse(t, client)); string(leg["return_token_ids"]) != "true" {
+		t.Errorf("the prefill leg of a text completion asks return_token_ids %s, want true", leg["return_token_ids"])
+	}
+	resp := `{"choices":[{"index":0,"text":"x","prompt_token_ids":[5, 17,3],"token_ids":[9]}],"kv_transfer_params":{"remote_block_ids":[[1]]}}`
+	p, err := ReadPrefill([]byte(resp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	leg, ids := PullDecodeLeg(mustParse(t, client), p)
+	if string(leg["prompt"]) != "[5, 17,3]" || !ids {
+		t.Errorf("decode prompt %s, want the prefill's ids [5, 17,3]", leg["prompt"])
+	}
+	passthrough(t, leg, KVTransferParams, "prompt")
+
+	// Without ids in the response (an engine that ignores return_token_ids), or ids
+	// that are not an array of numbers, the client's prompt goes as it came.
+	for _, resp := range []string{
+		`{"choices":[{"text":"x"}],"kv_transfer_params":{}}`,
+		`{"choices":[{"prompt_token_ids":["5"]}],"kv_transfer_params":{}}`,
+		`{"choices":[{"prompt_token_ids":[[5]]}],"kv_transfer_params":{}}`,
+		`{"choices":[{"prompt_token_ids":[]}],"kv_transfer_params":{}}`,
+		`{"choices":[{"prompt_token_ids":null}],"kv_transfer_params":{}}`,
+		`{"choices":["x",{"prompt_token_ids":[5]}],"kv_transfer_params":{}}`,
+		`{"choices":{"prompt_token_ids":[5]},"kv_transfer_params":{}}`,
+	} {
+		p, err := ReadPrefill([]byte(resp))
+		if err != nil {
+			t.Fatalf("%s: %v", resp, err)
+		}
+		if leg, ids := PullDecodeLeg(mustParse(t, client), p); string(leg["prompt"]) != `"hello world"` || ids {
+			t.Errorf("%s: decode prompt %s, want the client's", resp, leg["prompt"])
+		}
+	}
+}
+
+func TestPullKeepsPromptsTokenIDsCannotStandFor(t *testing.T) {
+	ids := Prefilled{Params: []byte(`{}`), PromptIDs: []byte(`[5,17]`)}
+	for _, body := range []string{
+		`{"messages":[{"role":"user","content":"hi"}]}`, // chat: vLLM takes no ids
+		`{"prompt":["a","b"]}`,                          // a batch: a choice per prompt
+		`{"prompt":[1,2]}`,                              // ids already
+		`{"prompt":"a","echo":true}`,                    // the client would get the ids' text back
+		`{"prompt":"a","prompt_embeds":"AAAA"}`,
+	} {
+		c := mustParse(t, body)
+		if _, ok := PullPrefillLeg(c)["return_token_ids"]; ok {
+			t.Errorf("%s: the prefill leg asks for token ids", body)
+		}
+		if leg, carried := PullDecodeLeg(c, ids); string(leg["prompt"]) != string(c["prompt"]) || carried {
+			t.Errorf("%s: decode prompt %s, want the client's %s", body, leg["prompt"], c["prompt"])
+		}
+	}
 }
 
 func TestPushDecodeLegNamesThePrefillEngineButNoBlocks(t *testing.T) {
@@ -125,9 +183,9 @@ func TestPushDecodeLegNamesThePrefillEngineButNoBlocks(t *testing.T) {
 	passthrough(t, leg, KVTransferParams)
 }
 
-func TestPrefillParamsRefusesResponsesWithoutThem(t *testing.T) {
+func TestReadPrefillRefusesResponsesWithoutParams(t *testing.T) {
 	for _, resp := range []string{`{"id":"x"}`, `{"kv_transfer_params":null}`, `{"kv_transfer_params":[1]}`, `not json`} {
-		if _, err := PrefillParams([]byte(resp)); err == nil {
+		if _, err := ReadPrefill([]byte(resp)); err == nil {
 			t.Errorf("%s: accepted", resp)
 		}
 	}
