@@ -241,7 +241,8 @@ func ReadPrefill(response []byte) (Prefilled, error) {
 		}
 		first = false
 		if c, err := Parse(choice); err == nil {
-			if ids := bytes.TrimSpace(c["prompt_token_ids"]); len(ids) > 2 && ids[0] == '[' && bytes.IndexAny(ids[1:], "\"[{") < 0 {
+			ids := bytes.TrimSpace(c["prompt_token_ids"])
+			if inner, ok := numbers(ids); ok && len(inner) > 0 {
 				out.PromptIDs = ids
 			}
 		}
@@ -286,19 +287,26 @@ func valueTokens(raw []byte) int {
 	if len(raw) == 0 {
 		return 0
 	}
-	// Token ids, the common case: with no string, array or object inside, the elements
-	// are numbers, and the commas count them (SIMD-backed scans).
-	if raw[0] == '[' {
-		if inner := bytes.TrimSpace(raw[1 : len(raw)-1]); bytes.IndexAny(inner, "\"[{") < 0 {
-			if len(inner) == 0 {
-				return 0
-			}
-			return bytes.Count(inner, []byte{','}) + 1
+	// Token ids, the common case: the commas count them (SIMD-backed scans).
+	if inner, ok := numbers(raw); ok {
+		if len(inner) == 0 {
+			return 0
 		}
+		return bytes.Count(inner, []byte{','}) + 1
 	}
 	c := tokenCounter{validator: validator{b: raw}}
 	c.value(0)
 	return c.n
+}
+
+// numbers returns the inside of a valid JSON array of numbers (token ids): with no
+// string, array or object inside, its elements are numbers.
+func numbers(raw []byte) (inner []byte, ok bool) {
+	if len(raw) < 2 || raw[0] != '[' {
+		return nil, false
+	}
+	inner = bytes.TrimSpace(raw[1 : len(raw)-1])
+	return inner, bytes.IndexAny(inner, "\"[{") < 0
 }
 
 // maxPromptDepth is the deepest a prompt's tokens are counted: a batch of chat content
